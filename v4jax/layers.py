@@ -1,0 +1,191 @@
+"""Pure jnp building blocks of the DeepSeek-V4 forward (reference §2-§6).
+
+Einsum letters, used throughout v4jax:
+  B batch, T query tokens, S key entries, D hidden, H query heads, K head_dim (512), Q q_lora rank,
+  G output groups, R o_lora rank, E experts, I expert width, N hc streams, M window slots of a compressor.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v4jax.config import SLIDING, ModelConfig
+
+F32 = jnp.float32
+
+
+def rms_norm(x, weight, eps):
+    """Weighted RMS norm in f32, cast back to x's dtype (the weight is held in f32)."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(F32)
+    return y.astype(x.dtype)
+
+
+def linear(x, w):
+    """y = x @ w.T with w in checkpoint layout [out, in]; f32 accumulation, output in x's dtype."""
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=F32).astype(x.dtype)
+
+
+# ---- RoPE ------------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: ModelConfig, layer_type: str) -> np.ndarray:
+    """Per-pair inverse frequencies [rd/2]: plain base on sliding layers, base + YaRN blend on compressed ones."""
+    rd = cfg.rope_head_dim
+    if layer_type == SLIDING:
+        return 1.0 / (cfg.rope_theta ** (np.arange(0, rd, 2, dtype=np.float64) / rd))
+    base = cfg.compress_rope_theta
+    freqs = 1.0 / (base ** (np.arange(0, rd, 2, dtype=np.float64) / rd))
+    if cfg.rope_factor != 1.0:
+        def corr(rot):
+            return rd * math.log(cfg.original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(corr(cfg.beta_fast)), 0)
+        high = min(math.ceil(corr(cfg.beta_slow)), rd - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(rd // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+        freqs = freqs / cfg.rope_factor * ramp + freqs * (1.0 - ramp)
+    return freqs
+
+
+def rope_cos_sin(inv_freq, positions):
+    """positions [...] int -> (cos, sin) [..., rd/2] f32."""
+    ang = positions.astype(F32)[..., None] * jnp.asarray(inv_freq, F32)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin, inverse: bool = False):
+    """Interleaved (GPT-J) RoPE on the last 2*cos.shape[-1] dims of x. cos/sin broadcast against x[..., :1]
+    once a heads axis is inserted by the caller. Math in f32, result in x's dtype."""
+    rd = 2 * cos.shape[-1]
+    nope, rope = x[..., :-rd], x[..., -rd:].astype(F32)
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    if inverse:
+        sin = -sin
+    out = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(rope.shape)
+    return jnp.concatenate([nope, out.astype(x.dtype)], axis=-1)
+
+
+# ---- mHC (reference §5) -----------------------------------------------------------------------------
+def _hc_mix(x, fn, eps):
+    """x [..., N, D] -> mix = (fn @ flat(x)) * rsqrt(mean(flat(x)^2) + eps), f32."""
+    flat = x.reshape(*x.shape[:-2], -1).astype(F32)
+    inv = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
+    return jnp.einsum("...i,oi->...o", flat, fn.astype(F32)) * inv
+
+
+def hc_pre(x, fn, base, scale, cfg: ModelConfig):
+    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N])."""
+    n, eps = cfg.hc_mult, cfg.hc_eps
+    mix = _hc_mix(x, fn, cfg.norm_eps)
+    base = base.astype(F32)
+    pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
+    post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = mix[..., 2 * n:].reshape(*mix.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
+    comb = jax.nn.softmax(comb, axis=-1) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+    def sinkhorn_step(c, _):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+        return c, None
+
+    comb, _ = jax.lax.scan(sinkhorn_step, comb, None, length=cfg.hc_sinkhorn_iters - 1)
+    u = jnp.einsum("...n,...nd->...d", pre, x.astype(F32)).astype(x.dtype)
+    return u, post, comb
+
+
+def hc_post(f, x, post, comb):
+    """X'_k = post_k * f + sum_j comb[j, k] X_j; f [..., D], x [..., N, D]."""
+    dt = x.dtype
+    out = post.astype(dt)[..., None] * f[..., None, :] + jnp.einsum("...jk,...jd->...kd", comb.astype(dt), x)
+    return out.astype(dt)
+
+
+def hc_head(x, fn, base, scale, cfg: ModelConfig):
+    """Final collapse of the N streams (no Sinkhorn): y = sum_i pre_i X_i."""
+    mix = _hc_mix(x, fn, cfg.norm_eps)
+    pre = jax.nn.sigmoid(mix * scale[0] + base.astype(F32)) + cfg.hc_eps
+    return jnp.einsum("...n,...nd->...d", pre, x.astype(F32)).astype(x.dtype)
+
+
+# ---- attention core ---------------------------------------------------------------------------------
+def attend(q, keys, valid, sink, scale):
+    """One softmax over a key set plus the per-head sink (a virtual key with zero value).
+
+    q [B, T, H, K]; keys [B, S, K] (shared by every query) or [B, T, S, K]; valid [B, T, S] bool.
+    Returns o [B, T, H, K] in q's dtype; f32 statistics. K = V (MQA)."""
+    per_query = keys.ndim == 4
+    eq_s = "bthk,btsk->bths" if per_query else "bthk,bsk->bths"
+    s = jnp.einsum(eq_s, q, keys, preferred_element_type=F32) * scale
+    s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
+    sink_b = jnp.broadcast_to(sink.astype(F32)[None, None, :], s.shape[:3])
+    m = jnp.maximum(jnp.max(s, axis=-1), sink_b)
+    p = jnp.exp(s - m[..., None])
+    denom = jnp.sum(p, axis=-1) + jnp.exp(sink_b - m)
+    eq_o = "bths,btsk->bthk" if per_query else "bths,bsk->bthk"
+    o = jnp.einsum(eq_o, p.astype(keys.dtype), keys, preferred_element_type=F32) / denom[..., None]
+    return o.astype(q.dtype)
+
+
+# ---- compressor (reference §3.4), full-sequence form ------------------------------------------------
+def compress_windows(a, z, ratio: int, overlap: bool):
+    """Pool every complete window of a chunk that starts at position 0.
+
+    a, z [B, T, C*K] f32 (z includes the position bias ape[t mod m]); C = 2 if overlap (CSA) else 1.
+    Returns pooled entries [B, T // m, K] f32 (before norm / RoPE)."""
+    b, t, ck = a.shape
+    n = t // ratio
+    a = a[:, : n * ratio].reshape(b, n, ratio, ck)
+    z = z[:, : n * ratio].reshape(b, n, ratio, ck)
+    if overlap:
+        k = ck // 2
+        prev_a = jnp.concatenate([jnp.zeros_like(a[:, :1, :, :k]), a[:, :-1, :, :k]], axis=1)
+        prev_z = jnp.concatenate([jnp.full_like(z[:, :1, :, :k], -jnp.inf), z[:, :-1, :, :k]], axis=1)
+        a = jnp.concatenate([prev_a, a[..., k:]], axis=2)  # [B, n, 2m, K]
+        z = jnp.concatenate([prev_z, z[..., k:]], axis=2)
+    w = jax.nn.softmax(z, axis=2)
+    return jnp.sum(w * a, axis=2)
+
+
+# ---- MoE (reference §6) -----------------------------------------------------------------------------
+def route(x, gate_w, gate_bias, tid2eid, token_ids, cfg: ModelConfig):
+    """Router: sqrtsoftplus scores, bias for selection only (or the hash table), normalised, scaled.
+    x [M, D] -> (weights [M, k] f32, experts [M, k] int32)."""
+    logits = jnp.einsum("md,ed->me", x.astype(F32), gate_w.astype(F32))
+    scores = jnp.sqrt(jax.nn.softplus(logits))
+    if tid2eid is not None:
+        idx = tid2eid[token_ids].astype(jnp.int32)
+    else:
+        # Tie rule: higher score first, then lower index (lax.top_k keeps the lower index first).
+        _, idx = jax.lax.top_k(scores + gate_bias.astype(F32), cfg.n_activated_experts)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.route_scale
+    return w, idx
+
+
+def swiglu(h1, h3, limit):
+    """Clamped SwiGLU in f32: silu(min(h1, limit)) * clip(h3, -limit, limit)."""
+    return jax.nn.silu(jnp.minimum(h1, limit)) * jnp.clip(h3, -limit, limit)
+
+
+def routed_experts(x, weights, experts, w1, w2, w3, limit):
+    """Grouped matmul over the selected experts (tokens sorted by expert, `lax.ragged_dot`), so only the
+    experts a batch touches are computed. x [M, D]; weights/experts [M, k]; w1/w3 [E, I, D]; w2 [E, D, I]."""
+    m, k = experts.shape
+    n_exp = w1.shape[0]
+    flat_e = experts.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = order // k
+    xs = x[tok]
+    sizes = jnp.bincount(flat_e, length=n_exp).astype(jnp.int32)
+    dt = x.dtype
+    h1 = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2).astype(dt), sizes, preferred_element_type=F32)
+    h3 = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2).astype(dt), sizes, preferred_element_type=F32)
+    h = swiglu(h1, h3, limit).astype(dt)
+    y = jax.lax.ragged_dot(h, jnp.swapaxes(w2, 1, 2).astype(dt), sizes, preferred_element_type=F32)
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((m, x.shape[-1]), F32).at[tok].add(y)
