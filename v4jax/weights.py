@@ -71,3 +71,28 @@ def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]]) 
     if missing:
         raise ValueError(f"parameters not found in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return model
+
+
+def path_to_official(path: tuple) -> list[tuple[str, int | None]]:
+    """Inverse of official_to_path for one model variable: [(official name, expert index or None)]."""
+    parts = [str(p) for p in path]
+    if parts[0] == "mtp" and parts[2] == "block":
+        del parts[2]
+    if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in ("w1", "w2", "w3"):
+        return [(".".join(parts[:-1]) + ".{e}." + parts[-1] + ".weight", -1)]
+    return [(".".join(parts), None)]
+
+
+def model_to_official(model: Transformer) -> dict[str, np.ndarray]:
+    """Every parameter under its official name as float32 numpy (int32 for tid2eid); experts split per expert."""
+    out: dict[str, np.ndarray] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        arr = np.asarray(jax.device_get(var.value))
+        arr = arr if arr.dtype == np.int32 else arr.astype(np.float32)
+        (name, expert), = path_to_official(tuple(path))
+        if expert is None:
+            out[name] = arr
+        else:
+            for e in range(arr.shape[0]):
+                out[name.format(e=e)] = arr[e]
+    return out
