@@ -189,3 +189,80 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit):
     y = jax.lax.ragged_dot(h, jnp.swapaxes(w2, 1, 2).astype(dt), sizes, preferred_element_type=F32)
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((m, x.shape[-1]), F32).at[tok].add(y)
+
+
+def attend_two(q, shared_keys, shared_valid, pq_keys, pq_valid, sink, scale):
+    """One softmax (plus sink) over two key sets: keys shared by a row's queries [B, S1, K] (the chunk's window
+    union, HCA entries) and per-query keys [B, T, S2, K] (CSA's selected entries, or None).
+    Valid masks: [B, T, S1] and [B, T, S2]. Returns [B, T, H, K]."""
+    s1 = jnp.einsum("bthk,bsk->bths", q, shared_keys, preferred_element_type=F32) * scale
+    s1 = jnp.where(shared_valid[:, :, None, :], s1, -jnp.inf)
+    parts = [s1]
+    if pq_keys is not None:
+        s2 = jnp.einsum("bthk,btsk->bths", q, pq_keys, preferred_element_type=F32) * scale
+        parts.append(jnp.where(pq_valid[:, :, None, :], s2, -jnp.inf))
+    s = jnp.concatenate(parts, axis=-1)
+    sink_b = jnp.broadcast_to(sink.astype(F32)[None, None, :], s.shape[:3])
+    m = jnp.maximum(jnp.max(s, axis=-1), sink_b)
+    p = jnp.exp(s - m[..., None])
+    denom = jnp.sum(p, axis=-1) + jnp.exp(sink_b - m)
+    n1 = shared_keys.shape[1]
+    o = jnp.einsum("bths,bsk->bthk", p[..., :n1].astype(shared_keys.dtype), shared_keys, preferred_element_type=F32)
+    if pq_keys is not None:
+        o = o + jnp.einsum("bths,btsk->bthk", p[..., n1:].astype(pq_keys.dtype), pq_keys,
+                           preferred_element_type=F32)
+    return (o / denom[..., None]).astype(q.dtype)
+
+
+def compress_chunk(state_kv, state_score, a, z, start, n_valid, fresh, ratio: int, overlap: bool):
+    """Resume a compressor over a chunk (reference §4.2, vectorised over the chunk).
+
+    state_kv/state_score [B, C*m, C*K] f32: for CSA rows [0, m) hold the previous complete window and rows
+    [m, 2m) the current partial one; for HCA rows [0, m) the current partial window. Scores include ape.
+    a, z [B, T, C*K] f32: the chunk's projections; the chunk holds positions start .. start+n_valid-1 of each
+    row (start, n_valid [B] int32); fresh [B] bool: the request starts here (state reset).
+    Returns (pooled [B, NW, K] f32, entry index [B, NW], entry complete [B, NW] bool, state_kv', state_score'),
+    NW = T // m + 2 windows of the chunk's span, in order; incomplete windows must not be used."""
+    b, t, ck = a.shape
+    m = ratio
+    nw = t // m + 2
+    off = start % m
+    w0 = start // m
+    cur_kv = state_kv[:, m:] if overlap else state_kv
+    cur_sc = state_score[:, m:] if overlap else state_score
+    j = jnp.arange(nw * m)[None, :]
+    ci = j - off[:, None]
+    from_state = (j < off[:, None]) & ~fresh[:, None]
+    from_chunk = (ci >= 0) & (ci < n_valid[:, None])
+    take = lambda arr, idx: jnp.take_along_axis(arr, idx[..., None], axis=1)
+    sj = jnp.clip(j, 0, m - 1) + jnp.zeros_like(ci)
+    cj = jnp.clip(ci, 0, t - 1)
+    va = jnp.where(from_state[..., None], take(cur_kv, sj),
+                   jnp.where(from_chunk[..., None], take(a, cj), 0.0)).reshape(b, nw, m, ck)
+    vz = jnp.where(from_state[..., None], take(cur_sc, sj),
+                   jnp.where(from_chunk[..., None], take(z, cj), -jnp.inf)).reshape(b, nw, m, ck)
+    if overlap:
+        k = ck // 2
+        f = fresh[:, None, None]
+        prev_kv = jnp.where(f, 0.0, state_kv[:, :m])
+        prev_sc = jnp.where(f, -jnp.inf, state_score[:, :m])
+        full_a = jnp.concatenate([prev_kv[:, None], va], axis=1)  # windows w0-1 .. w0+nw-1
+        full_z = jnp.concatenate([prev_sc[:, None], vz], axis=1)
+        pa = jnp.concatenate([full_a[:, :-1, :, :k], full_a[:, 1:, :, k:]], axis=2)
+        pz = jnp.concatenate([full_z[:, :-1, :, :k], full_z[:, 1:, :, k:]], axis=2)
+    else:
+        pa, pz = va, vz
+    end = start + n_valid
+    ent_idx = w0[:, None] + jnp.arange(nw)[None, :]
+    ent_ok = (ent_idx + 1) * m <= end[:, None]
+    w = jax.nn.softmax(jnp.where(ent_ok[:, :, None, None], pz, 0.0), axis=2)
+    pooled = jnp.sum(w * pa, axis=2)
+    kw = (end // m - w0)[:, None, None, None]  # the window that is partial after the chunk
+    new_cur_kv = jnp.take_along_axis(va, kw, axis=1)[:, 0]
+    new_cur_sc = jnp.take_along_axis(vz, kw, axis=1)[:, 0]
+    if overlap:
+        new_kv = jnp.concatenate([jnp.take_along_axis(full_a, kw, axis=1)[:, 0], new_cur_kv], axis=1)
+        new_sc = jnp.concatenate([jnp.take_along_axis(full_z, kw, axis=1)[:, 0], new_cur_sc], axis=1)
+    else:
+        new_kv, new_sc = new_cur_kv, new_cur_sc
+    return pooled, ent_idx, ent_ok, new_kv, new_sc

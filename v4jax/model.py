@@ -223,6 +223,70 @@ class Attention(nnx.Module):
         o = L.attend(q, keys, valid, self.attn_sink[...], cfg.head_dim ** -0.5)
         return self.output(o, cos, sin, opts)
 
+    # -- the cached path: read and write the pools through row ids (v4jax.cache) --
+    def cached(self, x, meta, pool, opts: RunOptions):
+        """x [B, T, D] for the tokens of `meta`; returns (out [B, T, D], pool with this step's writes)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        pos = meta.positions
+        cos, sin = self.rope(pos)
+        q, qr = self.queries(x, cos, sin, opts)
+        kv = self.window_kv(x, cos, sin, opts)
+        swa = pool.swa.at[meta.swa_write.reshape(-1)].set(kv.reshape(b * t, -1).astype(pool.swa.dtype), mode="drop")
+        pool = dataclasses.replace(pool, swa=swa)
+        win_keys = swa[jnp.maximum(meta.win_rows, 0)]  # [B, U, K]
+        wp = meta.win_pos[:, None, :]
+        win_valid = (meta.win_rows[:, None, :] >= 0) & (wp <= pos[:, :, None]) & (wp > pos[:, :, None] - cfg.window_size)
+        sel_keys = sel_valid = None
+        if self.compressor is not None:
+            rows = meta.entry_rows[self.ratio]  # [B, S]
+            n_ready = (pos + 1) // self.ratio  # entries query t may see
+            e_valid = (jnp.arange(rows.shape[1])[None, None, :] < n_ready[:, :, None]) & (rows[:, None, :] >= 0)
+            pool = self._compress_into(self.compressor, x, meta, pool, "kv", "state_kv", "state_score", opts)
+            if self.indexer is not None:
+                pool = self._compress_into(self.indexer.compressor, x, meta, pool, "idx", "idx_state_kv",
+                                           "idx_state_score", opts)
+                ikeys = pool.idx[jnp.maximum(rows, 0)]  # [B, S, Ki]
+                iq = self.indexer.queries(qr, cos, sin, opts)
+                scores = index_scores(iq, self.indexer.head_weights(x), ikeys)
+                kk = min(cfg.index_topk, rows.shape[1])
+                vals, sel = jax.lax.top_k(jnp.where(e_valid, scores, -jnp.inf), kk)  # ties: lower index first
+                sel_valid = jnp.isfinite(vals)
+                if opts.drop_compressed:
+                    sel_valid = jnp.zeros_like(sel_valid)
+                sel_rows = jnp.take_along_axis(jnp.broadcast_to(rows[:, None, :], (b, t, rows.shape[1])), sel, axis=2)
+                sel_keys = pool.kv[jnp.maximum(sel_rows, 0)]  # [B, T, k, K]
+            else:
+                hca_valid = e_valid & (not opts.drop_compressed)
+                win_keys = jnp.concatenate([win_keys, pool.kv[jnp.maximum(rows, 0)]], axis=1)
+                win_valid = jnp.concatenate([win_valid, hca_valid], axis=-1)
+        o = L.attend_two(q, win_keys.astype(q.dtype), win_valid,
+                         None if sel_keys is None else sel_keys.astype(q.dtype), sel_valid,
+                         self.attn_sink[...], cfg.head_dim ** -0.5)
+        return self.output(o, cos, sin, opts), pool
+
+    def _compress_into(self, comp: Compressor, x, meta, pool, pool_name, st_kv_name, st_sc_name, opts):
+        """Run a compressor over the step's tokens from the slot's state; store closed windows' entries."""
+        a, z = comp.project(x, meta.positions)
+        st_kv = getattr(pool, st_kv_name)
+        st_sc = getattr(pool, st_sc_name)
+        pooled, ent, ok, nkv, nsc = L.compress_chunk(st_kv[meta.slot], st_sc[meta.slot], a, z, meta.start,
+                                                      meta.n_valid, meta.fresh, comp.ratio, comp.overlap)
+        cos, sin = self.rope(ent * comp.ratio)
+        pooled = jnp.where(ok[..., None], pooled, 0.0)
+        if comp is self.compressor:
+            entries = self.kv_round(comp.finish(pooled, cos, sin, x.dtype), opts)
+        else:
+            entries = self.indexer.finish_keys(pooled, cos, sin, x.dtype, opts)
+        rows_all = meta.entry_rows[comp.ratio]
+        target = getattr(pool, pool_name)
+        row = jnp.take_along_axis(rows_all, jnp.clip(ent, 0, rows_all.shape[1] - 1), axis=1)
+        row = jnp.where(ok & (ent < rows_all.shape[1]) & (row >= 0), row, target.shape[0])
+        target = target.at[row.reshape(-1)].set(entries.reshape(-1, entries.shape[-1]).astype(target.dtype),
+                                                mode="drop")
+        return dataclasses.replace(pool, **{pool_name: target, st_kv_name: st_kv.at[meta.slot].set(nkv),
+                                            st_sc_name: st_sc.at[meta.slot].set(nsc)})
+
     def _sow_indexer_aux(self, q, keys, valid_dense, scores, causal):
         """Distillation target for the indexer: each query's attention mass over the compressed entries under
         dense attention (all causal entries), summed over heads and normalised; no gradient flows into it."""
@@ -327,6 +391,12 @@ class Block(nnx.Module):
         u, post, comb = self.hc_ffn(x)
         return L.hc_post(self.ffn(self.ffn_norm(u), token_ids, opts), x, post, comb)
 
+    def cached(self, x, meta, token_ids, pool, opts: RunOptions):
+        u, post, comb = self.hc_attn(x)
+        a, pool = self.attn.cached(self.attn_norm(u), meta, pool, opts)
+        x = L.hc_post(a, x, post, comb)
+        return self.ffn_part(x, token_ids, opts), pool
+
     def __call__(self, x, positions, token_ids, opts: RunOptions):
         u, post, comb = self.hc_attn(x)
         x = L.hc_post(self.attn(self.attn_norm(u), positions, opts), x, post, comb)
@@ -398,6 +468,18 @@ class Transformer(nnx.Module):
             x = layer(x, positions, token_ids, opts)
         logits = self.logits_from_streams(x)
         return (logits, x) if return_streams else logits
+
+    def cached(self, token_ids, meta, pools, opts: RunOptions = RunOptions()):
+        """One step over the pools: token_ids [B, T] at meta's positions. Returns (logits [B, V] f32 of each
+        row's last valid token, pools with the step's writes)."""
+        x = self.embed_streams(token_ids)
+        new_layers = []
+        for layer, pool in zip(self.layers, pools.layers):
+            x, pool = layer.cached(x, meta, token_ids, pool, opts)
+            new_layers.append(pool)
+        last = jnp.maximum(meta.n_valid - 1, 0)
+        x_last = jnp.take_along_axis(x, last[:, None, None, None], axis=1)[:, 0]
+        return self.logits_from_streams(x_last), dataclasses.replace(pools, layers=tuple(new_layers))
 
     def mtp_logits(self, streams, token_ids, opts: RunOptions = RunOptions()):
         """MTP head over a full sequence: position i sees the main streams at i and token i+1 and predicts

@@ -1,0 +1,210 @@
+"""The user-facing API: `LLM`, `SamplingParams`, `RequestOutput`.
+
+    llm = LLM("path/to/hf-checkpoint")            # or a preset name, or LLM() = the embedded default model
+    outs = llm.generate(["To be, or not"], SamplingParams(max_tokens=64, temperature=0.8, seed=0))
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from v4jax.config import PRESETS, ModelConfig, preset
+from v4jax.model import RunOptions, Transformer
+from v4jax.sampling import SamplingParams
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Options of `LLM(..., **options)`; unknown names are an error."""
+    quant_sim: bool = False
+    attention_impl: str = "xla"
+    seed: int = 0  # weights of a random preset
+    max_model_len: int | None = None  # context limit (prompt + generated); default: the config's
+    max_num_seqs: int = 8  # decode slots
+    kv_layout: str = "paged"  # "paged" | "dense"
+    page_size: int | None = None  # tokens per full page; default: 256 rounded up to the lcm of the ratios
+    decode_steps: int = 8  # tokens per jitted decode call
+    prefill_chunk: int = 256  # largest prefill chunk
+    memory_budget_bytes: int | None = None  # size the pools from this budget instead of max_num_seqs * max_model_len
+
+    def __post_init__(self):
+        if self.attention_impl not in ("xla", "pallas"):
+            raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
+        if self.kv_layout not in ("paged", "dense"):
+            raise ValueError(f"kv_layout must be 'paged' or 'dense', got {self.kv_layout!r}")
+        for name in ("max_num_seqs", "decode_steps", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def _load_tokenizer(path: str):
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+
+
+def load_model(spec: str | None, dtype, seed: int = 0) -> tuple[ModelConfig, Transformer, object, str]:
+    """(config, model, tokenizer or None, description) for a preset name or an HF-format directory."""
+    if spec is None:
+        if os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")):
+            spec = DEFAULT_MODEL_DIR
+        else:
+            warnings.warn("the embedded default model is not shipped yet; using the random 'tiny' preset")
+            spec = "tiny"
+    if spec in PRESETS:
+        cfg = preset(spec)
+        warnings.warn(f"preset {spec!r}: random weights (seed {seed})")
+        model = Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+        return cfg, model, None, f"preset {spec}"
+    if not os.path.isdir(spec):
+        raise FileNotFoundError(f"model {spec!r} is neither a preset ({sorted(PRESETS)}) nor a directory")
+    from checkpoints import open_checkpoint
+    from v4jax.weights import load_tensors
+
+    cfg = ModelConfig.from_hf(spec)
+    ckpt = open_checkpoint(spec, cfg)
+    if not ckpt.has_mtp and cfg.n_mtp_layers:
+        warnings.warn(f"{spec}: no mtp.* weights; MTP is off")
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=ckpt.has_mtp))
+    model = load_tensors(abstract, ckpt.iter_tensors(progress=True))
+    return cfg, model, _load_tokenizer(spec), spec
+
+
+def _bucket(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (n - 1).bit_length())
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "bfloat16", **options):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        try:
+            self.options = EngineOptions(**options)
+        except TypeError as e:
+            known = [f.name for f in dataclasses.fields(EngineOptions)]
+            raise TypeError(f"unknown LLM option(s) {sorted(set(options) - set(known))}; known: {known}") from e
+        spec = None if model is None else os.fspath(model)
+        self.config, self.model, self.tokenizer, self.source = load_model(spec, _DTYPES[dtype], self.options.seed)
+        self.dtype = dtype
+        self.max_model_len = min(self.options.max_model_len or self.config.max_seq_len, self.config.max_seq_len)
+        self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=self.options.attention_impl)
+        graphdef, state = nnx.split(self.model)
+        self._state = state
+        opts = self.run_options
+
+        @jax.jit
+        def forward(state, tokens):
+            return nnx.merge(graphdef, state)(tokens, opts)
+
+        self._forward = forward
+        self._engine = None
+
+    # ---- inputs ----
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return self._check_ids(self.tokenizer.encode(prompt).ids)
+        return self._check_ids(prompt)
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ---- teacher-forced forward ----
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Full-sequence forward, no cache: float32 [T, vocab]."""
+        ids = self._check_ids(token_ids)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{len(ids)} tokens exceed the context limit of {self.max_model_len}")
+        t = len(ids)
+        padded = np.zeros((1, _bucket(t)), np.int32)  # right padding cannot change earlier positions (causal)
+        padded[0, :t] = ids
+        return np.asarray(self._forward(self._state, jnp.asarray(padded)))[0, :t].astype(np.float32)
+
+    # ---- generation ----
+    @property
+    def engine(self):
+        if self._engine is None:
+            from v4jax.engine import Engine
+            self._engine = Engine(self.config, self.model, self.options, self.run_options, self.max_model_len)
+        return self._engine
+
+    def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 stream: bool = False):
+        """Generate for one prompt or a list of prompts (strings or token-id lists). Returns a list of
+        RequestOutput, or with stream=True an iterator of (prompt_index, new_token_ids, new_text) events."""
+        single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
+                                              isinstance(prompts[0], (int, np.integer)))
+        plist = [prompts] if single else list(prompts)
+        if not plist:
+            return iter(()) if stream else []
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * len(plist)
+        if len(params) != len(plist):
+            raise ValueError(f"{len(params)} sampling params for {len(plist)} prompts")
+        ids = [self.encode(p) for p in plist]
+        for i, p in enumerate(ids):
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the context limit is {self.max_model_len} "
+                                 "(prompt + at least one generated token)")
+        events = self.engine.generate(ids, params)
+        if stream:
+            return self._stream(events, ids)
+        outs = [RequestOutput(p, [], None, [] if sp.logprobs else None, "length") for p, sp in zip(ids, params)]
+        for ev in events:
+            out = outs[ev.request_index]
+            out.token_ids.extend(ev.token_ids)
+            if out.logprobs is not None:
+                out.logprobs.extend(ev.logprobs)
+            if ev.finish_reason is not None:
+                out.finish_reason = ev.finish_reason
+        for out in outs:
+            out.text = self.decode(out.token_ids)
+        return outs
+
+    def _stream(self, events, ids) -> Iterator[tuple[int, list[int], str | None]]:
+        seen: dict[int, list[int]] = {i: [] for i in range(len(ids))}
+        text: dict[int, str] = {i: "" for i in range(len(ids))}
+        for ev in events:
+            toks = seen[ev.request_index]
+            toks.extend(ev.token_ids)
+            new_text = None
+            if self.tokenizer is not None:
+                full = self.decode(toks)
+                # Hold back a partial UTF-8 sequence until its last byte arrives.
+                if full.endswith("\ufffd") and ev.finish_reason is None:
+                    new_text = ""
+                else:
+                    new_text, text[ev.request_index] = full[len(text[ev.request_index]):], full
+            if ev.token_ids or new_text:
+                yield ev.request_index, list(ev.token_ids), new_text

@@ -1,0 +1,245 @@
+"""Every byte of per-request state: the pool pytree (device) and the page allocators (host).
+
+Pools (DESIGN §4), one `LayerPool` per layer, all rows flat so that any layout turns into row ids:
+  tokens       [n_pages, P]            int32  token ids of every full page (the prefix tree keys on these)
+  swa          [n_swa_pages * Ps, K]          raw token KV of the window; small pages of Ps tokens
+  kv           [n_pages * P/m, K]             compressed entries (C4 on CSA layers, C128 on HCA layers)
+  idx          [n_pages * P/m, Ki]            C4 indexer keys (CSA layers)
+  state_*      [slots, C*m, C*K]       f32    compressor partial windows, per slot (never shared)
+A full page of P tokens addresses its rows of every compressed pool by arithmetic: entry e of ratio m lives
+on full page (e*m)//P at row page*(P/m) + e % (P/m). One page table serves every compressed pool.
+The dense layout is the same pytree with a fixed identity page table (one contiguous span per slot)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v4jax.config import CSA, SLIDING, ModelConfig
+
+F32 = jnp.float32
+
+LOGICAL_AXES = {
+    # pool field -> logical axis names of its dims (sharding/ maps names to mesh axes)
+    "tokens": ("pages", "page_tokens"),
+    "swa": ("pool_rows", "head_dim"),
+    "kv": ("pool_rows", "head_dim"),
+    "idx": ("pool_rows", "index_head_dim"),
+    "state_kv": ("slots", "window", "state_dim"),
+    "state_score": ("slots", "window", "state_dim"),
+    "idx_state_kv": ("slots", "window", "state_dim"),
+    "idx_state_score": ("slots", "window", "state_dim"),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerPool:
+    swa: jax.Array  # [R_swa, K]
+    kv: jax.Array | None = None  # [R_m, K]
+    idx: jax.Array | None = None  # [R_m, Ki]
+    state_kv: jax.Array | None = None  # [slots, C*m, C*K] f32
+    state_score: jax.Array | None = None
+    idx_state_kv: jax.Array | None = None  # [slots, 2m, 2Ki] f32
+    idx_state_score: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVPools:
+    tokens: jax.Array  # [n_pages, P] int32
+    layers: tuple  # LayerPool per main layer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepMeta:
+    """Per-token metadata of one step, computed on device from (slot, start, page tables).
+    B rows (slots), T tokens per row, U = W - 1 + T window-union rows, S_m entries per ratio m."""
+    positions: jax.Array  # [B, T] int32
+    start: jax.Array  # [B] int32, position of the row's first token
+    n_valid: jax.Array  # [B] int32, valid tokens of the row (rest is padding)
+    fresh: jax.Array  # [B] bool, the request starts at this step (compressor state reset)
+    slot: jax.Array  # [B] int32, compressor-state index of the row
+    swa_write: jax.Array  # [B, T] int32 rows of the SWA pool to write (out of range = drop)
+    win_rows: jax.Array  # [B, U] int32 SWA rows of positions start-W+1 .. start+T-1 (-1 = none)
+    win_pos: jax.Array  # [B, U] int32 those positions
+    entry_rows: dict  # ratio m -> [B, S_m] int32 row of entry e in the ratio's pools (-1 = none)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Static sizes of the pools."""
+    page_size: int  # P, tokens per full page
+    swa_page_size: int  # Ps
+    n_pages: int
+    n_swa_pages: int
+    max_slots: int
+    max_pages_per_seq: int
+    max_swa_pages_per_seq: int
+
+    @staticmethod
+    def default_page_size(cfg: ModelConfig, requested: int | None = None) -> int:
+        lcm = cfg.lcm_ratio()
+        p = requested or 256
+        return int(math.ceil(p / lcm) * lcm)
+
+
+def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
+    p, k = layout.page_size, cfg.head_dim
+    layers = []
+    for i in range(cfg.n_layers):
+        kind, m = cfg.layer_type(i), cfg.compress_ratio(i)
+        swa = jnp.zeros((layout.n_swa_pages * layout.swa_page_size, k), dtype)
+        if kind == SLIDING:
+            layers.append(LayerPool(swa=swa))
+            continue
+        coff = 2 if kind == CSA else 1
+        rows = layout.n_pages * (p // m)
+        st = lambda d: (jnp.zeros((layout.max_slots, coff * m, coff * d), F32),
+                        jnp.full((layout.max_slots, coff * m, coff * d), -jnp.inf, F32))
+        skv, ssc = st(k)
+        lp = LayerPool(swa=swa, kv=jnp.zeros((rows, k), dtype), state_kv=skv, state_score=ssc)
+        if kind == CSA:
+            ikv, isc = st(cfg.index_head_dim)
+            lp = dataclasses.replace(lp, idx=jnp.zeros((rows, cfg.index_head_dim), dtype),
+                                     idx_state_kv=ikv, idx_state_score=isc)
+        layers.append(lp)
+    return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), layers=tuple(layers))
+
+
+def make_meta(cfg: ModelConfig, layout: PoolLayout, start, n_valid, fresh, slot, page_table, swa_table,
+              t: int) -> StepMeta:
+    """Device-side: rows to read and write for B rows of T tokens, from each row's page tables.
+    page_table [B, NP] (full pages, -1 = none), swa_table [B, NS] (SWA pages by logical index pos // Ps)."""
+    p, ps, w = layout.page_size, layout.swa_page_size, cfg.window_size
+    positions = start[:, None] + jnp.arange(t)[None, :]
+    tok_ok = jnp.arange(t)[None, :] < n_valid[:, None]
+
+    def swa_row(pos):
+        lp = jnp.clip(pos // ps, 0, swa_table.shape[1] - 1)
+        page = jnp.take_along_axis(swa_table, lp, axis=1)
+        ok = (pos >= 0) & (pos // ps < swa_table.shape[1]) & (page >= 0)
+        return jnp.where(ok, page * ps + pos % ps, -1)
+
+    swa_rows_all = layout.n_swa_pages * ps
+    swa_write = jnp.where(tok_ok, swa_row(positions), swa_rows_all)
+    swa_write = jnp.where(swa_write < 0, swa_rows_all, swa_write)
+    win_pos = start[:, None] - (w - 1) + jnp.arange(w - 1 + t)[None, :]
+    win_rows = swa_row(win_pos)
+    entry_rows = {}
+    for m in cfg.ratios_in_use:
+        per_page = p // m
+        e = jnp.arange(page_table.shape[1] * per_page)
+        page = page_table[:, e // per_page]
+        entry_rows[m] = jnp.where(page >= 0, page * per_page + (e % per_page)[None, :], -1)
+    return StepMeta(positions=positions, start=start, n_valid=n_valid, fresh=fresh, slot=slot,
+                    swa_write=swa_write, win_rows=win_rows, win_pos=win_pos, entry_rows=entry_rows)
+
+
+# ---- host side -------------------------------------------------------------------------------------
+class PageAllocator:
+    """A free list of page ids. Host-only bookkeeping: never holds device arrays."""
+
+    def __init__(self, n_pages: int):
+        self.n_pages = n_pages
+        self._free = list(range(n_pages - 1, -1, -1))
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"need {n} pages, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        return out
+
+    def free(self, pages) -> None:
+        for pg in pages:
+            if not 0 <= pg < self.n_pages:
+                raise ValueError(f"page {pg} out of range")
+        self._free.extend(pages)
+
+
+@dataclasses.dataclass
+class SlotPages:
+    """The pages one request holds: full pages in order, and SWA pages by logical index."""
+    full: list[int] = dataclasses.field(default_factory=list)
+    swa: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+class PageTables:
+    """Host page tables of every slot, and the allocators behind them (paged), or a fixed identity
+    mapping (dense: one contiguous span per slot; nothing is allocated or freed)."""
+
+    def __init__(self, cfg: ModelConfig, layout: PoolLayout, dense: bool):
+        self.cfg, self.layout, self.dense = cfg, layout, dense
+        s = layout.max_slots
+        self.full = np.full((s, layout.max_pages_per_seq), -1, np.int32)
+        self.swa = np.full((s, layout.max_swa_pages_per_seq), -1, np.int32)
+        self.held = [SlotPages() for _ in range(s)]
+        if dense:
+            self.full[:] = np.arange(s * layout.max_pages_per_seq, dtype=np.int32).reshape(s, -1)
+            self.swa[:] = np.arange(s * layout.max_swa_pages_per_seq, dtype=np.int32).reshape(s, -1)
+        else:
+            self.full_alloc = PageAllocator(layout.n_pages)
+            self.swa_alloc = PageAllocator(layout.n_swa_pages)
+
+    def pages_needed(self, slot: int, upto: int) -> tuple[int, int]:
+        """(full pages, SWA pages) a slot still needs to hold positions < upto."""
+        lay = self.layout
+        held = self.held[slot]
+        nf = max(0, -(-upto // lay.page_size) - len(held.full))
+        lo = max(0, upto - self.cfg.window_size - 64)  # a generous lower bound; exact in reserve()
+        ns = sum(1 for j in range(lo // lay.swa_page_size, -(-upto // lay.swa_page_size)) if j not in held.swa)
+        return nf, ns
+
+    def reserve(self, slot: int, lo: int, upto: int) -> None:
+        """Make positions [lo, upto) writable and readable for the slot; earlier SWA pages that no query
+        at or after `lo` can see are freed (the window moved past them)."""
+        if self.dense:
+            return
+        lay = self.layout
+        held = self.held[slot]
+        need_full = -(-upto // lay.page_size)
+        if need_full > lay.max_pages_per_seq:
+            raise MemoryError(f"slot {slot}: {upto} tokens exceed the per-request page table")
+        new = self.full_alloc.alloc(max(0, need_full - len(held.full)))
+        for pg in new:
+            self.full[slot, len(held.full)] = pg
+            held.full.append(pg)
+        first_needed = max(0, lo - (self.cfg.window_size - 1)) // lay.swa_page_size
+        for j in [j for j in held.swa if j < first_needed]:
+            self.swa_alloc.free([held.swa.pop(j)])
+            self.swa[slot, j] = -1
+        for j in range(first_needed, -(-upto // lay.swa_page_size)):
+            if j not in held.swa:
+                pg, = self.swa_alloc.alloc(1)
+                held.swa[j] = pg
+                self.swa[slot, j] = pg
+
+    def release(self, slot: int) -> None:
+        held = self.held[slot]
+        if not self.dense:
+            self.full_alloc.free(held.full)
+            self.swa_alloc.free(list(held.swa.values()))
+            self.full[slot] = -1
+            self.swa[slot] = -1
+        self.held[slot] = SlotPages()
+
+
+def pool_bytes(tree: Any) -> dict[str, int]:
+    """Bytes held by each pool kind across layers."""
+    out: dict[str, int] = {}
+    for lp in tree.layers:
+        for f in dataclasses.fields(lp):
+            arr = getattr(lp, f.name)
+            if arr is not None:
+                out[f.name] = out.get(f.name, 0) + arr.size * arr.dtype.itemsize
+    out["tokens"] = tree.tokens.size * tree.tokens.dtype.itemsize
+    return out

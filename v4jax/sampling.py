@@ -1,0 +1,80 @@
+"""Sampling parameters (vLLM's defaults) and the on-device sampler.
+
+Sampling parameters enter jitted code as arrays, never as static arguments, so changing them does not
+recompile. Keys are fold_in(fold_in(key(seed), request_index), token_index): a seeded request draws the
+same tokens whatever else shares its batch."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def resolved_seed(self) -> int:
+        """The request's seed; a fresh random one when unset."""
+        if self.seed is not None:
+            return self.seed
+        return int(np.random.default_rng().integers(0, 2**31 - 1))
+
+
+def request_key(seed, request_index, token_index):
+    """The key for one sampled token: fold_in(fold_in(key(seed), request_index), token_index)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), request_index), token_index)
+
+
+def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index):
+    """One token per row. logits [B, V] f32; temperature/top_p [B] f32, top_k [B] int32 (0 = off),
+    seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B] f32), logprobs being
+    log-softmax of the raw logits at the chosen token. temperature == 0 is greedy (ties: lower index)."""
+    logits = logits.astype(F32)
+    v = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        order = jnp.argsort(-logits, axis=-1, stable=True)  # descending; ties keep the lower index first
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        scaled = sorted_logits / jnp.maximum(temperature, 1e-6)[:, None]
+        rank = jnp.arange(v)[None, :]
+        k = jnp.where(top_k > 0, top_k, v)[:, None]
+        keep = rank < k
+        probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+        cum_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = keep & (cum_before < top_p[:, None])  # the smallest prefix whose mass reaches top_p
+        masked = jnp.where(keep, scaled, -jnp.inf)
+        keys = jax.vmap(request_key)(seeds, request_index, token_index)
+        choice = jax.vmap(jax.random.categorical)(keys, masked)
+        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    tokens = jnp.where(temperature > 0, sampled(), greedy)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
