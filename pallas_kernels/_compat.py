@@ -1,0 +1,70 @@
+"""Version and backend shims shared by the kernels (JAX 0.10.2 in CI, 0.11.x on the H200).
+
+Everything that differs between the JAX versions we run on, or between backends, is looked up here once,
+so the kernel modules can import plain names.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# pl.ANY is the general "leave it where it is" memory space (pltpu.ANY is deprecated in 0.11).
+ANY = getattr(pl, "ANY", None)
+if ANY is None:  # pragma: no cover - very old JAX
+  ANY = pltpu.ANY
+
+TPUCompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
+
+
+def _import_triton():
+  # The Triton backend is deprecated in JAX 0.11 (it still works there); silence the warning once.
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from jax.experimental.pallas import triton as pltriton
+  return pltriton
+
+
+pltriton = _import_triton()
+TritonCompilerParams = pltriton.CompilerParams
+
+
+def backend() -> str:
+  """'gpu', 'tpu' or 'cpu' (the default backend of this process)."""
+  b = jax.default_backend()
+  if b in ("cuda", "rocm"):
+    return "gpu"
+  return b
+
+
+def tpu_interpret_params():
+  """Interpret params for the TPU-style kernels: uninitialised memory is NaN (so outputs start poisoned)
+  and out-of-bounds reads raise."""
+  return pltpu.InterpretParams()
+
+
+@functools.lru_cache(maxsize=None)
+def warn_once(msg: str) -> None:
+  warnings.warn(msg, stacklevel=3)
+
+
+def tpu_abstract_mesh(device_kind: str = "TPU v6 lite"):
+  """A 1-device abstract TPU mesh: lowering rules that query the chip (tpu_info) need it when exporting for
+  TPU from a CPU machine (jax_anchors §2.4 level B')."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+  dev = AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+  return AbstractMesh((1,), ("x",), abstract_device=dev)
+
+
+def export_for_tpu(fn, *args, device_kind: str = "TPU v6 lite"):
+  """jax.export for TPU from any machine; returns the Exported (raises if Mosaic lowering fails)."""
+  with jax.sharding.use_abstract_mesh(tpu_abstract_mesh(device_kind)):
+    return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+
+
+def lower_for_cuda(fn, *args):
+  """Lowers fn for CUDA from any machine (runs the Pallas->Triton lowering); returns the StableHLO text."""
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
