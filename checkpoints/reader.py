@@ -295,9 +295,10 @@ class Checkpoint:
 
     def iter_tensors(self, progress: bool = True, names=None) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (official name, array) for every tensor (or `names`), in storage order, one at a time."""
-        todo = self.names if names is None else [n for n in self.names if n in set(names)]
-        if names is not None:
-            unknown = set(names) - set(self._sources)
+        wanted = None if names is None else set(names)
+        todo = self.names if wanted is None else [n for n in self.names if n in wanted]
+        if wanted is not None:
+            unknown = wanted - set(self._sources)
             if unknown:
                 raise KeyError(f"not in this checkpoint: {sorted(unknown)[:5]}")
         bar = None
@@ -379,7 +380,7 @@ def open_checkpoint(path, cfg: ModelConfig | None = None) -> Checkpoint:
                 problems.append(f"tensors {scales[key].name!r} and {name!r} both map to {nm.official!r}")
             scales[key] = st
             continue
-        key = nm.official
+        key = nm.official if not nm.stack else f"{nm.official}|{'/'.join(nm.stack)}"
         if key in weights:
             problems.append(f"tensors {weights[key][1].name!r} and {name!r} both map to {key!r}")
         weights[key] = (nm, st)
@@ -414,6 +415,8 @@ def open_checkpoint(path, cfg: ModelConfig | None = None) -> Checkpoint:
             for e in range(E):
                 for j, w in enumerate(nm.stack):
                     n = nm.official.format(e=e, w=w)
+                    if n in weights:
+                        problems.append(f"tensors {weights[n][1].name!r} and {st.name!r} both provide {n!r}")
                     off = (e * want[1] + j * rows) * cols
                     sources[n] = _Source(n, st, specs[n], "float", None, (off, rows * cols, (rows, cols)))
             continue
