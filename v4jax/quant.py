@@ -23,7 +23,9 @@ def _blocks(x, block):
 
 
 def _pow2_scale(amax, floor, qmax):
-    return jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, floor) / qmax)))
+    """2^ceil(log2(max(amax, floor) / qmax)), exactly (frexp, not exp2/log2, which round on some backends)."""
+    mant, exp = jnp.frexp(jnp.maximum(amax, floor) / qmax)
+    return jnp.ldexp(jnp.ones_like(mant), jnp.where(mant == 0.5, exp - 1, exp))
 
 
 def fp8_roundtrip(x, block: int):
