@@ -1,0 +1,385 @@
+"""Training the embedded default model: a small DeepSeek-V4 with every architectural feature switched on.
+
+    from v4jax.train import TrainConfig, Trainer, default_model_config
+    trainer = Trainer(default_model_config(), TrainConfig(steps=2000))
+    for step, batch in ...: metrics = trainer.step(batch)
+
+Objective (per batch of windows of seq_len + 1 tokens; x = window[:-1]):
+  * next-token cross-entropy of the main head;
+  * `mtp_weight` x the MTP head's cross-entropy: position i (main streams at i + embedding of token i+1)
+    predicts token i+2 (reference §7);
+  * `indexer_weight` x KL(target || indexer) per CSA layer, averaged: the target is each query's attention mass
+    over the causal compressed entries under dense attention (summed over heads, normalised, stop-gradient),
+    the indexer side is the log-softmax of the Lightning Indexer's scores over the same entries; rows that have
+    no compressed entry yet (t < ratio - 1) are masked out. The indexer's parameters get gradients only from
+    this term (its top-k is not differentiable); Adam makes their step size independent of the weight, so the
+    weight only sets how much the distillation pulls on the shared trunk (qr, x).
+MoE load balance: auxiliary-loss-free, as in DeepSeek-V3/V4: after each step every top-k-routed gate's
+selection bias moves by `bias_update_rate * sign(mean load - load_e)` (the bias gets no gradient: it only
+affects selection). Hash-routed layers use their fixed token -> experts table.
+Mixed precision: float32 master weights and AdamW state; the forward runs with the parameters cast to the
+dtypes of a `compute_dtype` model (bfloat16 on GPU: norms, mHC, router, compressor stay float32 as in the
+model), gradients arrive in float32.
+Deterministic given the seed: init from `nnx.Rngs(seed)`, batches from `v4jax.data.batches(seed)`, no dropout;
+on GPU set XLA_FLAGS=--xla_gpu_deterministic_ops=true before importing jax (scripts/train_default_model.py
+does).
+Checkpoints: one `.npz` holding the float32 parameters (official-ish dotted model paths), the optimizer
+state leaves and the step; `Trainer.restore` checks shapes and resumes the data stream at that step.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from v4jax import layers as L
+from v4jax.config import CSA, HCA, SLIDING, ModelConfig
+from v4jax.model import IndexerAux, RunOptions, Transformer
+
+F32 = jnp.float32
+
+
+# ---- configs ---------------------------------------------------------------------------------------
+def default_model_config() -> ModelConfig:
+    """The shipped default model (~12M parameters, ~25 MB in bf16).
+
+    Six layers: a sliding layer (hash-routed MoE), then CSA (ratio 4, indexer top-16 of up to 128 entries at
+    T=512) and HCA (ratio 16, up to 32 entries) alternating, all with a 32-token window, so at T=512 most of
+    the context is reachable only through compressed entries. mHC with 4 streams, 8 routed experts (2 active)
+    + 1 shared, one sliding MTP layer. YaRN on the compressed layers with factor 4 over an original length of
+    512 (nominal context 2048)."""
+    return ModelConfig(
+        vocab_size=2048, dim=256, n_layers=6, n_heads=8, head_dim=64, rope_head_dim=16, q_lora_rank=128,
+        o_groups=2, o_lora_rank=128, window_size=32,
+        layer_types=(SLIDING, CSA, HCA, CSA, HCA, CSA), compress_ratios=(0, 4, 16, 4, 16, 4),
+        index_n_heads=16, index_head_dim=32, index_topk=16,
+        n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=256,
+        n_hash_layers=1, route_scale=1.5, hc_mult=4,
+        rope_factor=4.0, original_seq_len=512, max_seq_len=4096,
+        n_mtp_layers=1, bos_token_id=0, eos_token_id=1)
+
+
+def smoke_model_config(vocab_size: int = 2048) -> ModelConfig:
+    """A tiny config with the same features (sliding, CSA + indexer with 16 heads, HCA, hash + top-k MoE, mHC,
+    MTP) for the CPU smoke run."""
+    return ModelConfig(
+        vocab_size=vocab_size, dim=64, n_layers=3, n_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32,
+        o_groups=2, o_lora_rank=32, window_size=8, layer_types=(SLIDING, CSA, HCA),
+        compress_ratios=(0, 4, 16), index_n_heads=16, index_head_dim=16, index_topk=4,
+        n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=64, n_hash_layers=1,
+        route_scale=1.5, rope_factor=4.0, original_seq_len=64, max_seq_len=1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seq_len: int = 512  # model input length T (windows of T + 1 tokens)
+    batch_size: int = 32
+    steps: int = 2000
+    peak_lr: float = 2e-3
+    warmup_steps: int = 100
+    end_lr_frac: float = 0.1  # cosine decays to peak_lr * end_lr_frac at `steps`
+    weight_decay: float = 0.1  # on matrices only (ndim >= 2)
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.3
+    indexer_weight: float = 0.01
+    bias_update_rate: float = 1e-3
+    seed: int = 0
+    compute_dtype: str = "bfloat16"  # "float32" | "bfloat16"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_train_config(**kw) -> TrainConfig:
+    """The shipped model's run (the step count is set by scripts/train_default_model.py's --steps)."""
+    return TrainConfig(**{"bias_update_rate": 1e-2, **kw})
+
+
+def smoke_train_config(**kw) -> TrainConfig:
+    """The CPU smoke run: float32, short sequences, a high learning rate."""
+    return TrainConfig(**{**dict(seq_len=64, batch_size=8, steps=40, peak_lr=3e-3, warmup_steps=5,
+                                 compute_dtype="float32", indexer_weight=0.05, bias_update_rate=1e-2), **kw})
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+def path_key(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+@contextlib.contextmanager
+def record_routing():
+    """Record the expert choices of every top-k-routed MoE call made while tracing (main layers in order, then
+    the MTP layer), for the load-balancing bias update. Hash-routed calls are not recorded."""
+    calls: list = []
+    orig = L.route
+
+    def route(x, gate_w, gate_bias, tid2eid, token_ids, cfg):
+        w, idx = orig(x, gate_w, gate_bias, tid2eid, token_ids, cfg)
+        if tid2eid is None:
+            calls.append(idx)
+        return w, idx
+
+    L.route = route
+    try:
+        yield calls
+    finally:
+        L.route = orig
+
+
+def routed_bias_keys(cfg: ModelConfig, mtp: bool = True) -> list[str]:
+    """Parameter keys of the top-k gates' selection biases, in the order `record_routing` sees the calls."""
+    keys = [f"layers.{i}.ffn.gate.bias" for i in range(cfg.n_layers) if not cfg.is_hash_layer(i)]
+    if mtp and cfg.n_mtp_layers:
+        keys.append("mtp.0.block.ffn.gate.bias")
+    return keys
+
+
+def cross_entropy(logits, targets):
+    """Mean and per-token cross-entropy; logits [..., V] f32, targets [...] int."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = logz - tgt
+    return jnp.mean(nll), nll
+
+
+def indexer_terms(logp, target, topk: int):
+    """KL(target || indexer) per row and the fraction of the target mass the indexer's top-k covers.
+    logp, target [B, T, S]. Returns (kl mean over rows with target mass, recall mean over those rows)."""
+    has = jnp.sum(target, axis=-1) > 0.5  # rows with at least one causal compressed entry
+    kl_rows = jnp.sum(jax.scipy.special.xlogy(target, target) - target * logp, axis=-1)
+    n = jnp.maximum(jnp.sum(has), 1)
+    kl = jnp.sum(jnp.where(has, kl_rows, 0.0)) / n
+    k = min(topk, logp.shape[-1])
+    _, idx = jax.lax.top_k(logp, k)  # masked entries sit at ~-1e30, so they come last
+    covered = jnp.sum(jnp.take_along_axis(target, idx, axis=-1), axis=-1)
+    recall = jnp.sum(jnp.where(has, covered, 0.0)) / n
+    return kl, recall
+
+
+def collect_indexer_aux(model) -> list[tuple[Any, Any]]:
+    aux = nnx.pop(model, IndexerAux)
+    out = []
+    for _, var in nnx.to_flat_state(aux):
+        for logp, target in var.get_value():
+            out.append((logp, target))
+    return out
+
+
+# ---- the trainer -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the jitted step depends on besides arrays (hashable: one compile per distinct run setup)."""
+    graphdef: Any
+    cfg: ModelConfig
+    tc: TrainConfig
+    paths: tuple
+
+    def state(self, params: dict, dtype=None) -> nnx.State:
+        dtypes = compute_dtypes(self.cfg, dtype) if dtype is not None else None
+        items = []
+        for p in self.paths:
+            v = params[path_key(p)]
+            if dtypes is not None:
+                v = v.astype(dtypes[path_key(p)])
+            items.append((p, nnx.Param(v)))
+        return nnx.from_flat_state(items)
+
+    def schedule(self):
+        tc = self.tc
+        return optax.warmup_cosine_decay_schedule(
+            0.0, tc.peak_lr, tc.warmup_steps, max(tc.steps, tc.warmup_steps + 1), tc.peak_lr * tc.end_lr_frac)
+
+    def optimizer(self, params: dict):
+        tc = self.tc
+        decay_mask = {k: v.ndim >= 2 for k, v in params.items()}
+        return optax.chain(
+            optax.clip_by_global_norm(tc.grad_clip),
+            optax.adamw(self.schedule(), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
+
+
+@functools.lru_cache(maxsize=None)
+def compute_dtypes(cfg: ModelConfig, dtype) -> dict:
+    """Parameter dtypes of the model built in `dtype` (bf16 matrices; norms, mHC, router biases, ape f32)."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype), mtp=True))
+    return {path_key(p): v.get_value().dtype for p, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+
+
+def _loss(st: _Static, params, buffers, tokens):
+    cfg, tc = st.cfg, st.tc
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    model = nnx.merge(st.graphdef, st.state(params, tc.compute_dtype), buffers)
+    with record_routing() as routed:
+        logits, streams = model(x, RunOptions(indexer_aux=True), return_streams=True)
+        aux = collect_indexer_aux(model)
+        mtp_logits = model.mtp_logits(streams, x)
+    ce, _ = cross_entropy(logits, y)
+    mtp_ce, _ = cross_entropy(mtp_logits, y[:, 1:])
+    if aux:
+        terms = [indexer_terms(lp, tg, cfg.index_topk) for lp, tg in aux]
+        idx_kl = sum(t[0] for t in terms) / len(terms)
+        idx_recall = sum(t[1] for t in terms) / len(terms)
+    else:
+        idx_kl = idx_recall = jnp.zeros((), F32)
+    loss = ce + tc.mtp_weight * mtp_ce + tc.indexer_weight * idx_kl
+    e = cfg.n_routed_experts
+    loads = (jnp.stack([jnp.bincount(i.reshape(-1), length=e).astype(F32) * e / i.size for i in routed])
+             if routed else jnp.zeros((0, e), F32))
+    return loss, dict(loss=loss, ce=ce, mtp_ce=mtp_ce, idx_kl=idx_kl, idx_recall=idx_recall, loads=loads)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def _train_step(st: _Static, params, opt_state, buffers, tokens):
+    (_, m), grads = jax.value_and_grad(_loss, argnums=1, has_aux=True)(st, params, buffers, tokens)
+    updates, opt_state = st.optimizer(params).update(grads, opt_state, params)
+    params = dict(optax.apply_updates(params, updates))
+    loads = m.pop("loads")
+    # auxiliary-loss-free balance: nudge each top-k gate's selection bias toward equal expert loads
+    for j, k in enumerate(routed_bias_keys(st.cfg)[: loads.shape[0]]):
+        params[k] = params[k] + st.tc.bias_update_rate * jnp.sign(1.0 - loads[j])
+    m["grad_norm"] = optax.global_norm(grads)
+    m["max_load"] = jnp.max(loads) if loads.size else jnp.zeros((), F32)
+    return params, opt_state, m
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _eval_step(st: _Static, params, buffers, tokens, drop_compressed: bool = False):
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    model = nnx.merge(st.graphdef, st.state(params, st.tc.compute_dtype), buffers)
+    logits, streams = model(x, RunOptions(drop_compressed=drop_compressed), return_streams=True)
+    _, nll = cross_entropy(logits, y)
+    mtp_logits = model.mtp_logits(streams, x)
+    _, mtp_nll = cross_entropy(mtp_logits, y[:, 1:])
+    return nll, mtp_nll, jnp.argmax(mtp_logits, -1) == y[:, 1:]
+
+
+class Trainer:
+    """Float32 master parameters (a dict keyed by dotted model path), the optimizer state, the step count."""
+
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig):
+        self.cfg, self.tc = cfg, tc
+        model = Transformer(cfg, rngs=nnx.Rngs(tc.seed), dtype=F32, mtp=True)
+        graphdef, params, self.buffers = nnx.split(model, nnx.Param, ...)
+        flat = list(nnx.to_flat_state(params))
+        self.static = _Static(graphdef, cfg, tc, tuple(tuple(p) for p, _ in flat))
+        self.params = {path_key(p): v.get_value() for p, v in flat}
+        self.schedule = self.static.schedule()
+        self.opt_state = self.static.optimizer(self.params).init(self.params)
+        self.step_count = 0
+
+    def n_params(self) -> int:
+        return int(sum(np.prod(v.shape) for v in self.params.values()))
+
+    def model(self, dtype=F32):
+        """A concrete Transformer from the master parameters (cast to a `dtype` model's parameter dtypes)."""
+        dt = None if jnp.dtype(dtype) == F32 else dtype
+        return nnx.merge(self.static.graphdef, self.static.state(self.params, dt), self.buffers)
+
+    def step(self, tokens: np.ndarray) -> dict:
+        """One optimizer step on a batch [B, seq_len + 1]; returns device metrics (not synced)."""
+        lr = self.schedule(self.step_count)
+        self.params, self.opt_state, m = _train_step(self.static, self.params, self.opt_state, self.buffers,
+                                                     jnp.asarray(tokens))
+        self.step_count += 1
+        m["lr"] = lr
+        return m
+
+    def evaluate(self, windows: Iterator[np.ndarray], drop_compressed: bool = False) -> dict:
+        """Mean held-out loss (and MTP loss / top-1) over windows [b, seq_len + 1]."""
+        tot = mtot = hits = 0.0
+        n = mn = 0
+        for w in windows:
+            nll, mtp_nll, hit = jax.device_get(_eval_step(self.static, self.params, self.buffers,
+                                                          jnp.asarray(w), drop_compressed))
+            tot += float(np.sum(nll, dtype=np.float64))
+            n += nll.size
+            mtot += float(np.sum(mtp_nll, dtype=np.float64))
+            hits += float(np.sum(hit))
+            mn += hit.size
+        return dict(loss=tot / max(n, 1), mtp_loss=mtot / max(mn, 1), mtp_top1=hits / max(mn, 1), tokens=n)
+
+    # -- checkpoint / resume --
+    def save(self, path: str, extra: dict | None = None) -> None:
+        arrays = {f"param/{k}": np.asarray(jax.device_get(v)) for k, v in self.params.items()}
+        for i, leaf in enumerate(jax.tree.leaves(self.opt_state)):
+            arrays[f"opt/{i:05d}"] = np.asarray(jax.device_get(leaf))
+        meta = dict(step=self.step_count, cfg=self.cfg.to_hf_dict(), train=self.tc.to_dict(), **(extra or {}))
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+
+    def restore(self, path: str) -> dict:
+        with np.load(path) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if meta["train"] != self.tc.to_dict():
+                diff = {k: (meta["train"].get(k), v) for k, v in self.tc.to_dict().items()
+                        if meta["train"].get(k) != v}
+                raise ValueError(f"checkpoint {path} was made with another TrainConfig: {diff}")
+            params = {}
+            for k, v in self.params.items():
+                a = z[f"param/{k}"]
+                if a.shape != v.shape:
+                    raise ValueError(f"{k}: checkpoint shape {a.shape} != model {v.shape}")
+                params[k] = jnp.asarray(a, v.dtype)
+            leaves, treedef = jax.tree.flatten(self.opt_state)
+            new = []
+            for i, leaf in enumerate(leaves):
+                a = z[f"opt/{i:05d}"]
+                if a.shape != np.shape(leaf):
+                    raise ValueError(f"optimizer leaf {i}: checkpoint shape {a.shape} != {np.shape(leaf)}")
+                new.append(jnp.asarray(a, jnp.asarray(leaf).dtype))
+        self.params = params
+        self.opt_state = jax.tree.unflatten(treedef, new)
+        self.step_count = int(meta["step"])
+        return meta
+
+    def official_tensors(self) -> dict[str, np.ndarray]:
+        """Every tensor under its official checkpoint name (float32; tid2eid int32)."""
+        from v4jax.weights import model_to_official
+        return model_to_official(self.model())
+
+
+def count_params(cfg: ModelConfig, mtp: bool = True) -> dict:
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=F32, mtp=mtp))
+    total = experts = mtp_n = 0
+    for p, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        n = int(np.prod(v.get_value().shape))
+        total += n
+        if "experts" in p and "shared_experts" not in p:
+            experts += n
+        if p[0] == "mtp":
+            mtp_n += n
+    return dict(total=total, routed_experts=experts, mtp=mtp_n)
+
+
+def synthetic_tokens(n: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """A learnable stand-in corpus for the smoke run when no prepared data is around: a fixed random
+    second-order Markov chain over a small alphabet, with BOS/EOS-delimited documents."""
+    rng = np.random.default_rng(seed)
+    alpha = min(vocab - 2, 64)
+    nxt = rng.integers(0, alpha, size=(alpha, alpha, 3))
+    out = np.empty(n, np.int32)
+    a, b = 0, 1
+    i = 0
+    while i < n:
+        if i % 700 == 0:
+            out[i] = 0  # BOS
+            i += 1
+            continue
+        c = int(nxt[a, b, rng.integers(0, 3)])
+        out[i] = c + 2
+        a, b = b, c
+        i += 1
+    return out
