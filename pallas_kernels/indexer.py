@@ -1,0 +1,425 @@
+"""Lightning-indexer scores and exact top-k (reference §3.5).
+
+scores[b,t,s] = sum_h w[b,t,h] * relu(q[b,t,h] . key_pool[rows[b,s]])  (f32), -inf where s >= n_valid[b,t] or
+rows[b,s] < 0.  topk: positions along S of the k largest, score descending, ties -> lower index first, -inf
+positions -> -1 (also the padding when fewer than k are valid, and when k > S).
+
+Implementations:
+  * `indexer_scores_ref`, `topk_ref`: jnp/XLA (the model's XLA path). topk_ref = lax.top_k plus an exact tie
+    repair (only run when a row's k-th value is tied beyond the cut), then a (score desc, index asc) sort of the k.
+  * `indexer_scores` TPU-style Pallas (portable): grid (B, T-blocks, S-blocks); key rows DMA'd from the pool
+    (runs of 16 consecutive rows become one copy); GPU: Pallas Triton, key rows gathered by pointer loads.
+  * `topk` GPU: exact threshold selection without sorting the row: tau = k-th largest of 4k strided group maxima
+    (so at least k scores are >= tau), a Triton kernel compacts the scores >= tau (about 1.15k of them for
+    unstructured data) into a 2k buffer, which is sorted; a row that overflows the buffer sends the batch to
+    topk_ref (lax.cond), so the result is always exact.
+    TPU: lax.approx_max_k candidates (Pallas TPU cannot lower top_k), exact top-k among them, verified by
+    counting the row's scores >= the k-th value; on a miss, topk_ref (lax.cond). Exact either way.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import _compat
+from ._common import F32, common_compute_dtype, gather_groups, mm_nn, mm_nt, next_pow2, pad_last, round_up
+
+# --------------------------------------------------------------------------------------------------------------
+# Scores: reference
+# --------------------------------------------------------------------------------------------------------------
+
+_REF_BYTES_LIMIT = 1 << 28
+
+
+def indexer_scores_ref(q, w, key_pool, rows, n_valid):
+  """q [B,T,Hi,Di], w [B,T,Hi] f32, key_pool [R,Di], rows [B,S] int32, n_valid [B,T] int32 -> [B,T,S] f32."""
+  B, T, Hi, Di = q.shape
+  S = rows.shape[-1]
+  valid_row = rows >= 0
+  keys = jnp.take(key_pool, jnp.where(valid_row, rows, 0), axis=0)          # [B, S, Di]
+  hg = Hi
+  while hg > 1 and B * T * hg * S * 4 > _REF_BYTES_LIMIT and Hi % (hg // 2) == 0:
+    hg //= 2
+  w = w.astype(F32)
+
+  def group(h0):
+    qg = lax.dynamic_slice_in_dim(q, h0, hg, axis=2)
+    wg = lax.dynamic_slice_in_dim(w, h0, hg, axis=2)
+    logits = jnp.einsum("bthd,bsd->bths", qg, keys, preferred_element_type=F32,
+                        precision=lax.Precision.HIGHEST)
+    return jnp.einsum("bth,bths->bts", wg, jnp.maximum(logits, 0.0), precision=lax.Precision.HIGHEST)
+
+  if hg == Hi:
+    scores = group(0)
+  else:
+    scores = lax.fori_loop(0, Hi // hg, lambda i, acc: acc + group(i * hg),
+                           jnp.zeros((B, T, S), F32))
+  s_idx = jnp.arange(S, dtype=jnp.int32)
+  ok = (s_idx[None, None, :] < n_valid[:, :, None]) & valid_row[:, None, :]
+  return jnp.where(ok, scores, -jnp.inf)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Scores: TPU-style Pallas kernel
+# --------------------------------------------------------------------------------------------------------------
+
+_TPU_SB = 512     # keys per grid step
+_TPU_SUB = 128    # keys per compute sub-chunk (waits are per sub-chunk, so compute overlaps later copies)
+_TPU_GROUP = 16   # rows per contiguity group
+_TPU_TQ = 8       # queries per grid step (when T > 8)
+
+
+def _tpu_scores_kernel(rows_smem, flag_smem, start_smem, q_ref, w_ref, nv_ref, rows_vmem, pool_hbm, o_ref,
+                       buf, sem, *, sb, sub, group, tq):
+  s_blk = pl.program_id(2)
+
+  def copies(c, wait):
+    def one_group(g, carry):
+      gi = c * (sub // group) + g
+      flag = flag_smem[0, gi]
+
+      @pl.when(flag == 1)
+      def _():
+        cp = pltpu.make_async_copy(pool_hbm.at[pl.ds(start_smem[0, gi], group)],
+                                   buf.at[pl.ds(pl.multiple_of(gi * group, group), group)], sem.at[c])
+        cp.wait() if wait else cp.start()
+
+      @pl.when(flag == 0)
+      def _():
+        for j in range(group):
+          r = rows_smem[0, gi * group + j]
+
+          # Invalid rows are not fetched: their scores are masked to -inf below whatever the buffer holds.
+          @pl.when(r >= 0)
+          def _():
+            cp = pltpu.make_async_copy(pool_hbm.at[pl.ds(r, 1)], buf.at[pl.ds(gi * group + j, 1)], sem.at[c])
+            cp.wait() if wait else cp.start()
+
+      return carry
+
+    lax.fori_loop(0, sub // group, one_group, 0)
+
+  n_sub = sb // sub
+  for c in range(n_sub):
+    copies(c, wait=False)
+  cdt = common_compute_dtype(q_ref.dtype, buf.dtype)
+  for c in range(n_sub):
+    copies(c, wait=True)
+    keys = buf[pl.ds(c * sub, sub), :].astype(cdt)                       # [sub, Di]
+    s_idx = s_blk * sb + c * sub + lax.broadcasted_iota(jnp.int32, (1, sub), 1)
+    row_ok = rows_vmem[:, pl.ds(c * sub, sub)] >= 0                        # [1, sub]
+    for t in range(tq):
+      logits = mm_nt(q_ref[t].astype(cdt), keys)                          # [Hi, sub]
+      sc = mm_nn(w_ref[pl.ds(t, 1), :].astype(F32), jnp.maximum(logits, 0.0))   # [1, sub]
+      ok = row_ok & (s_idx < nv_ref[pl.ds(t, 1), :])
+      o_ref[pl.ds(t, 1), pl.ds(c * sub, sub)] = jnp.where(ok, sc, -jnp.inf)
+
+
+def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
+  B, T, Hi, Di = q.shape
+  S = rows.shape[-1]
+  sb = min(_TPU_SB, round_up(S, _TPU_SUB))
+  Sp = round_up(S, sb)
+  n_s = Sp // sb
+  tq = T if T <= _TPU_TQ else _TPU_TQ
+  Tp = round_up(T, tq)
+  rows_p = pad_last(rows.astype(jnp.int32), Sp, -1)
+  flag, start = gather_groups(rows_p, _TPU_GROUP, key_pool.shape[0])
+  if Tp != T:
+    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, Tp - T), (0, 0)))
+    n_valid = jnp.pad(n_valid, ((0, 0), (0, Tp - T)))
+  ng = sb // _TPU_GROUP
+  kernel = functools.partial(_tpu_scores_kernel, sb=sb, sub=min(_TPU_SUB, sb), group=_TPU_GROUP, tq=tq)
+  smem = lambda n: pl.BlockSpec((None, 1, n), lambda b, t, s: (b * n_s + s, 0, 0), memory_space=pltpu.SMEM)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((B, Tp, Sp), F32),
+      grid=(B, Tp // tq, n_s),
+      in_specs=[
+          smem(sb), smem(ng), smem(ng),
+          pl.BlockSpec((None, tq, Hi, Di), lambda b, t, s: (b, t, 0, 0)),
+          pl.BlockSpec((None, tq, Hi), lambda b, t, s: (b, t, 0)),
+          pl.BlockSpec((None, tq, 1), lambda b, t, s: (b, t, 0)),
+          pl.BlockSpec((None, 1, sb), lambda b, t, s: (b, 0, s)),
+          pl.BlockSpec(memory_space=_compat.ANY),
+      ],
+      out_specs=pl.BlockSpec((None, tq, sb), lambda b, t, s: (b, t, s)),
+      # one DMA semaphore per sub-chunk: a wait only proves that ITS chunk's bytes arrived
+      scratch_shapes=[pltpu.VMEM((sb, Di), key_pool.dtype),
+                      pltpu.SemaphoreType.DMA((sb // min(_TPU_SUB, sb),))],
+      compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+      interpret=_compat.tpu_interpret_params() if interpret else False,
+      name="v4_indexer_scores",
+  )(rows_p.reshape(B * n_s, 1, sb), flag.reshape(B * n_s, 1, ng), start.reshape(B * n_s, 1, ng),
+    q, w.astype(F32), n_valid.astype(jnp.int32).reshape(B, Tp, 1), rows_p.reshape(B, 1, Sp), key_pool)
+  return out[:, :T, :S]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Scores: GPU kernel (Pallas Triton)
+# --------------------------------------------------------------------------------------------------------------
+
+_GPU_SB = 64      # keys per program
+_GPU_TQ = 16      # queries per program (looped)
+
+
+def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq):
+  s_blk = pl.program_id(1)
+  ids = rows_ref[...]                                                      # [sb]
+  valid = ids >= 0
+  Di = pool_ref.shape[-1]
+  cols = lax.broadcasted_iota(jnp.int32, (1, Di), 1)
+  keys = _compat.pltriton.load(pool_ref.at[jnp.where(valid, ids, 0)[:, None], cols], mask=valid[:, None],
+                               other=0.0)                                  # [sb, Di]
+  cdt = common_compute_dtype(q_ref.dtype, pool_ref.dtype)
+  keys = keys.astype(cdt)
+  s_idx = s_blk * sb + lax.broadcasted_iota(jnp.int32, (sb,), 0)
+
+  def body(t, carry):
+    q = q_ref[t].astype(cdt)                                               # [Hi, Di]
+    logits = mm_nt(q, keys)                                                # [Hi, sb]
+    wt = w_ref[t].astype(F32)                                              # [Hi]
+    sc = jnp.sum(wt[:, None] * jnp.maximum(logits, 0.0), axis=0)          # [sb]
+    ok = valid & (s_idx < nv_ref[t])
+    o_ref[t] = jnp.where(ok, sc, -jnp.inf)
+    return carry
+
+  lax.fori_loop(0, tq, body, 0)
+
+
+def _gpu_scores_supported(q, key_pool):
+  pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
+  return pow2(q.shape[-1]) and key_pool.dtype in (jnp.bfloat16, F32)
+
+
+def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_GPU_SB, num_warps=4,
+                        num_stages=2):
+  B, T, Hi, Di = q.shape
+  S = rows.shape[-1]
+  Hp = max(16, next_pow2(Hi))
+  if Hp != Hi:   # zero-weight padded heads contribute exactly 0
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, Hp - Hi), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, Hp - Hi)))
+  tq = min(T, _GPU_TQ)
+  Tp = round_up(T, tq)
+  if Tp != T:
+    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, Tp - T), (0, 0)))
+    n_valid = jnp.pad(n_valid, ((0, 0), (0, Tp - T)))
+  Sp = round_up(S, sb)
+  rows_p = pad_last(rows.astype(jnp.int32), Sp, -1)
+  kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((B, Tp, Sp), F32),
+      grid=(B, Sp // sb, Tp // tq),
+      in_specs=[
+          pl.BlockSpec((None, tq, Hp, Di), lambda b, s, t: (b, t, 0, 0)),
+          pl.BlockSpec((None, tq, Hp), lambda b, s, t: (b, t, 0)),
+          pl.BlockSpec((None, tq), lambda b, s, t: (b, t)),
+          pl.BlockSpec((None, sb), lambda b, s, t: (b, s)),
+          pl.BlockSpec(key_pool.shape, lambda *_: (0, 0)),
+      ],
+      out_specs=pl.BlockSpec((None, tq, sb), lambda b, s, t: (b, t, s)),
+      compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=bool(interpret),
+      name="v4_indexer_scores_gpu",
+  )(q, w.astype(F32), n_valid.astype(jnp.int32), rows_p, key_pool)
+  return out[:, :T, :S]
+
+
+def indexer_scores(q, w, key_pool, rows, n_valid, *, interpret=False):
+  """Pallas indexer scores; same contract as `indexer_scores_ref`. GPU: Triton kernel; TPU: Mosaic kernel;
+  interpret=True or CPU: the TPU-style kernel in TPU interpret mode."""
+  be = _compat.backend()
+  if be == "gpu" and not interpret:
+    if _gpu_scores_supported(q, key_pool):
+      return _indexer_scores_gpu(q, w, key_pool, rows, n_valid)
+    return indexer_scores_ref(q, w, key_pool, rows, n_valid)
+  return _indexer_scores_tpu(q, w, key_pool, rows, n_valid, interpret=interpret or be != "tpu")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Top-k
+# --------------------------------------------------------------------------------------------------------------
+
+def _canon(x):
+  """f32, with -0.0 -> +0.0 (sorts compare floats in total order, so -0.0 would rank below an equal 0.0)."""
+  x = x.astype(F32)
+  return jnp.where(x == 0, jnp.zeros((), F32), x)
+
+
+def _order_and_pad(vals, idx, k):
+  """Sorts candidate (vals, idx) [N, C] by (value desc, index asc), keeps the first min(k, C), maps -inf
+  candidates to -1 and pads to k with -1."""
+  neg = -vals
+  neg, idx = lax.sort((neg, idx), dimension=1, num_keys=2)
+  kk = min(k, vals.shape[1])
+  out = jnp.where(neg[:, :kk] < jnp.inf, idx[:, :kk], -1).astype(jnp.int32)
+  return pad_last(out, k, -1)
+
+
+def _topk_rows_ref(x, k):
+  """Exact top-k of rows x [N, S] (canonicalised f32) with the tie rule."""
+  N, S = x.shape
+  kk = min(k, S)
+  vals, idx = lax.top_k(x, kk)
+  vk = vals[:, kk - 1:kk]                                              # [N, 1]
+  n_gt = jnp.sum(x > vk, axis=1, keepdims=True)
+  n_eq = jnp.sum(x == vk, axis=1, keepdims=True)
+  # lax.top_k's order among equal values is implementation-defined: if the k-th value is tied beyond the cut,
+  # take the lowest indices among the tied ones explicitly.
+  need_fix = jnp.any((n_eq > kk - n_gt) & (vk > -jnp.inf))
+  iota = lax.broadcasted_iota(jnp.int32, (N, S), 1)
+
+  def fix(_):
+    tie_key = jnp.where(x == vk, -iota.astype(F32), -jnp.inf)           # exact for S < 2^24
+    _, tie_idx = lax.top_k(tie_key, kk)                                 # lowest tied indices first
+    rank = lax.broadcasted_iota(jnp.int32, (N, kk), 1)
+    # the > vk part sits at the front of `vals` (sorted desc); the lowest tied indices fill ranks [n_gt, kk)
+    shifted = jnp.take_along_axis(tie_idx, jnp.clip(rank - n_gt, 0, kk - 1), axis=1)
+    return jnp.where(rank < n_gt, idx, shifted)
+
+  idx = lax.cond(need_fix, fix, lambda _: idx, None)
+  sel_vals = jnp.take_along_axis(x, jnp.maximum(idx, 0), axis=1)
+  sel_vals = jnp.where(idx >= 0, sel_vals, -jnp.inf)
+  return _order_and_pad(sel_vals, idx, k)
+
+
+def topk_ref(scores, k):
+  """Exact reference top-k. scores [B, T, S] -> int32 [B, T, k] (see module docstring for the rule)."""
+  *lead, S = scores.shape
+  x = _canon(scores.reshape(-1, S))
+  return _topk_rows_ref(x, int(k)).reshape(*lead, int(k))
+
+
+# ---- GPU: threshold + compaction ------------------------------------------------------------------------------
+
+def _compact_kernel(x_ref, tau_ref, cs_in, ci_in, cnt_in, cs_ref, ci_ref, cnt_ref, *, chunk, cap):
+  del cs_in, ci_in, cnt_in   # aliased with the outputs
+  n = pl.program_id(0)
+  c = pl.program_id(1)
+  s = x_ref[...]                                                           # [chunk]
+  tau = tau_ref[...]
+  m = (s >= tau) & (s > -jnp.inf)
+  mi = m.astype(jnp.int32)
+  rank = jnp.cumsum(mi) - 1
+  total = jnp.sum(mi)
+  base = _compat.pltriton.atomic_add(cnt_ref, n, total)
+  pos = base + rank
+  ok = m & (pos < cap)
+  # masked-off lanes point past the row: never touched on GPU, and dropped (not clobbering slot 0 with its old
+  # value) by interpret mode's scatter
+  safe = jnp.where(ok, pos, cap)
+  _compat.pltriton.store(cs_ref.at[safe], s, mask=ok)
+  _compat.pltriton.store(ci_ref.at[safe], c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0), mask=ok)
+
+
+def _compact(x, tau, cap, *, interpret=False, chunk=None):
+  """Scores x [N, S] >= tau[n] (and finite) into (vals [N, cap], idx [N, cap], count [N]); order within a row
+  is arbitrary (atomics), entries past cap are dropped (count still counts them)."""
+  N, S = x.shape
+  if chunk is None:
+    chunk = min(4096, S)
+  assert S % chunk == 0
+  kernel = functools.partial(_compact_kernel, chunk=chunk, cap=cap)
+  cs0 = jnp.full((N, cap), -jnp.inf, F32)
+  ci0 = jnp.full((N, cap), -1, jnp.int32)
+  cnt0 = jnp.zeros((N,), jnp.int32)
+  return pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((N, cap), F32), jax.ShapeDtypeStruct((N, cap), jnp.int32),
+                 jax.ShapeDtypeStruct((N,), jnp.int32)),
+      grid=(N, S // chunk),
+      in_specs=[
+          pl.BlockSpec((None, chunk), lambda n, c: (n, c)),
+          pl.BlockSpec((None,), lambda n, c: (n,)),
+          pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
+          pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
+          pl.BlockSpec((N,), lambda n, c: (0,)),
+      ],
+      out_specs=(pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
+                 pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
+                 pl.BlockSpec((N,), lambda n, c: (0,))),
+      input_output_aliases={2: 0, 3: 1, 4: 2},
+      compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
+      interpret=bool(interpret),
+      name="v4_topk_compact",
+  )(x, tau, cs0, ci0, cnt0)
+
+
+def _threshold_params(S, kk):
+  n_groups = next_pow2(4 * kk)
+  cap = next_pow2(2 * kk)
+  return n_groups, cap
+
+
+def _topk_threshold(scores, k, *, interpret=False):
+  *lead, S = scores.shape
+  k = int(k)
+  x = _canon(scores.reshape(-1, S))
+  N = x.shape[0]
+  kk = min(k, S)
+  n_groups, cap = _threshold_params(S, kk)
+  if S <= 2 * n_groups:
+    return _topk_rows_ref(x, k).reshape(*lead, k)
+  c = -(-S // n_groups)
+  Sp = c * n_groups
+  xp = pad_last(x, Sp, -jnp.inf)
+  gmax = jnp.max(xp.reshape(N, c, n_groups), axis=1)                     # strided groups {j, j+n, j+2n, ...}
+  tau = lax.top_k(gmax, kk)[0][:, kk - 1]                                 # >= kk scores are >= tau
+  vals, idx, count = _compact(xp, tau, cap, interpret=interpret, chunk=min(4096, n_groups))
+  fast = lambda _: _order_and_pad(vals, idx, k)
+  slow = lambda _: _topk_rows_ref(x, k)
+  out = lax.cond(jnp.any(count > cap), slow, fast, None)
+  return out.reshape(*lead, k)
+
+
+# ---- TPU: approx_max_k candidates + verification ---------------------------------------------------------------
+
+def _topk_approx(scores, k, *, recall_target=0.95):
+  *lead, S = scores.shape
+  k = int(k)
+  x = _canon(scores.reshape(-1, S))
+  kk = min(k, S)
+  if S <= 4 * kk:
+    return _topk_rows_ref(x, k).reshape(*lead, k)
+  cv, ci = lax.approx_max_k(x, kk, recall_target=recall_target, aggregate_to_topk=False)
+  neg, ci_sorted = lax.sort((-cv, ci.astype(jnp.int32)), dimension=1, num_keys=2)
+  vk = -neg[:, kk - 1:kk]                                                 # k-th value among candidates
+  finite = lambda v: v > -jnp.inf
+  # exact iff every score >= vk (finite) is a candidate: then the candidates hold the true top-k and all ties.
+  n_row = jnp.sum((x >= vk) & finite(x), axis=1)
+  n_cand = jnp.sum((cv >= vk) & finite(cv), axis=1)
+  ok = jnp.all(n_row == n_cand)
+  fast = lambda _: pad_last(jnp.where(neg[:, :kk] < jnp.inf, ci_sorted[:, :kk], -1), k, -1)
+  slow = lambda _: _topk_rows_ref(x, k)
+  return lax.cond(ok, fast, slow, None).reshape(*lead, k)
+
+
+def topk(scores, k, *, interpret=False):
+  """Exact top-k (same result as `topk_ref`). GPU: threshold + Triton compaction; TPU: approx_max_k candidates,
+  verified; CPU: topk_ref; interpret=True: the GPU algorithm with its Pallas kernel interpreted."""
+  be = _compat.backend()
+  if interpret:
+    return _topk_threshold(scores, k, interpret=True)
+  if be == "gpu":
+    return _topk_threshold(scores, k)
+  if be == "tpu":
+    return _topk_approx(scores, k)
+  return topk_ref(scores, k)
+
+
+def indexer_topk(q, w, key_pool, rows, n_valid, k, *, impl="xla", interpret=False):
+  """Indexer scores + exact top-k positions along S ([B, T, k] int32, -1 padded)."""
+  if impl == "xla":
+    return topk_ref(indexer_scores_ref(q, w, key_pool, rows, n_valid), k)
+  if impl == "pallas":
+    return topk(indexer_scores(q, w, key_pool, rows, n_valid, interpret=interpret), k, interpret=interpret)
+  raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
