@@ -10,7 +10,7 @@ CPU smoke run (tiny config, a few steps; synthetic tokens if no prepared data):
 
 Resumes from <work>/train_state.npz when it exists (same TrainConfig required), so a run can span calls;
 --max-minutes saves the state and stops before the budget is crossed (the export then waits for a later call).
-At the end it writes the official-name checkpoint (config.json + model.safetensors, bf16 weights; tokenizer
+At the end (also after an early stop) it writes the official-name checkpoint (config.json + model.safetensors, bf16 weights; tokenizer
 files copied) to --export and a summary JSON (step time, tokens/s, losses, held-out curve) to <work>.
 """
 from __future__ import annotations
@@ -217,7 +217,11 @@ def main(argv=None):
         trainer.save(state_path)
         summary["save_s"] = time.time() - t_s
         print(f"[train] saved train state at step {trainer.step_count} -> {state_path}", flush=True)
-    if not stopped_early and args.export:
+    try:
+        summary["peak_device_bytes"] = int(dev.memory_stats().get("peak_bytes_in_use", 0))
+    except Exception:  # CPU backends may have no memory stats
+        pass
+    if args.export:  # also after an early stop (a later call resumes and exports again)
         t_x = time.time()
         export(trainer, args.export)
         summary["export_s"] = time.time() - t_x
@@ -226,8 +230,8 @@ def main(argv=None):
     out = args.summary or os.path.join(args.work, "summary.json")
     with open(out, "w") as f:
         json.dump(summary, f, indent=2)
-    print(f"[train] done: {trainer.step_count} steps, step {step_s and step_s * 1e3:.1f} ms, "
-          f"{summary['tokens_per_s'] and summary['tokens_per_s']:.0f} tok/s, total {summary['total_s']:.0f}s; "
+    timing = f"step {step_s * 1e3:.1f} ms, {summary['tokens_per_s']:.0f} tok/s" if step_s else "no timed steps"
+    print(f"[train] done: {trainer.step_count} steps, {timing}, total {summary['total_s']:.0f}s; "
           f"summary -> {out}", flush=True)
     return summary
 
