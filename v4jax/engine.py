@@ -171,6 +171,30 @@ class Engine:
         per_page = two - fixed
         return int((budget - (fixed - per_page)) // per_page)
 
+    def warmup(self) -> int:
+        """Compile every bucket the engine will use (prefill chunk x pages, decode x pages) with no-op calls
+        (no valid tokens). Returns the number of compiled variants; afterwards nothing recompiles."""
+        s = self.layout.max_slots
+        page_buckets = sorted({self._page_bucket(n * self.layout.page_size)
+                               for n in range(1, self.layout.max_pages_per_seq + 1)})
+        chunk_buckets = sorted({_pow2(c) for c in range(1, self.options.prefill_chunk + 1)})
+        z = lambda n, dt=jnp.int32: jnp.zeros((n,), dt)
+        samp = (z(1, jnp.float32), jnp.ones((1,), jnp.float32), z(1), z(1), z(1), z(1))
+        for nb in page_buckets:
+            pt = jnp.asarray(self.tables.full[:, :nb])
+            for cb in chunk_buckets:
+                self.pools, _, _ = self._prefill_jit(self._leaves, self.pools, jnp.zeros((1, cb), jnp.int32), z(1),
+                                                     z(1), jnp.zeros((1,), bool), z(1), pt[:1],
+                                                     jnp.asarray(self.tables.swa[:1]), samp)
+            io = _DecodeIO(z(s), z(s), jnp.zeros((s,), bool), z(s, jnp.float32), jnp.ones((s,), jnp.float32), z(s),
+                           z(s), z(s), z(s), z(s), jnp.full((s, MAX_STOP), -1, jnp.int32))
+            self.pools, *_ = self._decode_jit(self._leaves, self.pools, io, pt, jnp.asarray(self.tables.swa))
+        return self.compiled_variants()
+
+    def compiled_variants(self) -> int:
+        """How many shapes the jitted steps have been compiled for (a test counts these)."""
+        return self._prefill_jit._cache_size() + self._decode_jit._cache_size()
+
     # ---- JetStream-shaped interface ----
     @property
     def max_concurrent_decodes(self) -> int:

@@ -1,0 +1,188 @@
+"""The engine (issue 3): cached greedy decoding equals the teacher-forced forward; chunking, layouts,
+recompilation, page accounting, sampling and the API's error handling."""
+import itertools
+
+import numpy as np
+import pytest
+
+import hf_reference as H
+from checkpoints import write_official_checkpoint
+from v4jax import LLM, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def real_ckpt(tmp_path_factory):
+    """cfg_real_ratios (window 128, CSA 4 with a binding top-16, HCA 128) with random weights, float32 on disk."""
+    cfg = H.cfg_real_ratios()
+    d = tmp_path_factory.mktemp("real")
+    write_official_checkpoint(d, cfg, H.random_official_tensors(cfg, seed=5, include_mtp=False), fp8=False,
+                              fp4_experts=False, bf16=False)
+    return str(d)
+
+
+def _log_softmax(x):
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _assert_teacher_forced(llm, prompt, out):
+    """Every generated token is the argmax of the teacher-forced logits at its position (one forward over the
+    final sequence), and its log-prob matches."""
+    seq = list(prompt) + out.token_ids
+    lg = llm.logits(seq)[len(prompt) - 1:-1]
+    ref = lg.argmax(-1)
+    bad = np.flatnonzero(ref != np.asarray(out.token_ids))
+    if bad.size:  # accept only a top-1 tie (reference tie rule), and say so
+        i = bad[0]
+        top2 = np.sort(lg[i])[-2:]
+        assert abs(top2[1] - top2[0]) <= 1e-6 * abs(top2[1]), f"prompt len {len(prompt)}: mismatch at new token {i}"
+    lp = _log_softmax(lg)[np.arange(len(out.token_ids)), out.token_ids]
+    np.testing.assert_allclose(out.logprobs, lp, atol=1e-4)
+
+
+def _prompts(lens, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab, n).tolist() for n in lens]
+
+
+def test_greedy_equals_teacher_forced_real_ratios(real_ckpt):
+    """Prompts of 1, 127, 128, 129, 255, 256, 257 and 1000 tokens decode 300 tokens together in one batch."""
+    llm = LLM(real_ckpt, dtype="float32", max_num_seqs=8, max_model_len=1400, prefill_chunk=256)
+    prompts = _prompts((1, 127, 128, 129, 255, 256, 257, 1000), llm.config.vocab_size)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=300, **GREEDY))
+    for p, o in zip(prompts, outs):
+        assert len(o.token_ids) == 300 and o.finish_reason == "length"
+        _assert_teacher_forced(llm, p, o)
+
+
+@pytest.fixture(scope="module")
+def chunk_reference(real_ckpt):
+    llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=512, prefill_chunk=256)
+    prompts = _prompts((129, 300, 257, 5), llm.config.vocab_size, seed=1)
+    return prompts, llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_same_outputs(real_ckpt, chunk_reference, chunk):
+    prompts, ref = chunk_reference
+    llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=512, prefill_chunk=chunk)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    for a, b in zip(outs, ref):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_paged_and_dense_layouts_agree(real_ckpt, chunk_reference):
+    prompts, ref = chunk_reference
+    llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=512, prefill_chunk=256, kv_layout="dense")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    for a, b in zip(outs, ref):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=256, prefill_chunk=16, decode_steps=4)
+
+
+def test_no_recompilation_after_warmup(tiny_llm):
+    eng = tiny_llm.engine
+    n = eng.warmup()
+    assert n > 0
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 500, int(rng.integers(1, 200))).tolist() for _ in range(50)]
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.7])),
+                             top_k=int(rng.integers(0, 5)), seed=i) for i in range(50)]
+    outs = tiny_llm.generate(prompts, params)
+    assert [len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params)] == [True] * 50
+    assert eng.compiled_variants() == n
+
+
+def _all_pages_free(eng):
+    t = eng.tables
+    return (t.full_alloc.n_free == eng.layout.n_pages and t.swa_alloc.n_free == eng.layout.n_swa_pages
+            and (t.full == -1).all() and (t.swa == -1).all() and all(s is None for s in eng.slots))
+
+
+def test_freeing_returns_every_page_randomised(tiny_llm):
+    rng = np.random.default_rng(7)
+    eng = tiny_llm.engine
+    for trial in range(6):
+        prompts = [rng.integers(2, 500, int(rng.integers(1, 120))).tolist() for _ in range(int(rng.integers(1, 7)))]
+        sp = SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=0.5, seed=trial)
+        stream = tiny_llm.generate(prompts, sp, stream=True)
+        cut = int(rng.integers(0, 12)) if trial % 2 else None  # odd trials: the client vanishes mid-stream
+        for ev in itertools.islice(stream, cut):
+            pass
+        stream.close()
+        assert _all_pages_free(eng), f"trial {trial}: pages leaked"
+
+
+def test_seeded_sampling_independent_of_batch(tiny_llm):
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11)
+    p = [3, 4, 5, 6, 7]
+    alone = tiny_llm.generate([p], [sp])[0].token_ids
+    other = SamplingParams(max_tokens=20, temperature=1.0, seed=99)
+    together = tiny_llm.generate([p, [9, 9, 9], [1, 2]], [sp, other, other])[0].token_ids
+    assert alone == together
+    assert tiny_llm.generate([p], [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=12)])[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(tiny_llm):
+    p = [5, 6, 7, 8]
+    g = tiny_llm.generate([p], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+    k1 = tiny_llm.generate([p], SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=0,
+                                               ignore_eos=True))[0].token_ids
+    assert g == k1
+
+
+def test_stream_events_concatenate_to_result(tiny_llm):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    sp = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    full = tiny_llm.generate(prompts, sp)
+    got = {0: [], 1: []}
+    order = []
+    for i, toks, text in tiny_llm.generate(prompts, sp, stream=True):
+        got[i].extend(toks)
+        order.append(i)
+    assert got[0] == full[0].token_ids and got[1] == full[1].token_ids
+    assert len(set(order[:4])) == 2  # interleaved across prompts
+
+
+def test_stop_token_ends_request(tiny_llm):
+    p = [10, 11, 12]
+    free = tiny_llm.generate([p], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+    stop = free[3]
+    out = tiny_llm.generate([p], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[:free.index(stop) + 1]
+
+
+def test_context_limit_ends_with_length(tiny_llm):
+    p = list(range(2, 252))
+    out = tiny_llm.generate([p], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(p) + len(out.token_ids) == 256
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
+                                    dict(top_k=-2), dict(temperature=float("nan"))])
+def test_impossible_sampling_params(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_inputs_are_clear_errors(tiny_llm):
+    with pytest.raises(ValueError, match="context limit"):
+        tiny_llm.generate([list(range(300))])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_llm.logits([1, 2, 100000])
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm.generate([[]])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        tiny_llm.generate("hello")
+    with pytest.raises(TypeError, match="unknown LLM option"):
+        LLM("tiny", no_such_option=1)
+    assert _all_pages_free(tiny_llm.engine)
