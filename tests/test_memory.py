@@ -1,0 +1,210 @@
+"""The memory report against the published figures, and against what the engine really allocates.
+
+Sources of the expected numbers:
+  [A43]  ../shared/reference/deepseek_v4_architecture.md §4.3 (bf16 entries; FP8 layout; constant per request)
+  [S11]  ../shared/reference/serving_systems.md §1.1 (FP8 / FP4 layouts per token and per request)
+  [S12]  ../shared/reference/serving_systems.md §1.2 (decode bytes read per sequence per step)
+The references print rounded values (3850, 5511, 6.72 GiB, 3.2 MB ...); the exact values are asserted here with the
+arithmetic that gives them, and the rounding is checked against the printed figure.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from v4jax import cache as C
+from v4jax import memory as M
+from v4jax.config import preset
+from v4jax.model import Transformer
+
+GiB, MiB = 1 << 30, 1 << 20
+T1M = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def flash():
+    return preset("flash")
+
+
+@pytest.fixture(scope="module")
+def pro():
+    return preset("pro")
+
+
+def test_entry_formats(flash):
+    # [S11] / [A43]: 584 B per main entry = 448 e4m3 + 64 bf16 rope (128 B) + 7 ue8m0 scales + 1 pad byte;
+    # indexer key 128 + 4 = 132 B (fp8), 64 + 4 = 68 B (fp4); bf16 entries 512 x 2 and 128 x 2.
+    assert M.main_entry_bytes(flash, "bf16") == 1024
+    assert M.main_entry_bytes(flash, "fp8") == 448 + 128 + 8 == 584
+    assert M.main_entry_bytes(flash, "fp4") == 584
+    assert M.index_key_bytes(flash, "bf16") == 256
+    assert M.index_key_bytes(flash, "fp8") == 132
+    assert M.index_key_bytes(flash, "fp4") == 68
+
+
+def test_flash_bf16(flash):
+    # [A43] Flash (21 CSA, 20 HCA): 21 * (256 + 64) + 20 * 8 = 6880 B/token, 6.72 GiB at 2^20 tokens.
+    r = M.report(flash, T1M, 1, "bf16")
+    assert (r.n_sliding, r.n_csa, r.n_hca) == (2, 21, 20)
+    assert r.per_token == {"csa_kv": 21 * 256, "csa_index": 21 * 64, "hca_kv": 20 * 8}
+    assert r.per_token_kv == 21 * (256 + 64) + 20 * 8 == 6880
+    assert round(r.per_token_kv * T1M / GiB, 2) == 6.72
+    assert r.per_token_total == 6880 + 4  # + int32 token id
+
+
+def test_pro_bf16(pro):
+    # [A43] Pro (30 CSA, 31 HCA): 30 * 320 + 31 * 8 = 9848 B/token, 9.62 GiB at 2^20 tokens.
+    r = M.report(pro, T1M, 1, "bf16")
+    assert (r.n_sliding, r.n_csa, r.n_hca) == (0, 30, 31)
+    assert r.per_token_kv == 30 * 320 + 31 * 8 == 9848
+    assert round(r.per_token_kv * T1M / GiB, 2) == 9.62
+
+
+def test_fp8_layouts(flash, pro):
+    # [A43] / [S11]: 21 * (584/4 + 132/4) + 20 * 584/128 = 21 * (146 + 33) + 20 * 4.5625 = 3850.25 (printed "3850",
+    # 3.76 GiB); Pro 30 * 179 + 31 * 4.5625 = 5511.4375 (printed "5511", 5.38 GiB).
+    f, p = M.report(flash, T1M, 1, "fp8"), M.report(pro, T1M, 1, "fp8")
+    assert f.per_token == {"csa_kv": 21 * 146, "csa_index": 21 * 33, "hca_kv": 20 * 4.5625}
+    assert f.per_token["csa_kv"] == 3066 and f.per_token["csa_index"] == 693  # [S11] rows: 3066 B, 693 B
+    assert round(f.per_token["hca_kv"]) == 91  # [S11] C128 row: 91 B
+    assert f.per_token_kv == 3850.25 and round(f.per_token_kv) == 3850
+    assert round(f.per_token_kv * T1M / GiB, 2) == 3.76
+    assert p.per_token["csa_kv"] == 4380 and p.per_token["csa_index"] == 990 and round(p.per_token["hca_kv"]) == 141
+    assert p.per_token_kv == 5511.4375 and round(p.per_token_kv) == 5511
+    assert round(p.per_token_kv * T1M / GiB, 2) == 5.38
+
+
+def test_fp4_indexer(flash, pro):
+    # [S11]: FP4 indexer keys (68/4 = 17 B per CSA layer): Flash 3514 B (3.43 GiB), Pro 5031 B (4.91 GiB).
+    f, p = M.report(flash, T1M, 1, "fp4"), M.report(pro, T1M, 1, "fp4")
+    assert f.per_token["csa_index"] == 21 * 17 == 357 and p.per_token["csa_index"] == 30 * 17 == 510
+    assert f.per_token_kv == 3514.25 and round(f.per_token_kv * T1M / GiB, 2) == 3.43
+    assert p.per_token_kv == 5031.4375 and round(p.per_token_kv * T1M / GiB, 2) == 4.91
+
+
+def test_constant_per_request(flash, pro):
+    # [A43]: window ring 128 x 1 KiB per layer (Flash 43 layers = 5.375 MiB "5.4", Pro 61 = 7.625 MiB "7.6");
+    # compressor fp32 state CSA 64 KiB + indexer 16 KiB, HCA 512 KiB per layer
+    # (Flash 21 * 80 + 20 * 512 = 11920 KiB "11.6 MiB", Pro 30 * 80 + 31 * 512 = 18272 KiB "17.8 MiB").
+    f, p = M.report(flash, T1M, 1, "bf16"), M.report(pro, T1M, 1, "bf16")
+    assert f.per_request["swa"] == 43 * 128 * 1024 and round(f.per_request["swa"] / MiB, 1) == 5.4
+    assert p.per_request["swa"] == 61 * 128 * 1024 and round(p.per_request["swa"] / MiB, 1) == 7.6
+    assert M.compressor_state_bytes(flash, "csa", 4) == {"csa": 64 * 1024, "csa_index": 16 * 1024}
+    assert M.compressor_state_bytes(flash, "hca", 128) == {"hca": 512 * 1024}
+    state = lambda r: r.per_request["state_csa"] + r.per_request["state_csa_index"] + r.per_request["state_hca"]
+    assert state(f) == (21 * 80 + 20 * 512) * 1024 and round(state(f) / MiB, 1) == 11.6
+    assert state(p) == (30 * 80 + 31 * 512) * 1024 and round(state(p) / MiB, 1) == 17.8
+    # [S11] in decimal MB: SWA per request all layers x 128 x 584 B = 3.2 / 4.6 MB; fp32 state 12.2 / 18.7 MB.
+    f8, p8 = M.report(flash, T1M, 1, "fp8"), M.report(pro, T1M, 1, "fp8")
+    assert f8.per_request["swa"] == 43 * 128 * 584 and round(f8.per_request["swa"] / 1e6, 1) == 3.2
+    assert p8.per_request["swa"] == 61 * 128 * 584 and round(p8.per_request["swa"] / 1e6, 1) == 4.6
+    assert round(state(f8) / 1e6, 1) == 12.2 and round(state(p8) / 1e6, 1) == 18.7
+    # The MTP layer (sliding) is counted apart: one more window ring, no per-token growth.
+    assert f.mtp_per_request == 128 * 1024 and f8.mtp_per_request == 128 * 584 and f.mtp_per_token == 0
+
+
+def test_pools_scale_with_requests(flash):
+    r = M.report(flash, 4096, 3, "bf16")
+    assert r.pools["csa_kv"] == 3 * 21 * 1024 * 1024  # 1024 entries of 1 KiB per CSA layer
+    assert r.pools["csa_index"] == 3 * 21 * 1024 * 256
+    assert r.pools["hca_kv"] == 3 * 20 * 32 * 1024
+    assert r.pools["tokens"] == 3 * 4096 * 4
+    assert r.pools["swa"] == 3 * r.per_request["swa"] and r.pools["mtp"] == 3 * 128 * 1024
+    assert r.total == sum(r.pools.values())
+    assert r.per_request_bytes == 4096 * 6884 + r.per_request_const + r.mtp_per_request
+    text = M.format_report([M.report(flash, T1M, 1, f) for f in ("bf16", "fp8", "fp4")])
+    assert "6880" in text and "3850.25" in text and "3514.25" in text
+
+
+def test_decode_read_bytes(flash, pro):
+    # [S12], Flash fp8-idx at 1M: indexer 727 MB (21 * 2^18 * 132), C128 96 MB (20 * 8192 * 584),
+    # sparse 6.3 MB (21 * 512 * 584), SWA 3.2 MB (43 * 128 * 584), total 832 MB.
+    d = M.decode_read_bytes(flash, T1M, "fp8")
+    assert d["indexer"] == 21 * (T1M // 4) * 132 and round(d["indexer"] / 1e6) == 727
+    assert d["hca"] == 20 * 8192 * 584 and round(d["hca"] / 1e6) == 96
+    assert d["sparse"] == 21 * 512 * 584 and round(d["sparse"] / 1e6, 1) == 6.3
+    assert d["swa"] == 43 * 128 * 584 and round(d["swa"] / 1e6, 1) == 3.2
+    assert round(d["total"] / 1e6) == 832
+    # the other cells of the [S12] table
+    mb = lambda cfg, t, f: round(M.decode_read_bytes(cfg, t, f)["total"] / 1e6)
+    assert mb(flash, 32 << 10, "fp8") == 35 and round(M.decode_read_bytes(flash, 32 << 10, "fp8")["indexer"] / 1e6) == 23
+    assert mb(flash, 32 << 10, "fp4") == 24
+    assert mb(flash, 128 << 10, "fp8") == 112 and mb(flash, 128 << 10, "fp4") == 68
+    assert mb(flash, T1M, "fp4") == 480
+    assert mb(pro, 32 << 10, "fp8") == 60 and mb(pro, 32 << 10, "fp4") == 44
+    assert mb(pro, 128 << 10, "fp8") == 171 and mb(pro, 128 << 10, "fp4") == 108
+    assert round(M.decode_read_bytes(pro, T1M, "fp8")["total"] / 1e9, 2) == 1.21 and mb(pro, T1M, "fp4") == 706
+
+
+@pytest.mark.parametrize("name", ["tiny", "flash-slice"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_param_bytes_match_model(name, dtype):
+    cfg = preset(name)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    total = mtp = 0
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        a = var.get_value()
+        total += a.size * a.dtype.itemsize
+        mtp += a.size * a.dtype.itemsize if path[0] == "mtp" else 0
+    pb = M.param_bytes(cfg, jnp.dtype(dtype).itemsize)
+    assert pb["total"] == total and pb["mtp"] == mtp
+
+
+def test_expected_active_experts():
+    cfg = preset("flash-slice")  # 16 experts, 6 active
+    assert M.expected_active_experts(cfg, 1) == pytest.approx(6.0)
+    assert M.expected_active_experts(cfg, 2) == pytest.approx(16 * (1 - (10 / 16) ** 2))
+    assert M.expected_active_experts(cfg, 32) == pytest.approx(16, abs=1e-4)
+
+
+# ---- against the engine's real allocation ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype,fmt", [(jnp.bfloat16, "bf16"), (jnp.float32, "f32")])
+def test_per_token_equals_init_pools(dtype, fmt):
+    """The report's per-token figure = what init_pools allocates per full page / P for the compressed pools."""
+    cfg = preset("tiny")  # sliding, CSA(4), HCA(16), CSA(4); P = 256
+    p = C.PoolLayout.default_page_size(cfg)
+
+    def nbytes(n_pages):
+        lay = C.PoolLayout(page_size=p, swa_page_size=64, n_pages=n_pages, n_swa_pages=2, max_slots=2,
+                           max_pages_per_seq=4, max_swa_pages_per_seq=4)
+        return C.pool_bytes(jax.eval_shape(lambda: C.init_pools(cfg, lay, dtype)))
+
+    one, three = nbytes(1), nbytes(3)
+    per_page = {k: (three[k] - one[k]) // 2 for k in one}
+    r = M.report(cfg, p, 1, fmt)
+    assert (per_page["kv"] + per_page["idx"]) / p == r.per_token_kv
+    assert per_page["tokens"] / p == 4 and sum(per_page.values()) / p == r.per_token_total
+    # tiny in bf16 by hand: CSA 2 * (64 * 2 / 4 + 32 * 2 / 4) + HCA 64 * 2 / 16 = 2 * 48 + 8 = 104 B/token
+    if fmt == "bf16":
+        assert r.per_token_kv == 104
+    # compressor state per slot = the report's constant
+    state = sum(one[k] for k in ("state_kv", "state_score", "idx_state_kv", "idx_state_score")) // 2
+    pr = r.per_request
+    assert state == pr["state_csa"] + pr["state_csa_index"] + pr["state_hca"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pool_budget_matches_engine(dtype):
+    from v4jax.api import LLM
+    budget = 3_000_000
+    llm = LLM("tiny", dtype=dtype, memory_budget_bytes=budget, max_num_seqs=3)
+    eng = llm.engine
+    pb = M.pool_budget(llm.config, budget, max_num_seqs=3, dtype=dtype)
+    assert (pb.page_size, pb.swa_page_size, pb.n_swa_pages, pb.n_pages) == (
+        eng.layout.page_size, eng.layout.swa_page_size, eng.layout.n_swa_pages, eng.layout.n_pages)
+    assert pb.pool_bytes == sum(C.pool_bytes(eng.pools).values()) <= budget
+    assert pb.tokens == pb.n_pages * pb.page_size
+    # one more page would not fit
+    assert pb.pool_bytes + pb.per_page_bytes > budget
+
+
+def test_pool_budget_flash_numbers():
+    # Flash bf16 engine defaults (8 slots, P = 256, chunk 256, k = 8): per page = 256 * (6880 + 4) B.
+    cfg = preset("flash")
+    pb = M.pool_budget(cfg, 100 * GiB)
+    assert pb.page_size == 256 and pb.per_page_bytes == 256 * 6884
+    swa = 8 * 7 * 64 * 1024 * 43  # 8 slots x 7 SWA pages of 64 tokens x 1 KiB x 43 layers
+    assert pb.fixed_bytes == swa + 8 * (21 * 80 + 20 * 512) * 1024
+    assert pb.n_pages == (100 * GiB - pb.fixed_bytes) // pb.per_page_bytes

@@ -1,0 +1,364 @@
+"""Memory report: bytes of every pool kind, per context token and per request, for any ModelConfig.
+
+Formats (entry layouts):
+  "bf16"  every entry in bf16, as the official buffers hold them (reference deepseek_v4_architecture.md §4.3):
+          main KV entry head_dim * 2 B (1024 B), indexer key index_head_dim * 2 B (256 B).
+  "f32"   the same in float32 (what an engine run with dtype="float32" allocates).
+  "fp8"   vLLM / SGLang / FlashMLA "MODEL1 FP8" (reference serving_systems.md §1.1): main entry = nope dims in
+          e4m3 (448 B) + rope dims in bf16 (64 x 2 = 128 B) + one ue8m0 scale byte per 64 nope dims (7 B) padded
+          to a multiple of 8 B = 584 B; indexer key = index_head_dim e4m3 bytes + one fp32 scale = 132 B.
+  "fp4"   as "fp8" but MXFP4 indexer keys: index_head_dim / 2 + 4 = 68 B.
+The window (SWA) entry has the main entry's format. Compressor partial state is float32 in every format.
+Token ids are int32 (4 B per token) and are reported apart from the KV figure, which (like both references)
+excludes them.
+
+Pool kinds (names used in every dict below):
+  swa          window ring, `window_size` entries per layer and request (constant per request)
+  csa_kv       C4 (CSA) compressed entries, 1 per `ratio` tokens per CSA layer
+  csa_index    C4 indexer keys, 1 per `ratio` tokens per CSA layer
+  hca_kv       C128 (HCA) compressed entries, 1 per `ratio` tokens per HCA layer
+  state        compressor partial state per request: CSA main [2m, 2K] kv + score, its indexer [2m, 2Ki] kv + score,
+               HCA [m, K] kv + score, all float32
+  tokens       token ids, int32
+The MTP layer (a sliding layer in the released models) is counted apart, under `mtp`.
+
+`pool_budget` does the engine's arithmetic (v4jax.engine.Engine._pages_for_budget, cache.init_pools): how many
+full pages of P tokens fit in a byte budget once the fixed pools (SWA pages, compressor states) are paid for.
+`decode_read_bytes` is reference serving_systems.md §1.2: what one decode step must read per sequence.
+`param_bytes` / `decode_weight_bytes` count the weights (the roofline of v4jax.bench).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from v4jax.config import CSA, HCA, SLIDING, ModelConfig
+
+FORMATS = ("bf16", "f32", "fp8", "fp4")
+_ALIASES = {"bfloat16": "bf16", "float32": "f32", "fp32": "f32", "fp8-fp4idx": "fp4"}
+KINDS = ("swa", "csa_kv", "csa_index", "hca_kv", "state", "tokens")
+TOKEN_ID_BYTES = 4
+STATE_BYTES = 4  # compressor partial state is float32
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _fmt(fmt: str) -> str:
+    f = _ALIASES.get(fmt, fmt)
+    if f not in FORMATS:
+        raise ValueError(f"format {fmt!r}: expected one of {FORMATS}")
+    return f
+
+
+def main_entry_bytes(cfg: ModelConfig, fmt: str = "bf16") -> int:
+    """Bytes of one main KV entry (window, C4 or C128): 1024 bf16 / 584 FP8 for head_dim 512, rope 64."""
+    f = _fmt(fmt)
+    if f == "bf16":
+        return 2 * cfg.head_dim
+    if f == "f32":
+        return 4 * cfg.head_dim
+    nope, rope = cfg.nope_head_dim, cfg.rope_head_dim
+    raw = nope + 2 * rope + math.ceil(nope / 64)  # e4m3 nope + bf16 rope + ue8m0 scale per 64 nope dims
+    return -(-raw // 8) * 8  # 583 -> 584: the pad byte
+
+
+def index_key_bytes(cfg: ModelConfig, fmt: str = "bf16") -> int:
+    """Bytes of one C4 indexer key: 256 bf16 / 132 FP8 (128 + fp32 scale) / 68 FP4 (64 + fp32 scale)."""
+    f = _fmt(fmt)
+    d = cfg.index_head_dim
+    return {"bf16": 2 * d, "f32": 4 * d, "fp8": d + 4, "fp4": d // 2 + 4}[f]
+
+
+def _layers(cfg: ModelConfig, mtp: bool = False) -> list[tuple[str, int]]:
+    """(kind, ratio) of the main layers, or of the MTP layers."""
+    if mtp:
+        return [(cfg.mtp_layer_type, cfg.mtp_compress_ratio)] * cfg.n_mtp_layers
+    return list(zip(cfg.layer_types, cfg.compress_ratios))
+
+
+def _per_token(cfg: ModelConfig, layers, fmt: str) -> dict[str, float]:
+    main, idx = main_entry_bytes(cfg, fmt), index_key_bytes(cfg, fmt)
+    out = {"csa_kv": 0.0, "csa_index": 0.0, "hca_kv": 0.0}
+    for kind, m in layers:
+        if kind == CSA:
+            out["csa_kv"] += main / m
+            out["csa_index"] += idx / m
+        elif kind == HCA:
+            out["hca_kv"] += main / m
+    return out
+
+
+def compressor_state_bytes(cfg: ModelConfig, kind: str, ratio: int) -> dict[str, int]:
+    """Per request and layer, float32 kv + score: CSA main 2 x [2m, 2K] (64 KiB), its indexer 2 x [2m, 2Ki]
+    (16 KiB), HCA 2 x [m, K] (512 KiB) for the released sizes (reference §4.1, §4.3)."""
+    if kind == CSA:
+        return {"csa": 2 * (2 * ratio) * (2 * cfg.head_dim) * STATE_BYTES,
+                "csa_index": 2 * (2 * ratio) * (2 * cfg.index_head_dim) * STATE_BYTES}
+    if kind == HCA:
+        return {"hca": 2 * ratio * cfg.head_dim * STATE_BYTES}
+    return {}
+
+
+def _per_request(cfg: ModelConfig, layers, fmt: str) -> dict[str, int]:
+    main = main_entry_bytes(cfg, fmt)
+    out = {"swa": 0, "state_csa": 0, "state_csa_index": 0, "state_hca": 0}
+    for kind, m in layers:
+        out["swa"] += cfg.window_size * main
+        for k, v in compressor_state_bytes(cfg, kind, m).items():
+            out["state_" + k] += v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    fmt: str
+    context_tokens: int
+    n_requests: int
+    n_sliding: int
+    n_csa: int
+    n_hca: int
+    main_entry_bytes: int
+    index_key_bytes: int
+    per_token: dict  # kind -> bytes per context token (csa_kv, csa_index, hca_kv), main layers
+    per_token_kv: float  # the reference figure: compressed KV bytes per context token (no token ids)
+    per_token_total: float  # + token ids
+    per_request: dict  # constant bytes per request: swa, state_csa, state_csa_index, state_hca (main layers)
+    per_request_const: int  # their sum
+    mtp_per_request: int  # the MTP layer(s): window ring (+ state if compressed)
+    mtp_per_token: float  # 0 for the released (sliding) MTP layer
+    pools: dict  # kind -> bytes for n_requests x context_tokens (kinds of KINDS, plus "mtp")
+    total: int  # sum of pools
+
+    @property
+    def per_request_bytes(self) -> float:
+        """Everything one request of `context_tokens` holds (MTP included)."""
+        return (self.context_tokens * (self.per_token_total + self.mtp_per_token)
+                + self.per_request_const + self.mtp_per_request)
+
+
+def report(cfg: ModelConfig, context_tokens: int = 1 << 20, n_requests: int = 1, fmt: str = "bf16") -> MemoryReport:
+    """Bytes per pool kind for `n_requests` requests of `context_tokens` tokens each.
+    Compressed pools hold floor(T / m) entries per layer (only complete windows exist)."""
+    f = _fmt(fmt)
+    main_layers, mtp_layers = _layers(cfg), _layers(cfg, mtp=True)
+    pt = _per_token(cfg, main_layers, f)
+    pr = _per_request(cfg, main_layers, f)
+    mtp_pt = sum(_per_token(cfg, mtp_layers, f).values())
+    mtp_pr = sum(_per_request(cfg, mtp_layers, f).values())
+    main, idx = main_entry_bytes(cfg, f), index_key_bytes(cfg, f)
+    t, n = int(context_tokens), int(n_requests)
+    pools = dict.fromkeys(KINDS, 0)
+    for kind, m in main_layers:
+        if kind == CSA:
+            pools["csa_kv"] += n * (t // m) * main
+            pools["csa_index"] += n * (t // m) * idx
+        elif kind == HCA:
+            pools["hca_kv"] += n * (t // m) * main
+    pools["swa"] = n * pr["swa"]
+    pools["state"] = n * (pr["state_csa"] + pr["state_csa_index"] + pr["state_hca"])
+    pools["tokens"] = n * t * TOKEN_ID_BYTES
+    mtp_pool = n * mtp_pr
+    for kind, m in mtp_layers:
+        if kind != SLIDING:
+            mtp_pool += n * (t // m) * (main + (idx if kind == CSA else 0))
+    pools["mtp"] = mtp_pool
+    kv = sum(pt.values())
+    return MemoryReport(
+        fmt=f, context_tokens=t, n_requests=n,
+        n_sliding=sum(k == SLIDING for k, _ in main_layers), n_csa=sum(k == CSA for k, _ in main_layers),
+        n_hca=sum(k == HCA for k, _ in main_layers), main_entry_bytes=main, index_key_bytes=idx,
+        per_token=pt, per_token_kv=kv, per_token_total=kv + TOKEN_ID_BYTES, per_request=pr,
+        per_request_const=sum(pr.values()), mtp_per_request=mtp_pr, mtp_per_token=mtp_pt,
+        pools=pools, total=sum(pools.values()))
+
+
+def _human(b: float) -> str:
+    if b >= GiB:
+        return f"{b / GiB:.2f} GiB"
+    if b >= MiB:
+        return f"{b / MiB:.2f} MiB"
+    if b >= 1024:
+        return f"{b / 1024:.2f} KiB"
+    return f"{b:.0f} B"
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.4f}".rstrip("0")
+
+
+def format_report(rep: MemoryReport | list[MemoryReport], title: str | None = None) -> str:
+    """A markdown table; several reports (e.g. one per format, same context) become columns."""
+    reps = rep if isinstance(rep, (list, tuple)) else [rep]
+    r0 = reps[0]
+    head = ["", *[r.fmt for r in reps]]
+    rows = [
+        ("layers (sliding / CSA / HCA)", [f"{r.n_sliding} / {r.n_csa} / {r.n_hca}" for r in reps]),
+        ("main KV entry / indexer key (B)", [f"{r.main_entry_bytes} / {r.index_key_bytes}" for r in reps]),
+        ("C4 KV per token (B)", [_num(r.per_token["csa_kv"]) for r in reps]),
+        ("C4 indexer keys per token (B)", [_num(r.per_token["csa_index"]) for r in reps]),
+        ("C128 KV per token (B)", [_num(r.per_token["hca_kv"]) for r in reps]),
+        ("**KV per context token (B)**", [f"**{_num(r.per_token_kv)}**" for r in reps]),
+        ("+ token ids (B/token)", [_num(r.per_token_total) for r in reps]),
+        ("window ring per request", [_human(r.per_request["swa"]) for r in reps]),
+        ("compressor state per request (f32)",
+         [_human(r.per_request["state_csa"] + r.per_request["state_csa_index"] + r.per_request["state_hca"])
+          for r in reps]),
+        ("MTP layer per request (separate)", [_human(r.mtp_per_request) for r in reps]),
+        (f"KV of one {r0.context_tokens}-token request", [_human(r.per_token_kv * r.context_tokens) for r in reps]),
+    ]
+    for k in KINDS + ("mtp",):
+        rows.append((f"pool {k} ({r0.n_requests} x {r0.context_tokens} tokens)", [_human(r.pools[k]) for r in reps]))
+    rows.append(("**all pools**", [f"**{_human(r.total)}**" for r in reps]))
+    lines = []
+    if title:
+        lines += [title, ""]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for name, vals in rows:
+        lines.append("| " + " | ".join([name, *vals]) + " |")
+    return "\n".join(lines)
+
+
+# ---- the engine's layout: pages that fit a budget ----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PoolBudget:
+    page_size: int  # P, tokens per full page
+    swa_page_size: int
+    n_swa_pages: int
+    per_page_bytes: int  # every compressed pool's rows of one full page, plus its token ids
+    fixed_bytes: int  # pools that do not scale with pages: SWA pages, compressor states
+    n_pages: int  # full pages that fit (before the engine's max(1, .))
+    tokens: int  # n_pages * P
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.fixed_bytes + max(self.n_pages, 0) * self.per_page_bytes
+
+
+def _dtype_fmt(dtype) -> str:
+    if dtype is None:
+        return "bf16"
+    if isinstance(dtype, str):
+        return _fmt(dtype)
+    import numpy as np
+    return {2: "bf16", 4: "f32"}[np.dtype(dtype).itemsize]
+
+
+def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: int = 8, prefill_chunk: int = 256,
+                  decode_steps: int = 8) -> tuple[int, int, int]:
+    """(P, Ps, SWA pages) exactly as Engine.__init__ chooses them for the paged layout."""
+    p = -(-(page_size or 256) // cfg.lcm_ratio()) * cfg.lcm_ratio()
+    ps = math.gcd(p, 64)
+    swa_per_slot = -(-(cfg.window_size + max(prefill_chunk, decode_steps)) // ps) + 1
+    return p, ps, max_num_seqs * swa_per_slot
+
+
+def pool_budget(cfg: ModelConfig, budget_bytes: int, *, page_size: int | None = None, max_num_seqs: int = 8,
+                prefill_chunk: int = 256, decode_steps: int = 8, dtype="bf16") -> PoolBudget:
+    """How many full pages (and tokens) the engine's pools hold in `budget_bytes` (pools only: weights and
+    activations are not in the budget). Same arithmetic as Engine._pages_for_budget, from the formulas above:
+    per page = P * (KV bytes per token + 4 B of token id); fixed = SWA pages of every main layer + every slot's
+    compressor state. The engine allocates no MTP pool (it does not run MTP), so none is counted."""
+    f = _dtype_fmt(dtype)
+    p, ps, n_swa = engine_layout(cfg, page_size, max_num_seqs, prefill_chunk, decode_steps)
+    main, idx = main_entry_bytes(cfg, f), index_key_bytes(cfg, f)
+    per_page = p * TOKEN_ID_BYTES
+    fixed = 0
+    for kind, m in _layers(cfg):
+        fixed += n_swa * ps * main
+        if kind == CSA:
+            per_page += (p // m) * (main + idx)
+        elif kind == HCA:
+            per_page += (p // m) * main
+        fixed += max_num_seqs * sum(compressor_state_bytes(cfg, kind, m).values())
+    n_pages = int((budget_bytes - fixed) // per_page)
+    return PoolBudget(page_size=p, swa_page_size=ps, n_swa_pages=n_swa, per_page_bytes=per_page, fixed_bytes=fixed,
+                      n_pages=n_pages, tokens=n_pages * p)
+
+
+# ---- decode traffic (reference serving_systems.md §1.2) ----------------------------------------------
+def decode_read_bytes(cfg: ModelConfig, context_tokens: int, fmt: str = "bf16") -> dict[str, int]:
+    """Pool bytes one decode step must read for ONE sequence holding `context_tokens` tokens: the indexer scans
+    every C4 key of every CSA layer; sparse attention reads top-k selected C4 entries per CSA layer; HCA layers
+    read all their entries; every layer reads its window. Keys: indexer, sparse, hca, swa, total."""
+    f = _fmt(fmt)
+    main, idx = main_entry_bytes(cfg, f), index_key_bytes(cfg, f)
+    t = int(context_tokens)
+    out = {"indexer": 0, "sparse": 0, "hca": 0, "swa": 0}
+    for kind, m in _layers(cfg):
+        out["swa"] += min(cfg.window_size, t) * main
+        if kind == CSA:
+            out["indexer"] += (t // m) * idx
+            out["sparse"] += min(cfg.index_topk, t // m) * main
+        elif kind == HCA:
+            out["hca"] += (t // m) * main
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---- weights -----------------------------------------------------------------------------------------
+def param_bytes(cfg: ModelConfig, dtype_bytes: int = 2, mtp: bool = True) -> dict[str, int]:
+    """Bytes of every parameter group of v4jax.model.Transformer (linear / embedding / expert weights in the
+    model dtype; norms, mHC, attention sinks, compressor `ape`, router bias in float32; hash tables int32).
+    Keys: embed, head, top (final norm + mHC head), attn (all layers: projections, compressor, indexer, norms,
+    sink, mHC of the layer), router, shared_expert, routed_expert (ONE expert of ONE layer), routed_experts
+    (all, main layers), mtp (the MTP module, 0 if mtp=False), total."""
+    w, f32 = dtype_bytes, 4
+    d, n, v = cfg.dim, cfg.hc_mult, cfg.vocab_size
+    mix = (2 + n) * n
+    out = dict(embed=v * d * w, head=v * d * w, top=d * f32 + (n * n * d + n + 1) * f32,
+               attn=0, router=0, shared_expert=0, routed_expert=3 * cfg.moe_inter_dim * d * w, routed_experts=0)
+
+    def block(i: int) -> dict[str, int]:
+        kind, m = cfg.layer_type(i), cfg.compress_ratio(i)
+        h, k, q, g, r = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+        attn = 2 * d * f32 + 2 * (mix * n * d + mix + 3) * f32  # attn/ffn norms, hc_attn / hc_ffn fn+base+scale
+        attn += (q * d + h * k * q + k * d + g * r * (h * k // g) + d * g * r) * w  # wq_a wq_b wkv wo_a wo_b
+        attn += (q + k + h) * f32  # q_norm, kv_norm, attn_sink
+        if kind != SLIDING:
+            coff = 2 if kind == CSA else 1
+            attn += 2 * coff * k * d * w + (m * coff * k + k) * f32  # wkv, wgate; ape, norm
+        if kind == CSA:
+            hi, ki = cfg.index_n_heads, cfg.index_head_dim
+            attn += (hi * ki * q + hi * d) * w  # indexer wq_b, weights_proj
+            attn += 2 * 2 * ki * d * w + (m * 2 * ki + ki) * f32  # indexer compressor
+        router = cfg.n_routed_experts * d * w
+        router += (v * cfg.n_activated_experts * 4) if cfg.is_hash_layer(i) else cfg.n_routed_experts * f32
+        shared = 3 * cfg.moe_inter_dim * d * w * cfg.n_shared_experts
+        return dict(attn=attn, router=router, shared_expert=shared,
+                    routed_experts=cfg.n_routed_experts * 3 * cfg.moe_inter_dim * d * w)
+
+    for i in range(cfg.n_layers):
+        for key, val in block(i).items():
+            out[key] += val
+    out["mtp"] = 0
+    if mtp:
+        for j in range(cfg.n_mtp_layers):
+            b = block(cfg.n_layers + j)
+            out["mtp"] += sum(b.values()) + 2 * d * d * w + 3 * d * f32 + (n * n * d + n + 1) * f32
+    out["total"] = (out["embed"] + out["head"] + out["top"] + out["attn"] + out["router"] + out["shared_expert"]
+                    + out["routed_experts"] + out["mtp"])
+    return out
+
+
+def expected_active_experts(cfg: ModelConfig, batch: int) -> float:
+    """Expected distinct routed experts per layer when `batch` tokens each pick k of E uniformly at random."""
+    e, k = cfg.n_routed_experts, cfg.n_activated_experts
+    return e * (1.0 - (1.0 - k / e) ** batch)
+
+
+def decode_weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int = 2) -> dict[str, float]:
+    """Weight bytes one decode step of `batch` tokens (one per sequence) must read: every attention / router /
+    shared-expert / head weight, the embedding rows of the batch's tokens (at most `batch` rows), and only the
+    routed experts the batch activates (expected number under random routing). The MTP module is not run."""
+    pb = param_bytes(cfg, dtype_bytes, mtp=False)
+    act = expected_active_experts(cfg, batch)
+    out = {
+        "embed_rows": min(batch, cfg.vocab_size) * cfg.dim * dtype_bytes,
+        "head": pb["head"], "top": pb["top"], "attn": pb["attn"], "router": pb["router"],
+        "shared_expert": pb["shared_expert"],
+        "routed_experts": cfg.n_layers * act * pb["routed_expert"],
+        "active_experts_per_layer": act,
+    }
+    out["total"] = sum(v for k, v in out.items() if k != "active_experts_per_layer")
+    return out
