@@ -1,0 +1,150 @@
+"""GPU compressor decode: the projections are two XLA GEMMs (cuBLAS-class bandwidth on the [coff*d, Dm] weights,
+which dominate the bytes); one Pallas Triton kernel then does everything that touches the state: writes each
+active slot's row, pools the closing slots (reading only their state blocks) and shifts them (CSA), so a decode
+step moves the weights + one row per slot (+ one state block per closing slot), instead of the whole state as
+the XLA reference's masked updates do. RMSNorm + RoPE on the pooled [B, d] is a small XLA epilogue.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import _compat
+from ._common import F32, next_pow2, round_up
+from .compressor import _dims, finish_entry
+
+_CB = 32   # channels per program (per half)
+_BB = 16   # slots per program
+
+
+def decode_supported(x, kv_state, norm_w, ratio, overlap):
+  d = norm_w.shape[0]
+  return d % _CB == 0 and (d & (d - 1)) == 0
+
+
+def _project_gpu(x, w):
+  """x [B, Dm] @ w[N, Dm].T in f32 (bf16 x bf16 products are exact; f32 x uses full precision)."""
+  prec = lax.Precision.HIGHEST if (x.dtype == F32 or w.dtype == F32) else None
+  return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=F32)
+
+
+def _state_kernel(pos_ref, a_ref, z_ref, kv_in, sc_in, pooled_ref, kv_ref, sc_ref, *, m, coff, d, cb, bb, B):
+  del kv_in, sc_in  # aliased with kv_ref / sc_ref
+  j = pl.program_id(0)
+  ib = pl.program_id(1)
+  off = (coff - 1) * m
+  b = ib * bb + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)                  # [bb, 1]
+  c = j * cb + lax.broadcasted_iota(jnp.int32, (1, cb), 1)                   # [1, cb]
+  p = pos_ref[...][:, None]                                                  # [bb, 1]
+  active = (p >= 0) & (b < B)
+  close = active & (lax.rem(p + 1, m) == 0)
+  slot = off + lax.rem(jnp.maximum(p, 0), m)
+  # rows past B point one past the end: masked on GPU, and dropped (instead of clobbering a real row with a
+  # stale value) by interpret mode's scatter
+  bsafe = jnp.minimum(b, B)
+  new_a = [a_ref[:, h, :] for h in range(coff)]                              # [bb, cb]
+  new_z = [z_ref[:, h, :] for h in range(coff)]
+  load = _compat.pltriton.load
+  store = _compat.pltriton.store
+
+  def at(ref, s, h):
+    return ref.at[bsafe, jnp.broadcast_to(s, (bb, 1)), h * d + c]
+
+  def get(ref, s, h, other):
+    return load(at(ref, s, h), mask=jnp.broadcast_to(close, (bb, cb)), other=other)
+
+  mx = jnp.full((bb, cb), -jnp.inf, F32)
+  num = jnp.zeros((bb, cb), F32)
+  den = jnp.zeros((bb, cb), F32)
+
+  def accum(carry, zz, aa):
+    mx, num, den = carry
+    mx_new = jnp.maximum(mx, zz)
+    safe = jnp.where(mx_new > -jnp.inf, mx_new, 0.0)
+    alpha = jnp.exp(mx - safe)
+    e = jnp.exp(zz - safe)
+    return mx_new, alpha * num + e * aa, alpha * den + e
+
+  carry = (mx, num, den)
+  cur_last = off + m - 1
+  if coff == 2:
+    # previous window, first half of the channels
+    for s in range(m):
+      carry = accum(carry, get(sc_ref, s, 0, -jnp.inf), get(kv_ref, s, 0, 0.0))
+    # current window: second half pooled; both halves kept for the shift (the last slot is the new row)
+    cur = []
+    for s in range(m, 2 * m):
+      if s == cur_last:
+        vals = (new_a[0], new_z[0], new_a[1], new_z[1])
+      else:
+        vals = (get(kv_ref, s, 0, 0.0), get(sc_ref, s, 0, -jnp.inf), get(kv_ref, s, 1, 0.0),
+                get(sc_ref, s, 1, -jnp.inf))
+      cur.append(vals)
+      carry = accum(carry, vals[3], vals[2])
+  else:
+    def body(s, carry):
+      return accum(carry, get(sc_ref, s, 0, -jnp.inf), get(kv_ref, s, 0, 0.0))
+    carry = lax.fori_loop(0, m - 1, body, carry)
+    carry = accum(carry, new_z[0], new_a[0])
+  _, num, den = carry
+  pooled = num / jnp.where(den > 0, den, 1.0)
+  pooled_ref[...] = jnp.where(close, pooled, 0.0)
+
+  # stores last (every load above has been issued): the new row, then (CSA, closing) the shift
+  act = jnp.broadcast_to(active, (bb, cb))
+  for h in range(coff):
+    store(at(kv_ref, slot, h), new_a[h], mask=act)
+    store(at(sc_ref, slot, h), new_z[h], mask=act)
+  if coff == 2:
+    cl = jnp.broadcast_to(close, (bb, cb))
+    for i, (a0, z0, a1, z1) in enumerate(cur):
+      store(at(kv_ref, i, 0), a0, mask=cl)
+      store(at(sc_ref, i, 0), z0, mask=cl)
+      store(at(kv_ref, i, 1), a1, mask=cl)
+      store(at(sc_ref, i, 1), z1, mask=cl)
+
+
+def _state_update(pos, a, z, kv_state, score_state, *, m, coff, d, interpret=False):
+  B = pos.shape[0]
+  cb, bb = _CB, _BB
+  Bp = round_up(B, bb)
+  pad = Bp - B
+  posp = jnp.pad(pos, (0, pad), constant_values=-1)
+  a3 = jnp.pad(a, ((0, pad), (0, 0))).reshape(Bp, coff, d)
+  z3 = jnp.pad(z, ((0, pad), (0, 0))).reshape(Bp, coff, d)
+  kernel = functools.partial(_state_kernel, m=m, coff=coff, d=d, cb=cb, bb=bb, B=B)
+  full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+  pooled, kv, sc = pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((Bp, d), F32), jax.ShapeDtypeStruct(kv_state.shape, F32),
+                 jax.ShapeDtypeStruct(score_state.shape, F32)),
+      grid=(d // cb, Bp // bb),
+      in_specs=[pl.BlockSpec((bb,), lambda j, i: (i,)),
+                pl.BlockSpec((bb, coff, cb), lambda j, i: (i, 0, j)),
+                pl.BlockSpec((bb, coff, cb), lambda j, i: (i, 0, j)),
+                full(kv_state), full(score_state)],
+      out_specs=(pl.BlockSpec((bb, cb), lambda j, i: (i, j)), full(kv_state), full(score_state)),
+      input_output_aliases={3: 1, 4: 2},
+      compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
+      interpret=bool(interpret),
+      name="v4_compressor_state_gpu",
+  )(posp, a3, z3, kv_state, score_state)
+  return pooled[:B], kv, sc
+
+
+def compressor_decode_gpu(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w, cos_sin, *, ratio, overlap, eps,
+                          interpret=False):
+  m, coff, d = _dims(kv_state, norm_w, ratio, overlap)
+  pos = pos.astype(jnp.int32)
+  a = _project_gpu(x, wkv)
+  z = _project_gpu(x, wgate) + ape.astype(F32)[jnp.mod(pos, m)]
+  pooled, kv, sc = _state_update(pos, a, z, kv_state.astype(F32), score_state.astype(F32), m=m, coff=coff, d=d,
+                                 interpret=interpret)
+  close = (pos >= 0) & (jnp.mod(pos + 1, m) == 0)
+  cos, sin = cos_sin
+  entry = jnp.where(close[:, None], finish_entry(pooled, norm_w, cos, sin, eps=eps), 0.0)
+  return entry, close, kv, sc
