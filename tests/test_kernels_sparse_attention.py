@@ -1,0 +1,145 @@
+"""Sparse attention kernels: reference vs a float64 numpy transcription of reference §3.6; the TPU-style Pallas
+kernel (TPU interpret mode) and the GPU Triton kernel (interpret mode) vs the reference; lowering for TPU (Mosaic)
+and CUDA (Triton).
+
+Outputs are poisoned: both interpret modes start every output buffer as NaN (TPU interpret: uninitialized
+memory = NaN; HLO interpreter: outputs = NaN), and every element is checked (finite and close).
+"""
+import functools
+import importlib
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _compat
+sa = importlib.import_module("pallas_kernels.sparse_attention")   # (the package attribute is the function)
+
+
+@pytest.fixture(autouse=True)
+def _single_device(request):
+  """TPU interpret mode wants one device: under a multi-device CPU setup, run this test in a subprocess."""
+  if jax.device_count() == 1:
+    yield
+    return
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                     env=env, cwd=str(request.config.rootpath), capture_output=True, text=True)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+  pytest.skip("passed in a single-device subprocess")
+
+
+def _np_ref(q, swa, rw, cmp, rc, sink, scale):
+  q = np.asarray(q, np.float64)
+  B, T, H, D = q.shape
+  out = np.zeros((B, T, H, D))
+  sets = [(np.asarray(swa, np.float64), np.asarray(rw))]
+  if cmp is not None:
+    sets.append((np.asarray(cmp, np.float64), np.asarray(rc)))
+  for b in range(B):
+    for t in range(T):
+      ks = np.concatenate([p[r[b, t][r[b, t] >= 0]] for p, r in sets], axis=0)        # [J, D]
+      for h in range(H):
+        s = scale * ks @ q[b, t, h]
+        mx = max(s.max() if len(s) else -np.inf, float(sink[h]))
+        e = np.exp(s - mx)
+        out[b, t, h] = (e @ ks) / (e.sum() + np.exp(float(sink[h]) - mx))
+  return out
+
+
+def _inputs(rng, B, T, H, D, W, K, R1, R2, dtype):
+  q = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
+  swa = jnp.asarray(rng.standard_normal((R1, D)), dtype)
+  cmp = jnp.asarray(rng.standard_normal((R2, D)), dtype)
+  rw = rng.integers(0, R1, (B, T, W))
+  rc = rng.integers(0, R2, (B, T, K))
+  rw[0, 0, : W // 3] = -1                                    # some empty window slots
+  rw[-1, -1] = (np.arange(W) + 3) % R1                       # a contiguous run (one DMA per group)
+  rc[0, -1] = -1                                             # no compressed entries for one query
+  rc[-1, 0, ::3] = -1
+  if B > 1:
+    rw[1, 0] = -1
+    rc[1, 0] = -1                                            # nothing valid at all -> o = 0
+  sink = jnp.asarray(rng.standard_normal(H) * 2, jnp.float32)
+  return q, swa, jnp.asarray(rw, jnp.int32), cmp, jnp.asarray(rc, jnp.int32), sink
+
+
+def _check(out, ref, rtol, atol):
+  out = np.asarray(out.astype(jnp.float32))
+  assert np.all(np.isfinite(out)), "unwritten (NaN-poisoned) or non-finite outputs"
+  np.testing.assert_allclose(out, np.asarray(ref, np.float32), rtol=rtol, atol=atol)
+
+
+def test_reference_matches_numpy(rng):
+  args = _inputs(rng, 2, 2, 4, 32, 8, 12, 40, 60, jnp.float32)
+  scale = 32 ** -0.5
+  ref = sa.sparse_attention_ref(*args, scale=scale)
+  np.testing.assert_allclose(np.asarray(ref), _np_ref(*args, scale), rtol=1e-5, atol=1e-6)
+  # the all-invalid query gives exactly 0
+  assert np.all(np.asarray(ref)[1, 0] == 0)
+  # without a compressed set
+  q, swa, rw, _, _, sink = args
+  ref2 = sa.sparse_attention_ref(q, swa, rw, None, None, sink, scale=scale)
+  np.testing.assert_allclose(np.asarray(ref2), _np_ref(q, swa, rw, None, None, sink, scale), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_reference_t_chunking(rng, monkeypatch):
+  args = _inputs(rng, 1, 4, 4, 32, 8, 8, 40, 60, jnp.float32)
+  full = sa.sparse_attention_ref(*args, scale=0.2)
+  monkeypatch.setattr(sa, "_REF_BYTES_LIMIT", 1 << 12)
+  chunked = sa.sparse_attention_ref(*args, scale=0.2)
+  np.testing.assert_allclose(np.asarray(chunked), np.asarray(full), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype,tol,K", [(jnp.float32, 1e-5, 150), (jnp.bfloat16, 2e-2, 40)])
+def test_tpu_kernel_interpret(rng, dtype, tol, K):
+  B, T, H, D, W = 2, 2, 8, 128, 20                         # K = 150: two compressed chunks of 128 rows
+  args = _inputs(rng, B, T, H, D, W, K, 64, 300, dtype)
+  scale = D ** -0.5
+  ref = sa.sparse_attention_ref(*args, scale=scale)
+  out = jax.jit(functools.partial(sa._sparse_attention_tpu, scale=scale, interpret=True))(*args)
+  assert out.dtype == dtype
+  _check(out, ref.astype(jnp.float32), rtol=tol, atol=tol)
+
+
+def test_tpu_kernel_interpret_window_only_and_public_entry(rng):
+  q, swa, rw, _, _, sink = _inputs(rng, 1, 3, 4, 128, 16, 1, 50, 1, jnp.float32)
+  ref = sa.sparse_attention_ref(q, swa, rw, None, None, sink, scale=0.1)
+  out = jax.jit(functools.partial(sa.sparse_attention, scale=0.1, interpret=True))(q, swa, rw, None, None, sink)
+  _check(out, ref, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("n_split", [1, 3])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_gpu_kernel_interpret(rng, n_split, dtype, tol):
+  args = _inputs(rng, 2, 2, 20, 64, 40, 70, 64, 300, dtype)   # H=20: padded to a multiple of 16 heads
+  ref = sa.sparse_attention_ref(*args, scale=0.125)
+  out = jax.jit(functools.partial(sa._sparse_attention_gpu, scale=0.125, interpret=True, n_split=n_split))(*args)
+  _check(out, ref.astype(jnp.float32), rtol=tol, atol=tol)
+
+
+def _shapes(B, T, H, D, W, K, R1, R2, dt):
+  S = jax.ShapeDtypeStruct
+  return (S((B, T, H, D), dt), S((R1, D), dt), S((B, T, W), jnp.int32), S((R2, D), dt), S((B, T, K), jnp.int32),
+          S((H,), jnp.float32))
+
+
+@pytest.mark.parametrize("shape", [
+    (4, 1, 64, 512, 128, 512, 4096, 65536, jnp.bfloat16),    # Flash decode
+    (2, 3, 8, 128, 20, 40, 64, 300, jnp.float32),             # spec-decode T, odd sizes
+])
+def test_lowers_for_tpu(shape):
+  exp = _compat.export_for_tpu(functools.partial(sa._sparse_attention_tpu, scale=0.04), *_shapes(*shape))
+  assert "tpu_custom_call" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("n_split", [None, 4])
+def test_lowers_for_cuda_triton(n_split):
+  txt = _compat.lower_for_cuda(functools.partial(sa._sparse_attention_gpu, scale=0.04, n_split=n_split),
+                               *_shapes(4, 1, 64, 512, 128, 512, 4096, 65536, jnp.bfloat16))
+  assert "triton" in txt
