@@ -234,6 +234,8 @@ class Attention(nnx.Module):
         kv = self.window_kv(x, cos, sin, opts)
         swa = pool.swa.at[meta.swa_write.reshape(-1)].set(kv.reshape(b * t, -1).astype(pool.swa.dtype), mode="drop")
         pool = dataclasses.replace(pool, swa=swa)
+        if opts.attention_impl == "pallas":
+            return self._cached_pallas(x, meta, pool, q, qr, cos, sin, opts)
         win_keys = swa[jnp.maximum(meta.win_rows, 0)]  # [B, U, K]
         wp = meta.win_pos[:, None, :]
         win_valid = (meta.win_rows[:, None, :] >= 0) & (wp <= pos[:, :, None]) & (wp > pos[:, :, None] - cfg.window_size)
@@ -264,6 +266,36 @@ class Attention(nnx.Module):
                          None if sel_keys is None else sel_keys.astype(q.dtype), sel_valid,
                          self.attn_sink[...], cfg.head_dim ** -0.5)
         return self.output(o, cos, sin, opts), pool
+
+    def _cached_pallas(self, x, meta, pool, q, qr, cos, sin, opts: RunOptions):
+        """The same step through pallas_kernels: per-query row lists, gathered inside the kernels."""
+        from pallas_kernels import indexer_topk, sparse_attention
+        cfg = self.cfg
+        b, t, _ = x.shape
+        pos = meta.positions
+        # Query t's window is win_rows[t : t + W] (win_pos starts at start - W + 1).
+        swa_rows = jnp.take_along_axis(
+            jnp.broadcast_to(meta.win_rows[:, None, :], (b, t, meta.win_rows.shape[1])),
+            jnp.arange(t)[None, :, None] + jnp.arange(cfg.window_size)[None, None, :], axis=2)
+        cmp_rows = None
+        if self.compressor is not None:
+            rows = meta.entry_rows[self.ratio]
+            n_ready = (pos + 1) // self.ratio
+            pool = self._compress_into(self.compressor, x, meta, pool, "kv", "state_kv", "state_score", opts)
+            if self.indexer is not None:
+                pool = self._compress_into(self.indexer.compressor, x, meta, pool, "idx", "idx_state_kv",
+                                           "idx_state_score", opts)
+                iq = self.indexer.queries(qr, cos, sin, opts)
+                sel = indexer_topk(iq, self.indexer.head_weights(x), pool.idx, rows, n_ready, cfg.index_topk,
+                                   impl="pallas")
+                cmp_rows = jnp.where(sel >= 0, jnp.take_along_axis(
+                    jnp.broadcast_to(rows[:, None, :], (b, t, rows.shape[1])), jnp.maximum(sel, 0), axis=2), -1)
+            else:
+                e = jnp.arange(rows.shape[1])[None, None, :]
+                cmp_rows = jnp.where(e < n_ready[:, :, None], rows[:, None, :], -1)
+        o = sparse_attention(q, pool.swa, swa_rows, None if cmp_rows is None else pool.kv, cmp_rows,
+                             self.attn_sink[...], scale=cfg.head_dim ** -0.5)
+        return self.output(o.astype(q.dtype), cos, sin, opts), pool
 
     def _compress_into(self, comp: Compressor, x, meta, pool, pool_name, st_kv_name, st_sc_name, opts):
         """Run a compressor over the step's tokens from the slot's state; store closed windows' entries."""
