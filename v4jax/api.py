@@ -45,6 +45,7 @@ class EngineOptions:
     decode_steps: int = 8  # tokens per jitted decode call
     prefill_chunk: int = 256  # largest prefill chunk
     memory_budget_bytes: int | None = None  # size the pools from this budget instead of max_num_seqs * max_model_len
+    mesh: str | None = None  # e.g. "expert=4" or "data=2,tensor=2" (sharding/ maps logical axes to it)
 
     def __post_init__(self):
         if self.attention_impl not in ("xla", "pallas"):
@@ -106,6 +107,9 @@ class LLM:
         spec = None if model is None else os.fspath(model)
         self.config, self.model, self.tokenizer, self.source = load_model(spec, _DTYPES[dtype], self.options.seed)
         self.dtype = dtype
+        if self.options.mesh:
+            from sharding import make_mesh, shard_params
+            shard_params(self.model, make_mesh(self.options.mesh))
         self.max_model_len = min(self.options.max_model_len or self.config.max_seq_len, self.config.max_seq_len)
         self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=self.options.attention_impl)
         graphdef, state = nnx.split(self.model)

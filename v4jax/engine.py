@@ -100,6 +100,9 @@ class Engine:
                                    max_slots=slots, max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa)
         self.tables = C.PageTables(cfg, self.layout, dense)
         self.pools = C.init_pools(cfg, self.layout, self.dtype)
+        if options.mesh:
+            from sharding import make_mesh, shard_pools
+            self.pools = shard_pools(self.pools, make_mesh(options.mesh))
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         layout, opts = self.layout, run_options
