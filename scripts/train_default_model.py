@@ -55,6 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=250, help="held-out loss every N steps (0: never)")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows for the periodic eval")
+    p.add_argument("--auto-steps", action="store_true",
+                   help="--steps is a maximum: after --auto-steps-at steps (inside the warmup) fix the step count "
+                        "that fits --max-minutes (deterministic: same as rerunning with --steps <chosen>)")
+    p.add_argument("--auto-steps-at", type=int, default=40)
+    p.add_argument("--end-reserve", type=float, default=25.0, help="seconds kept for the export at the end")
     p.add_argument("--ckpt-every", type=int, default=0, help="save the train state every N steps (0: at stop)")
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny config, few steps, CPU-sized")
@@ -124,7 +129,7 @@ def main(argv=None):
     state_path = os.path.join(args.work, "train_state.npz")
     if os.path.exists(state_path) and not args.no_resume:
         trainer.restore(state_path)
-        print(f"[train] resumed from {state_path} at step {trainer.step_count}", flush=True)
+        print(f"[train] resumed from {state_path} at step {trainer.step_count} of {trainer.tc.steps}", flush=True)
     t_init = time.time() - t0
 
     T = tc.seq_len
@@ -145,17 +150,36 @@ def main(argv=None):
     log_path = os.path.join(args.work, "log.jsonl")
     log = open(log_path, "a")
     budget = None if args.max_minutes is None else args.max_minutes * 60.0
+    auto_at = None
+    if args.auto_steps:
+        if budget is None:
+            raise SystemExit("--auto-steps needs --max-minutes")
+        auto_at = args.auto_steps_at
+        if trainer.step_count >= auto_at:
+            auto_at = None  # resumed past the decision: keep the run's own step count
+        elif auto_at >= tc.warmup_steps:
+            raise SystemExit("--auto-steps-at must fall inside the warmup (the schedule must not depend on it)")
     compile_s = None
     timed_steps, timed_s = 0, 0.0
     stopped_early = False
     last = None
     evals = []
+    auto = None
     t_mark = time.time()
     steps_since_mark = 0
-    while trainer.step_count < tc.steps:
+
+    def run_eval(s):
+        t_e = time.time()
+        ev = trainer.evaluate(held_windows())
+        ev.update(step=s, seconds=time.time() - t_e)
+        print(f"[eval] step {s} held-out loss {ev['loss']:.4f} ppl {np.exp(ev['loss']):.2f} "
+              f"mtp top1 {ev['mtp_top1']:.3f} ({ev['tokens']} tokens, {ev['seconds']:.1f}s)", flush=True)
+        return ev
+
+    while trainer.step_count < trainer.tc.steps:
         if budget is not None and compile_s is not None:
-            per_step = timed_s / max(timed_steps, 1) if timed_steps else compile_s
-            reserve = 20.0 + (args.log_every * per_step)
+            per_step = timed_s / timed_steps if timed_steps else 1.0
+            reserve = args.end_reserve + args.log_every * per_step
             if time.time() - T_START + reserve > budget:
                 stopped_early = True
                 break
@@ -170,7 +194,7 @@ def main(argv=None):
             print(f"[train] first step (compile + run) {compile_s:.1f}s", flush=True)
         else:
             steps_since_mark += 1
-        if s % args.log_every == 0 or s == tc.steps or s == 1:
+        if s % args.log_every == 0 or s == trainer.tc.steps or s == 1 or s == auto_at:
             m = jax.device_get(m)
             now = time.time()
             if steps_since_mark:
@@ -188,15 +212,32 @@ def main(argv=None):
                   f"t {now - T_START:.0f}s", flush=True)
             if not np.isfinite(rec["loss"]):
                 raise SystemExit("loss is not finite")
-        if args.eval_every and (s % args.eval_every == 0 or s == tc.steps):
-            t_e = time.time()
-            ev = trainer.evaluate(held_windows())
-            ev.update(step=s, seconds=time.time() - t_e)
+        if s == auto_at:
+            # Fix the step count from the measured step and eval times; still inside the warmup, so the run is
+            # identical to one started with --steps <chosen> (the summary records it).
+            per_step = timed_s / timed_steps
+            ev = run_eval(s)  # compiles the eval
+            evals.append(ev)
+            t_ev = time.time()
+            run_eval(s)  # steady-state eval cost
+            eval_s = time.time() - t_ev
+            remaining = budget - (time.time() - T_START) - args.end_reserve
+            per = per_step + (eval_s / args.eval_every if args.eval_every else 0.0)
+            fit = s + int((0.95 * remaining - eval_s) / per)
+            chosen = max(s + 1, min(trainer.tc.steps, fit // 10 * 10))
+            auto = dict(at_step=s, step_s=per_step, eval_s=eval_s, remaining_s=remaining, fit=fit,
+                        max_steps=trainer.tc.steps, chosen=chosen)
+            trainer.set_total_steps(chosen)
+            print(f"[train] auto steps: {per_step * 1e3:.1f} ms/step, eval {eval_s:.1f}s, {remaining:.0f}s left "
+                  f"-> {fit} fit, running {chosen} steps (reproduce with --steps {chosen})", flush=True)
+            log.write(json.dumps({"auto_steps": auto}) + "\n")
+            t_mark, steps_since_mark = time.time(), 0
+            continue
+        if args.eval_every and (s % args.eval_every == 0 or s == trainer.tc.steps):
+            ev = run_eval(s)
             evals.append(ev)
             log.write(json.dumps({"eval": ev}) + "\n")
             log.flush()
-            print(f"[eval] step {s} held-out loss {ev['loss']:.4f} ppl {np.exp(ev['loss']):.2f} "
-                  f"mtp top1 {ev['mtp_top1']:.3f} ({ev['tokens']} tokens, {ev['seconds']:.1f}s)", flush=True)
             t_mark, steps_since_mark = time.time(), 0  # keep eval time out of the step timing
         if args.ckpt_every and s % args.ckpt_every == 0:
             trainer.save(state_path)
@@ -205,11 +246,11 @@ def main(argv=None):
     step_s = timed_s / max(timed_steps, 1) if timed_steps else None
     summary = dict(
         device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, data=source,
-        cfg=cfg.to_hf_dict(), train=tc.to_dict(), params=counts,
+        cfg=cfg.to_hf_dict(), train=trainer.tc.to_dict(), params=counts, auto_steps=auto,
         train_tokens=int(len(train_tokens)), heldout_tokens=int(len(held_tokens)),
         steps_done=trainer.step_count, epochs_done=trainer.step_count / per_epoch, stopped_early=stopped_early,
         init_s=t_init, first_step_s=compile_s, step_s=step_s,
-        tokens_per_s=(tc.batch_size * T / step_s) if step_s else None,
+        tokens_per_s=(tc.batch_size * T / step_s) if step_s else None, tokens_per_step=tc.batch_size * T,
         last=last, evals=evals,
     )
     if stopped_early or args.ckpt_every:

@@ -62,10 +62,16 @@ def test_smoke_export_loads(smoke_run):
     assert ckpt.cfg == smoke_model_config(2048)
     model = load_tensors(nnx.eval_shape(lambda: Transformer(ckpt.cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)),
                          ckpt.iter_tensors())
-    tokens = jnp.asarray(synthetic_tokens(65, 2048, seed=3)[None, :64])
-    logits, streams = model(tokens, return_streams=True)
-    assert np.isfinite(np.asarray(logits)).all()
-    assert np.isfinite(np.asarray(model.mtp_logits(streams, tokens))).all()
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fwd(state, tokens):
+        m = nnx.merge(graphdef, state)
+        logits, streams = m(tokens, return_streams=True)
+        return logits, m.mtp_logits(streams, tokens)
+
+    logits, mtp = fwd(state, jnp.asarray(synthetic_tokens(65, 2048, seed=3)[None, :64]))
+    assert np.isfinite(np.asarray(logits)).all() and np.isfinite(np.asarray(mtp)).all()
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (tmp / "export" / f).exists()
 
@@ -96,6 +102,27 @@ def test_resume_is_exact(tmp_path, smoke_run):
     # the load-balancing bias moved (it gets no gradient)
     k = routed_bias_keys(cfg)[0]
     assert not np.array_equal(np.asarray(a.params[k]), np.asarray(Trainer(cfg, tc).params[k]))
+
+
+def test_auto_steps_inside_warmup_is_exact(smoke_run):
+    """Fixing the step count during the warmup (--auto-steps) gives the run that started with that count."""
+    from v4jax.data import batches
+
+    cfg = smoke_model_config(2048)
+    toks = synthetic_tokens(50_000, 2048)
+    a = Trainer(cfg, smoke_train_config(steps=1000))
+    b = Trainer(cfg, smoke_train_config(steps=12))
+    sa = batches(toks, a.tc.seq_len + 1, a.tc.batch_size, seed=0)
+    sb = batches(toks, b.tc.seq_len + 1, b.tc.batch_size, seed=0)
+    for i in range(12):
+        if i == 3:
+            a.set_total_steps(12)
+        a.step(next(sa))
+        b.step(next(sb))
+    for k in a.params:
+        np.testing.assert_array_equal(np.asarray(a.params[k]), np.asarray(b.params[k]), err_msg=k)
+    with pytest.raises(ValueError):
+        a.set_total_steps(20)  # past the warmup
 
 
 def test_default_config_every_feature():

@@ -103,8 +103,9 @@ class TrainConfig:
 
 
 def default_train_config(**kw) -> TrainConfig:
-    """The shipped model's run (the step count is set by scripts/train_default_model.py's --steps)."""
-    return TrainConfig(**{"bias_update_rate": 1e-2, **kw})
+    """The shipped model's run: batches of 32 x 512 tokens, AdamW (0.9, 0.95, wd 0.1), peak 1.5e-3 after 100
+    warmup steps, cosine to 10%; the step count is the run's (scripts/train_default_model.py --steps)."""
+    return TrainConfig(**{**dict(peak_lr=1.5e-3, steps=1600, bias_update_rate=1e-2), **kw})
 
 
 def smoke_train_config(**kw) -> TrainConfig:
@@ -196,17 +197,26 @@ class _Static:
             items.append((p, nnx.Param(v)))
         return nnx.from_flat_state(items)
 
-    def schedule(self):
-        tc = self.tc
-        return optax.warmup_cosine_decay_schedule(
-            0.0, tc.peak_lr, tc.warmup_steps, max(tc.steps, tc.warmup_steps + 1), tc.peak_lr * tc.end_lr_frac)
-
     def optimizer(self, params: dict):
+        """AdamW without its learning rate (the step scales the update by the host-computed `lr_at`), so the
+        total step count is not compiled in and can be fixed after the first steps (--auto-steps)."""
         tc = self.tc
         decay_mask = {k: v.ndim >= 2 for k, v in params.items()}
         return optax.chain(
             optax.clip_by_global_norm(tc.grad_clip),
-            optax.adamw(self.schedule(), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
+            optax.scale_by_adam(b1=tc.b1, b2=tc.b2),
+            optax.add_decayed_weights(tc.weight_decay, mask=decay_mask))
+
+
+def lr_at(tc: TrainConfig, step: int) -> float:
+    """Linear warmup from 0 over warmup_steps, then cosine to peak_lr * end_lr_frac at tc.steps (float64 on the
+    host). Before warmup ends the value does not depend on tc.steps."""
+    peak, w, n = tc.peak_lr, tc.warmup_steps, max(tc.steps, tc.warmup_steps + 1)
+    if step < w:
+        return peak * step / w
+    frac = min(max((step - w) / (n - w), 0.0), 1.0)
+    end = peak * tc.end_lr_frac
+    return end + (peak - end) * 0.5 * (1.0 + np.cos(np.pi * frac))
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,10 +250,10 @@ def _loss(st: _Static, params, buffers, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-def _train_step(st: _Static, params, opt_state, buffers, tokens):
+def _train_step(st: _Static, params, opt_state, buffers, tokens, lr):
     (_, m), grads = jax.value_and_grad(_loss, argnums=1, has_aux=True)(st, params, buffers, tokens)
     updates, opt_state = st.optimizer(params).update(grads, opt_state, params)
-    params = dict(optax.apply_updates(params, updates))
+    params = dict(optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates)))
     loads = m.pop("loads")
     # auxiliary-loss-free balance: nudge each top-k gate's selection bias toward equal expert loads
     for j, k in enumerate(routed_bias_keys(st.cfg)[: loads.shape[0]]):
@@ -272,9 +282,9 @@ class Trainer:
         model = Transformer(cfg, rngs=nnx.Rngs(tc.seed), dtype=F32, mtp=True)
         graphdef, params, self.buffers = nnx.split(model, nnx.Param, ...)
         flat = list(nnx.to_flat_state(params))
-        self.static = _Static(graphdef, cfg, tc, tuple(tuple(p) for p, _ in flat))
+        # the step count is not part of the compiled step (the learning rate is an argument)
+        self.static = _Static(graphdef, cfg, dataclasses.replace(tc, steps=0), tuple(tuple(p) for p, _ in flat))
         self.params = {path_key(p): v.get_value() for p, v in flat}
-        self.schedule = self.static.schedule()
         self.opt_state = self.static.optimizer(self.params).init(self.params)
         self.step_count = 0
 
@@ -286,11 +296,17 @@ class Trainer:
         dt = None if jnp.dtype(dtype) == F32 else dtype
         return nnx.merge(self.static.graphdef, self.static.state(self.params, dt), self.buffers)
 
+    def set_total_steps(self, steps: int) -> None:
+        """Fix the schedule's length; identical to having started with `steps` while still in warmup."""
+        if self.step_count > self.tc.warmup_steps and steps != self.tc.steps:
+            raise ValueError("the total step count can only change during warmup")
+        self.tc = dataclasses.replace(self.tc, steps=int(steps))
+
     def step(self, tokens: np.ndarray) -> dict:
         """One optimizer step on a batch [B, seq_len + 1]; returns device metrics (not synced)."""
-        lr = self.schedule(self.step_count)
+        lr = lr_at(self.tc, self.step_count)
         self.params, self.opt_state, m = _train_step(self.static, self.params, self.opt_state, self.buffers,
-                                                     jnp.asarray(tokens))
+                                                     jnp.asarray(tokens), jnp.float32(lr))
         self.step_count += 1
         m["lr"] = lr
         return m
@@ -323,9 +339,9 @@ class Trainer:
     def restore(self, path: str) -> dict:
         with np.load(path) as z:
             meta = json.loads(bytes(z["meta"]).decode())
-            if meta["train"] != self.tc.to_dict():
-                diff = {k: (meta["train"].get(k), v) for k, v in self.tc.to_dict().items()
-                        if meta["train"].get(k) != v}
+            diff = {k: (meta["train"].get(k), v) for k, v in self.tc.to_dict().items()
+                    if meta["train"].get(k) != v and k != "steps"}
+            if diff:
                 raise ValueError(f"checkpoint {path} was made with another TrainConfig: {diff}")
             params = {}
             for k, v in self.params.items():
@@ -343,6 +359,7 @@ class Trainer:
         self.params = params
         self.opt_state = jax.tree.unflatten(treedef, new)
         self.step_count = int(meta["step"])
+        self.tc = dataclasses.replace(self.tc, steps=int(meta["train"]["steps"]))  # the run's own schedule
         return meta
 
     def official_tensors(self) -> dict[str, np.ndarray]:
