@@ -1,0 +1,88 @@
+"""`v4jax bench decode --small` runs end to end on CPU (JAX rows, the HF peer, the logits check) and its roofline
+byte counts are the ones computed by hand below. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from v4jax import bench, memory
+from v4jax.bench import small_config
+
+# Hand count for small_config() (bf16 = 2 B; norms, mHC, sinks, ape, router bias in f32 = 4 B).
+#   dim 64, vocab 256, 2 layers (CSA ratio 4, HCA ratio 32), 4 heads x 64, q_lora 32, 2 groups x 32, window 16,
+#   indexer 4 x 32 top-8, 4 experts (2 active) of width 32 + 1 shared, hc_mult 4 (mix width 24).
+HEAD = 256 * 64 * 2  # 32768
+TOP = 64 * 4 + (4 * 256 + 4 + 1) * 4  # final norm + hc_head fn/base/scale = 4372
+COMMON = (2 * 64 * 4  # attn / ffn norms
+          + 2 * (24 * 256 + 24 + 3) * 4  # hc_attn, hc_ffn: fn [24, 256], base [24], scale [3]
+          + (32 * 64 + 256 * 32 + 64 * 64 + 64 * 128 + 64 * 64) * 2  # wq_a wq_b wkv wo_a wo_b
+          + (32 + 64 + 4) * 4)  # q_norm, kv_norm, attn_sink  -> 103528 per layer
+CSA_EXTRA = (2 * 128 * 64 * 2 + (4 * 128 + 64) * 4  # compressor wkv/wgate [128, 64], ape [4, 128], norm [64]
+             + (128 * 32 + 4 * 64) * 2  # indexer wq_b [128, 32], weights_proj [4, 64]
+             + 2 * 64 * 64 * 2 + (4 * 64 + 32) * 4)  # indexer compressor [64, 64] x 2, ape [4, 64], norm [32]
+HCA_EXTRA = 2 * 64 * 64 * 2 + (32 * 64 + 64) * 4  # compressor wkv/wgate [64, 64], ape [32, 64], norm [64]
+ROUTER = 2 * (4 * 64 * 2 + 4 * 4)  # gate [4, 64] + bias [4], 2 layers
+SHARED = 2 * 3 * 32 * 64 * 2  # 2 layers
+EXPERT = 3 * 32 * 64 * 2  # one routed expert
+
+
+def hand_weights(batch: int) -> float:
+    active = {1: 2.0, 2: 4 * (1 - 0.5 ** 2)}[batch]  # E (1 - (1 - k/E)^B), E = 4, k = 2
+    return batch * 64 * 2 + HEAD + TOP + 2 * COMMON + CSA_EXTRA + HCA_EXTRA + ROUTER + SHARED + 2 * active * EXPERT
+
+
+def hand_kv_per_seq(ctx: int) -> int:
+    indexer = (ctx // 4) * 32 * 2  # every C4 indexer key of the CSA layer
+    sparse = min(8, ctx // 4) * 64 * 2  # top-8 selected C4 entries
+    hca = (ctx // 32) * 64 * 2  # every C32 entry of the HCA layer
+    swa = 2 * min(16, ctx) * 64 * 2  # the window of both layers
+    return indexer + sparse + hca + swa
+
+
+def test_hand_count_constants():
+    assert (COMMON, CSA_EXTRA, HCA_EXTRA) == (103528, 61312, 24832)
+    assert hand_weights(1) == 405252 and hand_kv_per_seq(256) == 10240
+    assert memory.param_bytes(small_config(), 2, mtp=False)["total"] == (
+        2 * 256 * 64 * 2 + TOP + 2 * COMMON + CSA_EXTRA + HCA_EXTRA + ROUTER + SHARED + 2 * 4 * EXPERT)
+
+
+@pytest.mark.parametrize("batch,ctx", [(1, 256), (2, 256), (1, 512)])
+def test_roofline_by_hand(batch, ctx):
+    rl = bench.roofline_bytes(small_config(), batch, ctx)
+    assert rl["weights"] == pytest.approx(hand_weights(batch), rel=1e-12)
+    assert rl["kv"] == batch * hand_kv_per_seq(ctx)
+    assert rl["total"] == pytest.approx(hand_weights(batch) + batch * hand_kv_per_seq(ctx), rel=1e-12)
+
+
+def test_small_runs_end_to_end(tmp_path):
+    out = str(tmp_path / "bench")
+    rc = bench.decode_main(["--small", "--batches", "1,2", "--contexts", "256", "--long-b1", "", "--iters", "2",
+                            "--gen-iters", "1", "--hf-iters", "2", "--out", out])
+    assert rc == 0
+    data = json.load(open(os.path.join(out, "decode.json")))
+    rows = data["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 256), (2, 256)]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["ms_per_step"] > 0 and r["k"] == 4 and r["held_tokens"] == 256 - 8
+        assert r["page_bucket"] == 1 and r["c4_entries_scanned_per_seq"] == 64
+        assert r["roofline"]["total"] == pytest.approx(hand_weights(r["batch"]) + r["batch"] * hand_kv_per_seq(256))
+    assert data["bandwidth"]["copy_GBps"] > 0
+    try:
+        import torch  # noqa: F401
+        from transformers import DeepseekV4ForCausalLM  # noqa: F401
+    except ImportError:
+        return
+    assert [(h["batch"], h["context"]) for h in data["hf"]] == [(1, 256), (2, 256)]
+    assert all(h.get("ms_per_step", 0) > 0 for h in data["hf"]), data["hf"]
+    assert data["hf_check"]["argmax_agree"] >= 0.9  # the HF model runs the JAX model's weights
+    md = open(os.path.join(out, "decode.md")).read()
+    assert "| 1 | 256 |" in md and "HF" in md
+
+
+def test_memory_main(capsys):
+    assert bench.memory_main(["--model", "flash", "--context", "1M", "--budget-gib", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "6880" in text and "3850.25" in text and "full pages" in text

@@ -1,0 +1,735 @@
+"""Benchmarks: `v4jax bench decode` (decode_main) and `v4jax memory` (memory_main).
+
+decode_main: the issue 3 decode benchmark. A Flash-shaped slice (`flash-slice` preset: Flash attention and indexer
+sizes, layers [CSA, HCA, CSA, HCA], 16 routed experts) with random weights in bf16, decode step time and tokens/s at
+batch 1 and 32 and contexts 4K, 64K, 256K (1M at batch 1).
+
+* Pools are filled synthetically: every pool array (SWA, C4 KV, C4 indexer keys, C128 KV, compressor state) is
+  overwritten with random values and each slot's page tables are set (by the engine's own allocator) so that it
+  holds `context - 2k` tokens; nothing is prefilled. One jitted decode call then runs k steps, at positions
+  context-2k .. context-k-1, so the page bucket (a power of two of full pages) is exactly context / P pages and
+  every slot stays active for all k steps (checked).
+* The time is the engine's jitted decode call (`Engine._decode_jit`, k steps in one `lax.while_loop`, sampling
+  included) with the arguments `Engine.generate_step` passes it, median over calls after warm-up, with
+  `block_until_ready`; per-step time = call time / k. `generate_step` (host bookkeeping and transfers included) is
+  timed too.
+* Roofline: bytes a step must read / measured HBM bandwidth (a large device copy, bytes read + written / time).
+  Bytes = weights the step touches (all attention / router / shared-expert / head weights, the batch's embedding
+  rows, and only the routed experts the batch activates: E (1 - (1 - k/E)^B) per layer for random routing) + per
+  sequence the pool bytes of reference serving_systems.md §1.2 in bf16 (all C4 indexer keys, top-k selected C4
+  entries, all C128 entries, the window), see v4jax.memory.
+* HF peer: transformers' `DeepseekV4ForCausalLM` with the same config and the same weights (copied from the JAX
+  model), bf16, eager attention, on the same GPU: one cached decode step after a chunked prefill of `context`
+  random tokens (works with transformers 5.17, `past_key_values=`, and 5.24, `cache=`).
+
+Results are written (JSON + markdown) after every row to --out (default $OUT, else ./bench_out), so a run that is
+killed still leaves what it measured. `--small` runs the whole thing on a tiny config on CPU in well under a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+from v4jax import memory as M
+from v4jax.config import CSA, HCA, ModelConfig, preset
+
+DEFAULT_CONTEXTS = (4096, 65536, 262144)
+
+
+def small_config() -> ModelConfig:
+    """The --small config (CPU, seconds): one CSA (ratio 4) and one HCA (ratio 32) layer at toy width."""
+    return ModelConfig(
+        vocab_size=256, dim=64, n_layers=2, n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=32,
+        o_groups=2, o_lora_rank=32, window_size=16, layer_types=(CSA, HCA), compress_ratios=(4, 32),
+        index_n_heads=4, index_head_dim=32, index_topk=8, n_routed_experts=4, n_shared_experts=1,
+        n_activated_experts=2, moe_inter_dim=32, n_hash_layers=0, route_scale=1.5, original_seq_len=64,
+        max_seq_len=1 << 16)
+
+
+# ---- roofline ----------------------------------------------------------------------------------------
+def roofline_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2) -> dict:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read (see the module doc)."""
+    w = M.decode_weight_bytes(cfg, batch, dtype_bytes)
+    kv = M.decode_read_bytes(cfg, context, {2: "bf16", 4: "f32"}[dtype_bytes])
+    return {"weights": w["total"], "kv": batch * kv["total"], "total": w["total"] + batch * kv["total"],
+            "active_experts_per_layer": w["active_experts_per_layer"],
+            "kv_per_seq": kv, "weights_detail": {k: v for k, v in w.items() if k != "total"}}
+
+
+# ---- output ------------------------------------------------------------------------------------------
+class Results:
+    def __init__(self, out_dir: str, meta: dict):
+        self.out_dir = out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        self.data = dict(meta, rows=[], hf=[], notes=[])
+
+    def add_row(self, row: dict):
+        self.data["rows"].append(row)
+        self.write()
+
+    def add_hf(self, row: dict):
+        self.data["hf"].append(row)
+        self.write()
+
+    def note(self, text: str):
+        print("note:", text, flush=True)
+        self.data["notes"].append(text)
+        self.write()
+
+    def write(self):
+        with open(os.path.join(self.out_dir, "decode.json"), "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+        with open(os.path.join(self.out_dir, "decode.md"), "w") as f:
+            f.write(markdown(self.data))
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:.0f}" if b >= 1e7 else f"{b / 1e6:.3g}"
+
+
+def markdown(data: dict) -> str:
+    bw = data.get("bandwidth", {})
+    hf = {(h["batch"], h["context"]): h for h in data.get("hf", [])}
+    lines = [
+        f"Device: {data.get('device')}; JAX {data.get('jax')}; config `{data.get('config_name')}` "
+        f"({data.get('weights_gb', 0):.2f} GB of weights, bf16, random, no MTP); k = {data.get('k')} steps per call.",
+        f"HBM bandwidth (device copy, read + write): {_f(bw.get('copy_GBps'), '{:.0f}')} GB/s "
+        f"(read-only reduction: {_f(bw.get('read_GBps'), '{:.0f}')} GB/s).",
+        "Pools synthetically filled (random entries written into the pool arrays, page tables set to hold the "
+        "context); no prefill. Roofline = (weights touched + pool bytes read) / copy bandwidth.",
+        "",
+        "| batch | context | ms/step (jit) | tok/s | ms/step (generate_step) | roofline MB/step (weights + KV) | "
+        "roofline ms | % of roofline | HF ms/step | speed-up vs HF | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data.get("rows", []):
+        ctx = f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
+        if r.get("error"):
+            lines.append(f"| {r['batch']} | {ctx} | not run: {r['error']} |  |  |  |  |  |  |  |  |")
+            continue
+        h = hf.get((r["batch"], r["context"]))
+        hf_ms = h.get("ms_per_step") if h else None
+        rl = r["roofline"]
+        lines.append(
+            f"| {r['batch']} | {ctx} | {_f(r['ms_per_step'], '{:.3f}')} | {_f(r['tokens_per_s'], '{:.0f}')} | "
+            f"{_f(r.get('generate_step_ms_per_step'), '{:.3f}')} | "
+            f"{_mb(rl['total'])} ({_mb(rl['weights'])} + {_mb(rl['kv'])}) | "
+            f"{_f(r.get('roofline_ms'), '{:.3f}')} | {_f(r.get('roofline_pct'), '{:.0f}')} | "
+            f"{_f(hf_ms, '{:.2f}')} | {_f(hf_ms / r['ms_per_step'] if hf_ms else None, '{:.1f}x')} | "
+            f"{_f(r.get('compile_s'), '{:.1f}')} |")
+    if data.get("hf"):
+        lines += ["", "HF `DeepseekV4ForCausalLM` (same config and weights, bf16, eager attention):", "",
+                  "| batch | context | ms/step | tok/s | prefill s (chunk) | note |", "|---|---|---|---|---|---|"]
+        for h in data["hf"]:
+            lines.append(f"| {h['batch']} | {h['context']} | {_f(h.get('ms_per_step'))} | "
+                         f"{_f(h['batch'] / h['ms_per_step'] * 1e3 if h.get('ms_per_step') else None, '{:.0f}')} | "
+                         f"{_f(h.get('prefill_s'), '{:.1f}')} ({h.get('chunk')}) | {h.get('error') or h.get('info', '')} |")
+    chk = data.get("hf_check")
+    if chk and "error" not in chk:
+        lines += ["", f"Same weights in both: HF vs JAX uncached logits of {chk['tokens']} random tokens (bf16): "
+                  f"argmax agreement {chk['argmax_agree']:.2f}, correlation {chk['corr']:.4f}, max |diff| / std "
+                  f"{chk['max_abs_diff_over_std']:.3f} (median {chk['median_over_std']:.3f})."]
+    elif chk:
+        lines += ["", f"HF/JAX logits check failed: {chk['error']}"]
+    if data.get("notes"):
+        lines += [""] + [f"- {n}" for n in data["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+# ---- JAX side ----------------------------------------------------------------------------------------
+def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
+    """HBM bandwidth from a large device copy (x -> x * a + b: every byte read once and written once)."""
+    import jax
+    import jax.numpy as jnp
+    n = nbytes // 4
+    x = jax.random.uniform(jax.random.key(1), (n,), jnp.float32)
+    copy = jax.jit(lambda x: x * 1.0001 + 0.5)
+    red = jax.jit(lambda x: jnp.sum(x))
+    out = {}
+    for name, fn, moved in (("copy", copy, 2 * n * 4), ("read", red, n * 4)):
+        jax.block_until_ready(fn(x))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            ts.append(time.perf_counter() - t0)
+        out[f"{name}_GBps"] = moved / statistics.median(ts) / 1e9
+    del x
+    out["bytes"] = nbytes
+    return out
+
+
+def _fill_pools(engine, seed: int):
+    """Overwrite every pool array with random values (floats ~ N(0, 1); token ids uniform)."""
+    import jax
+    import jax.numpy as jnp
+    vocab = engine.cfg.vocab_size
+
+    def fill(pools, key):
+        leaves, tdef = jax.tree.flatten(pools)
+        keys = jax.random.split(key, len(leaves))
+        new = [jax.random.randint(k, a.shape, 0, vocab, a.dtype) if jnp.issubdtype(a.dtype, jnp.integer)
+               else jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for a, k in zip(leaves, keys)]
+        return jax.tree.unflatten(tdef, new)
+
+    engine.pools = jax.jit(fill, donate_argnums=0)(engine.pools, jax.random.key(seed))
+    jax.block_until_ready(engine.pools)
+
+
+def _device_free_bytes():
+    import jax
+    try:
+        st = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001
+        return None
+    if not st or "bytes_limit" not in st:
+        return None
+    return st["bytes_limit"] - st.get("bytes_in_use", 0)
+
+
+def _peak_bytes():
+    import jax
+    try:
+        st = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001
+        return None
+    return st.get("peak_bytes_in_use")
+
+
+def _decode_temp_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+    """A generous estimate of one decode step's temporaries (the indexer's gathered keys and f32 scores per CSA
+    layer, the HCA gather), for the memory guard."""
+    t = 0
+    for kind, m in zip(cfg.layer_types, cfg.compress_ratios):
+        s = context // m
+        if kind == CSA:
+            t = max(t, batch * s * (cfg.index_head_dim * 2 + cfg.index_n_heads * 4 * 3))
+        elif kind == HCA:
+            t = max(t, batch * s * (cfg.head_dim * 2 + cfg.n_heads * 4 * 3))
+    return 3 * t
+
+
+class JaxDecodeBench:
+    """One engine per batch size (max_num_seqs = batch, max_model_len = the largest context of that batch)."""
+
+    def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0):
+        from v4jax.api import EngineOptions
+        from v4jax.engine import Engine
+        self.cfg, self.batch, self.k = cfg, batch, k
+        opts = EngineOptions(max_num_seqs=batch, decode_steps=k, max_model_len=max_context)
+        t0 = time.perf_counter()
+        self.engine = Engine(cfg, model, opts, run_options, max_context)
+        _fill_pools(self.engine, seed)
+        self.setup_s = time.perf_counter() - t0
+        self._captured = None
+        self._orig = self.engine._decode_jit
+
+        def capture(leaves, pools, io, page_table, swa_table):
+            self._captured = (io, page_table, swa_table)
+            return self._orig(leaves, pools, io, page_table, swa_table)
+
+        self.engine._decode_jit = capture
+
+    def pool_bytes(self) -> int:
+        from v4jax import cache as C
+        return sum(C.pool_bytes(self.engine.pools).values())
+
+    def _occupy(self, held: int, rng):
+        from v4jax.engine import _Running
+        from v4jax.sampling import SamplingParams
+        eng = self.engine
+        for s in range(eng.layout.max_slots):
+            if eng.slots[s] is not None:
+                eng.free_resource(s)
+        sp = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
+        for s in range(self.batch):
+            eng.tables.reserve(s, held, held)  # full pages for [0, held), SWA pages of the window
+            eng.slots[s] = _Running(request_index=s, params=sp, seed=s, pos=held,
+                                    next_token=int(rng.integers(2, self.cfg.vocab_size)), generated=1, stop_ids=())
+
+    def _rewind(self, held: int):
+        for r in self.engine.slots:
+            if r is not None:
+                r.pos, r.generated = held, 1
+
+    def run(self, context: int, n_iter: int, n_gen: int, rng) -> dict:
+        import jax
+        k, eng = self.k, self.engine
+        held = context - 2 * k
+        self._occupy(held, rng)
+        t0 = time.perf_counter()
+        res = eng.generate_step()  # compiles this (batch, page bucket) variant
+        compile_s = time.perf_counter() - t0
+        steps = sorted({len(toks) for _, toks, *_ in res})
+        if steps != [k] or len(res) != self.batch:
+            raise RuntimeError(f"decode call ran {steps} steps for {len(res)} slots, expected {k} for {self.batch}")
+        self._rewind(held)
+        io, pt, swa = self._captured
+        entries_scanned = pt.shape[1] * (eng.layout.page_size // min(self.cfg.ratios_in_use))
+        # the raw jitted call, same positions every time (the context stays put)
+        times = []
+        for i in range(n_iter + 1):
+            t0 = time.perf_counter()
+            out = self._orig(eng._leaves, eng.pools, io, pt, swa)
+            jax.block_until_ready(out)
+            dt = time.perf_counter() - t0
+            eng.pools = out[0]
+            if i:  # the first is a warm-up
+                times.append(dt)
+        call_s = statistics.median(times)
+        gen = []
+        for _ in range(n_gen):
+            t0 = time.perf_counter()
+            eng.generate_step()
+            gen.append(time.perf_counter() - t0)
+            self._rewind(held)
+        return {
+            "batch": self.batch, "context": context, "held_tokens": held, "k": k,
+            "positions": [held, held + k - 1], "page_bucket": int(pt.shape[1]),
+            "c4_entries_scanned_per_seq": int(entries_scanned),
+            "call_ms_median": call_s * 1e3, "call_ms_all": [t * 1e3 for t in times],
+            "ms_per_step": call_s * 1e3 / k, "tokens_per_s": self.batch * k / call_s,
+            "generate_step_ms_per_step": statistics.median(gen) * 1e3 / k if gen else None,
+            "compile_s": compile_s, "peak_device_bytes": _peak_bytes(),
+        }
+
+
+# ---- HF side -----------------------------------------------------------------------------------------
+_KEEP_FP32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm",
+              "kv_norm", "input_layernorm", "post_attention_layernorm", "norm")
+
+
+def _jax_param(model, official: str):
+    from v4jax.weights import official_to_path
+    path, expert = official_to_path(official)
+    node = model
+    for p in path:
+        node = node[p] if isinstance(p, int) else getattr(node, p)
+    arr = node[...]
+    return arr if expert is None else arr[expert]
+
+
+def _to_torch(arr, device):
+    import torch
+    try:
+        t = torch.from_dlpack(arr)
+    except Exception:  # noqa: BLE001 - fall back to a host copy
+        import numpy as np
+        t = torch.from_numpy(np.asarray(arr.astype("float32")))
+    return t.to(device)
+
+
+def build_hf_model(cfg: ModelConfig, model, device: str, keep_fp32: bool = True):
+    """transformers' DeepseekV4ForCausalLM with `cfg` and the JAX model's weights, bf16 (fp32 where HF keeps
+    fp32: `_keep_in_fp32_modules_strict`, unless keep_fp32=False), eval mode, on `device`."""
+    import re
+
+    import torch
+    import transformers
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from checkpoints.names import map_name
+    hf_logging.set_verbosity_error()
+    hf_cfg = DeepseekV4Config(**cfg.to_hf_dict())
+    keep = getattr(DeepseekV4ForCausalLM, "_keep_in_fp32_modules_strict", None) or list(_KEEP_FP32)
+    keep_re = re.compile("|".join(rf"((^|\.){re.escape(m)}($|\.))" for m in keep))
+    with torch.device(device):
+        hf = DeepseekV4ForCausalLM(hf_cfg)
+    hf.eval()
+    n_set = 0
+    with torch.no_grad():
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if "rotary_emb" in name:
+                continue
+            nm = map_name(name)
+            names = nm.expand(cfg.n_routed_experts)
+            if not names:
+                raise KeyError(f"HF tensor {name!r} (transformers {transformers.__version__}) has no official name")
+            if nm.stack:
+                m = len(nm.stack)
+                parts = [_to_torch(_jax_param(model, n), device) for n in names]
+                val = torch.stack([torch.cat(parts[e * m:(e + 1) * m], 0) for e in range(cfg.n_routed_experts)])
+            else:
+                val = _to_torch(_jax_param(model, names[0]), device)
+            if tuple(val.shape) != tuple(t.shape):
+                raise ValueError(f"{name}: HF shape {tuple(t.shape)} != JAX {tuple(val.shape)} ({names[0]})")
+            if t.is_floating_point():
+                dt = torch.float32 if keep_fp32 and keep_re.search(name) else torch.bfloat16
+                t.data = val.to(dt, copy=True).contiguous()  # a copy: never alias the JAX buffers
+            else:
+                t.data = val.to(t.dtype, copy=True).contiguous()
+            n_set += 1
+    return hf, {"transformers": transformers.__version__, "tensors_set": n_set, "fp32_modules_kept": keep_fp32,
+                "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+                "attn_implementation": getattr(hf.config, "_attn_implementation", None)}
+
+
+def hf_probe(hf, device: str) -> None:
+    """One tiny cached forward (raises what the real run would raise, e.g. a dtype mismatch)."""
+    import torch
+    with torch.no_grad():
+        out = hf(input_ids=torch.full((1, 2), 2, dtype=torch.long, device=device), use_cache=True)
+        hf(input_ids=torch.full((1, 1), 2, dtype=torch.long, device=device), use_cache=True,
+           **{_cache_kw(hf): _cache_of(out)})
+
+
+def hf_check(cfg: ModelConfig, model, hf, device: str, n_tokens: int = 32, seed: int = 0) -> dict:
+    """Evidence that HF runs the same weights: uncached logits of one random sequence from both models (bf16),
+    compared relative to the logits' spread, and the agreement of their argmax."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    from v4jax.model import RunOptions
+    ids = np.random.default_rng(seed).integers(2, cfg.vocab_size, (1, n_tokens)).astype(np.int32)
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, RunOptions()))
+    lj = np.asarray(fwd(state, jnp.asarray(ids)))[0].astype(np.float64)
+    with torch.no_grad():
+        lh = hf(input_ids=torch.as_tensor(ids, dtype=torch.long, device=device), use_cache=False).logits
+    lh = lh[0].float().cpu().numpy().astype(np.float64)
+    err = np.abs(lj - lh).max(-1) / lj.std(-1)
+    return {"tokens": n_tokens, "max_abs_diff_over_std": float(err.max()), "median_over_std": float(np.median(err)),
+            "argmax_agree": float((lj.argmax(-1) == lh.argmax(-1)).mean()),
+            "corr": float(np.corrcoef(lj.ravel(), lh.ravel())[0, 1])}
+
+
+def _cache_of(out):
+    for name in ("cache", "past_key_values"):
+        c = getattr(out, name, None)
+        if c is not None:
+            return c
+    raise RuntimeError("the HF output carries no cache")
+
+
+def _cache_kw(hf) -> str:
+    import inspect
+    params = inspect.signature(hf.forward).parameters
+    return "past_key_values" if "past_key_values" in params else "cache"
+
+
+def hf_decode(hf, batch: int, context: int, chunk: int, n_warm: int, n_iter: int, device: str, deadline: float,
+              seed: int = 0) -> dict:
+    """Chunked prefill of `context` random tokens, then cached one-token decode steps; median step time."""
+    import inspect
+
+    import torch
+    kw = _cache_kw(hf)
+    takes_keep = "logits_to_keep" in inspect.signature(hf.forward).parameters
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(2, hf.config.vocab_size, (batch, context + n_warm + n_iter), generator=gen).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    row = {"batch": batch, "context": context, "chunk": chunk, "cache_kwarg": kw}
+    cache = None
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for a in range(0, context, chunk):
+            extra = {"logits_to_keep": 1} if takes_keep else {}
+            out = hf(input_ids=ids[:, a:a + chunk], use_cache=True, **{kw: cache}, **extra)
+            cache = _cache_of(out)
+            del out
+            if time.perf_counter() > deadline:
+                sync()
+                row["error"] = (f"too slow: prefill reached {a + chunk} of {context} tokens in "
+                                f"{time.perf_counter() - t0:.0f} s (time budget)")
+                return row
+        sync()
+        row["prefill_s"] = time.perf_counter() - t0
+        times = []
+        for i in range(n_warm + n_iter):
+            pos = context + i
+            sync()
+            t1 = time.perf_counter()
+            out = hf(input_ids=ids[:, pos:pos + 1], use_cache=True, **{kw: cache})
+            nxt = out.logits[:, -1].argmax(-1)
+            sync()
+            dt = time.perf_counter() - t1
+            cache = _cache_of(out)
+            del out, nxt
+            if i >= n_warm:
+                times.append(dt)
+    row["ms_per_step"] = statistics.median(times) * 1e3
+    row["ms_all"] = [t * 1e3 for t in times]
+    if device.startswith("cuda"):
+        row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    return row
+
+
+# ---- main --------------------------------------------------------------------------------------------
+def _parse_ints(s: str) -> tuple[int, ...]:
+    out = []
+    for part in s.split(","):
+        part = part.strip().upper()
+        if not part:
+            continue
+        mult = 1
+        if part.endswith("K"):
+            mult, part = 1024, part[:-1]
+        elif part.endswith("M"):
+            mult, part = 1 << 20, part[:-1]
+        out.append(int(part) * mult)
+    return tuple(out)
+
+
+def _plan(batches, contexts, long_b1) -> list[tuple[int, int]]:
+    """Rows in the order they run: the shortest context of each batch first (so the HF comparison has its JAX
+    rows early), then the rest by increasing context."""
+    rows = [(b, c) for b in batches for c in contexts]
+    rows += [(1, c) for c in long_b1 if 1 in batches]
+    first = [(b, min(contexts)) for b in batches]
+    rest = sorted((r for r in rows if r not in first), key=lambda r: (r[1], r[0]))
+    return first + rest
+
+
+def decode_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="v4jax bench decode", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--model", default="flash-slice", help="preset name or HF config directory")
+    ap.add_argument("--small", action="store_true", help="tiny config, CPU-sized contexts (a smoke test)")
+    ap.add_argument("--batches", default=None, help="comma list, default 1,32 (small: 1,2)")
+    ap.add_argument("--contexts", default=None, help="comma list, default 4K,64K,256K (small: 256)")
+    ap.add_argument("--long-b1", default=None, help="extra contexts at batch 1 only, default 1M (small: 512)")
+    ap.add_argument("--k", type=int, default=None, help="decode steps per jitted call (default 8; small 4)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per row (default 7; small 3)")
+    ap.add_argument("--gen-iters", type=int, default=3, help="timed generate_step calls per row")
+    ap.add_argument("--hf", default="auto", choices=("auto", "on", "off"), help="run the HF comparison")
+    ap.add_argument("--hf-contexts", default=None, help="default 4K (small: 256)")
+    ap.add_argument("--hf-chunk", type=int, default=None, help="HF prefill chunk (default 1024 at batch 1, "
+                    "256 above)")
+    ap.add_argument("--hf-iters", type=int, default=None, help="timed HF steps (default 10; small 3)")
+    ap.add_argument("--deadline-s", type=float, default=None, help="stop starting new rows after this many "
+                    "seconds (default: none; small: none)")
+    ap.add_argument("--bw-bytes", type=float, default=None, help="bytes of the bandwidth probe (default 4 GiB; "
+                    "small 64 MiB)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./bench_out)")
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + (a.deadline_s if a.deadline_s else 1e9)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch (the HF peer)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from v4jax.model import RunOptions, Transformer
+
+    if a.small:
+        cfg, name = small_config(), "small"
+        batches, contexts, long_b1 = (1, 2), (256,), (512,)
+        k, iters, hf_ctx, bw_bytes = a.k or 4, a.iters or 3, (256,), int(a.bw_bytes or (64 << 20))
+        hf_iters = a.hf_iters or 3
+    else:
+        name = a.model
+        cfg = preset(a.model) if not os.path.isdir(a.model) else ModelConfig.from_hf(a.model)
+        batches, contexts, long_b1 = (1, 32), DEFAULT_CONTEXTS, (1 << 20,)
+        k, iters, hf_ctx, bw_bytes = a.k or 8, a.iters or 7, (4096,), int(a.bw_bytes or (4 << 30))
+        hf_iters = a.hf_iters or 10
+    batches = _parse_ints(a.batches) if a.batches else batches
+    contexts = _parse_ints(a.contexts) if a.contexts else contexts
+    long_b1 = _parse_ints(a.long_b1) if a.long_b1 is not None else long_b1
+    hf_ctx = _parse_ints(a.hf_contexts) if a.hf_contexts else hf_ctx
+    out_dir = a.out or os.environ.get("OUT") or "bench_out"
+    dev = jax.devices()[0]
+    on_gpu = dev.platform == "gpu"
+    pb = M.param_bytes(cfg, 2, mtp=False)
+    res = Results(out_dir, {
+        "command": "v4jax bench decode " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
+        "python": platform.python_version(), "config_name": name, "config": dataclasses.asdict(cfg),
+        "weights_gb": pb["total"] / 1e9, "k": k, "dtype": "bfloat16"})
+    print(f"[{time.perf_counter() - t_start:6.1f}s] {res.data['device']} jax {jax.__version__}; {name}: "
+          f"{pb['total'] / 1e9:.2f} GB of weights", flush=True)
+
+    bw = measure_bandwidth(bw_bytes)
+    res.data["bandwidth"] = bw
+    print(f"[{time.perf_counter() - t_start:6.1f}s] bandwidth {bw}", flush=True)
+
+    t0 = time.perf_counter()
+    model = Transformer(cfg, rngs=nnx.Rngs(a.seed), dtype=jnp.bfloat16, mtp=False)
+    jax.block_until_ready(nnx.state(model))
+    res.data["model_init_s"] = time.perf_counter() - t0
+    print(f"[{time.perf_counter() - t_start:6.1f}s] model initialised", flush=True)
+    run_opts = RunOptions()
+    rng = np.random.default_rng(a.seed)
+
+    plan = _plan(batches, contexts, long_b1)
+    max_ctx = {b: max(c for bb, c in plan if bb == b) for b in batches}
+    benches: dict[int, JaxDecodeBench] = {}
+    hf_done = False
+    bw_Bps = bw["copy_GBps"] * 1e9
+
+    def run_hf():
+        if a.hf == "off" or (a.hf == "auto" and not _have_transformers()):
+            res.note("HF comparison not run: " + ("--hf off" if a.hf == "off" else "transformers is not installed"))
+            return None
+        device = "cuda" if on_gpu else "cpu"
+        try:
+            t0 = time.perf_counter()
+            hf, info = build_hf_model(cfg, model, device)
+            try:
+                hf_probe(hf, device)
+            except RuntimeError as e:  # transformers 5.17 feeds fp32 norm outputs to bf16 linears
+                if "dtype" not in str(e):
+                    raise
+                del hf
+                res.note(f"HF with fp32-kept modules failed ({str(e)[:120]}); HF runs all-bf16 (rotary in fp32)")
+                hf, info = build_hf_model(cfg, model, device, keep_fp32=False)
+                hf_probe(hf, device)
+            res.data["hf_info"] = dict(info, build_s=time.perf_counter() - t0)
+            print(f"[{time.perf_counter() - t_start:6.1f}s] HF model built {res.data['hf_info']}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            res.note(f"HF model could not be built: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            return None
+        for c in hf_ctx:
+            for b in batches:
+                chunk = a.hf_chunk or (1024 if b == 1 else 256)
+                chunk = min(chunk, c)
+                if time.perf_counter() > deadline - 20:
+                    res.add_hf({"batch": b, "context": c, "chunk": chunk, "error": "skipped: time budget"})
+                    continue
+                try:
+                    row = hf_decode(hf, b, c, chunk, 2 if a.small else 3, hf_iters, device, deadline - 10, a.seed)
+                except Exception as e:  # noqa: BLE001 - OOM and friends are results too
+                    row = {"batch": b, "context": c, "chunk": chunk, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    traceback.print_exc()
+                row["info"] = f"transformers {info['transformers']}, experts {info['experts_implementation']}"
+                res.add_hf(row)
+                print(f"[{time.perf_counter() - t_start:6.1f}s] HF {row}", flush=True)
+                if device == "cuda":
+                    import torch
+                    torch.cuda.empty_cache()
+        return hf
+
+    def check_hf(hf):
+        if hf is None:
+            return
+        if time.perf_counter() > deadline - 40:
+            res.note("HF/JAX logits check skipped: time budget")
+            return
+        try:
+            res.data["hf_check"] = hf_check(cfg, model, hf, "cuda" if on_gpu else "cpu", seed=a.seed)
+        except Exception as e:  # noqa: BLE001
+            res.data["hf_check"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        res.write()
+        print(f"[{time.perf_counter() - t_start:6.1f}s] HF/JAX logits check {res.data['hf_check']}", flush=True)
+
+    hf_model = None
+    for b, c in plan:
+        if not hf_done and c > min(contexts):
+            hf_model = run_hf()
+            hf_done = True
+            if a.small:
+                check_hf(hf_model)
+        row_base = {"batch": b, "context": c}
+        if time.perf_counter() > deadline - 30:
+            res.add_row(dict(row_base, error="skipped: time budget"))
+            continue
+        try:
+            if b not in benches:
+                lay = M.pool_budget(cfg, 0, max_num_seqs=b, decode_steps=k)
+                need = lay.fixed_bytes + b * -(-max_ctx[b] // lay.page_size) * lay.per_page_bytes
+                free = _device_free_bytes()
+                temp = _decode_temp_bytes(cfg, b, max_ctx[b])
+                if free is not None and need + temp + (1 << 30) > free:
+                    raise MemoryError(f"pools {need / 1e9:.1f} GB + temporaries {temp / 1e9:.1f} GB > "
+                                      f"{free / 1e9:.1f} GB free")
+                benches[b] = JaxDecodeBench(cfg, model, run_opts, b, max_ctx[b], k, a.seed)
+            bench = benches[b]
+            free = _device_free_bytes()
+            temp = _decode_temp_bytes(cfg, b, c)
+            if free is not None and temp + (1 << 30) > free:
+                raise MemoryError(f"decode temporaries {temp / 1e9:.1f} GB > {free / 1e9:.1f} GB free")
+            row = bench.run(c, iters, a.gen_iters, rng)
+            row["pool_bytes"] = bench.pool_bytes()
+            rl = roofline_bytes(cfg, b, c)
+            row["roofline"] = rl
+            row["roofline_ms"] = rl["total"] / bw_Bps * 1e3
+            row["roofline_pct"] = 100.0 * row["roofline_ms"] / row["ms_per_step"]
+            row["achieved_GBps"] = rl["total"] / (row["ms_per_step"] / 1e3) / 1e9
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row = dict(row_base, error=f"{type(e).__name__}: {str(e)[:300]}")
+        res.add_row(row)
+        print(f"[{time.perf_counter() - t_start:6.1f}s] row b={b} ctx={c}: "
+              f"{ {k_: v for k_, v in row.items() if k_ not in ('roofline', 'call_ms_all')} }", flush=True)
+    if not hf_done:
+        hf_model = run_hf()
+        if a.small:
+            check_hf(hf_model)
+    if not a.small:
+        check_hf(hf_model)
+    res.data["total_s"] = time.perf_counter() - t_start
+    res.write()
+    print(markdown(res.data), flush=True)
+    return 0
+
+
+def _have_transformers() -> bool:
+    try:
+        import torch  # noqa: F401
+        from transformers import DeepseekV4ForCausalLM  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def memory_main(argv=None) -> int:
+    """`v4jax memory --model flash --context 1048576 [--requests N] [--format bf16,fp8,fp4] [--budget-gib G]`"""
+    ap = argparse.ArgumentParser(prog="v4jax memory", description="KV pool bytes per kind, per token and per "
+                                 "request, in bf16 and in the FP8 / FP4 layouts")
+    ap.add_argument("--model", default="flash", help="preset name or HF config directory")
+    ap.add_argument("--context", type=str, default="1048576", help="tokens per request (e.g. 1048576, 64K, 1M)")
+    ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--format", default="bf16,fp8,fp4", help="comma list of bf16, f32, fp8, fp4 (fp4 = FP8 KV + "
+                    "FP4 indexer keys)")
+    ap.add_argument("--budget-gib", type=float, default=None, help="also: pages / tokens that fit in this pool "
+                    "budget with the engine's layout (bf16)")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    a = ap.parse_args(argv)
+    cfg = preset(a.model) if not os.path.isdir(a.model) else ModelConfig.from_hf(a.model)
+    ctx = _parse_ints(a.context)[0]
+    reps = [M.report(cfg, ctx, a.requests, f.strip()) for f in a.format.split(",") if f.strip()]
+    if a.json:
+        out = {"model": a.model, "reports": [dataclasses.asdict(r) for r in reps]}
+        if a.budget_gib:
+            out["budget"] = dataclasses.asdict(M.pool_budget(cfg, int(a.budget_gib * M.GiB),
+                                                             max_num_seqs=a.max_num_seqs))
+        print(json.dumps(out, indent=1))
+        return 0
+    print(M.format_report(reps, title=f"## {a.model}: {a.requests} request(s) x {ctx} tokens"))
+    if a.budget_gib:
+        pb = M.pool_budget(cfg, int(a.budget_gib * M.GiB), max_num_seqs=a.max_num_seqs)
+        print(f"\nEngine pools in {a.budget_gib} GiB (bf16, {a.max_num_seqs} slots): {pb.n_pages} full pages of "
+              f"{pb.page_size} tokens = {pb.tokens} tokens; {pb.per_page_bytes} B per page; fixed "
+              f"{pb.fixed_bytes / M.MiB:.1f} MiB (SWA pages + compressor state)")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("decode", "memory"):
+        print("usage: python -m v4jax.bench {decode,memory} [options]", file=sys.stderr)
+        return 2
+    return (decode_main if argv[0] == "decode" else memory_main)(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
