@@ -1,0 +1,104 @@
+"""GPU-specific kernels (Pallas Triton) compiled and run on a real GPU, against the references.
+
+Run on the device machine:  python -m pytest -q -m gpu tests/test_kernels_gpu.py
+(Correctness only; timing is scripts/bench_kernels.py.)
+"""
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _compat
+from pallas_kernels import compressor as C
+from pallas_kernels import compressor_gpu as CG
+from pallas_kernels import indexer as IX
+
+SA = importlib.import_module("pallas_kernels.sparse_attention")
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_compat.backend() != "gpu", reason="needs a GPU")]
+
+
+def _close(out, ref, tol):
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  assert not np.any(np.isnan(out))
+  np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+  fin = np.isfinite(ref)
+  np.testing.assert_allclose(out[fin], ref[fin], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("B,T,H,D,W,K,dtype,n_split", [
+    (3, 2, 20, 64, 40, 70, jnp.float32, None),
+    (4, 1, 64, 512, 128, 512, jnp.bfloat16, None),
+    (1, 1, 64, 512, 128, 512, jnp.bfloat16, None),        # few programs: split-K path
+    (32, 1, 64, 512, 128, 512, jnp.bfloat16, 1),
+])
+def test_sparse_attention_gpu(B, T, H, D, W, K, dtype, n_split):
+  ks = jax.random.split(jax.random.key(0), 8)
+  R1, R2 = B * W, B * 4 * K
+  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+  swa = jax.random.normal(ks[1], (R1, D), dtype)
+  cmp = jax.random.normal(ks[2], (R2, D), dtype)
+  rw = jax.random.randint(ks[3], (B, T, W), -1, R1).astype(jnp.int32)
+  rc = jax.random.randint(ks[4], (B, T, K), -1, R2).astype(jnp.int32)
+  sink = jax.random.normal(ks[5], (H,), jnp.float32)
+  args = (q, swa, rw, cmp, rc, sink)
+  ref = SA.sparse_attention_ref(*args, scale=D ** -0.5)
+  out = jax.jit(functools.partial(SA._sparse_attention_gpu, scale=D ** -0.5, n_split=n_split))(*args)
+  _close(out.astype(jnp.float32), ref.astype(jnp.float32), 1e-5 if dtype == jnp.float32 else 2e-2)
+  pub = jax.jit(functools.partial(SA.sparse_attention, scale=D ** -0.5))(*args)
+  _close(pub.astype(jnp.float32), ref.astype(jnp.float32), 1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("B,T,Hi,Di,S,dtype", [(2, 3, 16, 32, 300, jnp.float32), (4, 1, 64, 128, 8192, jnp.bfloat16),
+                                               (1, 20, 64, 128, 1000, jnp.bfloat16)])
+def test_indexer_scores_gpu(B, T, Hi, Di, S, dtype):
+  ks = jax.random.split(jax.random.key(1), 8)
+  R = B * S
+  q = jax.random.normal(ks[0], (B, T, Hi, Di), dtype)
+  w = jax.random.normal(ks[1], (B, T, Hi), jnp.float32) * Hi ** -0.5
+  pool = jax.random.normal(ks[2], (R, Di), dtype)
+  rows = jax.random.randint(ks[3], (B, S), -1, R).astype(jnp.int32)
+  n_valid = jax.random.randint(ks[4], (B, T), 0, S + 1).astype(jnp.int32)
+  args = (q, w, pool, rows, n_valid)
+  ref = IX.indexer_scores_ref(*args)
+  _close(jax.jit(IX._indexer_scores_gpu)(*args), ref, 1e-4 if dtype == jnp.float32 else 1e-3)
+  _close(jax.jit(IX.indexer_scores)(*args), ref, 1e-4 if dtype == jnp.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("N,S,k", [(1, 262144, 512), (64, 262144, 512), (8, 9000, 100), (4, 300, 512)])
+def test_topk_gpu(N, S, k):
+  x = np.array(jax.random.normal(jax.random.key(2), (N, 1, S), jnp.float32))
+  x[0, 0, : S // 2] = -np.inf
+  if N > 2:
+    x[1, 0] = np.round(x[1, 0] * 3) / 3
+    x[2, 0] = 0.5                                   # overflows the candidate buffer -> exact fallback
+  xs = jnp.asarray(x)
+  want = np.asarray(IX.topk_ref(xs, k))
+  np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(IX._topk_threshold, k=k))(xs)), want)
+  np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(IX.topk, k=k))(xs)), want)
+
+
+@pytest.mark.parametrize("m,ov,d,Dm,B", [(4, True, 512, 4096, 64), (128, False, 512, 4096, 33), (4, True, 128, 256, 5)])
+def test_compressor_decode_gpu(m, ov, d, Dm, B):
+  coff = 2 if ov else 1
+  ks = jax.random.split(jax.random.key(3), 10)
+  x = jax.random.normal(ks[0], (B, Dm), jnp.bfloat16)
+  wkv = (jax.random.normal(ks[1], (coff * d, Dm)) * Dm ** -0.5).astype(jnp.bfloat16)
+  wg = (jax.random.normal(ks[2], (coff * d, Dm)) * Dm ** -0.5).astype(jnp.bfloat16)
+  ape = jax.random.normal(ks[3], (m, coff * d)) * 0.1
+  norm_w = 1 + 0.1 * jax.random.normal(ks[4], (d,))
+  kv = jax.random.normal(ks[5], (B, coff * m, coff * d))
+  sc = jax.random.normal(ks[6], (B, coff * m, coff * d))
+  pos = jax.random.randint(ks[7], (B,), -2, 10 * m).astype(jnp.int32)
+  cs = (jnp.cos(jnp.ones((B, 32))), jnp.sin(jnp.ones((B, 32))))
+  kw = dict(ratio=m, overlap=ov, eps=1e-6)
+  ref = jax.jit(functools.partial(C.compressor_decode_ref, **kw))(x, pos, kv, sc, wkv, wg, ape, norm_w, cs)
+  for f in (CG.compressor_decode_gpu, C.compressor_decode):
+    out = jax.jit(functools.partial(f, **kw))(x, pos, kv, sc, wkv, wg, ape, norm_w, cs)
+    np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
+    for o, r in zip((out[0], out[2], out[3]), (ref[0], ref[2], ref[3])):
+      _close(o, r, 1e-4)
