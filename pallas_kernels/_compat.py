@@ -65,6 +65,11 @@ def export_for_tpu(fn, *args, device_kind: str = "TPU v6 lite"):
     return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
 
 
-def lower_for_cuda(fn, *args):
-  """Lowers fn for CUDA from any machine (runs the Pallas->Triton lowering); returns the StableHLO text."""
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+def lower_for_cuda(fn, *args, device_kind: str = "NVIDIA H200"):
+  """Lowers fn for CUDA from any machine (runs the Pallas->Triton lowering); returns the StableHLO text.
+  JAX 0.11 asks the (abstract) device for its compute capability, hence the abstract GPU mesh."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None,
+                                                                    platform="gpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

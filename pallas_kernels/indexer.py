@@ -317,7 +317,7 @@ def _compact_kernel(x_ref, tau_ref, cs_in, ci_in, cnt_in, cs_ref, ci_ref, cnt_re
   # masked-off lanes point past the row: never touched on GPU, and dropped (not clobbering slot 0 with its old
   # value) by interpret mode's scatter
   safe = jnp.where(ok, pos, cap)
-  _compat.pltriton.store(cs_ref.at[safe], s, mask=ok)
+  _compat.pltriton.store(cs_ref.at[safe], jnp.where(s == 0, 0.0, s), mask=ok)   # -0.0 -> +0.0 (see _canon)
   _compat.pltriton.store(ci_ref.at[safe], c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0), mask=ok)
 
 
@@ -363,12 +363,12 @@ def _threshold_params(S, kk):
 def _topk_threshold(scores, k, *, interpret=False):
   *lead, S = scores.shape
   k = int(k)
-  x = _canon(scores.reshape(-1, S))
+  x = scores.reshape(-1, S).astype(F32)      # not canonicalised here (a full pass): the compaction does it
   N = x.shape[0]
   kk = min(k, S)
   n_groups, cap = _threshold_params(S, kk)
   if S <= 2 * n_groups:
-    return _topk_rows_ref(x, k).reshape(*lead, k)
+    return _topk_rows_ref(_canon(x), k).reshape(*lead, k)
   c = -(-S // n_groups)
   Sp = c * n_groups
   xp = pad_last(x, Sp, -jnp.inf)
@@ -376,7 +376,7 @@ def _topk_threshold(scores, k, *, interpret=False):
   tau = lax.top_k(gmax, kk)[0][:, kk - 1]                                 # >= kk scores are >= tau
   vals, idx, count = _compact(xp, tau, cap, interpret=interpret, chunk=min(4096, n_groups))
   fast = lambda _: _order_and_pad(vals, idx, k)
-  slow = lambda _: _topk_rows_ref(x, k)
+  slow = lambda _: _topk_rows_ref(_canon(x), k)
   out = lax.cond(jnp.any(count > cap), slow, fast, None)
   return out.reshape(*lead, k)
 
