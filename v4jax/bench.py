@@ -95,6 +95,12 @@ def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _ctx(c: int) -> str:
+    if c >= 1 << 20 and c % (1 << 20) == 0:
+        return f"{c >> 20}M"
+    return f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else str(c)
+
+
 def _mb(b: float) -> str:
     return f"{b / 1e6:.0f}" if b >= 1e7 else f"{b / 1e6:.3g}"
 
@@ -115,7 +121,7 @@ def markdown(data: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data.get("rows", []):
-        ctx = f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
+        ctx = _ctx(r["context"])
         if r.get("error"):
             lines.append(f"| {r['batch']} | {ctx} | not run: {r['error']} |  |  |  |  |  |  |  |  |")
             continue
@@ -133,7 +139,7 @@ def markdown(data: dict) -> str:
         lines += ["", "HF `DeepseekV4ForCausalLM` (same config and weights, bf16, eager attention):", "",
                   "| batch | context | ms/step | tok/s | prefill s (chunk) | note |", "|---|---|---|---|---|---|"]
         for h in data["hf"]:
-            lines.append(f"| {h['batch']} | {h['context']} | {_f(h.get('ms_per_step'))} | "
+            lines.append(f"| {h['batch']} | {_ctx(h['context'])} | {_f(h.get('ms_per_step'))} | "
                          f"{_f(h['batch'] / h['ms_per_step'] * 1e3 if h.get('ms_per_step') else None, '{:.0f}')} | "
                          f"{_f(h.get('prefill_s'), '{:.1f}')} ({h.get('chunk')}) | {h.get('error') or h.get('info', '')} |")
     chk = data.get("hf_check")
