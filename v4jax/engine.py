@@ -95,7 +95,7 @@ class Engine:
             n_swa = slots * swa_per_slot
             n_pages = slots * max_pages
             if options.memory_budget_bytes:
-                n_pages = max(1, self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots))
+                n_pages = (self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots))
         self.layout = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa,
                                    max_slots=slots, max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa)
         self.tables = C.PageTables(cfg, self.layout, dense)
@@ -172,7 +172,11 @@ class Engine:
         probe2 = dataclasses.replace(probe, n_pages=2)
         two = sum(C.pool_bytes(jax.eval_shape(lambda: C.init_pools(self.cfg, probe2, self.dtype))).values())
         per_page = two - fixed
-        return int((budget - (fixed - per_page)) // per_page)
+        n = int((budget - (fixed - per_page)) // per_page)
+        if n < 1:
+            raise ValueError(f"memory_budget_bytes={budget} is below the fixed pools ({fixed - per_page} bytes: "
+                             f"window and compressor state for {slots} slots) plus one page ({per_page} bytes)")
+        return n
 
     def warmup(self) -> int:
         """Compile every bucket the engine will use (prefill chunk x pages, decode x pages) with no-op calls

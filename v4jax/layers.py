@@ -177,12 +177,19 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit):
     experts a batch touches are computed. x [M, D]; weights/experts [M, k]; w1/w3 [E, I, D]; w2 [E, D, I]."""
     m, k = experts.shape
     n_exp = w1.shape[0]
+    dt = x.dtype
+    if m * k < n_exp:
+        # Few tokens (decode): gather only the selected experts' weights (ragged_dot may compute every group).
+        g1, g3, g2 = w1[experts].astype(dt), w3[experts].astype(dt), w2[experts].astype(dt)  # [M, k, ...]
+        h = swiglu(jnp.einsum("md,mkid->mki", x, g1, preferred_element_type=F32),
+                   jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit).astype(dt)
+        y = jnp.einsum("mki,mkdi->mkd", h, g2, preferred_element_type=F32)
+        return jnp.einsum("mkd,mk->md", y, weights)
     flat_e = experts.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tok = order // k
     xs = x[tok]
     sizes = jnp.bincount(flat_e, length=n_exp).astype(jnp.int32)
-    dt = x.dtype
     h1 = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2).astype(dt), sizes, preferred_element_type=F32)
     h3 = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2).astype(dt), sizes, preferred_element_type=F32)
     h = swiglu(h1, h3, limit).astype(dt)

@@ -75,6 +75,8 @@ def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index)
         choice = jax.vmap(jax.random.categorical)(keys, masked)
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-    tokens = jnp.where(temperature > 0, sampled(), greedy)
+    # The full-vocabulary sort only runs when some row samples.
+    tokens = jax.lax.cond(jnp.any(temperature > 0), lambda: jnp.where(temperature > 0, sampled(), greedy),
+                          lambda: greedy)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
