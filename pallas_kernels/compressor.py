@@ -402,9 +402,6 @@ def _tpu_prefill_kernel(p0_smem, n_smem, a_hbm, z_hbm, kv_ref, sc_ref, pooled_re
   r0 = lax.rem(p0, m)
   # buffers [coff, off + L, cb]: rows [0, off) = previous window (CSA), then window-aligned rows: the state's
   # current slots first (covering positions before p0 in p0's window), then the chunk from row off + r0.
-  for h in range(coff):
-    abuf[h, pl.ds(0, coff * m)] = kv_ref[h]
-    zbuf[h, pl.ds(0, coff * m)] = sc_ref[h]
   cps = []
   for h in range(coff):
     cps.append(pltpu.make_async_copy(a_hbm.at[b, :, h, ch], abuf.at[h, pl.ds(off + r0, T)], sem))
@@ -413,6 +410,11 @@ def _tpu_prefill_kernel(p0_smem, n_smem, a_hbm, z_hbm, kv_ref, sc_ref, pooled_re
     cp.start()
   for cp in cps:
     cp.wait()
+  # then the state rows below the chunk (a select after the copies landed: no store/DMA write ordering needed)
+  below = lax.broadcasted_iota(jnp.int32, (coff * m, 1), 0) < off + r0
+  for h in range(coff):
+    abuf[h, pl.ds(0, coff * m)] = jnp.where(below, kv_ref[h], abuf[h, pl.ds(0, coff * m)])
+    zbuf[h, pl.ds(0, coff * m)] = jnp.where(below, sc_ref[h], zbuf[h, pl.ds(0, coff * m)])
 
   # Pool every candidate window: slot s of window i is row off + i*m + s (own, half coff-1) and, for CSA,
   # row i*m + s (previous window, half 0).

@@ -165,12 +165,12 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
 # Scores: GPU kernel (Pallas Triton)
 # --------------------------------------------------------------------------------------------------------------
 
-_GPU_SB = 64      # keys per program
+_GPU_SB = 128     # keys per program
 _GPU_TQ = 16      # queries per program (looped)
 
 
 def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq):
-  s_blk = pl.program_id(1)
+  s_blk = pl.program_id(2)   # grid (query block, b, key block): query blocks sharing keys run side by side
   ids = rows_ref[...]                                                      # [sb]
   valid = ids >= 0
   Di = pool_ref.shape[-1]
@@ -218,15 +218,15 @@ def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_G
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((B, Tp, Sp), F32),
-      grid=(B, Sp // sb, Tp // tq),
+      grid=(Tp // tq, B, Sp // sb),
       in_specs=[
-          pl.BlockSpec((None, tq, Hp, Di), lambda b, s, t: (b, t, 0, 0)),
-          pl.BlockSpec((None, tq, Hp), lambda b, s, t: (b, t, 0)),
-          pl.BlockSpec((None, tq), lambda b, s, t: (b, t)),
-          pl.BlockSpec((None, sb), lambda b, s, t: (b, s)),
+          pl.BlockSpec((None, tq, Hp, Di), lambda t, b, s: (b, t, 0, 0)),
+          pl.BlockSpec((None, tq, Hp), lambda t, b, s: (b, t, 0)),
+          pl.BlockSpec((None, tq), lambda t, b, s: (b, t)),
+          pl.BlockSpec((None, sb), lambda t, b, s: (b, s)),
           pl.BlockSpec(key_pool.shape, lambda *_: (0, 0)),
       ],
-      out_specs=pl.BlockSpec((None, tq, sb), lambda b, s, t: (b, t, s)),
+      out_specs=pl.BlockSpec((None, tq, sb), lambda t, b, s: (b, t, s)),
       compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=bool(interpret),
       name="v4_indexer_scores_gpu",

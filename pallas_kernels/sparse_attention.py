@@ -232,7 +232,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
 
 _GPU_BLOCK = 32        # rows per step
 _GPU_HEADS = 16        # heads per program (>= 16 for tensor-core dots)
-_GPU_TARGET_PROGRAMS = 264   # ~2 waves on 132 SMs
+_GPU_SMS = 132         # H100/H200 SM count (used when the device does not say)
 
 
 def _gpu_gather_rows(pool_ref, ids, valid):
@@ -246,7 +246,7 @@ def _gpu_gather_rows(pool_ref, ids, valid):
 
 def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, swa_ref, cmp_ref, *out_refs, scale, block,
                 n_w_blocks, n_c_blocks, n_split, final):
-  sp = pl.program_id(2)
+  sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
   q = q_ref[...]                                       # [hb, D]
   cdt = common_compute_dtype(q.dtype, swa_ref.dtype)
   q = q.astype(cdt)
@@ -327,31 +327,34 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
   n_w, n_c = rw.shape[-1] // C, (rc.shape[-1] // C if has_cmp else 0)
   n_hb = Hp // hb
   if n_split is None:
-    n_split = max(1, min(-(-_GPU_TARGET_PROGRAMS // (B * T * n_hb)), (n_w + n_c) // 2 or 1))
+    # split the entries only when the (head block, query) programs leave SMs idle: the partial states cost
+    # an f32 [H, D] write + read per split
+    n_sm = getattr(jax.devices()[0], "core_count", None) or _GPU_SMS
+    n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
   final = n_split == 1
   kernel = functools.partial(_gpu_kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
                              n_split=n_split, final=final)
   full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
   in_specs = [
-      pl.BlockSpec((None, hb, D), lambda i, h, s: (i, h, 0)),
-      pl.BlockSpec((hb,), lambda i, h, s: (h,)),
-      pl.BlockSpec((None, rw.shape[-1]), lambda i, h, s: (i, 0)),
-      pl.BlockSpec((None, rc.shape[-1]), lambda i, h, s: (i, 0)),
+      pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0)),
+      pl.BlockSpec((hb,), lambda h, i, s: (h,)),
+      pl.BlockSpec((None, rw.shape[-1]), lambda h, i, s: (i, 0)),
+      pl.BlockSpec((None, rc.shape[-1]), lambda h, i, s: (i, 0)),
       full(swa_pool),
       full(cmp_pool),
   ]
   if final:
     out_shape = jax.ShapeDtypeStruct((B * T, Hp, D), q.dtype)
-    out_specs = pl.BlockSpec((None, hb, D), lambda i, h, s: (i, h, 0))
+    out_specs = pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0))
   else:
     out_shape = (jax.ShapeDtypeStruct((B * T, n_split, Hp, D), F32),
                  jax.ShapeDtypeStruct((B * T, n_split, Hp), F32),
                  jax.ShapeDtypeStruct((B * T, n_split, Hp), F32))
-    out_specs = (pl.BlockSpec((None, None, hb, D), lambda i, h, s: (i, s, h, 0)),
-                 pl.BlockSpec((None, None, hb), lambda i, h, s: (i, s, h)),
-                 pl.BlockSpec((None, None, hb), lambda i, h, s: (i, s, h)))
+    out_specs = (pl.BlockSpec((None, None, hb, D), lambda h, i, s: (i, s, h, 0)),
+                 pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)),
+                 pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)))
   out = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(B * T, n_hb, n_split), in_specs=in_specs, out_specs=out_specs,
+      kernel, out_shape=out_shape, grid=(n_hb, B * T, n_split), in_specs=in_specs, out_specs=out_specs,
       compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=bool(interpret), name="v4_sparse_attention_gpu",
   )(qf, sinkp, rw, rc, swa_pool, cmp_pool)
