@@ -46,6 +46,19 @@ def tpu_interpret_params():
   return pltpu.InterpretParams()
 
 
+def interpret_arg(interpret, default_mode: str):
+  """The `interpret=` of a TPU-style pallas_call. interpret may be False, True (-> default_mode), "tpu" (TPU
+  interpret mode: simulated DMAs/semaphores, NaN-initialised memory, out-of-bounds checks; strict but slow,
+  every DMA is a host callback) or "hlo" (the plain HLO interpreter: ~100x faster; enough for kernels whose DMAs
+  only read, not for in-place DMA writes to aliased HBM buffers or strided loads)."""
+  if interpret is False or interpret is None:
+    return False
+  mode = default_mode if interpret is True else interpret
+  if mode not in ("tpu", "hlo"):
+    raise ValueError(f"interpret must be a bool, 'tpu' or 'hlo', got {interpret!r}")
+  return tpu_interpret_params() if mode == "tpu" else True
+
+
 @functools.lru_cache(maxsize=None)
 def warn_once(msg: str) -> None:
   warnings.warn(msg, stacklevel=3)

@@ -378,7 +378,7 @@ def _compressor_decode_tpu(x, pos, kv_state, score_state, wkv, wgate, ape, norm_
       input_output_aliases={5: 1, 6: 2},
       compiler_params=_compat.TPUCompilerParams(dimension_semantics=("arbitrary",),
                                                 vmem_limit_bytes=96 * 2**20),
-      interpret=_compat.tpu_interpret_params() if interpret else False,
+      interpret=_compat.interpret_arg(interpret, "tpu"),
       name="v4_compressor_decode",
   )(pos, x, wkv.reshape(coff, d, Dm), wgate.reshape(coff, d, Dm), ape_rows, kv4, sc4)
   close = (pos >= 0) & (jnp.mod(pos + 1, m) == 0)
@@ -499,7 +499,7 @@ def _compressor_prefill_tpu(x, start_pos, n_tokens, kv_state, score_state, wkv, 
                           pltpu.SemaphoreType.DMA(())]),
       compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel"),
                                                 vmem_limit_bytes=96 * 2**20),
-      interpret=_compat.tpu_interpret_params() if interpret else False,
+      interpret=_compat.interpret_arg(interpret, "tpu"),
       name="v4_compressor_prefill",
   )(p0, n, a4, z4, kvT, scT)
   n_emit = (p0 + n) // m - p0 // m

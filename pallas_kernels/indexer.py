@@ -154,7 +154,7 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
       scratch_shapes=[pltpu.VMEM((sb, Di), key_pool.dtype),
                       pltpu.SemaphoreType.DMA((sb // min(_TPU_SUB, sb),))],
       compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
-      interpret=_compat.tpu_interpret_params() if interpret else False,
+      interpret=_compat.interpret_arg(interpret, "hlo"),
       name="v4_indexer_scores",
   )(rows_p.reshape(B * n_s, 1, sb), flag.reshape(B * n_s, 1, ng), start.reshape(B * n_s, 1, ng),
     q, w.astype(F32), n_valid.astype(jnp.int32).reshape(B, Tp, 1), rows_p.reshape(B, 1, Sp), key_pool)
@@ -236,7 +236,7 @@ def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_G
 
 def indexer_scores(q, w, key_pool, rows, n_valid, *, interpret=False):
   """Pallas indexer scores; same contract as `indexer_scores_ref`. GPU: Triton kernel; TPU: Mosaic kernel;
-  interpret=True or CPU: the TPU-style kernel in TPU interpret mode."""
+  interpret=True or CPU: the TPU-style kernel in the HLO interpreter (tests also use strict TPU interpret)."""
   be = _compat.backend()
   if be == "gpu" and not interpret:
     if _gpu_scores_supported(q, key_pool):

@@ -219,7 +219,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
           pltpu.VMEM((H, D), F32),
       ],
       compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel")),
-      interpret=_compat.tpu_interpret_params() if interpret else False,
+      interpret=_compat.interpret_arg(interpret, "hlo"),
       name="v4_sparse_attention",
   )(rows.reshape(B * T, 1, n_rows), flag.reshape(B * T, 1, -1), start.reshape(B * T, 1, -1), q,
     sink.astype(F32).reshape(H, 1), rows.reshape(B, T, 1, n_rows), swa_pool, cmp_arg)
@@ -379,7 +379,7 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
   """Pallas sparse attention; same contract as `sparse_attention_ref`.
 
   GPU backend: the Triton kernel. TPU: the Mosaic kernel. interpret=True (or the CPU backend): the TPU-style
-  kernel in TPU interpret mode.
+  kernel in the HLO interpreter (fast; the tests also run it in the strict TPU interpret mode).
   """
   be = _compat.backend()
   if be == "gpu" and not interpret and _gpu_supported(q, swa_pool, cmp_pool):

@@ -80,14 +80,15 @@ def test_scores_reference_head_groups(rng, monkeypatch):
   _check_scores(ix.indexer_scores_ref(*args), full, 1e-5, 1e-5)
 
 
-@pytest.mark.parametrize("B,T,S,dtype,tol", [
-    (2, 3, 700, jnp.float32, 1e-5),     # S-blocks of 512 with padding; several sub-chunks
-    (1, 10, 130, jnp.bfloat16, 1e-3),   # T > 8: query blocks of 8 with padding
+@pytest.mark.parametrize("B,T,S,dtype,tol,mode", [
+    (2, 3, 700, jnp.float32, 1e-5, "tpu"),     # S-blocks of 512 with padding; several sub-chunks
+    (1, 10, 130, jnp.bfloat16, 1e-3, "tpu"),   # T > 8: query blocks of 8 with padding
+    (2, 3, 700, jnp.float32, 1e-5, "hlo"),     # the fast interpreter behind interpret=True
 ])
-def test_scores_tpu_kernel_interpret(rng, B, T, S, dtype, tol):
+def test_scores_tpu_kernel_interpret(rng, B, T, S, dtype, tol, mode):
   args = _score_inputs(rng, B, T, 16, 32, S, 800, dtype)
   ref = ix.indexer_scores_ref(*args)
-  out = jax.jit(functools.partial(ix._indexer_scores_tpu, interpret=True))(*args)
+  out = jax.jit(functools.partial(ix._indexer_scores_tpu, interpret=mode))(*args)
   _check_scores(out, ref, tol, tol)
 
 

@@ -2,7 +2,7 @@
 kernel (TPU interpret mode) and the GPU Triton kernel (interpret mode) vs the reference; lowering for TPU (Mosaic)
 and CUDA (Triton).
 
-Outputs are poisoned: both interpret modes start every output buffer as NaN (TPU interpret: uninitialized
+Outputs are poisoned: the interpret modes start every output buffer as NaN (TPU interpret: uninitialized
 memory = NaN; HLO interpreter: outputs = NaN), and every element is checked (finite and close).
 """
 import functools
@@ -96,13 +96,16 @@ def test_reference_t_chunking(rng, monkeypatch):
   np.testing.assert_allclose(np.asarray(chunked), np.asarray(full), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("dtype,tol,K", [(jnp.float32, 1e-5, 150), (jnp.bfloat16, 2e-2, 40)])
-def test_tpu_kernel_interpret(rng, dtype, tol, K):
+@pytest.mark.parametrize("dtype,tol,K,mode", [(jnp.float32, 1e-5, 150, "tpu"), (jnp.bfloat16, 2e-2, 40, "tpu"),
+                                              (jnp.float32, 1e-5, 150, "hlo")])
+def test_tpu_kernel_interpret(rng, dtype, tol, K, mode):
+  # mode "tpu": TPU interpret mode (simulated DMAs and semaphores, NaN-initialised memory, bounds checks);
+  # "hlo": the fast HLO interpreter that interpret=True uses
   B, T, H, D, W = 2, 2, 8, 128, 20                         # K = 150: two compressed chunks of 128 rows
   args = _inputs(rng, B, T, H, D, W, K, 64, 300, dtype)
   scale = D ** -0.5
   ref = sa.sparse_attention_ref(*args, scale=scale)
-  out = jax.jit(functools.partial(sa._sparse_attention_tpu, scale=scale, interpret=True))(*args)
+  out = jax.jit(functools.partial(sa._sparse_attention_tpu, scale=scale, interpret=mode))(*args)
   assert out.dtype == dtype
   _check(out, ref.astype(jnp.float32), rtol=tol, atol=tol)
 
