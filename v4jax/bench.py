@@ -522,6 +522,8 @@ def decode_main(argv=None) -> int:
     ap.add_argument("--bw-bytes", type=float, default=None, help="bytes of the bandwidth probe (default 4 GiB; "
                     "small 64 MiB)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-impl", default="xla", choices=("xla", "pallas"),
+                    help="the engine's attention path (pallas: pallas_kernels)")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./bench_out)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -571,7 +573,7 @@ def decode_main(argv=None) -> int:
     jax.block_until_ready(nnx.state(model))
     res.data["model_init_s"] = time.perf_counter() - t0
     print(f"[{time.perf_counter() - t_start:6.1f}s] model initialised", flush=True)
-    run_opts = RunOptions()
+    run_opts = RunOptions(attention_impl=a.attention_impl)
     rng = np.random.default_rng(a.seed)
 
     plan = _plan(batches, contexts, long_b1)
