@@ -79,6 +79,23 @@ def heldout_prompts(held_text: str, n: int = 3, chars: int = 400) -> list[str]:
     return out
 
 
+def oracle_recall(target, k):
+    """The best any top-k can do: the k largest target masses per row (rows with target mass), averaged."""
+    import jax
+    import jax.numpy as jnp
+    has = jnp.sum(target, -1) > 0.5
+    best = jnp.sum(jax.lax.top_k(target, min(k, target.shape[-1]))[0], -1)
+    return jnp.sum(jnp.where(has, best, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+
+def random_recall(seq_len: int, ratio: int, k: int) -> float:
+    """Expected share a uniformly random choice of k causal entries covers, averaged over rows with entries
+    (each entry's expected share is 1/n of the row's mass)."""
+    n = (np.arange(seq_len) + 1) // ratio
+    n = n[n > 0]
+    return float(np.mean(np.minimum(1.0, k / n)))
+
+
 def main(argv=None):
     args = parse_args(argv)
     import jax
@@ -116,7 +133,8 @@ def main(argv=None):
         hit = jnp.argmax(mtp_logits, -1) == y[:, 1:]
         main_hit = jnp.argmax(logits, -1) == y
         recall = jnp.stack([indexer_terms(lp, tg, cfg.index_topk)[1] for lp, tg in aux]) if aux else jnp.zeros(0)
-        return nll, mtp_nll, hit, main_hit, recall
+        oracle = jnp.stack([oracle_recall(tg, cfg.index_topk) for _, tg in aux]) if aux else jnp.zeros(0)
+        return nll, mtp_nll, hit, main_hit, jnp.stack([recall, oracle], -1)
 
     @jax.jit
     def window_only(state, tokens):
@@ -170,14 +188,18 @@ def main(argv=None):
         loss_beyond_window=float(per_pos[W:].mean()), loss_beyond_window_window_only=float(per_pos_drop[W:].mean()),
         main_top1=main_hits / (count * T),
         mtp_top1=mtp_hits / (count * (T - 1)), mtp_loss=mtp_nll_sum / (count * (T - 1)),
-        indexer_recall={f"layer {i}": float(v / count) for i, v in
+        indexer_recall={f"layer {i}": float(v[0] / count) for i, v in
                         zip([j for j, k in enumerate(cfg.layer_types) if k == "csa"], recall_sum)},
+        indexer_recall_oracle={f"layer {i}": float(v[1] / count) for i, v in
+                               zip([j for j, k in enumerate(cfg.layer_types) if k == "csa"], recall_sum)},
+        indexer_recall_random=random_recall(T, min(cfg.ratios_in_use), cfg.index_topk),
         index_topk=cfg.index_topk, window_size=W, compress_ratios=list(cfg.compress_ratios),
         position_buckets=buckets, load_s=t_load, eval_s=t_eval,
     )
     print(f"[eval] held-out loss {res['heldout_loss']:.4f} ppl {res['heldout_ppl']:.2f}; window only "
           f"{res['heldout_loss_window_only']:.4f} ppl {res['heldout_ppl_window_only']:.2f}; MTP top-1 "
-          f"{res['mtp_top1']:.3f}; indexer recall {res['indexer_recall']} ({t_eval:.0f}s)", flush=True)
+          f"{res['mtp_top1']:.3f}; indexer recall {res['indexer_recall']} oracle {res['indexer_recall_oracle']} "
+          f"random {res['indexer_recall_random']:.3f} ({t_eval:.0f}s)", flush=True)
     for b in buckets:
         print(f"[eval]   {b['positions']:>9}: {b['loss']:.4f}  window-only {b['loss_window_only']:.4f}  "
               f"delta {b['delta']:+.4f}", flush=True)
@@ -261,8 +283,12 @@ def to_markdown(res: dict) -> str:
         f"{res['loss_beyond_window']:.4f} / {res['loss_beyond_window_window_only']:.4f} |",
         f"| main head top-1 | {res['main_top1']:.3f} |",
         f"| MTP head top-1 (token i+2) / loss | {res['mtp_top1']:.3f} / {res['mtp_loss']:.4f} |",
-        "| indexer recall (top-%d share of dense attention mass over compressed entries) | %s |" % (
-            res["index_topk"], ", ".join(f"{k}: {v:.3f}" for k, v in res["indexer_recall"].items())),
+        "| indexer recall: share of the dense attention mass over compressed entries that its top-%d covers | %s |"
+        % (res["index_topk"], ", ".join(f"{k}: {v:.3f}" for k, v in res["indexer_recall"].items())),
+        "| same for the best possible top-%d (oracle) / a random top-%d | %s / %.3f |" % (
+            res["index_topk"], res["index_topk"],
+            ", ".join(f"{k}: {v:.3f}" for k, v in res["indexer_recall_oracle"].items()),
+            res["indexer_recall_random"]),
         "",
         "| positions | loss | loss, window only | window only - all |",
         "| --- | --- | --- | --- |",
