@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Train the embedded default model (a small DeepSeek-V4 with every feature on) on Shakespeare.
 
-Full run (one H200 call; data/shakespeare made by scripts/prepare_shakespeare.py, carried with the call):
-    python scripts/train_default_model.py --data data/shakespeare --work runs/default \
-        --export runs/default/export --steps 2000 --max-minutes 8
+Full run (one H200 call; data/shakespeare made by scripts/prepare_shakespeare.py, carried with the call; the
+shipped model, see BENCHMARKS.md "Default model"):
+    python3 scripts/train_default_model.py --work /tmp/w_default --export /tmp/export_default --steps 1800 \
+        --auto-steps --auto-steps-at 60 --max-minutes 7.5 --log-every 20 --eval-every 200 --eval-windows 512
 
 CPU smoke run (tiny config, a few steps; synthetic tokens if no prepared data):
     python scripts/train_default_model.py --smoke
