@@ -190,15 +190,6 @@ class PageTables:
             self.full_alloc = PageAllocator(layout.n_pages)
             self.swa_alloc = PageAllocator(layout.n_swa_pages)
 
-    def pages_needed(self, slot: int, upto: int) -> tuple[int, int]:
-        """(full pages, SWA pages) a slot still needs to hold positions < upto."""
-        lay = self.layout
-        held = self.held[slot]
-        nf = max(0, -(-upto // lay.page_size) - len(held.full))
-        lo = max(0, upto - self.cfg.window_size - 64)  # a generous lower bound; exact in reserve()
-        ns = sum(1 for j in range(lo // lay.swa_page_size, -(-upto // lay.swa_page_size)) if j not in held.swa)
-        return nf, ns
-
     def reserve(self, slot: int, lo: int, upto: int) -> None:
         """Make positions [lo, upto) writable and readable for the slot; earlier SWA pages that no query
         at or after `lo` can see are freed (the window moved past them)."""

@@ -113,24 +113,6 @@ def hc_head(x, fn, base, scale, cfg: ModelConfig):
 
 
 # ---- attention core ---------------------------------------------------------------------------------
-def attend(q, keys, valid, sink, scale):
-    """One softmax over a key set plus the per-head sink (a virtual key with zero value).
-
-    q [B, T, H, K]; keys [B, S, K] (shared by every query) or [B, T, S, K]; valid [B, T, S] bool.
-    Returns o [B, T, H, K] in q's dtype; f32 statistics. K = V (MQA)."""
-    per_query = keys.ndim == 4
-    eq_s = "bthk,btsk->bths" if per_query else "bthk,bsk->bths"
-    s = jnp.einsum(eq_s, q, keys, preferred_element_type=F32) * scale
-    s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
-    sink_b = jnp.broadcast_to(sink.astype(F32)[None, None, :], s.shape[:3])
-    m = jnp.maximum(jnp.max(s, axis=-1), sink_b)
-    p = jnp.exp(s - m[..., None])
-    denom = jnp.sum(p, axis=-1) + jnp.exp(sink_b - m)
-    eq_o = "bths,btsk->bthk" if per_query else "bths,bsk->bthk"
-    o = jnp.einsum(eq_o, p.astype(keys.dtype), keys, preferred_element_type=F32) / denom[..., None]
-    return o.astype(q.dtype)
-
-
 # ---- compressor (reference §3.4), full-sequence form ------------------------------------------------
 def compress_windows(a, z, ratio: int, overlap: bool):
     """Pool every complete window of a chunk that starts at position 0.
@@ -198,7 +180,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit):
     return jnp.zeros((m, x.shape[-1]), F32).at[tok].add(y)
 
 
-def attend_two(q, shared_keys, shared_valid, pq_keys, pq_valid, sink, scale):
+def attend(q, shared_keys, shared_valid, pq_keys, pq_valid, sink, scale):
     """One softmax (plus sink) over two key sets: keys shared by a row's queries [B, S1, K] (the chunk's window
     union, HCA entries) and per-query keys [B, T, S2, K] (CSA's selected entries, or None).
     Valid masks: [B, T, S1] and [B, T, S2]. Returns [B, T, H, K]."""

@@ -220,7 +220,7 @@ class Attention(nnx.Module):
             if opts.drop_compressed:
                 causal = jnp.zeros_like(causal)
             valid = jnp.concatenate([valid, causal], axis=-1)
-        o = L.attend(q, keys, valid, self.attn_sink[...], cfg.head_dim ** -0.5)
+        o = L.attend(q, keys, valid, None, None, self.attn_sink[...], cfg.head_dim ** -0.5)
         return self.output(o, cos, sin, opts)
 
     # -- the cached path: read and write the pools through row ids (v4jax.cache) --
@@ -262,7 +262,7 @@ class Attention(nnx.Module):
                 hca_valid = e_valid & (not opts.drop_compressed)
                 win_keys = jnp.concatenate([win_keys, pool.kv[jnp.maximum(rows, 0)]], axis=1)
                 win_valid = jnp.concatenate([win_valid, hca_valid], axis=-1)
-        o = L.attend_two(q, win_keys.astype(q.dtype), win_valid,
+        o = L.attend(q, win_keys.astype(q.dtype), win_valid,
                          None if sel_keys is None else sel_keys.astype(q.dtype), sel_valid,
                          self.attn_sink[...], cfg.head_dim ** -0.5)
         return self.output(o, cos, sin, opts), pool

@@ -61,8 +61,6 @@ def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]]) 
         _variable(model, path).value = jnp.asarray(buf, dtype=_variable(model, path).dtype)
         assigned.add(path)
     missing = []
-    for path, var in nnx.iter_graph(model) if False else ():
-        pass
     flat = nnx.to_flat_state(nnx.state(model))
     for path, var in flat:
         key = tuple(path)
