@@ -41,28 +41,43 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 # timing
 # --------------------------------------------------------------------------------------------------------------
 
-def _first_scalar(out):
+def _touch(args, dep):
+  """args with one element of the first float array nudged by `dep` (always 0, but XLA cannot prove it): makes
+  every loop iteration's inputs depend on the previous iteration's outputs, so the call cannot be hoisted out of
+  the loop (loop-invariant code motion) nor overlapped with the next one. An in-place one-element update."""
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  for i, x in enumerate(leaves):
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.size:
+      leaves[i] = x.at[(0,) * x.ndim].add((dep * 0).astype(x.dtype))
+      break
+  return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _consume(out):
+  """A scalar that depends on every element of every output (a full reduction), so no part of a call can be
+  skipped; a partial read (e.g. element 0) lets XLA compute only that element of a fused elementwise op."""
   leaves = [x for x in jax.tree_util.tree_leaves(out) if hasattr(x, "dtype")]
-  x = leaves[0]
-  return x.reshape(-1)[0].astype(F32)
+  return sum(jnp.sum(x.astype(F32)) for x in leaves)
 
 
-def time_fn(fn: Callable, args: tuple, *, iters: int, repeats: int, carry: Callable | None = None) -> float:
-  """Median seconds per call of fn(*args), `iters` chained calls inside one jitted function.
-
-  Each call's inputs pass through an optimization barrier together with the previous call's whole output, so
-  XLA can neither hoist, merge nor drop a call, nor compute only part of an output (the barrier needs all of
-  it). `carry(args, out)` may thread outputs into the next call's inputs (e.g. an updated state)."""
+def time_fn(fn: Callable, args: tuple, *, iters: int, repeats: int, carry: Callable | None = None,
+            consume: bool = True) -> float:
+  """Median seconds per call of fn(*args): `iters` dependent calls in one `lax.fori_loop` inside one jitted
+  function (dispatch overhead is paid once). Each call's inputs depend on the previous call's outputs through a
+  zero-valued scalar (`_touch`, `_consume`), so XLA can neither hoist, merge, overlap nor partially compute a
+  call. `carry(args, out)` may thread outputs into the next call's inputs (e.g. an updated state).
+  (An earlier version chained calls through optimisation barriers and read one element of the last output; on
+  the H200 it reported a 70 TB/s copy bandwidth: work was being elided.)"""
 
   def many(args):
-    prev = jnp.zeros((), F32)
-    for _ in range(iters):
-      args, prev = lax.optimization_barrier((args, prev))
+    def body(_, c):
+      args, dep = c
+      args = _touch(args, dep)
       out = fn(*args)
       if carry is not None:
         args = carry(args, out)
-      prev = out
-    return _first_scalar(lax.optimization_barrier(prev))
+      return args, (dep + _consume(out)) if consume else dep
+    return lax.fori_loop(0, iters, body, (args, jnp.zeros((), F32)))  # the final args are returned: all live
 
   f = jax.jit(many)
   jax.block_until_ready(f(args))                  # compile + warm up
@@ -75,10 +90,12 @@ def time_fn(fn: Callable, args: tuple, *, iters: int, repeats: int, carry: Calla
 
 
 def measure_bandwidth(nbytes: int, *, iters: int, repeats: int) -> float:
-  """HBM bandwidth (bytes/s) from a large copy-like op: y = x * 1.0001 reads and writes nbytes each."""
+  """HBM bandwidth (bytes/s) from a large copy-like op: y = x * 1.0001 reads and writes nbytes each; y becomes
+  the next call's x, and the last y is returned, so every element of every call is computed."""
   n = nbytes // 4
   x = jnp.ones((n,), F32)
-  t = time_fn(lambda a: a * 1.0001, (x,), iters=iters, repeats=repeats)
+  t = time_fn(lambda a: a * 1.0001, (x,), iters=iters, repeats=repeats, carry=lambda args, out: (out,),
+              consume=False)
   return 2 * n * 4 / t
 
 
