@@ -186,3 +186,13 @@ def test_bad_inputs_are_clear_errors(tiny_llm):
     with pytest.raises(TypeError, match="unknown LLM option"):
         LLM("tiny", no_such_option=1)
     assert _all_pages_free(tiny_llm.engine)
+
+
+def test_page_table_snapshot_is_private():
+    """Steps get a private copy of the host page tables: the host mutates them while earlier (async) steps may
+    still read them, and on CPU jnp.asarray can alias numpy memory (this made chunk-1 prefill nondeterministic)."""
+    from v4jax.engine import _snapshot
+    table = np.arange(4096, dtype=np.int32).reshape(8, 512)
+    dev = _snapshot(table[:, :256])
+    table[:] = -1
+    np.testing.assert_array_equal(np.asarray(dev), np.arange(4096, dtype=np.int32).reshape(8, 512)[:, :256])

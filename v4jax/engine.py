@@ -24,6 +24,13 @@ from v4jax.sampling import SamplingParams, sample
 MAX_STOP = 8  # stop token ids per request held on device (EOS included)
 
 
+def _snapshot(table: np.ndarray) -> jax.Array:
+    """A device copy of a host page table as it is now. The host tables are mutated by the next reserve() while
+    earlier steps may still be running (dispatch is async), and on CPU `jnp.asarray` can alias numpy memory
+    (zero-copy), so the step must get a private copy (measured: aliasing made chunked prefill nondeterministic)."""
+    return jnp.asarray(np.array(table, copy=True))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -188,14 +195,14 @@ class Engine:
         z = lambda n, dt=jnp.int32: jnp.zeros((n,), dt)
         samp = (z(1, jnp.float32), jnp.ones((1,), jnp.float32), z(1), z(1), z(1), z(1))
         for nb in page_buckets:
-            pt = jnp.asarray(self.tables.full[:, :nb])
+            pt = _snapshot(self.tables.full[:, :nb])
             for cb in chunk_buckets:
                 self.pools, _, _ = self._prefill_jit(self._leaves, self.pools, jnp.zeros((1, cb), jnp.int32), z(1),
                                                      z(1), jnp.zeros((1,), bool), z(1), pt[:1],
-                                                     jnp.asarray(self.tables.swa[:1]), samp)
+                                                     _snapshot(self.tables.swa[:1]), samp)
             io = _DecodeIO(z(s), z(s), jnp.zeros((s,), bool), z(s, jnp.float32), jnp.ones((s,), jnp.float32), z(s),
                            z(s), z(s), z(s), z(s), jnp.full((s, MAX_STOP), -1, jnp.int32))
-            self.pools, *_ = self._decode_jit(self._leaves, self.pools, io, pt, jnp.asarray(self.tables.swa))
+            self.pools, *_ = self._decode_jit(self._leaves, self.pools, io, pt, _snapshot(self.tables.swa))
         return self.compiled_variants()
 
     def compiled_variants(self) -> int:
@@ -247,7 +254,7 @@ class Engine:
             self.pools, tok, lp = self._prefill_jit(
                 self._leaves, self.pools, jnp.asarray(chunk), jnp.asarray([start], jnp.int32),
                 jnp.asarray([c], jnp.int32), jnp.asarray([start == 0]), jnp.asarray([slot], jnp.int32),
-                jnp.asarray(pt), jnp.asarray(self.tables.swa[slot:slot + 1]), samp)
+                _snapshot(pt), _snapshot(self.tables.swa[slot:slot + 1]), samp)
             start += c
         return Prefix(slot=slot, length=n, first_token=int(tok[0]), first_logprob=float(lp[0]))
 
@@ -288,7 +295,7 @@ class Engine:
         io = _DecodeIO(*(jnp.asarray(a) for a in (tokens, pos, active, temp, top_p, top_k, seed, req, tidx, rem, stop)))
         pt = self.tables.full[:, : self._page_bucket(upto)]
         self.pools, out_tok, out_lp, n_out, stopped, still = self._decode_jit(
-            self._leaves, self.pools, io, jnp.asarray(pt), jnp.asarray(self.tables.swa))
+            self._leaves, self.pools, io, _snapshot(pt), _snapshot(self.tables.swa))
         out_tok, out_lp, n_out, stopped, still = map(np.asarray, (out_tok, out_lp, n_out, stopped, still))
         results = []
         for i in act:
