@@ -147,21 +147,35 @@ def _exact_check(out, ref):
   return n_bad == 0, "exact" if n_bad == 0 else f"{n_bad} rows differ"
 
 
-def _topk_set_check(scores):
-  """Same selection as the reference on the reference scores, up to a k-th/(k+1)-th near tie (1e-6 rel)."""
+def _topk_set_check(scores, score_rtol: float = 0.0):
+  """Same selection as the reference on the reference scores, up to near ties at the k-th score.
+
+  Without a fused score kernel (score_rtol = 0) only a k-th/(k+1)-th tie within 1e-6 rel is accepted (CONVENTIONS).
+  With one (indexer_topk), the Pallas scores carry their own f32 rounding (summation order), so an entry may swap
+  across the boundary only if its reference score lies within score_rtol * max|score| of the reference k-th."""
   def check(out, ref):
     o, r, s = np.asarray(out), np.asarray(ref), np.asarray(scores(), np.float64)
     s = s.reshape(-1, s.shape[-1])
     o, r = o.reshape(-1, o.shape[-1]), r.reshape(-1, r.shape[-1])
-    bad = 0
+    bad, swapped = 0, 0
     for n in range(o.shape[0]):
       if np.array_equal(o[n], r[n]):
         continue
       fin = np.sort(s[n][np.isfinite(s[n])])[::-1]
       k = o.shape[1]
-      if not (len(fin) > k and abs(fin[k - 1] - fin[k]) <= 1e-6 * abs(fin[k - 1])):
-        bad += 1
-    return bad == 0, "same (or near-tie)" if bad == 0 else f"{bad} rows differ"
+      if len(fin) > k and abs(fin[k - 1] - fin[k]) <= 1e-6 * abs(fin[k - 1]):
+        continue
+      diff = set(o[n][o[n] >= 0].tolist()) ^ set(r[n][r[n] >= 0].tolist())
+      band = score_rtol * np.abs(fin).max() if len(fin) else 0.0
+      if diff and len(fin) >= k and all(abs(s[n][j] - fin[k - 1]) <= band for j in diff):
+        swapped += 1
+        continue
+      if not diff and score_rtol:  # same set, order of near-equal scores differs
+        continue
+      bad += 1
+    if bad:
+      return False, f"{bad} rows differ"
+    return True, "same" + (f" ({swapped} rows: boundary swap within the score error)" if swapped else " (or near-tie)")
   return check
 
 
@@ -214,7 +228,7 @@ def indexer_cases(small: bool, interp: bool):
     out.append(Case("indexer_topk", cfg + f" k={k}",
                     lambda *a, k=k: IX.indexer_topk(*a, k, impl="pallas", interpret=interp),
                     lambda *a, k=k: IX.indexer_topk(*a, k, impl="xla"), args, bytes=key_bytes + B * k * 4,
-                    check=_topk_set_check(scores), flops=2 * B * Hi * Di * S,
+                    check=_topk_set_check(scores, score_rtol=1e-5), flops=2 * B * Hi * Di * S,
                     note="roofline: keys + ids only (scores kept on chip)"))
   return out
 
