@@ -205,6 +205,8 @@ def test_pool_budget_flash_numbers():
     cfg = preset("flash")
     pb = M.pool_budget(cfg, 100 * GiB)
     assert pb.page_size == 256 and pb.per_page_bytes == 256 * 6884
-    swa = 8 * 7 * 64 * 1024 * 43  # 8 slots x 7 SWA pages of 64 tokens x 1 KiB x 43 layers
+    # SWA: 8 decoding slots x (ceil((128 + 8) / 64) + 1) pages, plus ceil(256 / 64) + 1 for the one prefilling
+    # request = 37 pages of 64 tokens x 1 KiB x 43 layers.
+    swa = (8 * 4 + 5) * 64 * 1024 * 43
     assert pb.fixed_bytes == swa + 8 * (21 * 80 + 20 * 512) * 1024
     assert pb.n_pages == (100 * GiB - pb.fixed_bytes) // pb.per_page_bytes

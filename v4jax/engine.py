@@ -97,9 +97,9 @@ class Engine:
         if dense:
             n_pages, n_swa = slots * max_pages, slots * max_swa
         else:
-            # SWA pages: the window plus the most tokens one step writes, per slot.
-            swa_per_slot = -(-(cfg.window_size + max(options.prefill_chunk, self.k)) // ps) + 1
-            n_swa = slots * swa_per_slot
+            # SWA pages: each decoding slot holds its window plus k tokens; one request at a time prefills, and
+            # only it needs room for a whole chunk on top of its window.
+            n_swa = slots * (-(-(cfg.window_size + self.k) // ps) + 1) + -(-options.prefill_chunk // ps) + 1
             n_pages = slots * max_pages
             if options.memory_budget_bytes:
                 n_pages = (self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots))

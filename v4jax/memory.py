@@ -249,8 +249,9 @@ def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: 
     """(P, Ps, SWA pages) exactly as Engine.__init__ chooses them for the paged layout."""
     p = -(-(page_size or 256) // cfg.lcm_ratio()) * cfg.lcm_ratio()
     ps = math.gcd(p, 64)
-    swa_per_slot = -(-(cfg.window_size + max(prefill_chunk, decode_steps)) // ps) + 1
-    return p, ps, max_num_seqs * swa_per_slot
+    # As Engine: a window plus k tokens per decoding slot, plus one prefill chunk for the one request prefilling.
+    n_swa = max_num_seqs * (-(-(cfg.window_size + decode_steps) // ps) + 1) + -(-prefill_chunk // ps) + 1
+    return p, ps, n_swa
 
 
 def pool_budget(cfg: ModelConfig, budget_bytes: int, *, page_size: int | None = None, max_num_seqs: int = 8,
