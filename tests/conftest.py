@@ -1,5 +1,6 @@
 """Shared pytest setup: float32 numerics at full matmul precision for every JAX test."""
 import os
+import subprocess
 import sys
 
 import jax
@@ -16,3 +17,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def rng():
     import numpy as np
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def single_device(request):
+    """TPU interpret mode wants one device: under a multi-device CPU setup, run the test in a subprocess."""
+    if jax.device_count() == 1:
+        yield
+        return
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                       env=env, cwd=str(request.config.rootpath), capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    pytest.skip("passed in a single-device subprocess")

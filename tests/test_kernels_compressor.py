@@ -24,17 +24,7 @@ from pallas_kernels import compressor_gpu as CG
 EPS = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _single_device(request):
-  """TPU interpret mode wants one device: under a multi-device CPU setup, run this test in a subprocess."""
-  if jax.device_count() == 1:
-    yield
-    return
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-                     env=env, cwd=str(request.config.rootpath), capture_output=True, text=True)
-  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-  pytest.skip("passed in a single-device subprocess")
+pytestmark = pytest.mark.usefixtures("single_device")  # TPU interpret mode wants one device
 
 
 def _weights(rng, m, overlap, d, Dm, wdtype=jnp.float32):
