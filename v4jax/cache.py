@@ -112,11 +112,23 @@ def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
     return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), layers=tuple(layers))
 
 
+def entry_rows(cfg: ModelConfig, layout: PoolLayout, page_table) -> dict:
+    """ratio m -> [B, NP * P/m] row of each compressed entry in the ratio's pools (-1 where no page)."""
+    out = {}
+    for m in cfg.ratios_in_use:
+        per_page = layout.page_size // m
+        e = jnp.arange(page_table.shape[1] * per_page)
+        page = page_table[:, e // per_page]
+        out[m] = jnp.where(page >= 0, page * per_page + (e % per_page)[None, :], -1)
+    return out
+
+
 def make_meta(cfg: ModelConfig, layout: PoolLayout, start, n_valid, fresh, slot, page_table, swa_table,
-              t: int) -> StepMeta:
+              t: int, rows: dict | None = None) -> StepMeta:
     """Device-side: rows to read and write for B rows of T tokens, from each row's page tables.
-    page_table [B, NP] (full pages, -1 = none), swa_table [B, NS] (SWA pages by logical index pos // Ps)."""
-    p, ps, w = layout.page_size, layout.swa_page_size, cfg.window_size
+    page_table [B, NP] (full pages, -1 = none), swa_table [B, NS] (SWA pages by logical index pos // Ps);
+    `rows`: entry_rows(page_table) when the caller already has them (a decode loop computes them once)."""
+    ps, w = layout.swa_page_size, cfg.window_size
     positions = start[:, None] + jnp.arange(t)[None, :]
     tok_ok = jnp.arange(t)[None, :] < n_valid[:, None]
 
@@ -131,14 +143,9 @@ def make_meta(cfg: ModelConfig, layout: PoolLayout, start, n_valid, fresh, slot,
     swa_write = jnp.where(swa_write < 0, swa_rows_all, swa_write)
     win_pos = start[:, None] - (w - 1) + jnp.arange(w - 1 + t)[None, :]
     win_rows = swa_row(win_pos)
-    entry_rows = {}
-    for m in cfg.ratios_in_use:
-        per_page = p // m
-        e = jnp.arange(page_table.shape[1] * per_page)
-        page = page_table[:, e // per_page]
-        entry_rows[m] = jnp.where(page >= 0, page * per_page + (e % per_page)[None, :], -1)
     return StepMeta(positions=positions, start=start, n_valid=n_valid, fresh=fresh, slot=slot,
-                    swa_write=swa_write, win_rows=win_rows, win_pos=win_pos, entry_rows=entry_rows)
+                    swa_write=swa_write, win_rows=win_rows, win_pos=win_pos,
+                    entry_rows=entry_rows(cfg, layout, page_table) if rows is None else rows)
 
 
 # ---- host side -------------------------------------------------------------------------------------
