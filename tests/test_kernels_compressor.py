@@ -84,6 +84,21 @@ def _np_decode(x, p, kv, sc, W, m, overlap, rd):
   return c, kv, sc
 
 
+def _decode_step_matches(rng, kernel, ref, W, kv, sc, pos, B, Dm, rd, m, wdtype):
+  """One decode token through kernel and reference from the same state: same emitted entries and states.
+  Returns the reference states (so one step's error does not compound into the next)."""
+  x = jnp.asarray(rng.standard_normal((B, Dm)), wdtype)
+  cs = _rope(np.maximum(pos + 1 - m, 0), rd)
+  p = jnp.asarray(pos, jnp.int32)
+  e_r, em_r, kv_r, sc_r = ref(x, p, kv, sc, cos_sin=cs, **W)
+  e_k, em_k, kv_k, sc_k = kernel(x, p, kv, sc, W["wkv"], W["wgate"], W["ape"], W["norm_w"], cs)
+  np.testing.assert_array_equal(np.asarray(em_k), np.asarray(em_r))
+  _close(e_k, e_r, 2e-5)
+  _close(kv_k, kv_r, 2e-5)
+  _close(sc_k, sc_r, 2e-5)
+  return kv_r, sc_r
+
+
 @pytest.mark.parametrize("m,overlap", [(4, True), (8, False)])
 def test_decode_reference_matches_numpy(rng, m, overlap):
   d, Dm, rd, B = 32, 24, 8, 2
@@ -190,16 +205,7 @@ def test_decode_tpu_kernel_interpret(rng, m, overlap, d, wdtype):
   for i in range(m + 2):        # every slot closes once, slot 2 is inactive for a while
     pos = start + i
     pos[2] = -1 if i < 3 else pos[2]
-    x = jnp.asarray(rng.standard_normal((B, Dm)), wdtype)
-    cs = _rope(np.maximum(pos + 1 - m, 0), rd)
-    p = jnp.asarray(pos, jnp.int32)
-    e_r, em_r, kv_r, sc_r = ref(x, p, kv, sc, cos_sin=cs, **W)
-    e_k, em_k, kv, sc = kernel(x, p, kv, sc, W["wkv"], W["wgate"], W["ape"], W["norm_w"], cs)
-    np.testing.assert_array_equal(np.asarray(em_k), np.asarray(em_r))
-    _close(e_k, e_r, 2e-5)
-    _close(kv, kv_r, 2e-5)
-    _close(sc, sc_r, 2e-5)
-    kv, sc = kv_r, sc_r
+    kv, sc = _decode_step_matches(rng, kernel, ref, W, kv, sc, pos, B, Dm, rd, m, wdtype)
 
 
 @pytest.mark.parametrize("m,overlap,T,start,ntok", [CASES[0], CASES[2]])
@@ -232,16 +238,7 @@ def test_decode_gpu_kernel_interpret(rng, m, overlap, wdtype):
   for i in range(m + 1):
     pos = start + i
     pos[4] = -1
-    x = jnp.asarray(rng.standard_normal((B, Dm)), wdtype)
-    cs = _rope(np.maximum(pos + 1 - m, 0), rd)
-    p = jnp.asarray(pos, jnp.int32)
-    e_r, em_r, kv_r, sc_r = ref(x, p, kv, sc, cos_sin=cs, **W)
-    e_k, em_k, kv, sc = kernel(x, p, kv, sc, W["wkv"], W["wgate"], W["ape"], W["norm_w"], cs)
-    np.testing.assert_array_equal(np.asarray(em_k), np.asarray(em_r))
-    _close(e_k, e_r, 2e-5)
-    _close(kv, kv_r, 2e-5)
-    _close(sc, sc_r, 2e-5)
-    kv, sc = kv_r, sc_r
+    kv, sc = _decode_step_matches(rng, kernel, ref, W, kv, sc, pos, B, Dm, rd, m, wdtype)
 
 
 def test_public_entries_on_cpu(rng):

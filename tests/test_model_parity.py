@@ -72,11 +72,15 @@ def test_fp8_fp4_official_checkpoint_matches_dequantized_reference(tmp_path):
     _check(llm, hf, _ids(cfg, 80))
 
 
-def test_bfloat16_close_to_float32(tmp_path):
+def _saved_small_model(tmp_path, seed):
+    """cfg_small_ratios saved with save_pretrained; returns (cfg, 60 random token ids)."""
     cfg = H.cfg_small_ratios()
-    hf = H.build_hf_model(cfg, seed=3)
-    H.save_hf(hf, tmp_path)
-    ids = _ids(cfg, 60).tolist()
+    H.save_hf(H.build_hf_model(cfg, seed=seed), tmp_path)
+    return cfg, _ids(cfg, 60).tolist()
+
+
+def test_bfloat16_close_to_float32(tmp_path):
+    cfg, ids = _saved_small_model(tmp_path, seed=3)
     a = LLM(str(tmp_path), dtype="float32").logits(ids)
     b = LLM(str(tmp_path), dtype="bfloat16").logits(ids)
     # bf16 weights and activations: close in distribution, not bit-equal.
@@ -84,10 +88,7 @@ def test_bfloat16_close_to_float32(tmp_path):
 
 
 def test_quant_sim_changes_numerics_slightly(tmp_path):
-    cfg = H.cfg_small_ratios()
-    hf = H.build_hf_model(cfg, seed=4)
-    H.save_hf(hf, tmp_path)
-    ids = _ids(cfg, 60).tolist()
+    cfg, ids = _saved_small_model(tmp_path, seed=4)
     plain = LLM(str(tmp_path), dtype="float32").logits(ids)
     sim = LLM(str(tmp_path), dtype="float32", quant_sim=True).logits(ids)
     diff = np.abs(plain - sim).max()
