@@ -6,7 +6,8 @@ TPU-style kernel in TPU interpret mode. See each module's docstring for the desi
 """
 from .compressor import (compressor_decode, compressor_decode_ref, compressor_prefill, compressor_prefill_ref,
                          finish_entry, prefill_entry_count, prefill_entry_positions)
-from .indexer import indexer_scores, indexer_scores_ref, indexer_topk, topk, topk_ref
+from .indexer import indexer_scores, indexer_scores_ref, indexer_topk
+from .topk import topk, topk_ref
 from .sparse_attention import sparse_attention, sparse_attention_ref
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Lightning-indexer scores and exact top-k (reference §3.5).
+"""Lightning-indexer scores, and scores + exact top-k (reference §3.5; the top-k itself is `topk.py`).
 
 scores[b,t,s] = sum_h w[b,t,h] * relu(q[b,t,h] . key_pool[rows[b,s]])  (f32), -inf where s >= n_valid[b,t] or
 rows[b,s] < 0.  topk: positions along S of the k largest, score descending, ties -> lower index first, -inf
@@ -28,6 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import _compat
 from ._common import F32, common_compute_dtype, gather_groups, mm_nn, mm_nt, next_pow2, pad_last, round_up
+from .topk import topk, topk_ref
 
 # --------------------------------------------------------------------------------------------------------------
 # Scores: reference
@@ -243,177 +244,6 @@ def indexer_scores(q, w, key_pool, rows, n_valid, *, interpret=False):
       return _indexer_scores_gpu(q, w, key_pool, rows, n_valid)
     return indexer_scores_ref(q, w, key_pool, rows, n_valid)
   return _indexer_scores_tpu(q, w, key_pool, rows, n_valid, interpret=interpret or be != "tpu")
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Top-k
-# --------------------------------------------------------------------------------------------------------------
-
-def _canon(x):
-  """f32, with -0.0 -> +0.0 (sorts compare floats in total order, so -0.0 would rank below an equal 0.0)."""
-  x = x.astype(F32)
-  return jnp.where(x == 0, jnp.zeros((), F32), x)
-
-
-def _order_and_pad(vals, idx, k):
-  """Sorts candidate (vals, idx) [N, C] by (value desc, index asc), keeps the first min(k, C), maps -inf
-  candidates to -1 and pads to k with -1."""
-  neg = -vals
-  neg, idx = lax.sort((neg, idx), dimension=1, num_keys=2)
-  kk = min(k, vals.shape[1])
-  out = jnp.where(neg[:, :kk] < jnp.inf, idx[:, :kk], -1).astype(jnp.int32)
-  return pad_last(out, k, -1)
-
-
-def _topk_rows_ref(x, k):
-  """Exact top-k of rows x [N, S] (canonicalised f32) with the tie rule."""
-  N, S = x.shape
-  kk = min(k, S)
-  vals, idx = lax.top_k(x, kk)
-  vk = vals[:, kk - 1:kk]                                              # [N, 1]
-  n_gt = jnp.sum(x > vk, axis=1, keepdims=True)
-  n_eq = jnp.sum(x == vk, axis=1, keepdims=True)
-  # lax.top_k's order among equal values is implementation-defined: if the k-th value is tied beyond the cut,
-  # take the lowest indices among the tied ones explicitly.
-  need_fix = jnp.any((n_eq > kk - n_gt) & (vk > -jnp.inf))
-  iota = lax.broadcasted_iota(jnp.int32, (N, S), 1)
-
-  def fix(_):
-    tie_key = jnp.where(x == vk, -iota.astype(F32), -jnp.inf)           # exact for S < 2^24
-    _, tie_idx = lax.top_k(tie_key, kk)                                 # lowest tied indices first
-    rank = lax.broadcasted_iota(jnp.int32, (N, kk), 1)
-    # the > vk part sits at the front of `vals` (sorted desc); the lowest tied indices fill ranks [n_gt, kk)
-    shifted = jnp.take_along_axis(tie_idx, jnp.clip(rank - n_gt, 0, kk - 1), axis=1)
-    return jnp.where(rank < n_gt, idx, shifted)
-
-  idx = lax.cond(need_fix, fix, lambda _: idx, None)
-  sel_vals = jnp.take_along_axis(x, jnp.maximum(idx, 0), axis=1)
-  sel_vals = jnp.where(idx >= 0, sel_vals, -jnp.inf)
-  return _order_and_pad(sel_vals, idx, k)
-
-
-def topk_ref(scores, k):
-  """Exact reference top-k. scores [B, T, S] -> int32 [B, T, k] (see module docstring for the rule)."""
-  *lead, S = scores.shape
-  x = _canon(scores.reshape(-1, S))
-  return _topk_rows_ref(x, int(k)).reshape(*lead, int(k))
-
-
-# ---- GPU: threshold + compaction ------------------------------------------------------------------------------
-
-def _compact_kernel(x_ref, tau_ref, cs_in, ci_in, cnt_in, cs_ref, ci_ref, cnt_ref, *, chunk, cap):
-  del cs_in, ci_in, cnt_in   # aliased with the outputs
-  n = pl.program_id(0)
-  c = pl.program_id(1)
-  s = x_ref[...]                                                           # [chunk]
-  tau = tau_ref[...]
-  m = (s >= tau) & (s > -jnp.inf)
-  mi = m.astype(jnp.int32)
-  rank = jnp.cumsum(mi) - 1
-  total = jnp.sum(mi)
-  base = _compat.pltriton.atomic_add(cnt_ref, n, total)
-  pos = base + rank
-  ok = m & (pos < cap)
-  # masked-off lanes point past the row: never touched on GPU, and dropped (not clobbering slot 0 with its old
-  # value) by interpret mode's scatter
-  safe = jnp.where(ok, pos, cap)
-  _compat.pltriton.store(cs_ref.at[safe], jnp.where(s == 0, 0.0, s), mask=ok)   # -0.0 -> +0.0 (see _canon)
-  _compat.pltriton.store(ci_ref.at[safe], c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0), mask=ok)
-
-
-def _compact(x, tau, cap, *, interpret=False, chunk=None):
-  """Scores x [N, S] >= tau[n] (and finite) into (vals [N, cap], idx [N, cap], count [N]); order within a row
-  is arbitrary (atomics), entries past cap are dropped (count still counts them)."""
-  N, S = x.shape
-  if chunk is None:
-    chunk = min(4096, S)
-  assert S % chunk == 0
-  kernel = functools.partial(_compact_kernel, chunk=chunk, cap=cap)
-  cs0 = jnp.full((N, cap), -jnp.inf, F32)
-  ci0 = jnp.full((N, cap), -1, jnp.int32)
-  cnt0 = jnp.zeros((N,), jnp.int32)
-  return pl.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct((N, cap), F32), jax.ShapeDtypeStruct((N, cap), jnp.int32),
-                 jax.ShapeDtypeStruct((N,), jnp.int32)),
-      grid=(N, S // chunk),
-      in_specs=[
-          pl.BlockSpec((None, chunk), lambda n, c: (n, c)),
-          pl.BlockSpec((None,), lambda n, c: (n,)),
-          pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
-          pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
-          pl.BlockSpec((N,), lambda n, c: (0,)),
-      ],
-      out_specs=(pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
-                 pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
-                 pl.BlockSpec((N,), lambda n, c: (0,))),
-      input_output_aliases={2: 0, 3: 1, 4: 2},
-      compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
-      interpret=bool(interpret),
-      name="v4_topk_compact",
-  )(x, tau, cs0, ci0, cnt0)
-
-
-def _threshold_params(S, kk):
-  n_groups = next_pow2(4 * kk)
-  cap = next_pow2(2 * kk)
-  return n_groups, cap
-
-
-def _topk_threshold(scores, k, *, interpret=False):
-  *lead, S = scores.shape
-  k = int(k)
-  x = scores.reshape(-1, S).astype(F32)      # not canonicalised here (a full pass): the compaction does it
-  N = x.shape[0]
-  kk = min(k, S)
-  n_groups, cap = _threshold_params(S, kk)
-  if S <= 2 * n_groups:
-    return _topk_rows_ref(_canon(x), k).reshape(*lead, k)
-  c = -(-S // n_groups)
-  Sp = c * n_groups
-  xp = pad_last(x, Sp, -jnp.inf)
-  gmax = jnp.max(xp.reshape(N, c, n_groups), axis=1)                     # strided groups {j, j+n, j+2n, ...}
-  tau = lax.top_k(gmax, kk)[0][:, kk - 1]                                 # >= kk scores are >= tau
-  vals, idx, count = _compact(xp, tau, cap, interpret=interpret, chunk=min(4096, n_groups))
-  fast = lambda _: _order_and_pad(vals, idx, k)
-  slow = lambda _: _topk_rows_ref(_canon(x), k)
-  out = lax.cond(jnp.any(count > cap), slow, fast, None)
-  return out.reshape(*lead, k)
-
-
-# ---- TPU: approx_max_k candidates + verification ---------------------------------------------------------------
-
-def _topk_approx(scores, k, *, recall_target=0.95):
-  *lead, S = scores.shape
-  k = int(k)
-  x = _canon(scores.reshape(-1, S))
-  kk = min(k, S)
-  if S <= 4 * kk:
-    return _topk_rows_ref(x, k).reshape(*lead, k)
-  cv, ci = lax.approx_max_k(x, kk, recall_target=recall_target, aggregate_to_topk=False)
-  neg, ci_sorted = lax.sort((-cv, ci.astype(jnp.int32)), dimension=1, num_keys=2)
-  vk = -neg[:, kk - 1:kk]                                                 # k-th value among candidates
-  finite = lambda v: v > -jnp.inf
-  # exact iff every score >= vk (finite) is a candidate: then the candidates hold the true top-k and all ties.
-  n_row = jnp.sum((x >= vk) & finite(x), axis=1)
-  n_cand = jnp.sum((cv >= vk) & finite(cv), axis=1)
-  ok = jnp.all(n_row == n_cand)
-  fast = lambda _: pad_last(jnp.where(neg[:, :kk] < jnp.inf, ci_sorted[:, :kk], -1), k, -1)
-  slow = lambda _: _topk_rows_ref(x, k)
-  return lax.cond(ok, fast, slow, None).reshape(*lead, k)
-
-
-def topk(scores, k, *, interpret=False):
-  """Exact top-k (same result as `topk_ref`). GPU: threshold + Triton compaction; TPU: approx_max_k candidates,
-  verified; CPU: topk_ref; interpret=True: the GPU algorithm with its Pallas kernel interpreted."""
-  be = _compat.backend()
-  if interpret:
-    return _topk_threshold(scores, k, interpret=True)
-  if be == "gpu":
-    return _topk_threshold(scores, k)
-  if be == "tpu":
-    return _topk_approx(scores, k)
-  return topk_ref(scores, k)
 
 
 def indexer_topk(q, w, key_pool, rows, n_valid, k, *, impl="xla", interpret=False):

@@ -306,10 +306,10 @@ def _gpu_supported(q, swa_pool, cmp_pool):
 
 
 def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
-                          n_split=None, num_warps=4, num_stages=2):
+                          n_split=None, block=_GPU_BLOCK, heads=_GPU_HEADS, num_warps=4, num_stages=2):
   B, T, H, D = q.shape
-  C = _GPU_BLOCK
-  hb = _GPU_HEADS
+  C = block
+  hb = heads
   Hp = round_up(H, hb)
   qf = q.reshape(B * T, H, D)
   sinkp = sink.astype(F32)

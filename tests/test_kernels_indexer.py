@@ -8,6 +8,7 @@ both branches of the GPU threshold method (fast path and buffer overflow -> exac
 approx_max_k method. Lowering for TPU and CUDA.
 """
 import functools
+import importlib
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 from pallas_kernels import _compat
 from pallas_kernels import indexer as ix
+tk = importlib.import_module("pallas_kernels.topk")
 
 
 pytestmark = pytest.mark.usefixtures("single_device")  # TPU interpret mode wants one device
@@ -121,7 +123,7 @@ TOPK_CASES = [(6, 1000, 64), (6, 300, 512), (6, 9000, 100)]
 @pytest.mark.parametrize("N,S,k", TOPK_CASES)
 def test_topk_reference_tie_rule(rng, N, S, k):
   x = _tricky_rows(rng, N, S)
-  got = ix.topk_ref(jnp.asarray(x).reshape(2, 3, S), k)
+  got = tk.topk_ref(jnp.asarray(x).reshape(2, 3, S), k)
   assert got.shape == (2, 3, k) and got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got).reshape(N, k), _oracle(x, k))
 
@@ -129,48 +131,49 @@ def test_topk_reference_tie_rule(rng, N, S, k):
 @pytest.mark.parametrize("N,S,k", TOPK_CASES)
 def test_topk_gpu_threshold_interpret(rng, N, S, k):
   x = _tricky_rows(rng, N, S)
-  got = jax.jit(functools.partial(ix._topk_threshold, k=k, interpret=True))(jnp.asarray(x)[None])
+  got = jax.jit(functools.partial(tk._topk_threshold, k=k, interpret=True))(jnp.asarray(x)[None])
   np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
 
 
 def test_topk_gpu_threshold_both_branches(rng):
   S, k = 20000, 64
-  n_groups, cap = ix._threshold_params(S, k)
+  n_groups, cap = tk._threshold_params(S, k)
   # unstructured rows: the candidates fit the buffer (fast path)
   x = rng.standard_normal((3, S)).astype(np.float32)
-  xp = ix.pad_last(jnp.asarray(x), -(-S // n_groups) * n_groups, -jnp.inf)
+  xp = tk.pad_last(jnp.asarray(x), -(-S // n_groups) * n_groups, -jnp.inf)
   gmax = jnp.max(xp.reshape(3, -1, n_groups), axis=1)
-  tau = jax.lax.top_k(gmax, k)[0][:, k - 1]
-  _, _, count = ix._compact(xp, tau, cap, interpret=True, chunk=n_groups)
+  tau = tk._kth_largest(gmax, k)
+  np.testing.assert_array_equal(tau, jax.lax.top_k(gmax, k)[0][:, k - 1])
+  _, _, count = tk._compact(xp, tau, cap, interpret=True, chunk=n_groups)
   assert np.all(np.asarray(count) <= cap) and np.all(np.asarray(count) >= k)
-  got = ix._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
+  got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
   np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
   # a row of equal scores overflows the buffer: the exact fallback answers
   x[1] = 0.5
-  got = ix._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
+  got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
   np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
   # all top-k in one strided group (adversarial for the group maxima): still exact
   x = rng.standard_normal((2, S)).astype(np.float32) - 10
   x[0, 7::n_groups] = np.linspace(5, 6, len(x[0, 7::n_groups]))
-  got = ix._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
+  got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
   np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
 
 
 @pytest.mark.parametrize("N,S,k", TOPK_CASES)
 def test_topk_tpu_approx(rng, N, S, k):
   x = _tricky_rows(rng, N, S)
-  got = jax.jit(functools.partial(ix._topk_approx, k=k))(jnp.asarray(x)[None])
+  got = jax.jit(functools.partial(tk._topk_approx, k=k))(jnp.asarray(x)[None])
   np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
   # a low recall target makes misses likely; the verification must catch them and fall back
-  got = jax.jit(functools.partial(ix._topk_approx, k=k, recall_target=0.1))(jnp.asarray(x)[None])
+  got = jax.jit(functools.partial(tk._topk_approx, k=k, recall_target=0.1))(jnp.asarray(x)[None])
   np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
 
 
 def test_topk_public_entry_points(rng):
   x = _tricky_rows(rng, 6, 1000)
   want = _oracle(x, 64)
-  np.testing.assert_array_equal(np.asarray(ix.topk(jnp.asarray(x)[None], 64))[0], want)
-  np.testing.assert_array_equal(np.asarray(ix.topk(jnp.asarray(x)[None], 64, interpret=True))[0], want)
+  np.testing.assert_array_equal(np.asarray(tk.topk(jnp.asarray(x)[None], 64))[0], want)
+  np.testing.assert_array_equal(np.asarray(tk.topk(jnp.asarray(x)[None], 64, interpret=True))[0], want)
 
 
 def test_indexer_topk_impls_agree(rng):
@@ -207,9 +210,9 @@ def test_scores_lower_for_tpu_and_cuda(shape):
 
 def test_topk_lowers_for_tpu_and_cuda(monkeypatch):
   a = jax.ShapeDtypeStruct((64, 1, 262144), jnp.float32)
-  assert "triton" in _compat.lower_for_cuda(functools.partial(ix._topk_threshold, k=512), a)
-  _compat.export_for_tpu(functools.partial(ix._topk_approx, k=512), a)
-  _compat.export_for_tpu(functools.partial(ix.topk_ref, k=512), a)
+  assert "triton" in _compat.lower_for_cuda(functools.partial(tk._topk_threshold, k=512), a)
+  _compat.export_for_tpu(functools.partial(tk._topk_approx, k=512), a)
+  _compat.export_for_tpu(functools.partial(tk.topk_ref, k=512), a)
   monkeypatch.setattr(_compat, "backend", lambda: "tpu")   # the public entry as it dispatches on a TPU
   _compat.export_for_tpu(functools.partial(ix.indexer_topk, k=512, impl="pallas"),
                          *_score_shapes(4, 1, 64, 128, 32768, 1 << 20, jnp.bfloat16))
