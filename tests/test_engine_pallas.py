@@ -1,17 +1,76 @@
 """attention_impl="pallas" (kernels in interpret mode on CPU) gives the XLA path's greedy outputs in the engine."""
-import numpy as np
+import collections
 
+import numpy as np
+import pytest
+
+from pallas_kernels import compressor as pallas_compressor
 from v4jax import LLM, SamplingParams
+from v4jax import layers
+
+GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 
 
 def test_pallas_engine_equals_xla():
     prompts = [[3, 4, 5] * 7, [9] * 40]  # crosses CSA (4) and HCA (16) windows in prefill and decode
-    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
+    sp = SamplingParams(max_tokens=10, **GREEDY)
     outs = {}
     for impl in ("xla", "pallas"):
         llm = LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=128, prefill_chunk=32, decode_steps=4,
                   attention_impl=impl)
         outs[impl] = llm.generate(prompts, sp)
     for a, b in zip(outs["xla"], outs["pallas"]):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def window_crossing_runs():
+    """Both impls on prompts of 61, 43, 1 and 34 tokens in prefill chunks of 7 (not a multiple of 4 or 16: the
+    last chunks hold 5, 1 (a one-token chunk), 1 and 6 tokens), then 18 decode tokens, so CSA (4) and HCA (16)
+    windows close inside chunks, across chunk edges and in decode. Two slots: the last two prompts reuse a slot,
+    whose compressor state must start empty. Counts, per impl, the calls (at trace time) of the compressor
+    kernels, keyed by kernel and number of rows (the decode step runs all max_num_seqs=2 slots, prefill one),
+    and of the XLA compressor."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (61, 43, 1, 34)]
+    sp = SamplingParams(max_tokens=18, **GREEDY)
+    calls = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(x, *args, **kwargs):
+            calls[name, x.shape[0]] += 1
+            return fn(x, *args, **kwargs)
+        return wrapper
+
+    outs, counts = {}, {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("compressor_decode", "compressor_prefill"):
+            mp.setattr(pallas_compressor, name, counted(name, getattr(pallas_compressor, name)))
+        mp.setattr(layers, "compress_chunk", counted("compress_chunk", layers.compress_chunk))
+        for impl in ("xla", "pallas"):
+            calls.clear()
+            llm = LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=128, prefill_chunk=7, decode_steps=4,
+                      attention_impl=impl)
+            outs[impl] = llm.generate(prompts, sp)
+            counts[impl] = dict(calls)
+    return outs, counts
+
+
+def test_pallas_engine_calls_compressor_kernels(window_crossing_runs):
+    _, counts = window_crossing_runs
+    xla, pallas = counts["xla"], counts["pallas"]
+    assert sum(n for (name, _), n in xla.items() if name == "compress_chunk") > 0  # the counter sees the XLA path
+    assert not any(name.startswith("compressor_") for name, _ in xla)
+    assert pallas.get(("compressor_decode", 2), 0) > 0, pallas  # decode steps
+    assert pallas.get(("compressor_prefill", 1), 0) > 0, pallas  # prefill chunks of several tokens
+    assert pallas.get(("compressor_decode", 1), 0) > 0, pallas  # one-token prefill chunks
+    assert not any(name == "compress_chunk" for name, _ in pallas), pallas  # no XLA compressor left
+
+
+def test_pallas_engine_equals_xla_across_windows(window_crossing_runs):
+    outs, _ = window_crossing_runs
+    for a, b in zip(outs["xla"], outs["pallas"]):
+        assert len(a.token_ids) == 18
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -119,7 +119,10 @@ class Indexer(nnx.Module):
         return w * (self.head_dim ** -0.5) * (self.n_heads ** -0.5)
 
     def finish_keys(self, pooled, cos, sin, dtype, opts: RunOptions):
-        k = self.compressor.finish(pooled, cos, sin, dtype)
+        return self.round_keys(self.compressor.finish(pooled, cos, sin, dtype), opts)
+
+    def round_keys(self, k, opts: RunOptions):
+        """Finished keys -> the keys the indexer stores (quant_sim: Hadamard rotation, FP4 rounding)."""
         if opts.quant_sim:
             k = quant.fp4_roundtrip(quant.hadamard_rotate(k), 32)
         return k
@@ -281,10 +284,11 @@ class Attention(nnx.Module):
         if self.compressor is not None:
             rows = meta.entry_rows[self.ratio]
             n_ready = (pos + 1) // self.ratio
-            pool = self._compress_into(self.compressor, x, meta, pool, "kv", "state_kv", "state_score", opts)
+            pool = self._compress_into_pallas(self.compressor, x, meta, pool, "kv", "state_kv", "state_score",
+                                              opts)
             if self.indexer is not None:
-                pool = self._compress_into(self.indexer.compressor, x, meta, pool, "idx", "idx_state_kv",
-                                           "idx_state_score", opts)
+                pool = self._compress_into_pallas(self.indexer.compressor, x, meta, pool, "idx", "idx_state_kv",
+                                                  "idx_state_score", opts)
                 iq = self.indexer.queries(qr, cos, sin, opts)
                 sel = indexer_topk(iq, self.indexer.head_weights(x), pool.idx, rows, n_ready, cfg.index_topk,
                                    impl="pallas")
@@ -310,12 +314,52 @@ class Attention(nnx.Module):
             entries = self.kv_round(comp.finish(pooled, cos, sin, x.dtype), opts)
         else:
             entries = self.indexer.finish_keys(pooled, cos, sin, x.dtype, opts)
+        return self._store(comp, meta, pool, pool_name, st_kv_name, st_sc_name, entries, ent, ok, nkv, nsc)
+
+    def _compress_into_pallas(self, comp: Compressor, x, meta, pool, pool_name, st_kv_name, st_sc_name, opts):
+        """`_compress_into` through pallas_kernels.compressor: the decode kernel for one token per slot, the
+        prefill kernel for a chunk. The kernels norm + RoPE the entries in f32 (the XLA path casts the pooled
+        windows to the activation dtype first: the same values in float32, within rounding in bf16)."""
+        from pallas_kernels import compressor as pallas_compressor
+        t = x.shape[1]
+        m = comp.ratio
+        st_kv = getattr(pool, st_kv_name)
+        st_sc = getattr(pool, st_sc_name)
+        # The kernels resume from the state they are given; a slot that starts a new request starts empty.
+        fresh = meta.fresh[:, None, None]
+        kv0 = jnp.where(fresh, 0.0, st_kv[meta.slot])
+        sc0 = jnp.where(fresh, -jnp.inf, st_sc[meta.slot])
+        weights = (comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])
+        static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps)
+        if t == 1:
+            pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding slot, its state is left alone
+            entry, emitted, nkv, nsc = pallas_compressor.compressor_decode(
+                x[:, 0], pos, kv0, sc0, *weights, self.rope(pos + 1 - m), **static)
+            entries, ent, ok = entry[:, None], (pos // m)[:, None], emitted[:, None]
+        else:
+            cos, sin = self.rope(pallas_compressor.prefill_entry_positions(meta.start, t, m))
+            entries, n_emitted, first, nkv, nsc = pallas_compressor.compressor_prefill(
+                x, meta.start, meta.n_valid, kv0, sc0, *weights, cos, sin, **static)
+            i = jnp.arange(entries.shape[1])[None, :]
+            ent, ok = first[:, None] + i, i < n_emitted[:, None]
+        entries = entries.astype(x.dtype)
+        if comp is self.compressor:
+            entries = self.kv_round(entries, opts)
+        else:
+            entries = self.indexer.round_keys(entries, opts)
+        return self._store(comp, meta, pool, pool_name, st_kv_name, st_sc_name, entries, ent, ok, nkv, nsc)
+
+    def _store(self, comp: Compressor, meta, pool, pool_name, st_kv_name, st_sc_name, entries, ent, ok, nkv, nsc):
+        """Scatter finished entries [B, E, K] (entry index ent [B, E], ok: emitted) into their pool rows and the
+        slots' new compressor states into the state pools."""
         rows_all = meta.entry_rows[comp.ratio]
         target = getattr(pool, pool_name)
         row = jnp.take_along_axis(rows_all, jnp.clip(ent, 0, rows_all.shape[1] - 1), axis=1)
         row = jnp.where(ok & (ent < rows_all.shape[1]) & (row >= 0), row, target.shape[0])
         target = target.at[row.reshape(-1)].set(entries.reshape(-1, entries.shape[-1]).astype(target.dtype),
                                                 mode="drop")
+        st_kv = getattr(pool, st_kv_name)
+        st_sc = getattr(pool, st_sc_name)
         return dataclasses.replace(pool, **{pool_name: target, st_kv_name: st_kv.at[meta.slot].set(nkv),
                                             st_sc_name: st_sc.at[meta.slot].set(nsc)})
 
