@@ -50,7 +50,10 @@ def _touch(args, dep):
   leaves, tree = jax.tree_util.tree_flatten(args)
   for i, x in enumerate(leaves):
     if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.size:
-      leaves[i] = x.at[(0,) * x.ndim].add((dep * 0).astype(x.dtype))
+      # a dynamic_update_slice of one element, done in place; `x.at[0].add(...)` was lowered by XLA GPU as a full
+      # pass over x (measured on the H200: 50 us per call on a 64 MB input, and half the copy probe's bandwidth)
+      corner = lax.slice(x, (0,) * x.ndim, (1,) * x.ndim) + (dep * 0).astype(x.dtype)
+      leaves[i] = lax.dynamic_update_slice(x, corner, (0,) * x.ndim)
       break
   return jax.tree_util.tree_unflatten(tree, leaves)
 
@@ -64,22 +67,25 @@ def _consume(out):
 
 def time_fn(fn: Callable, args: tuple, *, iters: int, repeats: int, carry: Callable | None = None,
             consume: bool = True) -> float:
-  """Median seconds per call of fn(*args): `iters` dependent calls in one `lax.fori_loop` inside one jitted
-  function (dispatch overhead is paid once). Each call's inputs depend on the previous call's outputs through a
-  zero-valued scalar (`_touch`, `_consume`), so XLA can neither hoist, merge, overlap nor partially compute a
-  call. `carry(args, out)` may thread outputs into the next call's inputs (e.g. an updated state).
-  (An earlier version chained calls through optimisation barriers and read one element of the last output; on
-  the H200 it reported a 70 TB/s copy bandwidth: work was being elided.)"""
+  """Median seconds per call of fn(*args): `iters` dependent calls unrolled in one jitted function (dispatch
+  overhead is paid once). Each call's inputs depend on the previous call's outputs through a zero-valued scalar
+  (`_touch`, `_consume`), so XLA can neither hoist, merge, overlap nor partially compute a call. `carry(args, out)`
+  may thread outputs into the next call's inputs (e.g. an updated state).
+  Unrolled, not a `lax.fori_loop`: on the H200 (JAX 0.11.2) every loop iteration cost 30-40 us on its own (the
+  host waits for the loop predicate, then enqueues the next iteration), more than the small kernels measured.
+  (A first version chained calls through optimisation barriers and read one element of the last output; it
+  reported a 70 TB/s copy bandwidth: work was being elided.)"""
 
   def many(args):
-    def body(_, c):
-      args, dep = c
+    dep = jnp.zeros((), F32)
+    for _ in range(iters):
       args = _touch(args, dep)
       out = fn(*args)
       if carry is not None:
         args = carry(args, out)
-      return args, (dep + _consume(out)) if consume else dep
-    return lax.fori_loop(0, iters, body, (args, jnp.zeros((), F32)))  # the final args are returned: all live
+      if consume:
+        dep = dep + _consume(out)
+    return args, dep          # the final args are returned: all live
 
   f = jax.jit(many)
   jax.block_until_ready(f(args))                  # compile + warm up
@@ -346,7 +352,7 @@ def run(args) -> int:
   be = _compat.backend()
   interp = be == "cpu"
   small = args.small
-  iters = args.iters or (2 if small else 20)
+  iters = args.iters or (2 if small else 10)
   repeats = args.repeats or (2 if small else 7)
   bw_bytes = (64 << 20) if small else (4 << 30)
   bw = measure_bandwidth(bw_bytes, iters=iters, repeats=repeats)

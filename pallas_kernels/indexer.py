@@ -170,28 +170,31 @@ _GPU_SB = 128     # keys per program
 _GPU_TQ = 16      # queries per program (looped)
 
 
-def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq):
+def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq, n_inner):
   s_blk = pl.program_id(2)   # grid (query block, b, key block): query blocks sharing keys run side by side
-  ids = rows_ref[...]                                                      # [sb]
-  valid = ids >= 0
   Di = pool_ref.shape[-1]
   cols = lax.broadcasted_iota(jnp.int32, (1, Di), 1)
-  keys = _compat.pltriton.load(pool_ref.at[jnp.where(valid, ids, 0)[:, None], cols], mask=valid[:, None],
-                               other=0.0)                                  # [sb, Di]
   cdt = common_compute_dtype(q_ref.dtype, pool_ref.dtype)
-  keys = keys.astype(cdt)
-  s_idx = s_blk * sb + lax.broadcasted_iota(jnp.int32, (sb,), 0)
 
-  def body(t, carry):
-    q = q_ref[t].astype(cdt)                                               # [Hi, Di]
-    logits = mm_nt(q, keys)                                                # [Hi, sb]
-    wt = w_ref[t].astype(F32)                                              # [Hi]
-    sc = jnp.sum(wt[:, None] * jnp.maximum(logits, 0.0), axis=0)          # [sb]
-    ok = valid & (s_idx < nv_ref[t])
-    o_ref[t] = jnp.where(ok, sc, -jnp.inf)
-    return carry
+  def block(i, carry):   # n_inner consecutive key blocks per program: the queries stay on chip across them
+    ids = rows_ref[pl.ds(i * sb, sb)]                                      # [sb]
+    valid = ids >= 0
+    keys = _compat.pltriton.load(pool_ref.at[jnp.where(valid, ids, 0)[:, None], cols], mask=valid[:, None],
+                                 other=0.0).astype(cdt)                    # [sb, Di]
+    s_idx = (s_blk * n_inner + i) * sb + lax.broadcasted_iota(jnp.int32, (sb,), 0)
 
-  lax.fori_loop(0, tq, body, 0)
+    def body(t, carry):
+      q = q_ref[t].astype(cdt)                                             # [Hi, Di]
+      logits = mm_nt(q, keys)                                              # [Hi, sb]
+      wt = w_ref[t].astype(F32)                                            # [Hi]
+      sc = jnp.sum(wt[:, None] * jnp.maximum(logits, 0.0), axis=0)        # [sb]
+      ok = valid & (s_idx < nv_ref[t])
+      o_ref[t, pl.ds(i * sb, sb)] = jnp.where(ok, sc, -jnp.inf)
+      return carry
+
+    return lax.fori_loop(0, tq, body, carry)
+
+  lax.fori_loop(0, n_inner, block, 0)
 
 
 def _gpu_scores_supported(q, key_pool):
@@ -200,7 +203,7 @@ def _gpu_scores_supported(q, key_pool):
 
 
 def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_GPU_SB, num_warps=4,
-                        num_stages=2):
+                        num_stages=2, n_inner=1):
   B, T, Hi, Di = q.shape
   S = rows.shape[-1]
   Hp = max(16, next_pow2(Hi))
@@ -213,21 +216,23 @@ def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_G
     q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
     w = jnp.pad(w, ((0, 0), (0, Tp - T), (0, 0)))
     n_valid = jnp.pad(n_valid, ((0, 0), (0, Tp - T)))
-  Sp = round_up(S, sb)
+  n_inner = max(1, min(n_inner, -(-S // sb)))
+  sbp = sb * n_inner                                                       # keys per program
+  Sp = round_up(S, sbp)
   rows_p = pad_last(rows.astype(jnp.int32), Sp, -1)
-  kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq)
+  kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq, n_inner=n_inner)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((B, Tp, Sp), F32),
-      grid=(Tp // tq, B, Sp // sb),
+      grid=(Tp // tq, B, Sp // sbp),
       in_specs=[
           pl.BlockSpec((None, tq, Hp, Di), lambda t, b, s: (b, t, 0, 0)),
           pl.BlockSpec((None, tq, Hp), lambda t, b, s: (b, t, 0)),
           pl.BlockSpec((None, tq), lambda t, b, s: (b, t)),
-          pl.BlockSpec((None, sb), lambda t, b, s: (b, s)),
+          pl.BlockSpec((None, sbp), lambda t, b, s: (b, s)),
           pl.BlockSpec(key_pool.shape, lambda *_: (0, 0)),
       ],
-      out_specs=pl.BlockSpec((None, tq, sb), lambda t, b, s: (b, t, s)),
+      out_specs=pl.BlockSpec((None, tq, sbp), lambda t, b, s: (b, t, s)),
       compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=bool(interpret),
       name="v4_indexer_scores_gpu",

@@ -230,7 +230,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
 # GPU kernel (Pallas Triton backend)
 # --------------------------------------------------------------------------------------------------------------
 
-_GPU_BLOCK = 32        # rows per step
+_GPU_BLOCK = 64        # rows per step (H200 sweep, scripts/tune_kernels.py: 64 beat 16 and 32 by >= 10 %)
 _GPU_HEADS = 16        # heads per program (>= 16 for tensor-core dots)
 _GPU_SMS = 132         # H100/H200 SM count (used when the device does not say)
 

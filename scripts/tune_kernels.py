@@ -46,7 +46,7 @@ def topk_stages(a, interp):
     c = -(-S // n_groups)
     gmax = jnp.max(x.reshape(N, c, n_groups), axis=1)
     tau = TK._kth_largest(gmax, k)
-    chunk = min(4096, n_groups)
+    chunk = min(1024, n_groups)
     vals, idx, cnt = TK._compact(x, tau, cap, interpret=interp, chunk=chunk)
     stages = {
         "harness overhead (x[:, :1] + 1)": (lambda x: x[:, :1] + 1, (x,)),
@@ -54,8 +54,7 @@ def topk_stages(a, interp):
         "lax.top_k (values + indices)": (lambda x: lax.top_k(x, k), (x,)),
         "topk_ref (XLA path)": (lambda x: TK.topk_ref(x[:, None], k), (x,)),
         "stage 1: strided group maxima": (lambda x: jnp.max(x.reshape(N, c, n_groups), axis=1), (x,)),
-        "stage 2: k-th of group maxima, pairwise count": (lambda g: TK._kth_largest(g, k), (gmax,)),
-        "stage 2 alt: k-th of group maxima, lax.top_k": (lambda g: lax.top_k(g, k)[0][:, k - 1], (gmax,)),
+        "stage 2: k-th of group maxima (lax.top_k)": (lambda g: TK._kth_largest(g, k), (gmax,)),
         "stage 3: compaction kernel": (lambda x, t: TK._compact(x, t, cap, interpret=interp, chunk=chunk), (x, tau)),
         "stage 4: overflow redo kernel (no row overflows)":
             (lambda x, v, i, n: TK._redo_overflow(x, v, i, n, k, interpret=interp, chunk=chunk), (x, vals, idx, cnt)),
@@ -72,19 +71,28 @@ def topk_stages(a, interp):
   return rows
 
 
+def _ref_row(rows, case, a):
+  us = _time(case.ref, case.args, a)
+  rows.append(dict(kernel=case.kernel, shape=case.config, config="XLA reference", us=us,
+                   GBps=case.bytes / (us * 1e3) if not isinstance(us, str) else None))
+  print(f"{case.kernel} {case.config}: XLA reference {us if isinstance(us, str) else f'{us:8.1f} us'}", flush=True)
+
+
 def indexer_sweep(a, interp):
   rows = []
   cases = [c for c in KB.indexer_cases(a.small, interp) if c.kernel == "indexer_scores"
            and (a.small or "B=32 ctx=65536" in c.config or "B=64 ctx=131072" in c.config)]
-  grid = [(128, 4, 2)] if a.small else list(itertools.product((64, 128, 256, 512), (4, 8), (2, 3)))
+  grid = [(128, 4, 2, 2)] if a.small else list(itertools.product((128,), (4, 8), (2, 3), (1, 2, 4, 8)))
   for case in cases:
-    for sb, nw, ns in grid:
-      fn = functools.partial(IX._indexer_scores_gpu, sb=sb, num_warps=nw, num_stages=ns, interpret=interp)
+    _ref_row(rows, case, a)
+    for sb, nw, ns, ni in grid:
+      fn = functools.partial(IX._indexer_scores_gpu, sb=sb, num_warps=nw, num_stages=ns, n_inner=ni,
+                             interpret=interp)
       us = _time(fn, case.args, a)
       gbps = case.bytes / (us * 1e3) if not isinstance(us, str) else None
-      rows.append(dict(kernel="indexer_scores", shape=case.config, config=dict(sb=sb, num_warps=nw, num_stages=ns),
-                       us=us, GBps=gbps))
-      print(f"indexer_scores {case.config:40s} sb={sb:3d} w={nw} s={ns}: "
+      rows.append(dict(kernel="indexer_scores", shape=case.config,
+                       config=dict(sb=sb, num_warps=nw, num_stages=ns, n_inner=ni), us=us, GBps=gbps))
+      print(f"indexer_scores {case.config:40s} sb={sb:3d} w={nw} s={ns} inner={ni}: "
             f"{us if isinstance(us, str) else f'{us:8.1f} us {gbps:6.0f} GB/s'}", flush=True)
   return rows
 
@@ -93,21 +101,20 @@ def attention_sweep(a, interp):
   rows = []
   cases = KB.attention_cases(a.small, interp)
   if not a.small:
-    cases = [c for c in cases if "T=1" in c.config and "ctx=131072" in c.config
-             and ("B=32" in c.config or c.config.startswith("csa"))]
-  grid = [(32, 16, 4, 2)] if a.small else [
-      (blk, hb, nw, ns) for blk, hb, nw, ns in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (2,))
-      if not (hb == 64 and blk == 64)]
+    cases = [c for c in cases if "T=1" in c.config and "ctx=131072" in c.config and "B=32" in c.config]
+  grid = [(32, 16, 4, 2, 2)] if a.small else list(itertools.product((64,), (16, 32), (4, 8), (2,), (1, 2, 4, 8)))
   for case in cases:
+    _ref_row(rows, case, a)
     scale = case.args[0].shape[-1] ** -0.5
-    for blk, hb, nw, ns in grid:
+    for blk, hb, nw, ns, split in grid:
       fn = functools.partial(SA._sparse_attention_gpu, scale=scale, block=blk, heads=hb, num_warps=nw,
-                             num_stages=ns, interpret=interp)
+                             num_stages=ns, n_split=split, interpret=interp)
       us = _time(fn, case.args, a)
       gbps = case.bytes / (us * 1e3) if not isinstance(us, str) else None
       rows.append(dict(kernel="sparse_attention", shape=case.config,
-                       config=dict(block=blk, heads=hb, num_warps=nw, num_stages=ns), us=us, GBps=gbps))
-      print(f"sparse_attention {case.config:50s} blk={blk:2d} hb={hb:2d} w={nw} s={ns}: "
+                       config=dict(block=blk, heads=hb, num_warps=nw, num_stages=ns, n_split=split), us=us,
+                       GBps=gbps))
+      print(f"sparse_attention {case.config:50s} blk={blk:2d} hb={hb:2d} w={nw} s={ns} split={split}: "
             f"{us if isinstance(us, str) else f'{us:8.1f} us {gbps:6.0f} GB/s'}", flush=True)
   return rows
 
@@ -117,7 +124,7 @@ def main(argv=None):
   p.add_argument("--small", action="store_true")
   p.add_argument("--out", default=os.environ.get("OUT", "."))
   p.add_argument("--only", nargs="*", choices=("topk", "indexer", "attention"), default=None)
-  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--iters", type=int, default=10)
   p.add_argument("--repeats", type=int, default=5)
   a = p.parse_args(argv)
   if a.small:

@@ -84,11 +84,12 @@ def test_scores_tpu_kernel_interpret(rng, B, T, S, dtype, tol, mode):
   _check_scores(out, ref, tol, tol)
 
 
-@pytest.mark.parametrize("T,Hi,dtype,tol", [(3, 16, jnp.float32, 1e-5), (20, 12, jnp.bfloat16, 1e-3)])
-def test_scores_gpu_kernel_interpret(rng, T, Hi, dtype, tol):
+@pytest.mark.parametrize("T,Hi,dtype,tol,n_inner", [(3, 16, jnp.float32, 1e-5, 1), (20, 12, jnp.bfloat16, 1e-3, 1),
+                                                     (1, 16, jnp.float32, 1e-5, 3)])
+def test_scores_gpu_kernel_interpret(rng, T, Hi, dtype, tol, n_inner):
   args = _score_inputs(rng, 2, T, Hi, 32, 300, 500, dtype)
   ref = ix.indexer_scores_ref(*args)
-  out = jax.jit(functools.partial(ix._indexer_scores_gpu, interpret=True))(*args)
+  out = jax.jit(functools.partial(ix._indexer_scores_gpu, interpret=True, sb=64, n_inner=n_inner))(*args)
   _check_scores(out, ref, tol, tol)
 
 
@@ -143,7 +144,6 @@ def test_topk_gpu_threshold_both_branches(rng):
   xp = tk.pad_last(jnp.asarray(x), -(-S // n_groups) * n_groups, -jnp.inf)
   gmax = jnp.max(xp.reshape(3, -1, n_groups), axis=1)
   tau = tk._kth_largest(gmax, k)
-  np.testing.assert_array_equal(tau, jax.lax.top_k(gmax, k)[0][:, k - 1])
   _, _, count = tk._compact(xp, tau, cap, interpret=True, chunk=n_groups)
   assert np.all(np.asarray(count) <= cap) and np.all(np.asarray(count) >= k)
   got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
