@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -66,25 +67,35 @@ def _consume(out):
 
 
 def time_fn(fn: Callable, args: tuple, *, iters: int, repeats: int, carry: Callable | None = None,
-            consume: bool = True) -> float:
-  """Median seconds per call of fn(*args): `iters` dependent calls unrolled in one jitted function (dispatch
-  overhead is paid once). Each call's inputs depend on the previous call's outputs through a zero-valued scalar
-  (`_touch`, `_consume`), so XLA can neither hoist, merge, overlap nor partially compute a call. `carry(args, out)`
-  may thread outputs into the next call's inputs (e.g. an updated state).
-  Unrolled, not a `lax.fori_loop`: on the H200 (JAX 0.11.2) every loop iteration cost 30-40 us on its own (the
-  host waits for the loop predicate, then enqueues the next iteration), more than the small kernels measured.
-  (A first version chained calls through optimisation barriers and read one element of the last output; it
-  reported a 70 TB/s copy bandwidth: work was being elided.)"""
+            consume: bool = True, harness: str = "unrolled") -> float:
+  """Median seconds per call of fn(*args): `iters` dependent calls in one jitted function (dispatch overhead is
+  paid once). Each call's inputs depend on the previous call's outputs through a zero-valued scalar (`_touch`,
+  `_consume`), so XLA can neither hoist, merge, overlap nor partially compute a call. `carry(args, out)` may
+  thread outputs into the next call's inputs (e.g. an updated state).
+
+  harness="unrolled": the calls written out one after another; "loop": a `lax.fori_loop` over them. They
+  disagree on the H200 (JAX 0.11.2) and neither is exact for kernels of tens of microseconds: each loop
+  iteration costs 30-40 us by itself (measured with an almost empty fn; the host waits for the loop predicate,
+  then enqueues the iteration), while unrolled chains let XLA fuse elementwise work across calls (a chained
+  copy read 37 TB/s), so only opaque kernels (Pallas calls, sorts) are timed faithfully unrolled. BENCHMARKS.md
+  reports both where they matter. (A first version chained calls through optimisation barriers and read one
+  element of the last output; it reported a 70 TB/s copy bandwidth: work was being elided.)"""
+
+  def one(args, dep):
+    args = _touch(args, dep)
+    out = fn(*args)
+    if carry is not None:
+      args = carry(args, out)
+    return args, (dep + _consume(out)) if consume else dep
 
   def many(args):
     dep = jnp.zeros((), F32)
+    if harness == "loop":
+      return lax.fori_loop(0, iters, lambda _, c: one(*c), (args, dep))
+    if harness != "unrolled":
+      raise ValueError(f"harness must be 'unrolled' or 'loop', got {harness!r}")
     for _ in range(iters):
-      args = _touch(args, dep)
-      out = fn(*args)
-      if carry is not None:
-        args = carry(args, out)
-      if consume:
-        dep = dep + _consume(out)
+      args, dep = one(args, dep)
     return args, dep          # the final args are returned: all live
 
   f = jax.jit(many)
@@ -97,20 +108,28 @@ def time_fn(fn: Callable, args: tuple, *, iters: int, repeats: int, carry: Calla
   return float(np.median(times)) / iters
 
 
-def measure_bandwidth(nbytes: int, *, iters: int, repeats: int) -> float:
-  """HBM bandwidth (bytes/s) from a large copy-like op: y = x * 1.0001 reads and writes nbytes each; y becomes
-  the next call's x, and the last y is returned, so every element of every call is computed."""
-  n = nbytes // 4
-  x = jnp.ones((n,), F32)
-  t = time_fn(lambda a: a * 1.0001, (x,), iters=iters, repeats=repeats, carry=lambda args, out: (out,),
-              consume=False)
-  return 2 * n * 4 / t
+def _time_single(fn, args, repeats):
+  """Median seconds of one jitted call, for probes long enough (milliseconds) that dispatch does not count."""
+  f = jax.jit(fn)
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
 
 
-def measure_matmul_rate(n: int, *, iters: int, repeats: int) -> float:
+def measure_bandwidth(nbytes: int, *, repeats: int) -> float:
+  """HBM bandwidth (bytes/s): one large x * 1.0001 + 0.5 (every byte read once, written once), the same probe
+  as `v4jax bench decode`, so both benchmarks hold kernels to the same figure."""
+  x = jnp.ones((nbytes // 4,), F32)
+  return 2 * x.size * 4 / _time_single(lambda a: a * 1.0001 + 0.5, (x,), repeats)
+
+
+def measure_matmul_rate(n: int, *, repeats: int) -> float:
   a = jnp.ones((n, n), BF16)
-  t = time_fn(lambda x: jnp.dot(x, x, preferred_element_type=F32), (a,), iters=iters, repeats=repeats)
-  return 2 * n ** 3 / t
+  return 2 * n ** 3 / _time_single(lambda x: jnp.dot(x, x, preferred_element_type=F32), (a,), repeats)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -355,11 +374,12 @@ def run(args) -> int:
   iters = args.iters or (2 if small else 10)
   repeats = args.repeats or (2 if small else 7)
   bw_bytes = (64 << 20) if small else (4 << 30)
-  bw = measure_bandwidth(bw_bytes, iters=iters, repeats=repeats)
-  mm = measure_matmul_rate(512 if small else 8192, iters=iters, repeats=repeats)
+  bw = measure_bandwidth(bw_bytes, repeats=max(repeats, 5))
+  mm = measure_matmul_rate(512 if small else 8192, repeats=max(repeats, 5))
+  timer = functools.partial(time_fn, iters=iters, repeats=repeats, harness=args.harness)
   # what the harness itself costs per chained call (the _touch update, the _consume reduction, the loop step):
   # it is inside every timing below, and matters for the few-microsecond kernels
-  overhead = time_fn(lambda x: x[:1] + 1, (jnp.ones((1024,), F32),), iters=iters, repeats=repeats)
+  overhead = timer(lambda x: x[:1] + 1, (jnp.ones((1024,), F32),))
   print(f"backend={be} device={jax.devices()[0].device_kind} jax={jax.__version__} "
         f"HBM copy bandwidth={bw / 1e9:.0f} GB/s bf16 matmul={mm / 1e12:.1f} TFLOP/s "
         f"harness overhead={overhead * 1e6:.1f} us/call", flush=True)
@@ -369,8 +389,8 @@ def run(args) -> int:
       out = jax.jit(case.pallas)(*case.args)
       ref = jax.jit(case.ref)(*case.args)
       ok, detail = case.check(out, ref)
-      t_p = time_fn(case.pallas, case.args, iters=iters, repeats=repeats, carry=case.carry)
-      t_r = time_fn(case.ref, case.args, iters=iters, repeats=repeats, carry=case.carry)
+      t_p = timer(case.pallas, case.args, carry=case.carry)
+      t_r = timer(case.ref, case.args, carry=case.carry)
       roof = max(case.bytes / bw, case.flops / mm)
       row = dict(kernel=case.kernel, config=case.config, pallas_us=t_p * 1e6, xla_us=t_r * 1e6,
                  speedup=t_r / t_p, bytes=case.bytes, roofline_us=roof * 1e6,
@@ -384,7 +404,7 @@ def run(args) -> int:
         failed.append(f"{case.kernel} {case.config}: {detail}")
   meta = dict(backend=be, device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(),
               hbm_bandwidth_GBps=bw / 1e9, bf16_matmul_TFLOPs=mm / 1e12, harness_overhead_us=overhead * 1e6,
-              iters=iters, repeats=repeats,
+              iters=iters, repeats=repeats, harness=args.harness,
               small=small, command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
   out_dir = args.out or os.environ.get("OUT") or "."
   os.makedirs(out_dir, exist_ok=True)
@@ -402,8 +422,8 @@ def run(args) -> int:
 def _markdown(meta, rows):
   lines = [f"Device: {meta['device']} ({meta['backend']}), JAX {meta['jax']}; measured HBM copy bandwidth "
            f"{meta['hbm_bandwidth_GBps']:.0f} GB/s, bf16 matmul {meta['bf16_matmul_TFLOPs']:.0f} TFLOP/s; median of "
-           f"{meta['repeats']} calls of {meta['iters']} chained kernel runs in one jit (harness overhead "
-           f"{meta['harness_overhead_us']:.1f} us per run, included)."
+           f"{meta['repeats']} calls of {meta['iters']} chained kernel runs in one jit, {meta['harness']} "
+           f"(harness overhead {meta['harness_overhead_us']:.1f} us per run, included)."
            + (" **--small: shapes for a smoke test, numbers meaningless.**" if meta["small"] else ""), "",
            "| kernel | config | Pallas (us) | XLA ref (us) | speedup | MB moved | roofline (us) | % of roofline | check |",
            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -421,6 +441,8 @@ def main(argv=None) -> int:
   p.add_argument("--only", nargs="*", choices=list(ALL), help="subset of kernels")
   p.add_argument("--iters", type=int, default=None, help="chained runs per jitted call")
   p.add_argument("--repeats", type=int, default=None, help="timed calls (median)")
+  p.add_argument("--harness", choices=("unrolled", "loop"), default="unrolled",
+                 help="chain the runs unrolled or in a lax.fori_loop (see time_fn)")
   return run(p.parse_args(argv))
 
 

@@ -32,7 +32,7 @@ TK = importlib.import_module("pallas_kernels.topk")
 
 def _time(fn, args, a):
   try:
-    return KB.time_fn(fn, args, iters=a.iters, repeats=a.repeats) * 1e6
+    return KB.time_fn(fn, args, iters=a.iters, repeats=a.repeats, harness=a.harness) * 1e6
   except Exception as e:  # noqa: BLE001 - a config the compiler rejects (registers, shared memory) is reported
     return f"error: {type(e).__name__}: {str(e)[:200]}"
 
@@ -126,12 +126,13 @@ def main(argv=None):
   p.add_argument("--only", nargs="*", choices=("topk", "indexer", "attention"), default=None)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--harness", choices=("unrolled", "loop"), default="unrolled", help="see pallas_kernels.bench")
   a = p.parse_args(argv)
   if a.small:
     a.iters, a.repeats = 2, 1
   interp = jax.default_backend() == "cpu"
   t0 = time.time()
-  bw = KB.measure_bandwidth((64 << 20) if a.small else (4 << 30), iters=a.iters, repeats=a.repeats)
+  bw = KB.measure_bandwidth((64 << 20) if a.small else (4 << 30), repeats=5)
   print(f"device={jax.devices()[0].device_kind} jax={jax.__version__} copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
   rows = []
   for name, f in (("topk", topk_stages), ("indexer", indexer_sweep), ("attention", attention_sweep)):
@@ -140,6 +141,7 @@ def main(argv=None):
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "tune_kernels.json"), "w") as fh:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_GBps=bw / 1e9, iters=a.iters,
+                   harness=a.harness,
                    repeats=a.repeats, seconds=time.time() - t0, rows=rows), fh, indent=1)
   print(f"wrote {a.out}/tune_kernels.json in {time.time() - t0:.0f} s")
   return 0
