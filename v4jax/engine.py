@@ -24,11 +24,12 @@ from v4jax.sampling import SamplingParams, sample
 MAX_STOP = 8  # stop token ids per request held on device (EOS included)
 
 
-def _snapshot(table: np.ndarray) -> jax.Array:
-    """A device copy of a host page table as it is now. The host tables are mutated by the next reserve() while
-    earlier steps may still be running (dispatch is async), and on CPU `jnp.asarray` can alias numpy memory
-    (zero-copy), so the step must get a private copy (measured: aliasing made chunked prefill nondeterministic)."""
-    return jnp.asarray(np.array(table, copy=True))
+def _snapshot(table: np.ndarray) -> np.ndarray:
+    """A private copy of a host page table as it is now, for a jitted step to take. The host tables are mutated by
+    the next reserve() while earlier steps may still be running (dispatch is async), and on CPU a step's input can
+    alias numpy memory (zero-copy), so the step must get a copy nobody mutates (measured: aliasing made chunked
+    prefill nondeterministic). Passed as numpy: jit's own transfer is cheaper than a separate jnp.asarray."""
+    return np.array(table, copy=True)
 
 
 def _pow2(n: int) -> int:
@@ -201,8 +202,9 @@ class Engine:
                 self.pools, _, _ = self._prefill_jit(self._leaves, self.pools, jnp.zeros((1, cb), jnp.int32), z(1),
                                                      z(1), jnp.zeros((1,), bool), z(1), pt[:1],
                                                      _snapshot(self.tables.swa[:1]), samp)
-            io = _DecodeIO(z(s), z(s), jnp.zeros((s,), bool), z(s, jnp.float32), jnp.ones((s,), jnp.float32), z(s),
-                           z(s), z(s), z(s), z(s), jnp.full((s, MAX_STOP), -1, jnp.int32))
+            n = lambda dt=np.int32: np.zeros((s,), dt)   # numpy, as generate_step passes them (same jit signature)
+            io = _DecodeIO(n(), n(), n(bool), n(np.float32), np.ones((s,), np.float32), n(), n(), n(), n(), n(),
+                           np.full((s, MAX_STOP), -1, np.int32))
             self.pools, *_ = self._decode_jit(self._leaves, self.pools, io, pt, _snapshot(self.tables.swa))
         return self.compiled_variants()
 
@@ -293,11 +295,12 @@ class Engine:
             rem[i] = r.params.max_tokens - r.generated
             stop[i, : len(r.stop_ids)] = r.stop_ids
             upto = max(upto, r.pos + self.k)
-        io = _DecodeIO(*(jnp.asarray(a) for a in (tokens, pos, active, temp, top_p, top_k, seed, req, tidx, rem, stop)))
+        # Fresh numpy arrays, never mutated afterwards: jit transfers them itself (one dispatch, not eleven
+        # jnp.asarray calls), and the results come back in one device_get.
+        io = _DecodeIO(tokens, pos, active, temp, top_p, top_k, seed, req, tidx, rem, stop)
         pt = self.tables.full[:, : self._page_bucket(upto)]
-        self.pools, out_tok, out_lp, n_out, stopped, still = self._decode_jit(
-            self._leaves, self.pools, io, _snapshot(pt), _snapshot(self.tables.swa))
-        out_tok, out_lp, n_out, stopped, still = map(np.asarray, (out_tok, out_lp, n_out, stopped, still))
+        self.pools, *outs = self._decode_jit(self._leaves, self.pools, io, _snapshot(pt), _snapshot(self.tables.swa))
+        out_tok, out_lp, n_out, stopped, still = jax.device_get(outs)
         results = []
         for i in act:
             r = self.slots[i]
