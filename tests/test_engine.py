@@ -121,6 +121,45 @@ def test_freeing_returns_every_page_randomised(tiny_llm):
         assert _all_pages_free(eng), f"trial {trial}: pages leaked"
 
 
+def _synchronous_reference(eng, prompts, params):
+    """The scheduler without pipelining: admit, then one waited-for generate_step at a time."""
+    out = {i: ([], None) for i in range(len(prompts))}
+    pending = list(range(len(prompts)))
+    while pending or any(s is not None for s in eng.slots):
+        while pending and eng.free_slot() is not None:
+            i = pending.pop(0)
+            for ev in eng._admit(i, prompts[i], params[i]):
+                out[i] = (out[i][0] + ev.token_ids, ev.finish_reason)
+        for slot, toks, _, stopped, still in eng.generate_step():
+            r = eng.slots[slot]
+            reason = ("stop" if stopped else "length") if not still else None
+            out[r.request_index] = (out[r.request_index][0] + toks, reason)
+            if not still:
+                eng.free_resource(slot)
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_pipelined_scheduler_equals_synchronous_steps(tiny_llm, monkeypatch):
+    """generate() dispatches decode call n+1 before reading call n (requests that ended in call n ride along
+    inactive, their slots are refilled a call later): the same tokens and finish reasons as waiting for every
+    call, with stop tokens, short budgets and more requests than slots."""
+    eng = tiny_llm.engine
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, 500, int(rng.integers(1, 90))).tolist() for _ in range(11)]
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.8])),
+                             seed=i, stop_token_ids=[int(t) for t in rng.integers(2, 500, 7)]) for i in range(11)]
+    want = _synchronous_reference(eng, prompts, params)
+    assert _all_pages_free(eng)
+    carried = []
+    dispatch = eng._dispatch
+    monkeypatch.setattr(eng, "_dispatch", lambda prev: (carried.append(prev is not None), dispatch(prev))[1])
+    got = [(o.token_ids, o.finish_reason) for o in tiny_llm.generate(prompts, params)]
+    assert any(carried), "no call was dispatched while another was in flight"
+    assert got == want
+    assert {r for _, r in want} == {"stop", "length"}
+    assert _all_pages_free(eng)
+
+
 def test_seeded_sampling_independent_of_batch(tiny_llm):
     sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11)
     p = [3, 4, 5, 6, 7]

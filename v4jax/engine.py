@@ -2,7 +2,8 @@
 
 Shape of JetStream's `Engine` (load_params, init_decode_state, prefill, insert, generate, free_resource,
 get_prefix_destination_sharding, max_concurrent_decodes). Steps are jitted with donated pools and static
-buckets (prefill chunk: powers of two; pages: powers of two), so after warm-up nothing recompiles.
+buckets (prefill chunk: powers of two; pages: powers of two), so after warm-up nothing recompiles. The scheduler
+keeps one decode call in flight: call n+1 is dispatched before call n's results are read.
 This is the only module that calls jitted steps."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from flax import nnx
 
 from v4jax import cache as C
 from v4jax.config import ModelConfig
+from v4jax.memory import engine_layout
 from v4jax.model import RunOptions, Transformer
 from v4jax.sampling import SamplingParams, sample
 
@@ -51,6 +53,15 @@ class Prefix:
     length: int
     first_token: int
     first_logprob: float
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched decode call: its device outputs, the device-side slot state after it, and the requests it
+    decoded (slot, the _Running it decoded for)."""
+    outs: tuple  # device (tokens [S, k], logprobs [S, k], counts [S], stopped [S])
+    io: "_DecodeIO"
+    running: list
 
 
 @dataclasses.dataclass
@@ -90,17 +101,13 @@ class Engine:
         self.k = options.decode_steps
         self.dtype = model.dtype
         dense = options.kv_layout == "dense"
-        p = C.PoolLayout.default_page_size(cfg, options.page_size)
-        ps = math.gcd(p, 64)
         slots = options.max_num_seqs
+        p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, self.k)
         max_pages = -(-max_model_len // p)
         max_swa = -(-max_model_len // ps)
         if dense:
             n_pages, n_swa = slots * max_pages, slots * max_swa
         else:
-            # SWA pages: each decoding slot holds its window plus k tokens; one request at a time prefills, and
-            # only it needs room for a whole chunk on top of its window.
-            n_swa = slots * (-(-(cfg.window_size + self.k) // ps) + 1) + -(-options.prefill_chunk // ps) + 1
             n_pages = slots * max_pages
             if options.memory_budget_bytes:
                 n_pages = (self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots))
@@ -168,10 +175,16 @@ class Engine:
 
             carry = (0, pools, io, out_tok, out_lp, jnp.zeros((s,), jnp.int32), jnp.zeros((s,), bool))
             _, pools, io, out_tok, out_lp, n_out, stopped = jax.lax.while_loop(cond, body, carry)
-            return pools, out_tok, out_lp, n_out, stopped, io.active
+            return pools, out_tok, out_lp, n_out, stopped, io
+
+        def carry_io(prev: _DecodeIO, fresh: _DecodeIO, carried):
+            """Slots still decoding the request of the previous call continue from its device-side state."""
+            pick = lambda a, b: jnp.where(carried.reshape(carried.shape + (1,) * (a.ndim - 1)), a, b)
+            return jax.tree.map(pick, prev, fresh)
 
         self._prefill_jit = jax.jit(prefill_fn, donate_argnums=(1,))
         self._decode_jit = jax.jit(decode_fn, donate_argnums=(1,))
+        self._carry_io_jit = jax.jit(carry_io)
         self.slots: list[_Running | None] = [None] * slots
 
     def _pages_for_budget(self, budget, p, ps, n_swa, slots) -> int:
@@ -202,9 +215,10 @@ class Engine:
                 self.pools, _, _ = self._prefill_jit(self._leaves, self.pools, jnp.zeros((1, cb), jnp.int32), z(1),
                                                      z(1), jnp.zeros((1,), bool), z(1), pt[:1],
                                                      _snapshot(self.tables.swa[:1]), samp)
-            n = lambda dt=np.int32: np.zeros((s,), dt)   # numpy, as generate_step passes them (same jit signature)
+            n = lambda dt=np.int32: np.zeros((s,), dt)
             io = _DecodeIO(n(), n(), n(bool), n(np.float32), np.ones((s,), np.float32), n(), n(), n(), n(), n(),
                            np.full((s, MAX_STOP), -1, np.int32))
+            io = self._carry_io_jit(io, io, n(bool))   # device arrays, as _dispatch passes them
             self.pools, *_ = self._decode_jit(self._leaves, self.pools, io, pt, _snapshot(self.tables.swa))
         return self.compiled_variants()
 
@@ -274,12 +288,22 @@ class Engine:
         self.slots[slot] = running
 
     def generate_step(self) -> list[tuple[int, list[int], list[float], bool, bool]]:
-        """One jitted call of up to k decode steps for every running slot.
+        """One jitted call of up to k decode steps for every running slot, waited for.
         Returns per running slot (slot, tokens, logprobs, stopped, still_active)."""
+        flight = self._dispatch(None)
+        return self._collect(flight) if flight is not None else []
+
+    def _dispatch(self, prev: _InFlight | None) -> _InFlight | None:
+        """Start a decode call for every running slot without waiting for it. Slots that `prev` (a call not yet
+        collected) decoded for the same request continue from prev's device-side state: their tokens, positions
+        and stop state never round-trip through the host, and their pages cover prev's k steps plus these k."""
         s = self.layout.max_slots
         act = [i for i, r in enumerate(self.slots) if r is not None]
         if not act:
-            return []
+            return None
+        carried = np.zeros(s, bool)
+        for i, r in prev.running if prev is not None else ():
+            carried[i] = self.slots[i] is r
         f = lambda: np.zeros(s, np.int32)
         tokens, pos, seed, req, tidx, rem = f(), f(), f(), f(), f(), f()
         active = np.zeros(s, bool)
@@ -288,22 +312,33 @@ class Engine:
         upto = 0
         for i in act:
             r = self.slots[i]
-            self.tables.reserve(i, r.pos, min(r.pos + self.k, self.max_model_len))
+            end = min(r.pos + (2 if carried[i] else 1) * self.k, self.max_model_len)
+            self.tables.reserve(i, r.pos, end)
             tokens[i], pos[i], active[i] = r.next_token, r.pos, True
             temp[i], top_p[i], top_k[i] = r.params.temperature, r.params.top_p, max(r.params.top_k, 0)
             seed[i], req[i], tidx[i] = r.seed, r.request_index, r.generated
             rem[i] = r.params.max_tokens - r.generated
             stop[i, : len(r.stop_ids)] = r.stop_ids
-            upto = max(upto, r.pos + self.k)
+            upto = max(upto, end)
         # Fresh numpy arrays, never mutated afterwards: jit transfers them itself (one dispatch, not eleven
-        # jnp.asarray calls), and the results come back in one device_get.
+        # jnp.asarray calls).
         io = _DecodeIO(tokens, pos, active, temp, top_p, top_k, seed, req, tidx, rem, stop)
+        # always through the (tiny) merge, so the decode step sees device arrays every time: numpy and device
+        # arguments are different signatures to jit, and warm-up compiles one
+        io = self._carry_io_jit(prev.io if carried.any() else io, io, carried)
         pt = self.tables.full[:, : self._page_bucket(upto)]
-        self.pools, *outs = self._decode_jit(self._leaves, self.pools, io, _snapshot(pt), _snapshot(self.tables.swa))
-        out_tok, out_lp, n_out, stopped, still = jax.device_get(outs)
+        self.pools, out_tok, out_lp, n_out, stopped, io = self._decode_jit(
+            self._leaves, self.pools, io, _snapshot(pt), _snapshot(self.tables.swa))
+        return _InFlight((out_tok, out_lp, n_out, stopped), io, [(i, self.slots[i]) for i in act])
+
+    def _collect(self, flight: _InFlight) -> list[tuple[int, list[int], list[float], bool, bool]]:
+        """Wait for a dispatched call (one device_get) and advance its requests. A slot whose request ended (and
+        was freed) before this call was collected is skipped: the call saw it inactive and wrote nothing."""
+        out_tok, out_lp, n_out, stopped, still = jax.device_get((*flight.outs, flight.io.active))
         results = []
-        for i in act:
-            r = self.slots[i]
+        for i, r in flight.running:
+            if self.slots[i] is not r:
+                continue
             n = int(n_out[i])
             toks = out_tok[i, :n].tolist()
             r.pos += n
@@ -318,6 +353,7 @@ class Engine:
         """Continuous batching: admit requests into free slots (prefill), decode all running slots k steps at a
         time, free a slot as soon as its request ends. Yields events as tokens arrive."""
         pending = collections.deque(range(len(prompts)))
+        flight = None   # the decode call in progress: the next one is dispatched before its results are read
         try:
             while pending or any(s is not None for s in self.slots):
                 while pending and self.free_slot() is not None and self._fits(len(prompts[pending[0]])):
@@ -326,13 +362,19 @@ class Engine:
                 if pending and not any(s is not None for s in self.slots):
                     raise MemoryError(f"request {pending[0]} ({len(prompts[pending[0]])} tokens) does not fit "
                                       "in the KV pools; raise memory_budget_bytes or lower max_model_len")
-                for slot, toks, lps, stopped, still in self.generate_step():
+                # Dispatch call n+1, then read call n: the host's bookkeeping (events, page tables, the next
+                # call's inputs) overlaps the device's work instead of leaving it idle between calls.
+                nxt = self._dispatch(flight)
+                done_flight, flight = flight, nxt
+                for slot, toks, lps, stopped, still in (self._collect(done_flight) if done_flight else ()):
                     r = self.slots[slot]
                     done = not still
                     reason = ("stop" if stopped else "length") if done else None
                     yield Event(r.request_index, toks, lps if r.params.logprobs else [], reason)
                     if done:
                         self.free_resource(slot)
+                if flight is not None and not any(self.slots[i] is r for i, r in flight.running):
+                    flight = None   # every request it decoded has ended: nothing left to read
         finally:
             # A consumer that stops early (a vanished client) gives every page back.
             for i, s in enumerate(self.slots):

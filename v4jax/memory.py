@@ -246,11 +246,12 @@ def _dtype_fmt(dtype) -> str:
 
 def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: int = 8, prefill_chunk: int = 256,
                   decode_steps: int = 8) -> tuple[int, int, int]:
-    """(P, Ps, SWA pages) exactly as Engine.__init__ chooses them for the paged layout."""
+    """(P, Ps, SWA pages) of the engine's paged layout (Engine.__init__ calls this)."""
     p = -(-(page_size or 256) // cfg.lcm_ratio()) * cfg.lcm_ratio()
     ps = math.gcd(p, 64)
-    # As Engine: a window plus k tokens per decoding slot, plus one prefill chunk for the one request prefilling.
-    n_swa = max_num_seqs * (-(-(cfg.window_size + decode_steps) // ps) + 1) + -(-prefill_chunk // ps) + 1
+    # Per decoding slot a window plus 2k tokens (the scheduler dispatches the next k-step call before the host
+    # has read how far the current one got), plus one prefill chunk for the one request prefilling.
+    n_swa = max_num_seqs * (-(-(cfg.window_size + 2 * decode_steps) // ps) + 1) + -(-prefill_chunk // ps) + 1
     return p, ps, n_swa
 
 
