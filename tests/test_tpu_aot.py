@@ -1,0 +1,48 @@
+"""Every Pallas TPU kernel compiled for a real TPU (libtpu AOT on this CPU machine: XLA-TPU + Mosaic), at Flash
+shapes: catches what `jax.export` lowering does not (Mosaic's DMA tile-alignment checks, VMEM limits).
+
+Slow and optional: needs libtpu, kept out of the default environment (with libtpu importable, JAX looks for a
+TPU at start-up). Install it aside and point the test at it:
+    pip install --no-deps --target .libtpu libtpu==0.0.42.1
+    V4JAX_LIBTPU_DIR=.libtpu python -m pytest -q -m slow tests/test_tpu_aot.py
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBTPU_DIR = os.environ.get("V4JAX_LIBTPU_DIR", os.path.join(ROOT, ".libtpu"))
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.isdir(os.path.join(LIBTPU_DIR, "libtpu")),
+                                 reason=f"libtpu not found in {LIBTPU_DIR} (see the module docstring)")]
+
+# The row-gathering kernels DMA runs of pool rows that start at any row; Mosaic requires DMA slices of a tiled
+# HBM array to start on a tile (8 rows). `jax.export` lowering accepts them, the TPU compiler does not. Open:
+# needs a TPU pool layout with the token axis untiled (or tile-aligned gathers); see BENCHMARKS.md.
+KNOWN_FAILING = {"sparse_attention T=1", "sparse_attention T=2", "indexer_scores"}
+KERNELS = ["sparse_attention T=1", "sparse_attention T=2", "indexer_scores", "topk", "compressor_decode CSA main",
+           "compressor_decode HCA", "compressor_decode CSA indexer", "compressor_prefill CSA main",
+           "compressor_prefill HCA", "compressor_prefill CSA indexer"]
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([LIBTPU_DIR, ROOT]), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tpu_aot_check.py")], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
+    assert lines, r.stdout[-3000:] + r.stderr[-3000:]
+    return lines
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_compiles_for_tpu(report, kernel):
+    line = next(ln for ln in report if ln.split(None, 1)[1].startswith(kernel))
+    if kernel in KNOWN_FAILING:
+        assert line.startswith("FAIL"), f"{kernel} compiles now: drop it from KNOWN_FAILING"
+        pytest.xfail(line[:300])
+    assert line.startswith("OK"), line
