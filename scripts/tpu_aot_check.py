@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Compile every Pallas TPU kernel for a real TPU target on a CPU machine (libtpu AOT: XLA-TPU + Mosaic), at the
-Flash shapes. Lowering (`jax.export(..., platforms=["tpu"])`, in CI) does not run Mosaic's own checks (tile
+Flash shapes, and the engine's jitted steps. Lowering (`jax.export(..., platforms=["tpu"])`, in CI) does not run Mosaic's own checks (tile
 alignment of DMA slices, VMEM limits); this does.
 
   pip install -e '.[tpu-aot]'      # libtpu; keep it out of the default environment (JAX would look for a TPU)
@@ -58,7 +58,30 @@ def cases():
         functools.partial(C._compressor_prefill_tpu, **kw),
         (A((4, T, Dm), BF16), A((4,), I32), A((4,), I32), A((4, coff * m, coff * d), F32),
          A((4, coff * m, coff * d), F32)) + weights + (A((4, E, rd // 2), F32), A((4, E, rd // 2), F32)))
+  out.update(engine_cases())
   return out
+
+
+def engine_cases():
+  """The engine's jitted prefill and decode steps (XLA attention path) for the `tiny` preset: every op the
+  serving loop uses, compiled for the TPU."""
+  from v4jax import LLM
+  from v4jax.engine import MAX_STOP, _DecodeIO
+  eng = LLM("tiny", dtype="bfloat16", max_num_seqs=4, max_model_len=512, prefill_chunk=64).engine
+  spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+  s = eng.layout.max_slots
+  z = lambda n, dt=np.int32: np.zeros((n,), dt)
+  io = _DecodeIO(z(s), z(s), z(s, bool), z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s), z(s),
+                 np.full((s, MAX_STOP), -1, np.int32))
+  pt, swa = eng.tables.full[:, :2], eng.tables.swa
+  samp = (z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1))
+  return {
+      "engine decode step (tiny, XLA attention)": (
+          eng._decode_jit, jax.tree.map(spec, (eng._leaves, eng.pools, io, pt, swa))),
+      "engine prefill step (tiny, XLA attention, chunk 64)": (
+          eng._prefill_jit, jax.tree.map(spec, (eng._leaves, eng.pools, np.zeros((1, 64), np.int32), z(1), z(1),
+                                                z(1, bool), z(1), pt[:1], swa[:1], samp))),
+  }
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""Every Pallas TPU kernel compiled for a real TPU (libtpu AOT on this CPU machine: XLA-TPU + Mosaic), at Flash
+"""Every Pallas TPU kernel, and the engine's jitted steps, compiled for a real TPU (libtpu AOT on this CPU machine: XLA-TPU + Mosaic), at Flash
 shapes: catches what `jax.export` lowering does not (Mosaic's DMA tile-alignment checks, VMEM limits).
 
 Slow and optional: needs libtpu, kept out of the default environment (with libtpu importable, JAX looks for a
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow,
 KNOWN_FAILING = {"sparse_attention T=1", "sparse_attention T=2", "indexer_scores"}
 KERNELS = ["sparse_attention T=1", "sparse_attention T=2", "indexer_scores", "topk", "compressor_decode CSA main",
            "compressor_decode HCA", "compressor_decode CSA indexer", "compressor_prefill CSA main",
-           "compressor_prefill HCA", "compressor_prefill CSA indexer"]
+           "compressor_prefill HCA", "compressor_prefill CSA indexer", "engine decode step", "engine prefill step"]
 
 
 @pytest.fixture(scope="module")
