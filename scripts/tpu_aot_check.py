@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Compile every Pallas TPU kernel for a real TPU target on a CPU machine (libtpu AOT: XLA-TPU + Mosaic), at the
-Flash shapes, and the engine's jitted steps. Lowering (`jax.export(..., platforms=["tpu"])`, in CI) does not run Mosaic's own checks (tile
-alignment of DMA slices, VMEM limits); this does.
+"""Compile every Pallas TPU kernel (at the Flash shapes) and the engine's jitted steps for a real TPU target on a
+CPU machine (libtpu AOT: XLA-TPU + Mosaic). Lowering (`jax.export(..., platforms=["tpu"])`, in CI) does not run
+Mosaic's own checks (tile alignment of DMA slices, VMEM limits); this does.
 
-  pip install -e '.[tpu-aot]'      # libtpu; keep it out of the default environment (JAX would look for a TPU)
-  python scripts/tpu_aot_check.py [--topology v5e:2x2] [--only NAME ...]
+  pip install --no-deps --target .libtpu libtpu==0.0.42.1   # aside: with libtpu importable JAX looks for a TPU
+  PYTHONPATH=.libtpu:. python scripts/tpu_aot_check.py [--topology v5e:2x2] [--only NAME ...]
 
 Prints one line per kernel (OK with the compiled memory analysis, or the error) and exits 1 if any failed.
 tests/test_tpu_aot.py (-m slow) runs it.
