@@ -1,9 +1,12 @@
-"""Small helpers shared by the kernels: padding of row-id lists, contiguous-run detection for DMA gathers."""
+"""Small helpers shared by the kernels: padding of row-id lists, tile-aligned DMA gathers of pool rows (TPU)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 F32 = jnp.float32
 NEG_INF = float("-inf")
@@ -30,24 +33,78 @@ def pad_last(x: jax.Array, size: int, value) -> jax.Array:
   return jnp.pad(x, pad, constant_values=value)
 
 
-def gather_groups(rows: jax.Array, group: int, n_pool_rows: int):
-  """For DMA gathers in groups of `group` rows: per group, whether it can be fetched with ONE copy, and from
-  which start row.
+def tile_rows(dtype) -> int:
+  """Rows of one TPU HBM tile of a [rows, d] array: 8 for 32-bit, 16 for bf16 (two rows packed per sublane).
+  Mosaic only DMAs slices of such an array that start on a tile (a CPU-side libtpu compile rejects the rest)."""
+  return 8 * (4 // jnp.dtype(dtype).itemsize)
 
-  A group is one copy when its ids are consecutive valid rows (r, r+1, ..., r+group-1), or when all of its ids
-  are -1 (then rows 0..group-1 are fetched, finite pool data that the kernel masks out). Otherwise the kernel
-  copies row by row (clamping -1 to row 0). rows [..., n] with n % group == 0. Returns (flag, start), int32
-  [..., n // group].
-  """
+
+def gather_groups(rows: jax.Array, group: int, n_pool_rows: int):
+  """For DMA gathers in tile-aligned groups of `group` rows (group = tile_rows of the pool): per group, whether
+  it is ONE whole tile -- its ids are consecutive valid rows starting on a tile boundary, or all -1 (then tile 0
+  is fetched, finite pool data that the kernel masks out) -- and which tile. Otherwise the kernel fetches, row by
+  row, the tile holding each row and picks the row out on chip. rows [..., n] with n % group == 0.
+  Returns (flag, tile), int32 [..., n // group]."""
   *lead, n = rows.shape
   rg = rows.reshape(*lead, n // group, group)
   first = rg[..., 0]
   consec = jnp.all(rg == first[..., None] + jnp.arange(group, dtype=rows.dtype), axis=-1)
-  consec &= (first >= 0) & (first + group <= n_pool_rows)
+  consec &= (first >= 0) & (first + group <= n_pool_rows) & (first % group == 0)
   allinv = jnp.all(rg < 0, axis=-1) & (n_pool_rows >= group)
   flag = (consec | allinv).astype(jnp.int32)
-  start = jnp.where(consec, first, 0).astype(jnp.int32)
-  return flag, start
+  tile = jnp.where(consec, first // group, 0).astype(jnp.int32)
+  return flag, tile
+
+
+def tiled_view(pool: jax.Array, rows_per_tile: int) -> jax.Array:
+  """pool [R, d] -> [R / t, t, d] (a bitcast on TPU: the same bytes), padded to whole tiles if R is not."""
+  R = pool.shape[0]
+  Rp = round_up(R, rows_per_tile)
+  if Rp != R:
+    pool = jnp.pad(pool, ((0, Rp - R), (0, 0)))
+  return pool.reshape(Rp // rows_per_tile, rows_per_tile, pool.shape[-1])
+
+
+def tpu_gather_start(pool3, rows_smem, flag_smem, tile_smem, row0, buf, stage, sem, *, n, wait):
+  """Starts (or waits for) the DMAs that bring rows ids[row0 : row0 + n] of the tiled pool view `pool3`
+  [R/t, t, d] on chip: a whole-tile group straight into buf [n, d]; any other row's tile into stage[j] [t, d]
+  (tpu_gather_finish picks the row out). DMA sources are whole tiles, as Mosaic requires."""
+  t = pool3.shape[1]
+
+  def one_group(g, carry):
+    gi = row0 // t + g
+    flag = flag_smem[0, gi]
+
+    @pl.when(flag == 1)
+    def _():
+      cp = pltpu.make_async_copy(pool3.at[tile_smem[0, gi]], buf.at[pl.ds(pl.multiple_of(g * t, t), t)], sem)
+      cp.wait() if wait else cp.start()
+
+    @pl.when(flag == 0)
+    def _():
+      for j in range(t):
+        r = jnp.maximum(rows_smem[0, row0 + g * t + j], 0)
+        cp = pltpu.make_async_copy(pool3.at[r // t], stage.at[g * t + j], sem)
+        cp.wait() if wait else cp.start()
+
+    return carry
+
+  lax.fori_loop(0, n // t, one_group, 0)
+
+
+def tpu_gather_finish(rows_smem, flag_smem, row0, buf, stage, *, n):
+  """After tpu_gather_start(wait=True): the rows of non-tile groups, picked out of their tiles into buf (a
+  one-hot select: Mosaic cannot slice packed bf16 rows at a dynamic offset). Static offsets throughout."""
+  t = stage.shape[1]
+  sub = lax.broadcasted_iota(jnp.int32, (t, 1), 0)
+  for g in range(n // t):
+    @pl.when(flag_smem[0, row0 // t + g] == 0)
+    def _():
+      for j in range(t):
+        r = jnp.maximum(rows_smem[0, row0 + g * t + j], 0)
+        tile = stage[g * t + j].astype(F32)                               # [t, d]
+        row = jnp.sum(jnp.where(sub == r % t, tile, 0.0), axis=0, keepdims=True)
+        buf[pl.ds(g * t + j, 1), :] = row.astype(buf.dtype)
 
 
 def dot_f32(a, b, dims):

@@ -8,7 +8,8 @@ Implementations:
   * `indexer_scores_ref`, `topk_ref`: jnp/XLA (the model's XLA path). topk_ref = lax.top_k plus an exact tie
     repair (only run when a row's k-th value is tied beyond the cut), then a (score desc, index asc) sort of the k.
   * `indexer_scores` TPU-style Pallas (portable): grid (B, T-blocks, S-blocks); key rows DMA'd from the pool
-    (runs of 16 consecutive rows become one copy); GPU: Pallas Triton, key rows gathered by pointer loads.
+    (whole HBM tiles: a tile-aligned run is one copy, other keys come with their tile and are picked out on
+    chip); GPU: Pallas Triton, key rows gathered by pointer loads.
   * `topk` GPU: exact threshold selection without sorting the row: tau = k-th largest of 4k strided group maxima
     (so at least k scores are >= tau), a Triton kernel compacts the scores >= tau (about 1.15k of them for
     unstructured data) into a 2k buffer, which is sorted; a row that overflows the buffer sends the batch to
@@ -27,7 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _compat
-from ._common import F32, common_compute_dtype, gather_groups, mm_nn, mm_nt, next_pow2, pad_last, round_up
+from ._common import (F32, common_compute_dtype, gather_groups, mm_nn, mm_nt, next_pow2, pad_last, round_up, tile_rows,
+                      tiled_view, tpu_gather_finish, tpu_gather_start)
 from .topk import topk, topk_ref
 
 # --------------------------------------------------------------------------------------------------------------
@@ -71,54 +73,34 @@ def indexer_scores_ref(q, w, key_pool, rows, n_valid):
 
 _TPU_SB = 512     # keys per grid step
 _TPU_SUB = 128    # keys per compute sub-chunk (waits are per sub-chunk, so compute overlaps later copies)
-_TPU_GROUP = 16   # rows per contiguity group
 _TPU_TQ = 8       # queries per grid step (when T > 8)
 
 
-def _tpu_scores_kernel(rows_smem, flag_smem, start_smem, q_ref, w_ref, nv_ref, rows_vmem, pool_hbm, o_ref,
-                       buf, sem, *, sb, sub, group, tq):
+def _tpu_scores_kernel(rows_smem, flag_smem, tile_smem, q_ref, w_ref, nv_ref, rows_vmem, pool_hbm, o_ref,
+                       buf, stage, sem, *, sb, sub, tq):
   s_blk = pl.program_id(2)
 
-  def copies(c, wait):
-    def one_group(g, carry):
-      gi = c * (sub // group) + g
-      flag = flag_smem[0, gi]
-
-      @pl.when(flag == 1)
-      def _():
-        cp = pltpu.make_async_copy(pool_hbm.at[pl.ds(start_smem[0, gi], group)],
-                                   buf.at[pl.ds(pl.multiple_of(gi * group, group), group)], sem.at[c])
-        cp.wait() if wait else cp.start()
-
-      @pl.when(flag == 0)
-      def _():
-        for j in range(group):
-          r = rows_smem[0, gi * group + j]
-
-          # Invalid rows are not fetched: their scores are masked to -inf below whatever the buffer holds.
-          @pl.when(r >= 0)
-          def _():
-            cp = pltpu.make_async_copy(pool_hbm.at[pl.ds(r, 1)], buf.at[pl.ds(gi * group + j, 1)], sem.at[c])
-            cp.wait() if wait else cp.start()
-
-      return carry
-
-    lax.fori_loop(0, sub // group, one_group, 0)
+  def gather(c, wait):
+    part = pl.ds(c * sub, sub)
+    tpu_gather_start(pool_hbm, rows_smem, flag_smem, tile_smem, c * sub, buf.at[part], stage.at[part], sem.at[c],
+                     n=sub, wait=wait)
 
   n_sub = sb // sub
   for c in range(n_sub):
-    copies(c, wait=False)
+    gather(c, wait=False)
   cdt = common_compute_dtype(q_ref.dtype, buf.dtype)
   for c in range(n_sub):
-    copies(c, wait=True)
-    keys = buf[pl.ds(c * sub, sub), :].astype(cdt)                       # [sub, Di]
+    gather(c, wait=True)
+    part = pl.ds(c * sub, sub)
+    tpu_gather_finish(rows_smem, flag_smem, c * sub, buf.at[part], stage.at[part], n=sub)
+    keys = buf[part, :].astype(cdt)                                        # [sub, Di]
     s_idx = s_blk * sb + c * sub + lax.broadcasted_iota(jnp.int32, (1, sub), 1)
-    row_ok = rows_vmem[:, pl.ds(c * sub, sub)] >= 0                        # [1, sub]
+    row_ok = rows_vmem[:, part] >= 0                                       # [1, sub]
     for t in range(tq):
       logits = mm_nt(q_ref[t].astype(cdt), keys)                          # [Hi, sub]
       sc = mm_nn(w_ref[pl.ds(t, 1), :].astype(F32), jnp.maximum(logits, 0.0))   # [1, sub]
       ok = row_ok & (s_idx < nv_ref[pl.ds(t, 1), :])
-      o_ref[pl.ds(t, 1), pl.ds(c * sub, sub)] = jnp.where(ok, sc, -jnp.inf)
+      o_ref[pl.ds(t, 1), part] = jnp.where(ok, sc, -jnp.inf)
 
 
 def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
@@ -130,13 +112,15 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
   tq = T if T <= _TPU_TQ else _TPU_TQ
   Tp = round_up(T, tq)
   rows_p = pad_last(rows.astype(jnp.int32), Sp, -1)
-  flag, start = gather_groups(rows_p, _TPU_GROUP, key_pool.shape[0])
+  G = tile_rows(key_pool.dtype)
+  flag, start = gather_groups(rows_p, G, key_pool.shape[0])
+  key_pool = tiled_view(key_pool, G)
   if Tp != T:
     q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
     w = jnp.pad(w, ((0, 0), (0, Tp - T), (0, 0)))
     n_valid = jnp.pad(n_valid, ((0, 0), (0, Tp - T)))
-  ng = sb // _TPU_GROUP
-  kernel = functools.partial(_tpu_scores_kernel, sb=sb, sub=min(_TPU_SUB, sb), group=_TPU_GROUP, tq=tq)
+  ng = sb // G
+  kernel = functools.partial(_tpu_scores_kernel, sb=sb, sub=min(_TPU_SUB, sb), tq=tq)
   smem = lambda n: pl.BlockSpec((None, 1, n), lambda b, t, s: (b * n_s + s, 0, 0), memory_space=pltpu.SMEM)
   out = pl.pallas_call(
       kernel,
@@ -153,6 +137,7 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
       out_specs=pl.BlockSpec((None, tq, sb), lambda b, t, s: (b, t, s)),
       # one DMA semaphore per sub-chunk: a wait only proves that ITS chunk's bytes arrived
       scratch_shapes=[pltpu.VMEM((sb, Di), key_pool.dtype),
+                      pltpu.VMEM((sb, G, Di), key_pool.dtype),   # tiles of the keys not in whole-tile runs
                       pltpu.SemaphoreType.DMA((sb // min(_TPU_SUB, sb),))],
       compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=_compat.interpret_arg(interpret, "hlo"),

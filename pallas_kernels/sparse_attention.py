@@ -7,8 +7,9 @@ key with zero value that only enters the denominator. If nothing is valid, o = 0
 Implementations behind `sparse_attention`:
   * `sparse_attention_ref`: jnp (the model's XLA path).
   * TPU-style Pallas (portable, interpret-testable, lowers for TPU): grid (B, T); per step the row ids are in
-    SMEM, rows are DMA'd from the pools in HBM into a double-buffered VMEM chunk of 128 rows (runs of 8
-    consecutive rows become one copy), then one online-softmax update per chunk.
+    SMEM, rows are DMA'd from the pools in HBM into a double-buffered VMEM chunk of 128 rows, then one
+    online-softmax update per chunk. DMAs move whole HBM tiles (8 rows, 16 for bf16; Mosaic rejects others): a
+    tile-aligned run is one copy, any other row comes with its tile and is picked out on chip.
   * GPU (Pallas Triton): grid (B*T, H/hb, splits); rows are gathered with pointer loads; when there are few
     (b, t) programs the entry range is split and the partial softmax states are merged in XLA.
 """
@@ -24,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _compat
-from ._common import (F32, MASK_FLOOR, common_compute_dtype, gather_groups, mm_nt, pad_last,
-                      pv_matmul, round_up)
+from ._common import (F32, MASK_FLOOR, common_compute_dtype, gather_groups, mm_nt, pad_last, pv_matmul, round_up,
+                      tile_rows, tiled_view, tpu_gather_finish, tpu_gather_start)
 
 # --------------------------------------------------------------------------------------------------------------
 # Reference
@@ -93,48 +94,21 @@ def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sca
 # --------------------------------------------------------------------------------------------------------------
 
 _TPU_CHUNK = 128   # rows per online-softmax step (lane-dense scores [H, 128])
-_TPU_GROUP = 8     # rows per contiguity group (one DMA when consecutive)
 
 
-def _tpu_copy_chunk(pool_hbm, rows_smem, flag_smem, start_smem, row0, buf, sem, *, chunk, group, wait):
-  """Starts (or waits for) the copies of rows [row0, row0 + chunk) of this step's id list into buf."""
-
-  def one_group(g, carry):
-    gi = row0 // group + g
-    flag = flag_smem[0, gi]
-
-    @pl.when(flag == 1)
-    def _():
-      cp = pltpu.make_async_copy(pool_hbm.at[pl.ds(start_smem[0, gi], group)],
-                                 buf.at[pl.ds(pl.multiple_of(g * group, group), group)], sem)
-      cp.wait() if wait else cp.start()
-
-    @pl.when(flag == 0)
-    def _():
-      for j in range(group):
-        r = jnp.maximum(rows_smem[0, row0 + g * group + j], 0)
-        cp = pltpu.make_async_copy(pool_hbm.at[pl.ds(r, 1)], buf.at[pl.ds(g * group + j, 1)], sem)
-        cp.wait() if wait else cp.start()
-
-    return carry
-
-  lax.fori_loop(0, chunk // group, one_group, 0)
-
-
-def _tpu_kernel(rows_smem, flag_smem, start_smem, q_ref, sink_ref, rows_vmem, swa_hbm, cmp_hbm, o_ref,
-                buf, sem, m_ref, l_ref, acc_ref, *, n_swa_chunks, n_chunks, scale, chunk, group):
+def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa_hbm, cmp_hbm, o_ref,
+                buf, stage, sem, m_ref, l_ref, acc_ref, *, n_swa_chunks, n_chunks, scale, chunk):
   def copy(i, slot, wait):
-    kw = dict(chunk=chunk, group=group, wait=wait)
-    row0 = i * chunk
+    args = (rows_smem, flag_smem, tile_smem, i * chunk, buf.at[slot], stage.at[slot], sem.at[slot])
 
     @pl.when(i < n_swa_chunks)
     def _():
-      _tpu_copy_chunk(swa_hbm, rows_smem, flag_smem, start_smem, row0, buf.at[slot], sem.at[slot], **kw)
+      tpu_gather_start(swa_hbm, *args, n=chunk, wait=wait)
 
     if n_chunks > n_swa_chunks:
       @pl.when(i >= n_swa_chunks)
       def _():
-        _tpu_copy_chunk(cmp_hbm, rows_smem, flag_smem, start_smem, row0, buf.at[slot], sem.at[slot], **kw)
+        tpu_gather_start(cmp_hbm, *args, n=chunk, wait=wait)
 
   sink = sink_ref[...].astype(F32)                     # [H, 1]
   m0 = jnp.maximum(sink, MASK_FLOOR)
@@ -155,6 +129,7 @@ def _tpu_kernel(rows_smem, flag_smem, start_smem, q_ref, sink_ref, rows_vmem, sw
       copy(i + 1, 1 - slot, wait=False)
 
     copy(i, slot, wait=True)
+    tpu_gather_finish(rows_smem, flag_smem, i * chunk, buf.at[slot], stage.at[slot], n=chunk)
     k = buf[slot]                                       # [C, D]
     s = mm_nt(q, k.astype(cdt)) * scale                 # [H, C] f32
     valid = rows_vmem[:, pl.ds(pl.multiple_of(i * chunk, chunk), chunk)] >= 0   # [1, C]
@@ -175,7 +150,8 @@ def _tpu_kernel(rows_smem, flag_smem, start_smem, q_ref, sink_ref, rows_vmem, sw
 
 def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False):
   B, T, H, D = q.shape
-  C, G = _TPU_CHUNK, _TPU_GROUP
+  C = _TPU_CHUNK
+  G = tile_rows(swa_pool.dtype)
   sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
   if len(sets) == 2 and cmp_pool.dtype != swa_pool.dtype:
     cmp_pool = cmp_pool.astype(swa_pool.dtype)
@@ -184,6 +160,8 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     r = pad_last(rows.astype(jnp.int32), round_up(max(rows.shape[-1], 1), C), -1)
     f, s = gather_groups(r, G, pool.shape[0])
     padded.append(r), flags.append(f), starts.append(s)
+  swa_pool = tiled_view(swa_pool, G)
+  cmp_pool = tiled_view(cmp_pool, G) if len(sets) == 2 else None
   n_swa_chunks = padded[0].shape[-1] // C
   rows = jnp.concatenate(padded, axis=-1)
   flag = jnp.concatenate(flags, axis=-1)
@@ -194,7 +172,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
   cmp_arg = cmp_pool if has_cmp else swa_pool
 
   kernel = functools.partial(_tpu_kernel, n_swa_chunks=n_swa_chunks, n_chunks=n_chunks, scale=float(scale),
-                             chunk=C, group=G)
+                             chunk=C)
   # SMEM blocks are [1, n] slices of [B*T, 1, n] arrays (TPU block rule: last two dims full or (8, 128)-aligned).
   smem = lambda n: pl.BlockSpec((None, 1, n), lambda b, t: (b * T + t, 0, 0), memory_space=pltpu.SMEM)
   in_specs = [
@@ -213,6 +191,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
       out_specs=pl.BlockSpec((None, None, H, D), lambda b, t: (b, t, 0, 0)),
       scratch_shapes=[
           pltpu.VMEM((2, C, D), swa_pool.dtype),
+          pltpu.VMEM((2, C, G, D), swa_pool.dtype),     # the tiles of rows that are not in whole-tile runs
           pltpu.SemaphoreType.DMA((2,)),
           pltpu.VMEM((H, 1), F32),
           pltpu.VMEM((H, 1), F32),

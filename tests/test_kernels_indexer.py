@@ -35,7 +35,9 @@ def _score_inputs(rng, B, T, Hi, Di, S, R, dtype):
   rows = rng.integers(0, R, (B, S))
   rows[0, ::7] = -1
   run = rows[0, 64:128]
-  run[:] = np.arange(100, 100 + run.size) % R     # contiguous runs (one DMA per group)
+  run[:] = np.arange(100, 100 + run.size) % R     # a contiguous run, not tile-aligned
+  if S >= 192 and R >= 128:
+    rows[0, 128:192] = np.arange(64, 128)          # a tile-aligned run (whole-tile DMAs on TPU)
   rows[-1, S // 2:] = -1
   n_valid = rng.integers(0, S + 1, (B, T))
   n_valid[0, 0] = S

@@ -48,7 +48,8 @@ def _inputs(rng, B, T, H, D, W, K, R1, R2, dtype):
   rw = rng.integers(0, R1, (B, T, W))
   rc = rng.integers(0, R2, (B, T, K))
   rw[0, 0, : W // 3] = -1                                    # some empty window slots
-  rw[-1, -1] = (np.arange(W) + 3) % R1                       # a contiguous run (one DMA per group)
+  rw[-1, -1] = (np.arange(W) + 3) % R1                       # a contiguous run, not tile-aligned
+  rc[-1, -1, :32] = (np.arange(32) + 32)[:K]                 # tile-aligned runs (whole-tile DMAs on TPU)
   rc[0, -1] = -1                                             # no compressed entries for one query
   rc[-1, 0, ::3] = -1
   if B > 1:
