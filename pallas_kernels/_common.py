@@ -92,19 +92,24 @@ def tpu_gather_start(pool3, rows_smem, flag_smem, tile_smem, row0, buf, stage, s
   lax.fori_loop(0, n // t, one_group, 0)
 
 
-def tpu_gather_finish(rows_smem, flag_smem, row0, buf, stage, *, n):
-  """After tpu_gather_start(wait=True): the rows of non-tile groups, picked out of their tiles into buf (a
-  one-hot select: Mosaic cannot slice packed bf16 rows at a dynamic offset). Static offsets throughout."""
+def tpu_gather_finish(ids, flag_smem, row0, buf, stage, *, n):
+  """After tpu_gather_start(wait=True): the rows of non-tile groups, picked out of their tiles into buf. ids
+  [1, n] int32: this part's row ids (lanes). Per group of t rows one one-hot matmul, P [t, t*t] @ tiles [t*t, d]
+  (Mosaic cannot slice packed bf16 rows at a dynamic offset; a select per row unrolled t*n/t times was slow to
+  compile). P has one 1 per row, so the product is exact."""
   t = stage.shape[1]
-  sub = lax.broadcasted_iota(jnp.int32, (t, 1), 0)
+  d = stage.shape[-1]
+  c = lax.broadcasted_iota(jnp.int32, (t * t, t), 0)
+  j = lax.broadcasted_iota(jnp.int32, (t * t, t), 1)
+  prec = lax.Precision.HIGHEST if stage.dtype == F32 else None
   for g in range(n // t):
     @pl.when(flag_smem[0, row0 // t + g] == 0)
     def _():
-      for j in range(t):
-        r = jnp.maximum(rows_smem[0, row0 + g * t + j], 0)
-        tile = stage[g * t + j].astype(F32)                               # [t, d]
-        row = jnp.sum(jnp.where(sub == r % t, tile, 0.0), axis=0, keepdims=True)
-        buf[pl.ds(g * t + j, 1), :] = row.astype(buf.dtype)
+      r = jnp.maximum(ids[:, g * t:(g + 1) * t], 0)                        # [1, t]
+      pt = (c == j * t + r % t).astype(stage.dtype)                        # [t*t, t]: P transposed
+      tiles = stage[pl.ds(g * t, t)].reshape(t * t, d)
+      rows = lax.dot_general(pt, tiles, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=F32)
+      buf[pl.ds(g * t, t), :] = rows.astype(buf.dtype)
 
 
 def dot_f32(a, b, dims):

@@ -92,10 +92,11 @@ def _tpu_scores_kernel(rows_smem, flag_smem, tile_smem, q_ref, w_ref, nv_ref, ro
   for c in range(n_sub):
     gather(c, wait=True)
     part = pl.ds(c * sub, sub)
-    tpu_gather_finish(rows_smem, flag_smem, c * sub, buf.at[part], stage.at[part], n=sub)
+    ids = rows_vmem[:, part]                                               # [1, sub]
+    tpu_gather_finish(ids, flag_smem, c * sub, buf.at[part], stage.at[part], n=sub)
     keys = buf[part, :].astype(cdt)                                        # [sub, Di]
     s_idx = s_blk * sb + c * sub + lax.broadcasted_iota(jnp.int32, (1, sub), 1)
-    row_ok = rows_vmem[:, part] >= 0                                       # [1, sub]
+    row_ok = ids >= 0                                                      # [1, sub]
     for t in range(tq):
       logits = mm_nt(q_ref[t].astype(cdt), keys)                          # [Hi, sub]
       sc = mm_nn(w_ref[pl.ds(t, 1), :].astype(F32), jnp.maximum(logits, 0.0))   # [1, sub]

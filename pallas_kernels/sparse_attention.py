@@ -129,10 +129,11 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
       copy(i + 1, 1 - slot, wait=False)
 
     copy(i, slot, wait=True)
-    tpu_gather_finish(rows_smem, flag_smem, i * chunk, buf.at[slot], stage.at[slot], n=chunk)
+    ids = rows_vmem[:, pl.ds(pl.multiple_of(i * chunk, chunk), chunk)]   # [1, C]
+    tpu_gather_finish(ids, flag_smem, i * chunk, buf.at[slot], stage.at[slot], n=chunk)
     k = buf[slot]                                       # [C, D]
     s = mm_nt(q, k.astype(cdt)) * scale                 # [H, C] f32
-    valid = rows_vmem[:, pl.ds(pl.multiple_of(i * chunk, chunk), chunk)] >= 0   # [1, C]
+    valid = ids >= 0                                    # [1, C]
     s = jnp.where(valid, s, -jnp.inf)
     m_prev = m_ref[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
