@@ -98,18 +98,11 @@ def time_fn(fn: Callable, args: tuple, *, iters: int, repeats: int, carry: Calla
       args, dep = one(args, dep)
     return args, dep          # the final args are returned: all live
 
-  f = jax.jit(many)
-  jax.block_until_ready(f(args))                  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)) / iters
+  return _time_single(many, (args,), repeats) / iters
 
 
 def _time_single(fn, args, repeats):
-  """Median seconds of one jitted call, for probes long enough (milliseconds) that dispatch does not count."""
+  """Median seconds of one jitted call after a warm-up (compile) call."""
   f = jax.jit(fn)
   jax.block_until_ready(f(*args))
   times = []
@@ -121,10 +114,9 @@ def _time_single(fn, args, repeats):
 
 
 def measure_bandwidth(nbytes: int, *, repeats: int) -> float:
-  """HBM bandwidth (bytes/s): one large x * 1.0001 + 0.5 (every byte read once, written once), the same probe
-  as `v4jax bench decode`, so both benchmarks hold kernels to the same figure."""
-  x = jnp.ones((nbytes // 4,), F32)
-  return 2 * x.size * 4 / _time_single(lambda a: a * 1.0001 + 0.5, (x,), repeats)
+  """HBM bandwidth (bytes/s): `v4jax bench decode`'s copy probe, so both benchmarks hold kernels to one figure."""
+  from v4jax.bench import measure_bandwidth as decode_bench_probe
+  return decode_bench_probe(nbytes, reps=repeats)["copy_GBps"] * 1e9
 
 
 def measure_matmul_rate(n: int, *, repeats: int) -> float:

@@ -12,7 +12,6 @@ The dense layout is the same pytree with a fixed identity page table (one contig
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from v4jax.config import CSA, SLIDING, ModelConfig
+from v4jax.memory import full_page_size
 
 F32 = jnp.float32
 
@@ -84,9 +84,7 @@ class PoolLayout:
 
     @staticmethod
     def default_page_size(cfg: ModelConfig, requested: int | None = None) -> int:
-        lcm = cfg.lcm_ratio()
-        p = requested or 256
-        return int(math.ceil(p / lcm) * lcm)
+        return full_page_size(cfg, requested)
 
 
 def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from typing import Iterator, Sequence
 
 import jax
@@ -110,7 +109,7 @@ class Engine:
         else:
             n_pages = slots * max_pages
             if options.memory_budget_bytes:
-                n_pages = (self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots))
+                n_pages = self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots)
         self.layout = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa,
                                    max_slots=slots, max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa)
         self.tables = C.PageTables(cfg, self.layout, dense)

@@ -244,10 +244,15 @@ def _dtype_fmt(dtype) -> str:
     return {2: "bf16", 4: "f32"}[np.dtype(dtype).itemsize]
 
 
+def full_page_size(cfg: ModelConfig, requested: int | None = None) -> int:
+    """P: the requested page size (default 256) rounded up to a multiple of every compression ratio."""
+    return -(-(requested or 256) // cfg.lcm_ratio()) * cfg.lcm_ratio()
+
+
 def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: int = 8, prefill_chunk: int = 256,
                   decode_steps: int = 8) -> tuple[int, int, int]:
     """(P, Ps, SWA pages) of the engine's paged layout (Engine.__init__ calls this)."""
-    p = -(-(page_size or 256) // cfg.lcm_ratio()) * cfg.lcm_ratio()
+    p = full_page_size(cfg, page_size)
     ps = math.gcd(p, 64)
     # Per decoding slot a window plus 2k tokens (the scheduler dispatches the next k-step call before the host
     # has read how far the current one got), plus one prefill chunk for the one request prefilling.
