@@ -101,6 +101,50 @@ def time_fn(fn: Callable, args: tuple, *, iters: int, repeats: int, carry: Calla
   return _time_single(many, (args,), repeats) / iters
 
 
+def time_trace(fn: Callable, args: tuple, *, repeats: int) -> tuple[float, dict[str, float]]:
+  """Device time per call from a profiler trace: (seconds the GPU spent in kernels per call, {kernel name:
+  seconds per call}). Each call is one plain jitted call (no chaining, so nothing to fuse across calls and no
+  harness work inside the time); launch gaps between a call's kernels are excluded, which is the point: this
+  judges the kernels against their roofline, while the unrolled/loop harnesses give what a caller waits for.
+  Memory copies between host and device are not counted. Where the trace has no GPU plane (CPU), the host's
+  wall time of a call is returned and the breakdown is empty."""
+  import tempfile
+  f = jax.jit(fn)
+  jax.block_until_ready(f(*args))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(repeats):
+        jax.block_until_ready(f(*args))
+    paths = [os.path.join(r, n) for r, _, ns in os.walk(d) for n in ns if n.endswith(".xplane.pb")]
+    events = _device_events(paths[0]) if paths else []
+  if not events:
+    return _time_single(fn, args, repeats), {}
+  per_kernel: dict[str, float] = {}
+  for name, dur_ns in events:
+    per_kernel[name] = per_kernel.get(name, 0.0) + dur_ns * 1e-9 / repeats
+  return sum(per_kernel.values()), dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
+
+
+def _device_events(xplane_path: str) -> list[tuple[str, float]]:
+  """(kernel name, duration ns) of every kernel and memset on the GPU planes' stream lines, once each (a kernel
+  can be listed on a per-stream line and on an aggregate line)."""
+  from jax.profiler import ProfileData
+  seen, out = set(), []
+  for plane in ProfileData.from_file(xplane_path).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if not line.name.startswith("Stream"):
+        continue
+      for ev in line.events:
+        key = (ev.name, ev.start_ns, ev.duration_ns)
+        if key in seen or "memcpy" in ev.name.lower():
+          continue
+        seen.add(key)
+        out.append((ev.name, float(ev.duration_ns)))
+  return out
+
+
 def _time_single(fn, args, repeats):
   """Median seconds of one jitted call after a warm-up (compile) call."""
   f = jax.jit(fn)
@@ -368,10 +412,14 @@ def run(args) -> int:
   bw_bytes = (64 << 20) if small else (4 << 30)
   bw = measure_bandwidth(bw_bytes, repeats=max(repeats, 5))
   mm = measure_matmul_rate(512 if small else 8192, repeats=max(repeats, 5))
-  timer = functools.partial(time_fn, iters=iters, repeats=repeats, harness=args.harness)
+  if args.harness == "trace":
+    timer = lambda fn, a, carry=None: time_trace(fn, a, repeats=repeats)
+  else:
+    timer = lambda fn, a, carry=None: (time_fn(fn, a, iters=iters, repeats=repeats, harness=args.harness,
+                                               carry=carry), {})
   # what the harness itself costs per chained call (the _touch update, the _consume reduction, the loop step):
-  # it is inside every timing below, and matters for the few-microsecond kernels
-  overhead = timer(lambda x: x[:1] + 1, (jnp.ones((1024,), F32),))
+  # it is inside every timing below, and matters for the few-microsecond kernels (trace: one tiny kernel)
+  overhead, _ = timer(lambda x: x[:1] + 1, (jnp.ones((1024,), F32),))
   print(f"backend={be} device={jax.devices()[0].device_kind} jax={jax.__version__} "
         f"HBM copy bandwidth={bw / 1e9:.0f} GB/s bf16 matmul={mm / 1e12:.1f} TFLOP/s "
         f"harness overhead={overhead * 1e6:.1f} us/call", flush=True)
@@ -381,13 +429,14 @@ def run(args) -> int:
       out = jax.jit(case.pallas)(*case.args)
       ref = jax.jit(case.ref)(*case.args)
       ok, detail = case.check(out, ref)
-      t_p = timer(case.pallas, case.args, carry=case.carry)
-      t_r = timer(case.ref, case.args, carry=case.carry)
+      t_p, k_p = timer(case.pallas, case.args, carry=case.carry)
+      t_r, k_r = timer(case.ref, case.args, carry=case.carry)
       roof = max(case.bytes / bw, case.flops / mm)
       row = dict(kernel=case.kernel, config=case.config, pallas_us=t_p * 1e6, xla_us=t_r * 1e6,
                  speedup=t_r / t_p, bytes=case.bytes, roofline_us=roof * 1e6,
                  bw_fraction=(case.bytes / bw) / t_p, roofline_fraction=roof / t_p, check=detail, ok=ok,
-                 note=case.note)
+                 note=case.note, pallas_kernels_us={k: v * 1e6 for k, v in k_p.items()},
+                 xla_kernels_us={k: v * 1e6 for k, v in k_r.items()})
       rows.append(row)
       print(f"{case.kernel:18s} {case.config:55s} pallas {row['pallas_us']:9.1f} us  xla {row['xla_us']:9.1f} us "
             f" x{row['speedup']:5.2f}  roofline {row['roofline_us']:8.1f} us ({100 * row['roofline_fraction']:5.1f}%)"
@@ -412,10 +461,14 @@ def run(args) -> int:
 
 
 def _markdown(meta, rows):
+  if meta["harness"] == "trace":
+    how = (f"GPU kernel time per call from a profiler trace, mean of {meta['repeats']} calls (launch gaps "
+           f"excluded; one tiny kernel: {meta['harness_overhead_us']:.1f} us)")
+  else:
+    how = (f"median of {meta['repeats']} calls of {meta['iters']} chained kernel runs in one jit, {meta['harness']} "
+           f"(harness overhead {meta['harness_overhead_us']:.1f} us per run, included)")
   lines = [f"Device: {meta['device']} ({meta['backend']}), JAX {meta['jax']}; measured HBM copy bandwidth "
-           f"{meta['hbm_bandwidth_GBps']:.0f} GB/s, bf16 matmul {meta['bf16_matmul_TFLOPs']:.0f} TFLOP/s; median of "
-           f"{meta['repeats']} calls of {meta['iters']} chained kernel runs in one jit, {meta['harness']} "
-           f"(harness overhead {meta['harness_overhead_us']:.1f} us per run, included)."
+           f"{meta['hbm_bandwidth_GBps']:.0f} GB/s, bf16 matmul {meta['bf16_matmul_TFLOPs']:.0f} TFLOP/s; {how}."
            + (" **--small: shapes for a smoke test, numbers meaningless.**" if meta["small"] else ""), "",
            "| kernel | config | Pallas (us) | XLA ref (us) | speedup | MB moved | roofline (us) | % of roofline | check |",
            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -423,6 +476,13 @@ def _markdown(meta, rows):
     lines.append(f"| {r['kernel']} | {r['config']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | {r['speedup']:.2f}x | "
                  f"{r['bytes'] / 1e6:.1f} | {r['roofline_us']:.1f} | {100 * r['roofline_fraction']:.0f}% | "
                  f"{'ok' if r['ok'] else '**MISMATCH**'} ({r['check']}){'; ' + r['note'] if r['note'] else ''} |")
+  broken = [r for r in rows if r.get("pallas_kernels_us")]
+  if broken:
+    lines += ["", "Kernels per call (us), from the trace:", ""]
+    for r in broken:
+      for side in ("pallas", "xla"):
+        parts = ", ".join(f"{k[:60]} {v:.1f}" for k, v in r[f"{side}_kernels_us"].items())
+        lines.append(f"- {r['kernel']} {r['config']} [{side}]: {parts}")
   return "\n".join(lines) + "\n"
 
 
@@ -433,8 +493,9 @@ def main(argv=None) -> int:
   p.add_argument("--only", nargs="*", choices=list(ALL), help="subset of kernels")
   p.add_argument("--iters", type=int, default=None, help="chained runs per jitted call")
   p.add_argument("--repeats", type=int, default=None, help="timed calls (median)")
-  p.add_argument("--harness", choices=("unrolled", "loop"), default="unrolled",
-                 help="chain the runs unrolled or in a lax.fori_loop (see time_fn)")
+  p.add_argument("--harness", choices=("unrolled", "loop", "trace"), default="unrolled",
+                 help="chain the runs unrolled or in a lax.fori_loop (see time_fn), or sum the kernels' device "
+                      "time in a profiler trace (see time_trace)")
   return run(p.parse_args(argv))
 
 

@@ -100,11 +100,46 @@ def _threshold_params(S, kk):
   return n_groups, cap
 
 
-def _kth_largest(g, kk):
-  """k-th largest of each row of g [N, G] (-inf when fewer than kk are finite). lax.top_k: on the H200 (G = 2048,
-  k = 512) ~3 us at N = 1 and ~30 us at N = 64; a pairwise count (XLA or a Pallas rank kernel) matched it at N = 1
-  and was 7-20x slower at N = 64."""
-  return lax.top_k(g, kk)[0][:, kk - 1]
+def _float_of_key(t):
+  """Inverse of `_sortable_key`."""
+  return lax.bitcast_convert_type(jnp.where(t >= 0, t, t ^ jnp.int32(0x7FFFFFFF)), F32)
+
+
+def _bisect_key(count, target):
+  """The largest int32 key t with count(lambda key: key >= t) >= target (target >= 1): the target-th largest
+  key, built from the top bit down in 32 counting passes."""
+  def bit(b, t):
+    cand = t ^ jnp.left_shift(jnp.int32(1), 31 - b)
+    return jnp.where(count(lambda key: key >= cand) >= target, cand, t)
+  return lax.fori_loop(0, 32, bit, jnp.int32(-2 ** 31))
+
+
+def _kth_kernel(g_ref, o_ref, *, kk):
+  g = g_ref[...]                                                          # [G]
+  fin = g > -jnp.inf
+  key = _sortable_key(jnp.where(g == 0, 0.0, g))
+  t = _bisect_key(lambda pred: jnp.sum((fin & pred(key)).astype(I32)), kk)
+  # fewer than kk finite maxima: -inf (all finite scores are candidates; a finite threshold would drop the
+  # smaller scores of the groups it covers, which may be in the top k)
+  o_ref[...] = jnp.where(jnp.sum(fin.astype(I32)) >= kk, _float_of_key(t), -jnp.inf)
+
+
+def _kth_largest(g, kk, *, interpret=False):
+  """k-th largest of each row of g [N, G] (-inf when fewer than kk are finite). One Pallas program per row
+  bisects the keys; on the H200 (G = 2048,
+  k = 512) `lax.top_k` took 15.3 us of GPU time at N = 1 (more than the rest of the pipeline together) and a
+  pairwise count (XLA or Pallas) was 7-20x slower than that at N = 64."""
+  N, G = g.shape
+  return pl.pallas_call(
+      functools.partial(_kth_kernel, kk=kk),
+      out_shape=jax.ShapeDtypeStruct((N,), F32),
+      grid=(N,),
+      in_specs=[pl.BlockSpec((None, G), lambda n: (n, 0))],
+      out_specs=pl.BlockSpec((None,), lambda n: (n,)),
+      compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
+      interpret=bool(interpret),
+      name="v4_topk_kth",
+  )(g.astype(F32))
 
 
 def _compact_kernel(x_ref, tau_ref, cnt_in, cs_ref, ci_ref, cnt_ref, *, chunk, cap):
@@ -173,12 +208,7 @@ def _redo_kernel(x_ref, cs_in, ci_in, cnt_in, cs_ref, ci_ref, cnt_ref, *, S, chu
   @pl.when(cnt_in[...] > cap)
   def _():
     target = jnp.minimum(count(lambda key: key == key), kk)          # finite scores, at most kk
-
-    def bit(b, t):   # build the unsigned-order key of the target-th largest from its top bit down
-      cand = t ^ jnp.left_shift(jnp.int32(1), 31 - b)
-      return jnp.where(count(lambda key: key >= cand) >= target, cand, t)
-
-    t = lax.fori_loop(0, 32, bit, jnp.int32(-2 ** 31))
+    t = _bisect_key(count, target)
     need = target - count(lambda key: key > t)                          # ties at t to take, lowest index first
 
     def scan(c, carry):
@@ -273,7 +303,7 @@ def _topk_threshold(scores, k, *, interpret=False):
   xp = pad_last(x, c * n_groups, -jnp.inf)
   N = x.shape[0]
   gmax = jnp.max(xp.reshape(N, c, n_groups), axis=1)                     # strided groups {j, j+n, j+2n, ...}
-  tau = _kth_largest(gmax, kk)                                            # >= kk scores are >= tau
+  tau = _kth_largest(gmax, kk, interpret=interpret)                       # >= kk scores are >= tau
   # 1024 scores per compaction program: 256 programs on a 262,144-score row (4096: 64 programs, 12.7 us at N = 1)
   chunk = min(1024, n_groups)
   vals, idx, count = _compact(xp, tau, cap, interpret=interpret, chunk=chunk)

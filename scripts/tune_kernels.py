@@ -32,6 +32,11 @@ TK = importlib.import_module("pallas_kernels.topk")
 
 def _time(fn, args, a):
   try:
+    if a.harness == "trace":
+      total, per_kernel = KB.time_trace(fn, args, repeats=a.repeats)
+      if len(per_kernel) > 1:
+        print("    kernels (us): " + ", ".join(f"{k[:48]} {v * 1e6:.1f}" for k, v in per_kernel.items()), flush=True)
+      return total * 1e6
     return KB.time_fn(fn, args, iters=a.iters, repeats=a.repeats, harness=a.harness) * 1e6
   except Exception as e:  # noqa: BLE001 - a config the compiler rejects (registers, shared memory) is reported
     return f"error: {type(e).__name__}: {str(e)[:200]}"
@@ -45,7 +50,7 @@ def topk_stages(a, interp):
     n_groups, cap = TK._threshold_params(S, k)
     c = -(-S // n_groups)
     gmax = jnp.max(x.reshape(N, c, n_groups), axis=1)
-    tau = TK._kth_largest(gmax, k)
+    tau = TK._kth_largest(gmax, k, interpret=interp)
     chunk = min(1024, n_groups)
     vals, idx, cnt = TK._compact(x, tau, cap, interpret=interp, chunk=chunk)
     stages = {
@@ -54,7 +59,9 @@ def topk_stages(a, interp):
         "lax.top_k (values + indices)": (lambda x: lax.top_k(x, k), (x,)),
         "topk_ref (XLA path)": (lambda x: TK.topk_ref(x[:, None], k), (x,)),
         "stage 1: strided group maxima": (lambda x: jnp.max(x.reshape(N, c, n_groups), axis=1), (x,)),
-        "stage 2: k-th of group maxima (lax.top_k)": (lambda g: TK._kth_largest(g, k), (gmax,)),
+        "stage 2: k-th of group maxima (Pallas bisection)":
+            (lambda g: TK._kth_largest(g, k, interpret=interp), (gmax,)),
+        "alt stage 2: k-th of group maxima (lax.top_k)": (lambda g: lax.top_k(g, k)[0][:, k - 1], (gmax,)),
         "stage 3: compaction kernel": (lambda x, t: TK._compact(x, t, cap, interpret=interp, chunk=chunk), (x, tau)),
         "stage 4: overflow redo kernel (no row overflows)":
             (lambda x, v, i, n: TK._redo_overflow(x, v, i, n, k, interpret=interp, chunk=chunk), (x, vals, idx, cnt)),
@@ -102,7 +109,12 @@ def attention_sweep(a, interp):
   cases = KB.attention_cases(a.small, interp)
   if not a.small:
     cases = [c for c in cases if "T=1" in c.config and "ctx=131072" in c.config and "B=32" in c.config]
-  grid = [(32, 16, 4, 2, 2)] if a.small else list(itertools.product((64,), (16, 32), (4, 8), (2,), (1, 2, 4, 8)))
+  if a.attention_configs:
+    grid = [tuple(int(v) for v in c.split(":")) for c in a.attention_configs]
+  elif a.small:
+    grid = [(32, 16, 4, 2, 2)]
+  else:
+    grid = list(itertools.product((64,), (16, 32), (4, 8), (2,), (1, 2, 4, 8)))
   for case in cases:
     _ref_row(rows, case, a)
     scale = case.args[0].shape[-1] ** -0.5
@@ -126,7 +138,10 @@ def main(argv=None):
   p.add_argument("--only", nargs="*", choices=("topk", "indexer", "attention"), default=None)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--harness", choices=("unrolled", "loop"), default="unrolled", help="see pallas_kernels.bench")
+  p.add_argument("--harness", choices=("unrolled", "loop", "trace"), default="unrolled",
+                 help="see pallas_kernels.bench")
+  p.add_argument("--attention-configs", nargs="*", default=None, metavar="BLOCK:HEADS:WARPS:STAGES:SPLIT",
+                 help="sparse attention configs to sweep (default: a built-in grid)")
   a = p.parse_args(argv)
   if a.small:
     a.iters, a.repeats = 2, 1

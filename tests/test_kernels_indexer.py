@@ -15,6 +15,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -138,6 +139,20 @@ def test_topk_gpu_threshold_interpret(rng, N, S, k):
   np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
 
 
+def test_kth_largest_kernel_interpret(rng):
+  G, k = 256, 40
+  g = rng.standard_normal((6, G)).astype(np.float32)
+  g[1, :100] = 0.25                                   # ties across the k-th
+  g[2] = np.where(rng.random(G) < 0.5, 0.0, -0.0)     # signed zeros only
+  g[3, : G - k] = -np.inf                             # exactly k finite
+  g[4, : G - k + 1] = -np.inf                         # k - 1 finite: -inf (take every finite score)
+  g[5] = -np.inf
+  g[0, :5] = -np.float32(3e38)
+  got = np.asarray(jax.jit(functools.partial(tk._kth_largest, kk=k, interpret=True))(jnp.asarray(g)))
+  want = np.asarray(lax.top_k(jnp.asarray(g), k)[0][:, k - 1])
+  np.testing.assert_array_equal(got, want)
+
+
 def test_topk_gpu_threshold_both_branches(rng):
   S, k = 20000, 64
   n_groups, cap = tk._threshold_params(S, k)
@@ -145,7 +160,7 @@ def test_topk_gpu_threshold_both_branches(rng):
   x = rng.standard_normal((3, S)).astype(np.float32)
   xp = tk.pad_last(jnp.asarray(x), -(-S // n_groups) * n_groups, -jnp.inf)
   gmax = jnp.max(xp.reshape(3, -1, n_groups), axis=1)
-  tau = tk._kth_largest(gmax, k)
+  tau = tk._kth_largest(gmax, k, interpret=True)
   _, _, count = tk._compact(xp, tau, cap, interpret=True, chunk=n_groups)
   assert np.all(np.asarray(count) <= cap) and np.all(np.asarray(count) >= k)
   got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
