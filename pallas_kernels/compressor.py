@@ -73,11 +73,14 @@ def _pool(kv, sc, *, m, overlap, d):
   return num / jnp.where(den > 0, den, 1.0)
 
 
-def finish_entry(pooled, norm_w, cos, sin, *, eps):
+def finish_entry(pooled, norm_w, cos, sin, *, eps, entry_dtype=F32):
   """RMSNorm(norm_w, eps) then interleaved (GPT-J) RoPE on the last rd = 2 * cos.shape[-1] dims.
-  pooled [..., d] f32, cos/sin [..., rd/2] -> [..., d] f32."""
-  c = pooled.astype(F32)
+  pooled [..., d] f32, cos/sin [..., rd/2] -> [..., d] f32. The pooled window and the normed entry are rounded
+  to entry_dtype on the way, as the model (and the official code) do in the activation dtype, so that with bf16
+  activations the entries match the XLA path's up to the pooling's f32 summation order."""
+  c = pooled.astype(entry_dtype).astype(F32)
   c = c * lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + eps) * norm_w.astype(F32)
+  c = c.astype(entry_dtype).astype(F32)
   half = cos.shape[-1]
   if half == 0:
     return c
@@ -104,7 +107,7 @@ def _dims(kv_state, norm_w, ratio, overlap):
 # --------------------------------------------------------------------------------------------------------------
 
 def compressor_decode_ref(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w, cos_sin, *, ratio, overlap,
-                          eps):
+                          eps, entry_dtype=F32):
   """One token per slot. x [B, Dm], pos [B] int32 (< 0: inactive slot, state untouched).
   Returns (entry [B, d] f32 (0 where not emitted), emitted [B] bool, kv_state', score_state')."""
   m, coff, d = _dims(kv_state, norm_w, ratio, overlap)
@@ -121,7 +124,7 @@ def compressor_decode_ref(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w
   close = active & (jnp.mod(pos + 1, m) == 0)
   pooled = _pool(kv1, sc1, m=m, overlap=overlap, d=d)
   cos, sin = cos_sin
-  entry = jnp.where(close[:, None], finish_entry(pooled, norm_w, cos, sin, eps=eps), 0.0)
+  entry = jnp.where(close[:, None], finish_entry(pooled, norm_w, cos, sin, eps=eps, entry_dtype=entry_dtype), 0.0)
   if overlap:
     shifted_kv = jnp.concatenate([kv1[:, m:], kv1[:, m:]], axis=1)
     shifted_sc = jnp.concatenate([sc1[:, m:], sc1[:, m:]], axis=1)
@@ -199,7 +202,7 @@ def _prefill_new_state(A, Z, kv_state, score_state, p0, n, *, m, coff):
 
 
 def compressor_prefill_ref(x, start_pos, n_tokens, kv_state, score_state, wkv, wgate, ape, norm_w, cos, sin, *,
-                           ratio, overlap, eps):
+                           ratio, overlap, eps, entry_dtype=F32):
   """A chunk of T tokens per slot. x [B, T, Dm], start_pos [B], n_tokens [B] (<= T), cos/sin [B, T//m+2, rd/2]
   for the candidate entries (see prefill_entry_positions). Returns (entries [B, T//m+2, d] f32 (0 past
   n_emitted), n_emitted [B] int32, first_entry [B] int32, kv_state', score_state')."""
@@ -221,7 +224,7 @@ def compressor_prefill_ref(x, start_pos, n_tokens, kv_state, score_state, wkv, w
   pooled = _pool(kv_w, sc_w, m=m, overlap=overlap, d=d)                        # [B, E, d]
   n_emit = (p0 + n) // m - p0 // m
   ok = jnp.arange(E)[None, :] < n_emit[:, None]
-  entries = jnp.where(ok[..., None], finish_entry(pooled, norm_w, cos, sin, eps=eps), 0.0)
+  entries = jnp.where(ok[..., None], finish_entry(pooled, norm_w, cos, sin, eps=eps, entry_dtype=entry_dtype), 0.0)
   kv_new, sc_new = _prefill_new_state(A, Z, kv_state, score_state, p0, n, m=m, coff=coff)
   return entries, n_emit.astype(jnp.int32), (p0 // m).astype(jnp.int32), kv_new, sc_new
 
@@ -349,7 +352,7 @@ def _tpu_decode_kernel(pos_smem, x_ref, wkv_ref, wg_ref, ape_ref, kv_in, sc_in, 
 
 
 def _compressor_decode_tpu(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w, cos_sin, *, ratio, overlap,
-                           eps, interpret=False):
+                           eps, entry_dtype=F32, interpret=False):
   m, coff, d = _dims(kv_state, norm_w, ratio, overlap)
   B, Dm = x.shape
   cb = _TPU_CB if d % _TPU_CB == 0 else d
@@ -389,7 +392,7 @@ def _compressor_decode_tpu(x, pos, kv_state, score_state, wkv, wgate, ape, norm_
   )(pos, x, wkv.reshape(coff, d, Dm), wgate.reshape(coff, d, Dm), ape_rows, kv4, sc4)
   close = (pos >= 0) & (jnp.mod(pos + 1, m) == 0)
   cos, sin = cos_sin
-  entry = jnp.where(close[:, None], finish_entry(pooled, norm_w, cos, sin, eps=eps), 0.0)
+  entry = jnp.where(close[:, None], finish_entry(pooled, norm_w, cos, sin, eps=eps, entry_dtype=entry_dtype), 0.0)
   return entry, close, kv4.reshape(kv_state.shape), sc4.reshape(score_state.shape)
 
 
@@ -473,7 +476,7 @@ def _tpu_prefill_kernel(p0_smem, n_smem, a_hbm, z_hbm, kv_ref, sc_ref, pooled_re
 
 
 def _compressor_prefill_tpu(x, start_pos, n_tokens, kv_state, score_state, wkv, wgate, ape, norm_w, cos, sin, *,
-                            ratio, overlap, eps, interpret=False):
+                            ratio, overlap, eps, entry_dtype=F32, interpret=False):
   m, coff, d = _dims(kv_state, norm_w, ratio, overlap)
   B, T, _ = x.shape
   E = T // m + 2
@@ -510,7 +513,7 @@ def _compressor_prefill_tpu(x, start_pos, n_tokens, kv_state, score_state, wkv, 
   )(p0, n, a4, z4, kvT, scT)
   n_emit = (p0 + n) // m - p0 // m
   ok = jnp.arange(E)[None, :] < n_emit[:, None]
-  entries = jnp.where(ok[..., None], finish_entry(pooled, norm_w, cos, sin, eps=eps), 0.0)
+  entries = jnp.where(ok[..., None], finish_entry(pooled, norm_w, cos, sin, eps=eps, entry_dtype=entry_dtype), 0.0)
   kv_new = kvT.transpose(0, 2, 1, 3).reshape(kv_state.shape)
   sc_new = scT.transpose(0, 2, 1, 3).reshape(score_state.shape)
   return entries, n_emit.astype(jnp.int32), (p0 // m).astype(jnp.int32), kv_new, sc_new
@@ -521,11 +524,11 @@ def _compressor_prefill_tpu(x, start_pos, n_tokens, kv_state, score_state, wkv, 
 # --------------------------------------------------------------------------------------------------------------
 
 def compressor_decode(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w, cos_sin, *, ratio, overlap, eps,
-                      interpret=False):
+                      entry_dtype=F32, interpret=False):
   """Pallas compressor decode; same contract as `compressor_decode_ref`. Donate the states at the jit
   boundary: the kernels update them in place (otherwise XLA copies them first)."""
   be = _compat.backend()
-  kw = dict(ratio=ratio, overlap=overlap, eps=eps)
+  kw = dict(ratio=ratio, overlap=overlap, eps=eps, entry_dtype=entry_dtype)
   if be == "gpu" and not interpret:
     from . import compressor_gpu
     if compressor_gpu.decode_supported(x, kv_state, norm_w, ratio, overlap):
@@ -537,10 +540,10 @@ def compressor_decode(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w, co
 
 
 def compressor_prefill(x, start_pos, n_tokens, kv_state, score_state, wkv, wgate, ape, norm_w, cos, sin, *,
-                       ratio, overlap, eps, interpret=False):
+                       ratio, overlap, eps, entry_dtype=F32, interpret=False):
   """Pallas compressor prefill; same contract as `compressor_prefill_ref` (GPU: the XLA path, see module doc)."""
   be = _compat.backend()
-  kw = dict(ratio=ratio, overlap=overlap, eps=eps)
+  kw = dict(ratio=ratio, overlap=overlap, eps=eps, entry_dtype=entry_dtype)
   if be == "gpu" and not interpret:
     return compressor_prefill_ref(x, start_pos, n_tokens, kv_state, score_state, wkv, wgate, ape, norm_w, cos,
                                   sin, **kw)

@@ -136,7 +136,7 @@ def _state_update(pos, a, z, kv_state, score_state, *, m, coff, d, interpret=Fal
 
 
 def compressor_decode_gpu(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w, cos_sin, *, ratio, overlap, eps,
-                          interpret=False):
+                          entry_dtype=F32, interpret=False):
   m, coff, d = _dims(kv_state, norm_w, ratio, overlap)
   pos = pos.astype(jnp.int32)
   a = project_f32(x, wkv)
@@ -145,5 +145,5 @@ def compressor_decode_gpu(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w
                                  interpret=interpret)
   close = (pos >= 0) & (jnp.mod(pos + 1, m) == 0)
   cos, sin = cos_sin
-  entry = jnp.where(close[:, None], finish_entry(pooled, norm_w, cos, sin, eps=eps), 0.0)
+  entry = jnp.where(close[:, None], finish_entry(pooled, norm_w, cos, sin, eps=eps, entry_dtype=entry_dtype), 0.0)
   return entry, close, kv, sc

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Train the embedded default model (a small DeepSeek-V4 with every feature on) on Shakespeare.
 
-Full run (one H200 call; data/shakespeare made by scripts/prepare_shakespeare.py, carried with the call; the
-shipped model, see BENCHMARKS.md "Default model"):
-    python3 scripts/train_default_model.py --work /tmp/w_default --export /tmp/export_default --steps 1800 \
-        --auto-steps --auto-steps-at 60 --max-minutes 7.5 --log-every 20 --eval-every 200 --eval-windows 512
+Full run (one H200 call, ~3.5 min; the token cache made by scripts/prepare_shakespeare.py + one CPU run, carried
+with the call; the shipped model, see BENCHMARKS.md "Default model" for the carried files):
+    python3 scripts/train_default_model.py --data data/gpu_cache --work /tmp/w900 --export /tmp/export900 \
+        --steps 900 --max-minutes 5.6 --log-every 100 --eval-every 200 --eval-windows 512 --no-resume
 
 CPU smoke run (tiny config, a few steps; synthetic tokens if no prepared data):
     python scripts/train_default_model.py --smoke

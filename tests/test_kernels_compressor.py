@@ -99,6 +99,23 @@ def _decode_step_matches(rng, kernel, ref, W, kv, sc, pos, B, Dm, rd, m, wdtype)
   return kv_r, sc_r
 
 
+def test_finish_entry_rounds_like_the_model(rng):
+  """entry_dtype=bf16: the same roundings as the model's XLA path (pooled window and normed entry in bf16, RoPE
+  math in f32), bit for bit on the same pooled values; entry_dtype=f32 keeps everything in f32."""
+  from v4jax import layers as L
+  d, half = 64, 8
+  pooled = jnp.asarray(rng.standard_normal((5, d)) * 3, jnp.float32)
+  w = jnp.asarray(rng.standard_normal(d), jnp.float32)
+  ang = jnp.asarray(rng.standard_normal((5, half)), jnp.float32)
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  want = L.apply_rope(L.rms_norm(pooled.astype(jnp.bfloat16), w, EPS), cos, sin)
+  got = C.finish_entry(pooled, w, cos, sin, eps=EPS, entry_dtype=jnp.bfloat16).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  want32 = L.apply_rope(L.rms_norm(pooled, w, EPS), cos, sin)
+  np.testing.assert_allclose(np.asarray(C.finish_entry(pooled, w, cos, sin, eps=EPS)), np.asarray(want32),
+                             rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("m,overlap", [(4, True), (8, False)])
 def test_decode_reference_matches_numpy(rng, m, overlap):
   d, Dm, rd, B = 32, 24, 8, 2

@@ -64,7 +64,7 @@ class StepMeta:
     start: jax.Array  # [B] int32, position of the row's first token
     n_valid: jax.Array  # [B] int32, valid tokens of the row (rest is padding)
     fresh: jax.Array  # [B] bool, the request starts at this step (compressor state reset)
-    slot: jax.Array  # [B] int32, compressor-state index of the row
+    slot: jax.Array | None  # [B] int32, compressor-state index of the row; None: row b is slot b (decode)
     swa_write: jax.Array  # [B, T] int32 rows of the SWA pool to write (out of range = drop)
     win_rows: jax.Array  # [B, U] int32 SWA rows of positions start-W+1 .. start+T-1 (-1 = none)
     win_pos: jax.Array  # [B, U] int32 those positions

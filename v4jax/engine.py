@@ -145,13 +145,14 @@ class Engine:
             s = io.tokens.shape[0]
             out_tok = jnp.zeros((s, self.k), jnp.int32)
             out_lp = jnp.zeros((s, self.k), jnp.float32)
-            slots_ = jnp.arange(s, dtype=jnp.int32)
             rows = C.entry_rows(cfg, layout, page_table)  # the page tables are fixed for the whole call
 
             def body(carry):
                 i, pools, io, out_tok, out_lp, n_out, stopped = carry
+                # slot None: row b is slot b, so the compressor states are read and updated in place (an
+                # index array would make XLA gather and scatter every slot's state each step)
                 meta = C.make_meta(cfg, layout, io.pos, io.active.astype(jnp.int32), jnp.zeros((s,), bool),
-                                   slots_, page_table, swa_table, 1, rows)
+                                   None, page_table, swa_table, 1, rows)
                 logits, pools = model_.cached(io.tokens[:, None], meta, pools, opts)
                 pools = write_tokens(pools, io.tokens[:, None], io.pos[:, None], io.active[:, None], page_table)
                 nxt, lp = sample(logits, io.temperature, io.top_p, io.top_k, io.seed, io.request_index,

@@ -63,6 +63,15 @@ class Linear(nnx.Module):
         return L.linear(x, self.weight[...])
 
 
+def _rows_of(state, meta):
+    """The step's rows of a per-slot state pool (meta.slot None: every slot, in order)."""
+    return state if meta.slot is None else state[meta.slot]
+
+
+def _set_rows(state, meta, new):
+    return new if meta.slot is None else state.at[meta.slot].set(new)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, n: int, eps: float, *, rngs: nnx.Rngs):
         self.weight = nnx.Param(jnp.ones((n,), F32))
@@ -306,8 +315,8 @@ class Attention(nnx.Module):
         a, z = comp.project(x, meta.positions)
         st_kv = getattr(pool, st_kv_name)
         st_sc = getattr(pool, st_sc_name)
-        pooled, ent, ok, nkv, nsc = L.compress_chunk(st_kv[meta.slot], st_sc[meta.slot], a, z, meta.start,
-                                                      meta.n_valid, meta.fresh, comp.ratio, comp.overlap)
+        pooled, ent, ok, nkv, nsc = L.compress_chunk(_rows_of(st_kv, meta), _rows_of(st_sc, meta), a, z,
+                                                      meta.start, meta.n_valid, meta.fresh, comp.ratio, comp.overlap)
         cos, sin = self.rope(ent * comp.ratio)
         pooled = jnp.where(ok[..., None], pooled, 0.0)
         if comp is self.compressor:
@@ -318,8 +327,7 @@ class Attention(nnx.Module):
 
     def _compress_into_pallas(self, comp: Compressor, x, meta, pool, pool_name, st_kv_name, st_sc_name, opts):
         """`_compress_into` through pallas_kernels.compressor: the decode kernel for one token per slot, the
-        prefill kernel for a chunk. The kernels norm + RoPE the entries in f32 (the XLA path casts the pooled
-        windows to the activation dtype first: the same values in float32, within rounding in bf16)."""
+        prefill kernel for a chunk; entries rounded to the activation dtype where the XLA path rounds them."""
         from pallas_kernels import compressor as pallas_compressor
         t = x.shape[1]
         m = comp.ratio
@@ -327,10 +335,10 @@ class Attention(nnx.Module):
         st_sc = getattr(pool, st_sc_name)
         # The kernels resume from the state they are given; a slot that starts a new request starts empty.
         fresh = meta.fresh[:, None, None]
-        kv0 = jnp.where(fresh, 0.0, st_kv[meta.slot])
-        sc0 = jnp.where(fresh, -jnp.inf, st_sc[meta.slot])
+        kv0 = jnp.where(fresh, 0.0, _rows_of(st_kv, meta))
+        sc0 = jnp.where(fresh, -jnp.inf, _rows_of(st_sc, meta))
         weights = (comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])
-        static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps)
+        static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps, entry_dtype=x.dtype)
         if t == 1:
             pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding slot, its state is left alone
             entry, emitted, nkv, nsc = pallas_compressor.compressor_decode(
@@ -360,8 +368,8 @@ class Attention(nnx.Module):
                                                 mode="drop")
         st_kv = getattr(pool, st_kv_name)
         st_sc = getattr(pool, st_sc_name)
-        return dataclasses.replace(pool, **{pool_name: target, st_kv_name: st_kv.at[meta.slot].set(nkv),
-                                            st_sc_name: st_sc.at[meta.slot].set(nsc)})
+        return dataclasses.replace(pool, **{pool_name: target, st_kv_name: _set_rows(st_kv, meta, nkv),
+                                            st_sc_name: _set_rows(st_sc, meta, nsc)})
 
     def _sow_indexer_aux(self, q, keys, valid_dense, scores, causal):
         """Distillation target for the indexer: each query's attention mass over the compressed entries under
