@@ -17,6 +17,7 @@ from flax import nnx
 from v4jax import cache as C
 from v4jax import memory as M
 from v4jax.config import preset
+from v4jax.sampling import SamplingParams
 from v4jax.model import Transformer
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -209,4 +210,28 @@ def test_pool_budget_flash_numbers():
     # request = 37 pages of 64 tokens x 1 KiB x 43 layers.
     swa = (8 * 4 + 5) * 64 * 1024 * 43
     assert pb.fixed_bytes == swa + 8 * (21 * 80 + 20 * 512) * 1024
-    assert pb.n_pages == (100 * GiB - pb.fixed_bytes) // pb.per_page_bytes
+    # in multiples of 8 pages (the HCA pool's 2 rows per page -> whole 16-row bf16 TPU tiles)
+    assert pb.n_pages == (100 * GiB - pb.fixed_bytes) // pb.per_page_bytes // 8 * 8
+
+
+@pytest.mark.parametrize("budget", [None, 3_000_000])
+def test_pools_hold_whole_tpu_tiles(budget):
+    """Pages come in multiples of page_multiple, so every compressed pool is whole TPU tiles of rows (16 bf16
+    rows) and the TPU kernels never pad (copy) a pool; the budget arithmetic mirrors the engine's."""
+    from v4jax.api import LLM
+    cfg = preset("tiny")
+    assert M.page_multiple(cfg, 256, "bf16") == 1                      # CSA 64, HCA 16 rows per page
+    assert M.page_multiple(cfg, 16, "bf16") == 16 and M.page_multiple(cfg, 16, "f32") == 8   # HCA: 1 row
+    assert M.page_multiple(preset("flash"), 256, "bf16") == 8         # HCA 128: 2 rows per page
+    llm = LLM("tiny", page_size=16, max_num_seqs=3, max_model_len=120, memory_budget_bytes=budget)
+    eng = llm.engine
+    assert eng.layout.n_pages % 16 == 0 and eng.layout.n_pages >= 3 * 8
+    for lp in eng.pools.layers:
+        for pool in (lp.kv, lp.idx):
+            if pool is not None:
+                assert pool.shape[0] % 16 == 0
+    if budget:
+        pb = M.pool_budget(cfg, budget, page_size=16, max_num_seqs=3, dtype="bfloat16")
+        assert pb.n_pages == eng.layout.n_pages and pb.pool_bytes == sum(C.pool_bytes(eng.pools).values()) <= budget
+    out = llm.generate([[3, 4, 5] * 9], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].token_ids) == 4

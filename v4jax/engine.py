@@ -18,7 +18,7 @@ from flax import nnx
 
 from v4jax import cache as C
 from v4jax.config import ModelConfig
-from v4jax.memory import engine_layout
+from v4jax.memory import engine_layout, page_multiple
 from v4jax.model import RunOptions, Transformer
 from v4jax.sampling import SamplingParams, sample
 
@@ -107,9 +107,12 @@ class Engine:
         if dense:
             n_pages, n_swa = slots * max_pages, slots * max_swa
         else:
-            n_pages = slots * max_pages
+            mult = page_multiple(cfg, p, self.dtype)  # whole TPU tiles in every pool
+            n_pages = -(-slots * max_pages // mult) * mult
             if options.memory_budget_bytes:
                 n_pages = self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots)
+                if n_pages >= mult:
+                    n_pages -= n_pages % mult
         self.layout = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa,
                                    max_slots=slots, max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa)
         self.tables = C.PageTables(cfg, self.layout, dense)

@@ -227,7 +227,7 @@ class PoolBudget:
     n_swa_pages: int
     per_page_bytes: int  # every compressed pool's rows of one full page, plus its token ids
     fixed_bytes: int  # pools that do not scale with pages: SWA pages, compressor states
-    n_pages: int  # full pages that fit (before the engine's max(1, .))
+    n_pages: int  # full pages that fit, in multiples of page_multiple where at least one multiple fits
     tokens: int  # n_pages * P
 
     @property
@@ -247,6 +247,17 @@ def _dtype_fmt(dtype) -> str:
 def full_page_size(cfg: ModelConfig, requested: int | None = None) -> int:
     """P: the requested page size (default 256) rounded up to a multiple of every compression ratio."""
     return -(-(requested or 256) // cfg.lcm_ratio()) * cfg.lcm_ratio()
+
+
+def page_multiple(cfg: ModelConfig, page_size: int, dtype=None) -> int:
+    """The engine allocates full pages in multiples of this, so that every compressed pool holds whole TPU HBM
+    tiles of rows (32 bytes of rows: 8 f32 / 16 bf16 rows): the TPU kernels DMA whole tiles, and a pool ending
+    mid-tile is padded, i.e. copied, on every call (the HCA pool of 2 rows per Flash page needs 8 pages)."""
+    tile = 32 // {"bf16": 2, "f32": 4}.get(_dtype_fmt(dtype), 1)
+    mult = 1
+    for m in cfg.ratios_in_use:
+        mult = math.lcm(mult, tile // math.gcd(tile, page_size // m))
+    return mult
 
 
 def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: int = 8, prefill_chunk: int = 256,
@@ -279,6 +290,9 @@ def pool_budget(cfg: ModelConfig, budget_bytes: int, *, page_size: int | None = 
             per_page += (p // m) * main
         fixed += max_num_seqs * sum(compressor_state_bytes(cfg, kind, m).values())
     n_pages = int((budget_bytes - fixed) // per_page)
+    mult = page_multiple(cfg, p, dtype)
+    if n_pages >= mult:
+        n_pages -= n_pages % mult
     return PoolBudget(page_size=p, swa_page_size=ps, n_swa_pages=n_swa, per_page_bytes=per_page, fixed_bytes=fixed,
                       n_pages=n_pages, tokens=n_pages * p)
 
