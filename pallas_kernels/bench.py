@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -108,7 +109,6 @@ def time_trace(fn: Callable, args: tuple, *, repeats: int) -> tuple[float, dict[
   judges the kernels against their roofline, while the unrolled/loop harnesses give what a caller waits for.
   Memory copies between host and device are not counted. Where the trace has no GPU plane (CPU), the host's
   wall time of a call is returned and the breakdown is empty."""
-  import tempfile
   f = jax.jit(fn)
   jax.block_until_ready(f(*args))
   with tempfile.TemporaryDirectory() as d:

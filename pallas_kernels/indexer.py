@@ -5,17 +5,12 @@ rows[b,s] < 0.  topk: positions along S of the k largest, score descending, ties
 positions -> -1 (also the padding when fewer than k are valid, and when k > S).
 
 Implementations:
-  * `indexer_scores_ref`, `topk_ref`: jnp/XLA (the model's XLA path). topk_ref = lax.top_k plus an exact tie
-    repair (only run when a row's k-th value is tied beyond the cut), then a (score desc, index asc) sort of the k.
+  * `indexer_scores_ref`: jnp/XLA (the model's XLA path); `indexer_topk(impl="xla")` adds `topk_ref`.
   * `indexer_scores` TPU-style Pallas (portable): grid (B, T-blocks, S-blocks); key rows DMA'd from the pool
     (whole HBM tiles: a tile-aligned run is one copy, other keys come with their tile and are picked out on
     chip); GPU: Pallas Triton, key rows gathered by pointer loads.
-  * `topk` GPU: exact threshold selection without sorting the row: tau = k-th largest of 4k strided group maxima
-    (so at least k scores are >= tau), a Triton kernel compacts the scores >= tau (about 1.15k of them for
-    unstructured data) into a 2k buffer, which is sorted; a row that overflows the buffer sends the batch to
-    topk_ref (lax.cond), so the result is always exact.
-    TPU: lax.approx_max_k candidates (Pallas TPU cannot lower top_k), exact top-k among them, verified by
-    counting the row's scores >= the k-th value; on a miss, topk_ref (lax.cond). Exact either way.
+  * `indexer_topk(impl="pallas")`: these scores, then `topk.topk` (GPU: threshold selection in Pallas kernels;
+    TPU: approx_max_k candidates, verified; both exact, see topk.py).
 """
 from __future__ import annotations
 
@@ -114,7 +109,7 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
   Tp = round_up(T, tq)
   rows_p = pad_last(rows.astype(jnp.int32), Sp, -1)
   G = tile_rows(key_pool.dtype)
-  flag, start = gather_groups(rows_p, G, key_pool.shape[0])
+  flag, tile = gather_groups(rows_p, G, key_pool.shape[0])
   key_pool = tiled_view(key_pool, G)
   if Tp != T:
     q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
@@ -143,7 +138,7 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
       compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=_compat.interpret_arg(interpret, "hlo"),
       name="v4_indexer_scores",
-  )(rows_p.reshape(B * n_s, 1, sb), flag.reshape(B * n_s, 1, ng), start.reshape(B * n_s, 1, ng),
+  )(rows_p.reshape(B * n_s, 1, sb), flag.reshape(B * n_s, 1, ng), tile.reshape(B * n_s, 1, ng),
     q, w.astype(F32), n_valid.astype(jnp.int32).reshape(B, Tp, 1), rows_p.reshape(B, 1, Sp), key_pool)
   return out[:, :T, :S]
 

@@ -156,17 +156,17 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
   sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
   if len(sets) == 2 and cmp_pool.dtype != swa_pool.dtype:
     cmp_pool = cmp_pool.astype(swa_pool.dtype)
-  padded, flags, starts = [], [], []
+  padded, flags, tiles = [], [], []
   for pool, rows in ((swa_pool, swa_rows),) + (((cmp_pool, cmp_rows),) if len(sets) == 2 else ()):
     r = pad_last(rows.astype(jnp.int32), round_up(max(rows.shape[-1], 1), C), -1)
-    f, s = gather_groups(r, G, pool.shape[0])
-    padded.append(r), flags.append(f), starts.append(s)
+    f, g = gather_groups(r, G, pool.shape[0])
+    padded.append(r), flags.append(f), tiles.append(g)
   swa_pool = tiled_view(swa_pool, G)
   cmp_pool = tiled_view(cmp_pool, G) if len(sets) == 2 else None
   n_swa_chunks = padded[0].shape[-1] // C
   rows = jnp.concatenate(padded, axis=-1)
   flag = jnp.concatenate(flags, axis=-1)
-  start = jnp.concatenate(starts, axis=-1)
+  tile = jnp.concatenate(tiles, axis=-1)
   n_rows = rows.shape[-1]
   n_chunks = n_rows // C
   has_cmp = len(sets) == 2
@@ -201,7 +201,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
       compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel")),
       interpret=_compat.interpret_arg(interpret, "hlo"),
       name="v4_sparse_attention",
-  )(rows.reshape(B * T, 1, n_rows), flag.reshape(B * T, 1, -1), start.reshape(B * T, 1, -1), q,
+  )(rows.reshape(B * T, 1, n_rows), flag.reshape(B * T, 1, -1), tile.reshape(B * T, 1, -1), q,
     sink.astype(F32).reshape(H, 1), rows.reshape(B, T, 1, n_rows), swa_pool, cmp_arg)
   return out
 
