@@ -32,6 +32,14 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length"
 
 
+@dataclasses.dataclass
+class _Event:
+    request_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Options of `LLM(..., **options)`; unknown names are an error."""
@@ -45,6 +53,7 @@ class EngineOptions:
     decode_steps: int = 8  # tokens per jitted decode call
     prefill_chunk: int = 256  # largest prefill chunk
     memory_budget_bytes: int | None = None  # size the pools from this budget instead of max_num_seqs * max_model_len
+    enable_prefix_caching: bool = True  # reuse cached full pages of earlier requests' prefixes (paged layout)
     mesh: str | None = None  # e.g. "expert=4" or "data=2,tensor=2" (sharding/ maps logical axes to it)
 
     def __post_init__(self):
@@ -160,8 +169,8 @@ class LLM:
     @property
     def engine(self):
         if self._engine is None:
-            from v4jax.engine import Engine
-            self._engine = Engine(self.config, self.model, self.options, self.run_options, self.max_model_len)
+            from v4jax.engine import EngineCore
+            self._engine = EngineCore(self.config, self.model, self.options, self.run_options, self.max_model_len)
         return self._engine
 
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -181,7 +190,7 @@ class LLM:
             if len(p) >= self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the context limit is {self.max_model_len} "
                                  "(prompt + at least one generated token)")
-        events = self.engine.generate(ids, params)
+        events = self._events(self._submit(ids, params))
         if stream:
             return self._stream(events, ids)
         outs = [RequestOutput(p, [], None, [] if sp.logprobs else None, "length") for p, sp in zip(ids, params)]
@@ -195,6 +204,43 @@ class LLM:
         for out in outs:
             out.text = self.decode(out.token_ids)
         return outs
+
+    def _submit(self, ids: list[list[int]], params: list[SamplingParams]) -> list[str]:
+        """Add every prompt to the engine (all or none: a rejected one withdraws those already added)."""
+        core, rids = self.engine, []
+        try:
+            for i, (p, sp) in enumerate(zip(ids, params)):
+                rid = core.new_request_id()
+                core.add_request(rid, p, sp, sample_index=i)
+                rids.append(rid)
+        except BaseException:
+            for rid in rids:
+                core.abort(rid)
+            raise
+        return rids
+
+    def _events(self, rids: list[str]) -> Iterator[_Event]:
+        """Step the engine until these requests finish. A consumer that stops early (a vanished client) aborts
+        what is left, and every page comes back."""
+        core = self.engine
+        index = {rid: i for i, rid in enumerate(rids)}
+        left = set(rids)
+        try:
+            while left:
+                for d in core.step():
+                    i = index.get(d.request_id)
+                    if i is None:
+                        continue
+                    if d.finish_reason is not None:
+                        left.discard(d.request_id)
+                    yield _Event(i, d.new_token_ids, d.new_logprobs, d.finish_reason)
+        finally:
+            for rid in left:
+                core.abort(rid)
+
+    def stats(self) -> dict:
+        """Pools (used / total pages), prefix cache (queried and hit tokens) and request counts."""
+        return self.engine.stats()
 
     def _stream(self, events, ids) -> Iterator[tuple[int, list[int], str | None]]:
         seen: dict[int, list[int]] = {i: [] for i in range(len(ids))}

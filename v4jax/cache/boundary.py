@@ -1,0 +1,87 @@
+"""The CSA compressors' state at full-page boundaries, kept so that a request can resume at any cached boundary.
+
+At a boundary b (a multiple of P, hence of every ratio) a CSA compressor's state is exactly the previous window's
+projections (rows [0, m) of its [2m, 2K] state: kv and gate scores, f32) and an empty current window; an HCA
+compressor's state is empty (P is a multiple of 128). So one row of m x 2K per CSA compressor (main and indexer)
+is all a boundary needs. The row lives beside the SWA page that holds position b-1 (row id = that SWA page's id,
+as SGLang nests its state rings in SWA pages): it is valid exactly as long as the boundary's window tail is, and
+dropping a tail (a tombstone) drops its state with it. Device side only: the steps write it, `restore` reads it."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from v4jax.cache.pools import KVPools
+
+F32 = jnp.float32
+_FIELDS = (("state_kv", 0.0), ("state_score", -jnp.inf), ("idx_state_kv", 0.0), ("idx_state_score", -jnp.inf))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BoundaryStore:
+    """Per layer: a dict field -> [n_rows, m, C*K] f32 for CSA layers (the previous window at a boundary), None
+    for the others."""
+    layers: tuple
+
+
+def _is_csa(lp) -> bool:
+    return lp.idx is not None
+
+
+def init_boundary_store(pools: KVPools, n_rows: int) -> BoundaryStore:
+    out = []
+    for lp in pools.layers:
+        if not _is_csa(lp):
+            out.append(None)
+            continue
+        d = {}
+        for name, _ in _FIELDS:
+            st = getattr(lp, name)  # [slots, 2m, 2K]
+            d[name] = jnp.zeros((n_rows, st.shape[1] // 2, st.shape[2]), F32)
+        out.append(d)
+    return BoundaryStore(layers=tuple(out))
+
+
+def save_boundary_states(store: BoundaryStore, pools: KVPools, slots, rows) -> BoundaryStore:
+    """store[rows[i]] = the previous-window half of slot slots[i]'s CSA states (rows out of range: no write).
+    slots None: slot i for row i."""
+    out = []
+    for lp, d in zip(pools.layers, store.layers):
+        if d is None:
+            out.append(None)
+            continue
+        nd = {}
+        for name, _ in _FIELDS:
+            st = getattr(lp, name)
+            m = st.shape[1] // 2
+            src = st[:, :m] if slots is None else st[slots, :m]
+            nd[name] = d[name].at[rows].set(src, mode="drop")
+        out.append(nd)
+    return BoundaryStore(layers=tuple(out))
+
+
+def restore_slot_states(pools: KVPools, store: BoundaryStore, slot, row) -> KVPools:
+    """Set slot `slot`'s compressor states to those of a boundary: CSA from store row `row` (the previous window,
+    an empty current one), HCA empty. The slot then resumes at that boundary exactly (fresh=False)."""
+    layers = []
+    for lp, d in zip(pools.layers, store.layers):
+        upd = {}
+        for name, empty in _FIELDS:
+            st = getattr(lp, name)
+            if st is None:
+                continue
+            if d is None:
+                new = jnp.full(st.shape[1:], empty, F32)
+            else:
+                m = st.shape[1] // 2
+                new = jnp.concatenate([d[name][row], jnp.full((m, st.shape[2]), empty, F32)], axis=0)
+            upd[name] = st.at[slot].set(new)
+        layers.append(dataclasses.replace(lp, **upd))
+    return dataclasses.replace(pools, layers=tuple(layers))
+
+
+def store_bytes(store: BoundaryStore) -> int:
+    return sum(a.size * a.dtype.itemsize for d in store.layers if d is not None for a in d.values())

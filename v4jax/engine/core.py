@@ -1,0 +1,362 @@
+"""`EngineCore`: requests in by id, per-request token deltas out, one `step()` at a time.
+
+    core.add_request("a", prompt_ids, SamplingParams(max_tokens=32))
+    while core.has_unfinished_requests():
+        for d in core.step():          # RequestDelta(request_id, new_token_ids, new_logprobs, finish_reason)
+            ...
+
+The one loop that `LLM.generate` and the server both drive. It owns the device state (parameters, pools, the
+boundary-state store) and is the only caller of the jitted steps; the scheduler decides, the cache keeps the books.
+Each step dispatches the decode call for the running slots before it reads the previous call's results, so the
+host's bookkeeping overlaps the device's work (call n+1 continues from call n's device-side state)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from v4jax import cache as C
+from v4jax.cache.boundary import init_boundary_store, store_bytes
+from v4jax.cache.pages import PageTables
+from v4jax.cache.prefix import PrefixCache
+from v4jax.config import ModelConfig
+from v4jax.engine import steps as S
+from v4jax.engine.scheduler import PREFILLING, RUNNING, Request, Scheduler
+from v4jax.memory import engine_layout, page_multiple
+from v4jax.model import RunOptions, Transformer
+from v4jax.sampling import SamplingParams
+
+
+def _snapshot(table: np.ndarray) -> np.ndarray:
+    """A private copy of a host page table as it is now, for a jitted step to take. The host tables are mutated by
+    the next reserve() while earlier steps may still be running (dispatch is async), and on CPU a step's input can
+    alias numpy memory (zero-copy), so the step must get a copy nobody mutates (measured: aliasing made chunked
+    prefill nondeterministic). Passed as numpy: jit's own transfer is cheaper than a separate jnp.asarray."""
+    return np.array(table, copy=True)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class RequestDelta:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]  # empty unless the request asked for logprobs
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" at the end
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched decode call: its device outputs and end state, and the requests it decoded by slot."""
+    out: S.DecodeOutput
+    state: S.DecodeState
+    running: list  # (slot, Request)
+    fed: dict  # slot -> the request's `fed` when the call was dispatched
+
+
+class EngineCore:
+    def __init__(self, cfg: ModelConfig, model: Transformer, options, run_options: RunOptions, max_model_len: int):
+        self.cfg, self.options, self.run_options = cfg, options, run_options
+        self.max_model_len = max_model_len
+        self.k = options.decode_steps
+        self.dtype = model.dtype
+        dense = options.kv_layout == "dense"
+        caching = options.enable_prefix_caching and not dense
+        slots = options.max_num_seqs
+        p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, self.k)
+        if caching:
+            # window tails the prefix cache may keep (LRU beyond that): four per slot
+            n_swa += 4 * slots * (-(-cfg.window_size // ps) + 1)
+        max_pages = -(-max_model_len // p)
+        max_swa = -(-max_model_len // ps)
+        if dense:
+            n_pages, n_swa = slots * max_pages, slots * max_swa
+        else:
+            mult = page_multiple(cfg, p, self.dtype)  # whole TPU tiles in every pool
+            n_pages = -(-slots * max_pages // mult) * mult
+            if options.memory_budget_bytes:
+                n_pages = self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots, caching)
+                if n_pages >= mult:
+                    n_pages -= n_pages % mult
+        self.layout = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa,
+                                   max_slots=slots, max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa)
+        self.tables = PageTables(cfg, self.layout, dense)
+        self.prefix = PrefixCache(self.tables.full_alloc, self.tables.swa_alloc, p) if caching else None
+        self.scheduler = Scheduler(self.tables, self.prefix, max_num_seqs=slots, prefill_chunk=options.prefill_chunk,
+                                   decode_steps=self.k, max_model_len=max_model_len)
+        self.pools = C.init_pools(cfg, self.layout, self.dtype)
+        self.store = init_boundary_store(self.pools, n_swa if caching else 0)
+        if not caching:
+            self.store = dataclasses.replace(self.store, layers=tuple(None for _ in self.store.layers))
+        if options.mesh:
+            from sharding import make_mesh, shard_pools
+            self.pools = shard_pools(self.pools, make_mesh(options.mesh))
+        graphdef, state = nnx.split(model)
+        self._leaves, treedef = jax.tree.flatten(state)
+        self.spec = S.StepSpec(graphdef, treedef, cfg, self.layout, run_options, self.k, max_model_len, caching)
+        self._flight: _InFlight | None = None
+        self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
+        self._ids = itertools.count()
+        self.counts = {"finished": 0, "aborted": 0, "rejected": 0}
+
+    def _pages_for_budget(self, budget, p, ps, n_swa, slots, caching) -> int:
+        def total(n_pages):
+            lay = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
+                               max_pages_per_seq=1, max_swa_pages_per_seq=1)
+            pools = jax.eval_shape(lambda: C.init_pools(self.cfg, lay, self.dtype))
+            extra = store_bytes(jax.eval_shape(lambda: init_boundary_store(pools, n_swa))) if caching else 0
+            return sum(C.pool_bytes(pools).values()) + extra
+        one, two = total(1), total(2)
+        per_page = two - one
+        n = int((budget - (one - per_page)) // per_page)
+        if n < 1:
+            raise ValueError(f"memory_budget_bytes={budget} is below the fixed pools ({one - per_page} bytes: "
+                             f"window and compressor state for {slots} slots) plus one page ({per_page} bytes)")
+        return n
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                    *, sample_index: int = 0) -> None:
+        """Queue a request. Raises ValueError for one that could never run: past the context, or needing more
+        pages than the whole pool; everything else is queued, never refused."""
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        sp = sampling_params
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n + sp.max_tokens > self.max_model_len:
+            self.counts["rejected"] += 1
+            raise ValueError(f"prompt of {n} tokens + max_tokens={sp.max_tokens} exceeds max_model_len="
+                             f"{self.max_model_len}")
+        if not self.tables.dense:
+            need = -(-(n + sp.max_tokens) // self.layout.page_size)
+            if need > self.layout.n_pages:
+                self.counts["rejected"] += 1
+                raise ValueError(f"request needs {need} pages of {self.layout.page_size} tokens "
+                                 f"({n} prompt + {sp.max_tokens} max_tokens); the pool holds {self.layout.n_pages} "
+                                 "(raise memory_budget_bytes or lower max_tokens)")
+        stop_ids = tuple(sp.stop_token_ids)
+        if not sp.ignore_eos and self.cfg.eos_token_id is not None:
+            stop_ids = stop_ids + (self.cfg.eos_token_id,)
+        if len(stop_ids) > S.MAX_STOP:
+            raise ValueError(f"at most {S.MAX_STOP - 1} stop_token_ids are supported")
+        self.scheduler.add(request_id, prompt, sp, sp.resolved_seed(), sample_index, stop_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now; its pages return. Its last delta (finish_reason "abort") comes with the next step."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        self.counts["aborted"] += 1
+        self._finished.append(RequestDelta(request_id, [], [], "abort"))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.requests) or bool(self._finished)
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    # ---- one step ----
+    def step(self) -> list[RequestDelta]:
+        """Admit, dispatch a decode call for every running slot, run one prefill chunk, then read the previous
+        decode call. Returns what each request gained since the last step."""
+        deltas, self._finished = self._finished, []
+        sch = self.scheduler
+        for req in sch.admit():
+            if req.hit_row is not None:
+                self.pools = S.restore_step(self.pools, self.store, req.slot, req.hit_row)
+        flight = self._dispatch_decode(self._flight)
+        prefilled = self._run_chunk()
+        if self._flight is not None:
+            deltas += self._collect(self._flight)
+        self._flight = flight
+        if prefilled is not None:
+            deltas += self._finish_prefill(*prefilled)
+        if self._flight is not None and not any(sch.slots[i] is r for i, r in self._flight.running):
+            self._flight = None  # every request it decoded has ended: nothing left to read
+        return deltas
+
+    def _dispatch_decode(self, prev: _InFlight | None) -> _InFlight | None:
+        sch = self.scheduler
+        carried_reqs = {i: r for i, r in prev.running} if prev is not None else {}
+        for req in sorted(sch.running(), key=lambda r: r.arrival):
+            if req.status != RUNNING:
+                continue  # preempted while an older request reserved
+            mult = 2 if carried_reqs.get(req.slot) is req else 1
+            end = min(req.fed + mult * self.k, self.max_model_len, req.limit)
+            sch.reserve(req, req.fed, end)
+        running = sch.running()
+        if not running:
+            return None
+        s = self.layout.max_slots
+        z = lambda dt=np.int32: np.zeros(s, dt)
+        tokens, pos, rem, temp, top_k, seed, sidx, tidx = z(), z(), z(), z(np.float32), z(), z(), z(), z()
+        active, top_p = z(bool), np.ones(s, np.float32)
+        stop = np.full((s, S.MAX_STOP), -1, np.int32)
+        carried = z(bool)
+        for r in sch.slots:
+            if r is not None and r.status == PREFILLING:
+                pos[r.slot] = r.computed  # where it stands: its compressor state is left as it is
+        upto = 0
+        for r in running:
+            i = r.slot
+            carried[i] = carried_reqs.get(i) is r
+            tokens[i], pos[i], active[i] = r.output[-1], r.fed, True
+            rem[i] = r.params.max_tokens - len(r.output)
+            temp[i], top_p[i], top_k[i] = r.params.temperature, r.params.top_p, max(r.params.top_k, 0)
+            seed[i], sidx[i], tidx[i] = r.seed, r.sample_index, len(r.output)
+            stop[i, :len(r.stop_ids)] = r.stop_ids
+            upto = max(upto, min(r.fed + (2 if carried[i] else 1) * self.k, self.max_model_len))
+        # Fresh numpy arrays, never mutated afterwards: jit transfers them itself.
+        fresh = S.DecodeState(tokens, pos, active, rem, stop, S.SamplingState(temp, top_p, top_k, seed, sidx, tidx))
+        # always through the (tiny) merge, so the decode step sees device arrays every time (numpy and device
+        # arguments are different signatures to jit, and warm-up compiles one)
+        state = S.carry_state(prev.state if carried.any() else fresh, fresh, carried)
+        pt = self.tables.full[:, :self._page_bucket(upto)]
+        self.pools, self.store, out, state = S.decode_step(self.spec, self._leaves, self.pools, self.store, state,
+                                                           _snapshot(pt), _snapshot(self.tables.swa))
+        return _InFlight(out, state, [(r.slot, r) for r in running], {r.slot: r.fed for r in running})
+
+    def _collect(self, flight: _InFlight) -> list[RequestDelta]:
+        """Wait for a dispatched call (one device_get) and advance its requests. A slot whose request ended, was
+        aborted or preempted after the call was dispatched is skipped: its tokens are not wanted."""
+        toks, lps, n_out, stopped, still = jax.device_get((flight.out.tokens, flight.out.logprobs, flight.out.n_out,
+                                                           flight.out.stopped, flight.state.active))
+        sch, p = self.scheduler, self.layout.page_size
+        deltas = []
+        for i, r in flight.running:
+            if sch.slots[i] is not r or r.status != RUNNING:
+                continue
+            n = int(n_out[i])
+            f0 = r.fed
+            new = toks[i, :n].tolist()
+            r.output.extend(new)
+            r.saved.update(range((f0 // p + 1) * p, r.fed + 1, p))  # boundaries its decode steps reached
+            sch.cache_pages(r)
+            reason = None if still[i] else ("stop" if stopped[i] else "length")
+            deltas.append(RequestDelta(r.request_id, new, lps[i, :n].tolist() if r.params.logprobs else [], reason))
+            if reason is not None:
+                sch.remove(r)
+                self.counts["finished"] += 1
+        return deltas
+
+    def _page_bucket(self, upto: int) -> int:
+        return min(_pow2(-(-upto // self.layout.page_size)), self.layout.max_pages_per_seq)
+
+    def _run_chunk(self):
+        """Dispatch the next prefill chunk; returns (request, tokens, logprobs) when it was the request's last."""
+        plan = self.scheduler.next_chunk()
+        if plan is None:
+            return None
+        req, start, end = plan
+        c = end - start
+        bucket = _pow2(c)
+        chunk = np.zeros((1, bucket), np.int32)
+        chunk[0, :c] = req.tokens[start:end]
+        sp = req.params
+        f32, i32 = lambda v: np.asarray([v], np.float32), lambda v: np.asarray([v], np.int32)
+        samp = S.SamplingState(f32(sp.temperature), f32(sp.top_p), i32(max(sp.top_k, 0)), i32(req.seed),
+                               i32(req.sample_index), i32(len(req.output)))
+        batch = S.PrefillBatch(chunk, i32(start), i32(c), np.asarray([start == 0]), i32(req.slot))
+        pt = self.tables.full[req.slot:req.slot + 1, :self._page_bucket(start + bucket)]
+        self.pools, self.store, tok, lp = S.prefill_step(self.spec, self._leaves, self.pools, self.store, batch,
+                                                         _snapshot(pt), _snapshot(self.tables.swa[req.slot:req.slot + 1]),
+                                                         samp)
+        req.computed = end
+        if end % self.layout.page_size == 0:
+            req.saved.add(end)
+        self.scheduler.cache_pages(req)
+        if end == len(req.tokens):
+            return req, tok, lp
+        return None
+
+    def _finish_prefill(self, req: Request, tok, lp) -> list[RequestDelta]:
+        sch = self.scheduler
+        if req.slot is None or sch.slots[req.slot] is not req:
+            return []  # aborted or preempted meanwhile
+        t, l = int(tok[0]), float(lp[0])
+        req.output.append(t)
+        req.status = RUNNING
+        sch.tables.reserve(req.slot, req.fed, req.fed)  # the window is all it keeps of its prefill's SWA pages
+        stopped = t in req.stop_ids
+        done = stopped or len(req.output) >= req.params.max_tokens or req.fed + 1 >= self.max_model_len
+        reason = ("stop" if stopped else "length") if done else None
+        if done:
+            sch.remove(req)
+            self.counts["finished"] += 1
+        return [RequestDelta(req.request_id, [t], [l] if req.params.logprobs else [], reason)]
+
+    # ---- compile and report ----
+    def warmup(self) -> int:
+        """Compile every bucket the engine will use (prefill chunk x pages, decode x pages, the prefix restore)
+        with no-op calls (no valid tokens). Returns the number of compiled variants; afterwards nothing
+        recompiles."""
+        s = self.layout.max_slots
+        page_buckets = sorted({self._page_bucket(n * self.layout.page_size)
+                               for n in range(1, self.layout.max_pages_per_seq + 1)})
+        chunk_buckets = sorted({_pow2(c) for c in range(1, self.options.prefill_chunk + 1)})
+        i32 = lambda v=0: np.asarray([v], np.int32)
+        samp = S.SamplingState(np.zeros(1, np.float32), np.ones(1, np.float32), i32(), i32(), i32(), i32())
+        empty = [i for i, r in enumerate(self.scheduler.slots) if r is None]
+        if self.prefix is not None and empty:
+            self.pools = S.restore_step(self.pools, self.store, empty[0], 0)
+        for nb in page_buckets:
+            pt = _snapshot(self.tables.full[:, :nb])
+            for cb in chunk_buckets:
+                batch = S.PrefillBatch(np.zeros((1, cb), np.int32), i32(), i32(), np.zeros(1, bool), i32())
+                self.pools, self.store, _, _ = S.prefill_step(self.spec, self._leaves, self.pools, self.store, batch,
+                                                              pt[:1], _snapshot(self.tables.swa[:1]), samp)
+            n = lambda dt=np.int32: np.zeros((s,), dt)
+            st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
+                               S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))
+            st = S.carry_state(st, st, n(bool))
+            self.pools, self.store, *_ = S.decode_step(self.spec, self._leaves, self.pools, self.store, st, pt,
+                                                       _snapshot(self.tables.swa))
+        return self.compiled_variants()
+
+    def compiled_variants(self) -> int:
+        return S.compiled_variants()
+
+    def stats(self) -> dict:
+        t, lay, sch = self.tables, self.layout, self.scheduler
+        if t.dense:
+            used_slots = sum(r is not None for r in sch.slots)
+            full_used, swa_used = used_slots * lay.max_pages_per_seq, used_slots * lay.max_swa_pages_per_seq
+        else:
+            full_used, swa_used = t.full_alloc.n_used, t.swa_alloc.n_used
+        pools = {"swa": {"used": swa_used, "total": lay.n_swa_pages, "unit": f"{lay.swa_page_size} tokens"}}
+        kinds = {self.cfg.layer_type(i) for i in range(self.cfg.n_layers)}
+        for name, kind in (("c4_kv", "csa"), ("c4_index", "csa"), ("c128_kv", "hca")):
+            if kind in kinds:
+                pools[name] = {"used": full_used, "total": lay.n_pages, "unit": f"{lay.page_size} tokens"}
+        pools["tokens"] = {"used": full_used, "total": lay.n_pages, "unit": f"{lay.page_size} tokens"}
+        pools["compressor_state"] = {"used": sum(r is not None for r in sch.slots), "total": lay.max_slots,
+                                     "unit": "slot"}
+        pc = self.prefix
+        return {
+            "pools": pools,
+            "prefix_cache": {
+                "enabled": pc is not None,
+                "queried_tokens": pc.queried_tokens if pc else 0,
+                "hit_tokens": pc.hit_tokens if pc else 0,
+                "cached_pages": pc.n_nodes() if pc else 0,
+                "evicted_pages": pc.evicted_pages if pc else 0,
+                "tombstoned_tails": pc.tombstoned if pc else 0,
+            },
+            "requests": {
+                "running": len(sch.running()), "prefilling": len(sch.prefilling()), "waiting": len(sch.waiting),
+                "finished": self.counts["finished"], "aborted": self.counts["aborted"],
+                "preempted": sch.n_preempted, "rejected": self.counts["rejected"],
+            },
+        }

@@ -1,0 +1,173 @@
+"""The jitted steps: module-level functions of (params, pools, inputs), pools donated, shapes bucketed.
+
+    prefill_step   B rows of T tokens (chunks of prompts) -> one sampled token per row
+    decode_step    k tokens for every slot in one `lax.while_loop` (sampling, stop and length checks on device)
+    restore_step   a slot's compressor state set to a cached boundary's (a prefix hit)
+
+Everything static about a step lives in one `StepSpec` (hashed by identity: jit looks it up on every call, and
+hashing a model's graph definition each time would cost more than the lookup). Sampling parameters are traced
+arrays, so changing them never recompiles. Both steps save the CSA compressor state at every full-page boundary
+a row reaches (v4jax.cache.boundary) when the prefix cache is on."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from v4jax import cache as C
+from v4jax.cache.boundary import BoundaryStore, restore_slot_states, save_boundary_states
+from v4jax.config import ModelConfig
+from v4jax.model import RunOptions
+from v4jax.sampling import sample
+
+MAX_STOP = 8  # stop token ids per request held on device (EOS included)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepSpec:
+    """What the steps close over: the model's structure, the pool layout and the loop's static sizes."""
+    graphdef: Any
+    treedef: Any
+    cfg: ModelConfig
+    layout: C.PoolLayout
+    opts: RunOptions
+    decode_steps: int  # k
+    max_model_len: int
+    save_boundaries: bool  # the prefix cache is on
+
+    def model(self, leaves):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingState:
+    """Per row: how to draw the next token. All [B]."""
+    temperature: jax.Array  # f32, 0 = greedy
+    top_p: jax.Array  # f32
+    top_k: jax.Array  # int32, 0 = off
+    seed: jax.Array  # int32
+    sample_index: jax.Array  # int32, the request's position in its batch (part of the sampling key)
+    token_index: jax.Array  # int32, index of the token to be sampled next
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Per slot, what a decode call carries from step to step (and from one call to the next)."""
+    tokens: jax.Array  # [S] int32, the next token to feed
+    pos: jax.Array  # [S] int32, its position (for an inactive slot: where its request stands)
+    active: jax.Array  # [S] bool
+    remaining: jax.Array  # [S] int32, tokens it may still generate
+    stop_ids: jax.Array  # [S, MAX_STOP] int32 (-1 = none)
+    sampling: SamplingState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillBatch:
+    tokens: jax.Array  # [B, T] int32 (right-padded)
+    start: jax.Array  # [B] int32, position of the first token
+    n_valid: jax.Array  # [B] int32 (0: an empty row)
+    fresh: jax.Array  # [B] bool, the request starts at position 0 (compressor state reset)
+    slot: jax.Array  # [B] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeOutput:
+    tokens: jax.Array  # [S, k] int32 (-1 past a slot's last token)
+    logprobs: jax.Array  # [S, k] f32
+    n_out: jax.Array  # [S] int32, tokens each slot produced
+    stopped: jax.Array  # [S] bool, ended on a stop token
+
+
+def _write_tokens(spec: StepSpec, pools, token_ids, positions, ok, page_table):
+    p = spec.layout.page_size
+    col = positions % p
+    page = jnp.take_along_axis(page_table, jnp.clip(positions // p, 0, page_table.shape[1] - 1), axis=1)
+    flat = jnp.where(ok & (page >= 0), page * p + col, pools.tokens.size)
+    tokens = pools.tokens.reshape(-1).at[flat.reshape(-1)].set(token_ids.reshape(-1), mode="drop")
+    return dataclasses.replace(pools, tokens=tokens.reshape(pools.tokens.shape))
+
+
+def _boundary_rows(spec: StepSpec, end, ok, swa_table):
+    """Store row (the SWA page holding position end-1) for rows whose step ends on a full-page boundary, else an
+    out-of-range row (no write)."""
+    lay = spec.layout
+    at = ok & (end > 0) & (end % lay.page_size == 0)
+    j = jnp.clip((end - 1) // lay.swa_page_size, 0, swa_table.shape[1] - 1)
+    page = jnp.take_along_axis(swa_table, j[:, None], axis=1)[:, 0]
+    return jnp.where(at & (page >= 0), page, lay.n_swa_pages)
+
+
+def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_table, swa_table, samp: SamplingState):
+    t = batch.tokens.shape[1]
+    meta = C.make_meta(spec.cfg, spec.layout, batch.start, batch.n_valid, batch.fresh, batch.slot, page_table,
+                       swa_table, t)
+    logits, pools = spec.model(leaves).cached(batch.tokens, meta, pools, spec.opts)
+    pools = _write_tokens(spec, pools, batch.tokens, meta.positions, jnp.arange(t)[None] < batch.n_valid[:, None],
+                          page_table)
+    if spec.save_boundaries:
+        rows = _boundary_rows(spec, batch.start + batch.n_valid, batch.n_valid > 0, swa_table)
+        store = save_boundary_states(store, pools, batch.slot, rows)
+    tok, lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed, samp.sample_index,
+                     samp.token_index)
+    return pools, store, tok, lp
+
+
+def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table, swa_table):
+    model = spec.model(leaves)
+    s, k = state.tokens.shape[0], spec.decode_steps
+    rows = C.entry_rows(spec.cfg, spec.layout, page_table)  # the page tables are fixed for the whole call
+
+    def body(carry):
+        i, pools, store, st, out = carry
+        # slot None: row b is slot b, so the compressor states are read and updated in place (an index array
+        # would make XLA gather and scatter every slot's state each step)
+        meta = C.make_meta(spec.cfg, spec.layout, st.pos, st.active.astype(jnp.int32), jnp.zeros((s,), bool), None,
+                           page_table, swa_table, 1, rows)
+        logits, pools = model.cached(st.tokens[:, None], meta, pools, spec.opts)
+        pools = _write_tokens(spec, pools, st.tokens[:, None], st.pos[:, None], st.active[:, None], page_table)
+        if spec.save_boundaries:
+            store = save_boundary_states(store, pools, None, _boundary_rows(spec, st.pos + 1, st.active, swa_table))
+        sm = st.sampling
+        nxt, lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.seed, sm.sample_index, sm.token_index)
+        out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
+                           logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
+                           stopped=out.stopped | (st.active & jnp.any(nxt[:, None] == st.stop_ids, axis=-1)))
+        is_stop = jnp.any(nxt[:, None] == st.stop_ids, axis=-1)
+        full = (st.remaining <= 1) | (st.pos + 2 >= spec.max_model_len)
+        adv = st.active.astype(jnp.int32)
+        st = DecodeState(tokens=jnp.where(st.active, nxt, st.tokens), pos=st.pos + adv,
+                         active=st.active & ~is_stop & ~full, remaining=st.remaining - adv, stop_ids=st.stop_ids,
+                         sampling=dataclasses.replace(sm, token_index=sm.token_index + adv))
+        return i + 1, pools, store, st, out
+
+    def cond(carry):
+        return (carry[0] < k) & jnp.any(carry[3].active)
+
+    out = DecodeOutput(tokens=jnp.zeros((s, k), jnp.int32), logprobs=jnp.zeros((s, k), jnp.float32),
+                       n_out=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool))
+    _, pools, store, state, out = jax.lax.while_loop(cond, body, (0, pools, store, state, out))
+    return pools, store, out, state
+
+
+def _carry(prev: DecodeState, fresh: DecodeState, carried):
+    """Slots still decoding the request of the previous call continue from its device-side state."""
+    pick = lambda a, b: jnp.where(carried.reshape(carried.shape + (1,) * (a.ndim - 1)), a, b)
+    return jax.tree.map(pick, prev, fresh)
+
+
+prefill_step = jax.jit(_prefill, static_argnums=0, donate_argnums=(2, 3))
+decode_step = jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3))
+carry_state = jax.jit(_carry)
+restore_step = jax.jit(restore_slot_states, donate_argnums=0)
+
+
+def compiled_variants() -> int:
+    """How many shapes the prefill and decode steps have been compiled for, over every engine in the process."""
+    return prefill_step._cache_size() + decode_step._cache_size()
