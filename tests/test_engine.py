@@ -102,9 +102,13 @@ def test_no_recompilation_after_warmup(tiny_llm):
 
 
 def _all_pages_free(eng):
+    """No slot maps a page, and once the prefix cache lets go of its pages every page is free."""
     t = eng.tables
+    if eng.prefix is not None:
+        eng.prefix.clear()
     return (t.full_alloc.n_free == eng.layout.n_pages and t.swa_alloc.n_free == eng.layout.n_swa_pages
-            and (t.full == -1).all() and (t.swa == -1).all() and all(s is None for s in eng.slots))
+            and (t.full_alloc.refs == 0).all() and (t.swa_alloc.refs == 0).all()
+            and (t.full == -1).all() and (t.swa == -1).all() and all(s is None for s in eng.scheduler.slots))
 
 
 def test_freeing_returns_every_page_randomised(tiny_llm):
@@ -121,22 +125,21 @@ def test_freeing_returns_every_page_randomised(tiny_llm):
         assert _all_pages_free(eng), f"trial {trial}: pages leaked"
 
 
-def _synchronous_reference(eng, prompts, params):
-    """The scheduler without pipelining: admit, then one waited-for generate_step at a time."""
-    out = {i: ([], None) for i in range(len(prompts))}
-    pending = list(range(len(prompts)))
-    while pending or any(s is not None for s in eng.slots):
-        while pending and eng.free_slot() is not None:
-            i = pending.pop(0)
-            for ev in eng._admit(i, prompts[i], params[i]):
-                out[i] = (out[i][0] + ev.token_ids, ev.finish_reason)
-        for slot, toks, _, stopped, still in eng.generate_step():
-            r = eng.slots[slot]
-            reason = ("stop" if stopped else "length") if not still else None
-            out[r.request_index] = (out[r.request_index][0] + toks, reason)
-            if not still:
-                eng.free_resource(slot)
-    return [out[i] for i in range(len(prompts))]
+def _synchronous_generate(llm, prompts, params):
+    """The engine without pipelining: every decode call is read right after it is dispatched."""
+    core = llm.engine
+    ids = [core.new_request_id() for _ in prompts]
+    for i, (rid, p, sp) in enumerate(zip(ids, prompts, params)):
+        core.add_request(rid, p, sp, sample_index=i)
+    out = {rid: ([], None) for rid in ids}
+    while core.has_unfinished_requests():
+        deltas = core.step()
+        if core._flight is not None:
+            deltas += core._collect(core._flight)
+            core._flight = None
+        for d in deltas:
+            out[d.request_id] = (out[d.request_id][0] + d.new_token_ids, d.finish_reason or out[d.request_id][1])
+    return [out[rid] for rid in ids]
 
 
 def test_pipelined_scheduler_equals_synchronous_steps(tiny_llm, monkeypatch):
@@ -148,11 +151,11 @@ def test_pipelined_scheduler_equals_synchronous_steps(tiny_llm, monkeypatch):
     prompts = [rng.integers(2, 500, int(rng.integers(1, 90))).tolist() for _ in range(11)]
     params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.8])),
                              seed=i, stop_token_ids=[int(t) for t in rng.integers(2, 500, 7)]) for i in range(11)]
-    want = _synchronous_reference(eng, prompts, params)
+    want = _synchronous_generate(tiny_llm, prompts, params)
     assert _all_pages_free(eng)
     carried = []
-    dispatch = eng._dispatch
-    monkeypatch.setattr(eng, "_dispatch", lambda prev: (carried.append(prev is not None), dispatch(prev))[1])
+    dispatch = eng._dispatch_decode
+    monkeypatch.setattr(eng, "_dispatch_decode", lambda prev: (carried.append(prev is not None), dispatch(prev))[1])
     got = [(o.token_ids, o.finish_reason) for o in tiny_llm.generate(prompts, params)]
     assert any(carried), "no call was dispatched while another was in flight"
     assert got == want
@@ -200,10 +203,15 @@ def test_stop_token_ends_request(tiny_llm):
     assert out.finish_reason == "stop" and out.token_ids == free[:free.index(stop) + 1]
 
 
-def test_context_limit_ends_with_length(tiny_llm):
+def test_context_limit(tiny_llm):
+    """A request up to the context runs to its last position; one past it is refused, naming both numbers."""
     p = list(range(2, 252))
-    out = tiny_llm.generate([p], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
-    assert out.finish_reason == "length" and len(p) + len(out.token_ids) == 256
+    out = tiny_llm.generate([p], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(p) + len(out.token_ids) == 255
+    out = tiny_llm.generate([p[:200]], SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 56 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens=50.*256"):
+        tiny_llm.generate([p], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),

@@ -9,8 +9,8 @@ batch 1 and 32 and contexts 4K, 64K, 256K (1M at batch 1).
   holds `context - 2k` tokens; nothing is prefilled. One jitted decode call then runs k steps, at positions
   context-2k .. context-k-1, so the page bucket (a power of two of full pages) is exactly context / P pages and
   every slot stays active for all k steps (checked).
-* The time is the engine's jitted decode call (`Engine._decode_jit`, k steps in one `lax.while_loop`, sampling
-  included) with the arguments `Engine.generate_step` passes it, median over calls after warm-up, with
+* The time is the engine's jitted decode call (`steps.decode_step`, k steps in one `lax.while_loop`, sampling
+  included) with the arguments the engine's dispatch passes it, median over calls after warm-up, with
   `block_until_ready`; per-step time = call time / k. `generate_step` (host bookkeeping and transfers included) is
   timed too.
 * Roofline: bytes a step must read / measured HBM bandwidth (a large device copy, bytes read + written / time).
@@ -232,43 +232,56 @@ class JaxDecodeBench:
 
     def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0):
         from v4jax.api import EngineOptions
-        from v4jax.engine import Engine
+        from v4jax.engine import EngineCore
+        from v4jax.engine import steps
         self.cfg, self.batch, self.k = cfg, batch, k
-        opts = EngineOptions(max_num_seqs=batch, decode_steps=k, max_model_len=max_context)
+        opts = EngineOptions(max_num_seqs=batch, decode_steps=k, max_model_len=max_context,
+                             enable_prefix_caching=False)
         t0 = time.perf_counter()
-        self.engine = Engine(cfg, model, opts, run_options, max_context)
+        self.engine = EngineCore(cfg, model, opts, run_options, max_context)
         _fill_pools(self.engine, seed)
         self.setup_s = time.perf_counter() - t0
         self._captured = None
-        self._orig = self.engine._decode_jit
+        self._steps = steps
+        self._orig = steps.decode_step
 
-        def capture(leaves, pools, io, page_table, swa_table):
-            self._captured = (io, page_table, swa_table)
-            return self._orig(leaves, pools, io, page_table, swa_table)
+        def capture(spec, leaves, pools, store, state, page_table, swa_table):
+            self._captured = (state, page_table, swa_table)
+            return self._orig(spec, leaves, pools, store, state, page_table, swa_table)
 
-        self.engine._decode_jit = capture
+        self._capture = capture
 
     def pool_bytes(self) -> int:
         from v4jax import cache as C
         return sum(C.pool_bytes(self.engine.pools).values())
 
-    def _occupy(self, held: int, rng):
-        from v4jax.engine import _Running
-        from v4jax.sampling import SamplingParams
+    def generate_step(self):
+        """One decode call for every slot, waited for, through the engine's own dispatch and collection."""
         eng = self.engine
-        for s in range(eng.layout.max_slots):
-            if eng.slots[s] is not None:
-                eng.free_resource(s)
+        self._steps.decode_step = self._capture
+        try:
+            flight = eng._dispatch_decode(None)
+        finally:
+            self._steps.decode_step = self._orig
+        return eng._collect(flight)
+
+    def _occupy(self, held: int, rng):
+        from v4jax.engine.scheduler import RUNNING, Request
+        from v4jax.sampling import SamplingParams
+        eng, sch = self.engine, self.engine.scheduler
+        for r in list(sch.requests.values()):
+            sch.remove(r)
         sp = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
         for s in range(self.batch):
+            req = Request(f"bench-{s}", [0] * held, sp, s, s, (), s,
+                          output=[int(rng.integers(2, self.cfg.vocab_size))], status=RUNNING, slot=s)
+            sch.slots[s] = req
+            sch.requests[req.request_id] = req
             eng.tables.reserve(s, held, held)  # full pages for [0, held), SWA pages of the window
-            eng.slots[s] = _Running(request_index=s, params=sp, seed=s, pos=held,
-                                    next_token=int(rng.integers(2, self.cfg.vocab_size)), generated=1, stop_ids=())
 
     def _rewind(self, held: int):
-        for r in self.engine.slots:
-            if r is not None:
-                r.pos, r.generated = held, 1
+        for r in self.engine.scheduler.running():
+            del r.output[1:]
 
     def run(self, context: int, n_iter: int, n_gen: int, rng) -> dict:
         import jax
@@ -276,29 +289,29 @@ class JaxDecodeBench:
         held = context - 2 * k
         self._occupy(held, rng)
         t0 = time.perf_counter()
-        res = eng.generate_step()  # compiles this (batch, page bucket) variant
+        res = self.generate_step()  # compiles this (batch, page bucket) variant
         compile_s = time.perf_counter() - t0
-        steps = sorted({len(toks) for _, toks, *_ in res})
+        steps = sorted({len(d.new_token_ids) for d in res})
         if steps != [k] or len(res) != self.batch:
             raise RuntimeError(f"decode call ran {steps} steps for {len(res)} slots, expected {k} for {self.batch}")
         self._rewind(held)
-        io, pt, swa = self._captured
+        state, pt, swa = self._captured
         entries_scanned = pt.shape[1] * (eng.layout.page_size // min(self.cfg.ratios_in_use))
         # the raw jitted call, same positions every time (the context stays put)
         times = []
         for i in range(n_iter + 1):
             t0 = time.perf_counter()
-            out = self._orig(eng._leaves, eng.pools, io, pt, swa)
+            out = self._orig(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
             jax.block_until_ready(out)
             dt = time.perf_counter() - t0
-            eng.pools = out[0]
+            eng.pools, eng.store = out[0], out[1]
             if i:  # the first is a warm-up
                 times.append(dt)
         call_s = statistics.median(times)
         gen = []
         for _ in range(n_gen):
             t0 = time.perf_counter()
-            eng.generate_step()
+            self.generate_step()
             gen.append(time.perf_counter() - t0)
             self._rewind(held)
         return {
