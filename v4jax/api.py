@@ -67,35 +67,68 @@ class EngineOptions:
 
 
 def _load_tokenizer(path: str):
+    """The directory's tokenizer.json, or None (with one warning: prompts must then be token ids)."""
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        warnings.warn(f"no tokenizer.json in {path}: prompts must be token ids, outputs have text=None",
+                      stacklevel=4)
         return None
     from tokenizers import Tokenizer
     return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
 
 
+def _read_config(path: str) -> ModelConfig:
+    """ModelConfig.from_hf, with an unreadable config.json reported as a ConfigError naming the file."""
+    import json
+
+    from v4jax.config import ConfigError
+    try:
+        return ModelConfig.from_hf(path)
+    except json.JSONDecodeError as e:
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.exists(cfg_file):
+            cfg_file = os.path.join(path, "inference", "config.json")
+        raise ConfigError(f"{cfg_file} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config.json in {path} is not UTF-8 text: {e}") from None
+
+
 def load_model(spec: str | None, dtype, seed: int = 0) -> tuple[ModelConfig, Transformer, object, str]:
-    """(config, model, tokenizer or None, description) for a preset name or an HF-format directory."""
+    """(config, model, tokenizer or None, description) for a preset name or an HF-format directory.
+
+    Before anything is allocated, the weights' bytes (of the abstract model) are checked against the memory of
+    one device (`v4jax.memory.check_weights_fit`: the model is placed whole on the first device before a mesh
+    shards it); the checkpoint reader rejects a tensor holding NaN or infinity (corrupt bytes), naming it."""
+    from v4jax import memory as M
+
     if spec is None:
         if os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")):
             spec = DEFAULT_MODEL_DIR
         else:
-            warnings.warn("the embedded default model is not shipped yet; using the random 'tiny' preset")
+            warnings.warn("the embedded default model is missing from this install; using the random 'tiny' preset")
             spec = "tiny"
     if spec in PRESETS:
         cfg = preset(spec)
-        warnings.warn(f"preset {spec!r}: random weights (seed {seed})")
+        # param_bytes is the abstract model's byte count (nnx.eval_shape: tests/test_newcomer.py checks they
+        # agree) without its cost: eval_shape of `flash` alone takes ~10 s, of `pro` ~25 s.
+        M.check_weights_fit(cfg, M.param_bytes(cfg, jnp.dtype(dtype).itemsize)["total"], dtype,
+                            what=f"preset {spec!r}")
+        warnings.warn(f"preset {spec!r}: random weights (seed {seed}); no tokenizer, prompts are token ids",
+                      stacklevel=3)
         model = Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
         return cfg, model, None, f"preset {spec}"
     if not os.path.isdir(spec):
-        raise FileNotFoundError(f"model {spec!r} is neither a preset ({sorted(PRESETS)}) nor a directory")
+        hint = "" if os.path.exists(spec) else " (no such file or directory)"
+        raise FileNotFoundError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                                f"checkpoint directory{hint}")
     from checkpoints import open_checkpoint
     from v4jax.weights import load_tensors
 
-    cfg = ModelConfig.from_hf(spec)
+    cfg = _read_config(spec)
     ckpt = open_checkpoint(spec, cfg)
     if not ckpt.has_mtp and cfg.n_mtp_layers:
-        warnings.warn(f"{spec}: no mtp.* weights; MTP is off")
+        warnings.warn(f"{spec}: no mtp.* weights; MTP is off", stacklevel=3)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=ckpt.has_mtp))
+    M.check_weights_fit(cfg, M.model_weight_bytes(abstract), dtype, what=spec)
     model = load_tensors(abstract, ckpt.iter_tensors(progress=True))
     return cfg, model, _load_tokenizer(spec), spec
 
@@ -133,21 +166,33 @@ class LLM:
         self._engine = None
 
     # ---- inputs ----
-    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+    def _check_ids(self, ids: Sequence[int], what: str = "prompt") -> list[int]:
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise TypeError(f"{what} must be a string or a list of token ids, got {type(ids).__name__}")
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_))]
+        if bad:
+            raise TypeError(f"{what}: token ids must be integers, got {bad[:5]!r}")
         ids = [int(t) for t in ids]
         if not ids:
-            raise ValueError("prompt is empty")
+            raise ValueError(f"{what} is empty")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+            raise ValueError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         return ids
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int], what: str = "prompt") -> list[int]:
+        """Token ids of a prompt: a string is tokenized (BOS added when the tokenizer's config asks for it), a
+        list of token ids is checked against the vocabulary. An empty prompt is an error."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return self._check_ids(self.tokenizer.encode(prompt).ids)
-        return self._check_ids(prompt)
+                raise ValueError(f"{what} is a string but this model has no tokenizer: pass prompts as lists "
+                                 "of token ids")
+            if not prompt:
+                raise ValueError(f"{what} is empty")
+            return self._check_ids(self.tokenizer.encode(prompt).ids, what)
+        return self._check_ids(prompt, what)
 
     def decode(self, ids: Sequence[int]) -> str | None:
         if self.tokenizer is None:
@@ -173,23 +218,61 @@ class LLM:
             self._engine = EngineCore(self.config, self.model, self.options, self.run_options, self.max_model_len)
         return self._engine
 
+    @staticmethod
+    def _check_requests(prompts, sampling) -> tuple[list, list[SamplingParams]]:
+        """(prompt list, one SamplingParams per prompt) from generate's arguments, or a TypeError / ValueError
+        saying what they must be."""
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str):
+            plist = [prompts]
+        elif isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
+            single = len(prompts) > 0 and all(isinstance(t, (int, np.integer)) for t in prompts)
+            plist = [list(prompts)] if single else list(prompts)
+        else:
+            raise TypeError("prompts must be a string, a list of token ids, or a list of strings / token-id lists; "
+                            f"got {type(prompts).__name__}")
+        for i, p in enumerate(plist):
+            if isinstance(p, np.ndarray):
+                plist[i] = p = p.tolist()
+            if not isinstance(p, (str, Sequence)) or isinstance(p, bytes):
+                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+        if sampling is None:
+            params = [SamplingParams()] * len(plist)
+        elif isinstance(sampling, SamplingParams):
+            params = [sampling] * len(plist)
+        elif isinstance(sampling, (list, tuple)):
+            params = list(sampling)
+            bad = [type(sp).__name__ for sp in params if not isinstance(sp, SamplingParams)]
+            if bad:
+                raise TypeError(f"sampling must be a SamplingParams or a list of them; the list holds {bad[0]}")
+            if len(params) != len(plist):
+                raise ValueError(f"{len(params)} sampling params for {len(plist)} prompts")
+        else:
+            raise TypeError(f"sampling must be a SamplingParams, a list of them, or None; got "
+                            f"{type(sampling).__name__}")
+        return plist, params
+
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  stream: bool = False):
         """Generate for one prompt or a list of prompts (strings or token-id lists). Returns a list of
         RequestOutput, or with stream=True an iterator of (prompt_index, new_token_ids, new_text) events."""
-        single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
-                                              isinstance(prompts[0], (int, np.integer)))
-        plist = [prompts] if single else list(prompts)
+        plist, params = self._check_requests(prompts, sampling)
         if not plist:
             return iter(()) if stream else []
-        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * len(plist)
-        if len(params) != len(plist):
-            raise ValueError(f"{len(params)} sampling params for {len(plist)} prompts")
-        ids = [self.encode(p) for p in plist]
-        for i, p in enumerate(ids):
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; the context limit is {self.max_model_len} "
-                                 "(prompt + at least one generated token)")
+        ids = [self.encode(p, f"prompt {i}") for i, p in enumerate(plist)]
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            if len(p) + sp.max_tokens > self.max_model_len:
+                room = (f"lower max_tokens to at most {self.max_model_len - len(p)}, "
+                        if len(p) < self.max_model_len else "")
+                raise ValueError(
+                    f"prompt {i}: prompt_len={len(p)} + max_tokens={sp.max_tokens} = {len(p) + sp.max_tokens} "
+                    f"tokens exceed the context limit max_model_len={self.max_model_len}; shorten the prompt, "
+                    f"{room}or raise max_model_len (this model allows up to {self.config.max_seq_len})")
+        if self._engine is None:  # the first generate builds the engine: its pools must fit what is free
+            from v4jax.memory import check_engine_fits, model_weight_bytes
+            check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,
+                              weight_bytes=model_weight_bytes(self.model))
         events = self._events(self._submit(ids, params))
         if stream:
             return self._stream(events, ids)

@@ -1,30 +1,212 @@
-"""`v4jax generate | bench | memory` on the command line."""
+"""The `v4jax` command line: generate, bench decode, bench kernels, memory.
+
+`v4jax` alone (or `v4jax bench` alone) prints the help and exits 0. Errors in the arguments exit 2 with
+argparse's usage message; errors of the user's making found later (a model directory that is missing or
+corrupt, a prompt longer than the context, a model too big for the device...) print one line `error: ...` and
+exit 1; `--debug` shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import textwrap
 import warnings
 
+EPILOG = """examples:
+  v4jax generate "ROMEO:"                              the embedded Shakespeare model, streamed
+  v4jax generate "To be, or not" --temperature 0.8 --seed 0 --max-tokens 64
+  v4jax generate --model tiny "x"                     a random preset (no tokenizer: prompt bytes are token ids)
+  v4jax memory --model flash --mesh expert=8          weights and KV pools per device
+  v4jax bench decode --small                          the decode benchmark (its own flags: bench decode -h)
+  v4jax bench kernels --small                         the kernel benchmark (its own flags: bench kernels -h)
+"""
 
-def _generate(argv):
-    ap = argparse.ArgumentParser(prog="v4jax generate", description="Generate text with a V4 model.")
-    ap.add_argument("prompts", nargs="*", default=["ROMEO:"], help="prompts (default: 'ROMEO:')")
-    ap.add_argument("--model", default=None, help="HF-format directory or preset (default: the embedded model)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--no-stream", action="store_true", help="print each result at the end")
-    ap.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
-    args = ap.parse_args(argv)
 
-    from v4jax import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype, attention_impl=args.attention_impl)
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each flag's help; an option whose default is None says what None means itself."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False and action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("v4jax")
+    except metadata.PackageNotFoundError:
+        pass
+    try:  # a source checkout that was not installed: the version in pyproject.toml
+        import tomllib
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"),
+                  "rb") as f:
+            return tomllib.load(f)["project"]["version"]
+    except (OSError, KeyError, ValueError):
+        return "unknown"
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _tokens(s: str) -> int:
+    """1048576, 64K, 1M -> tokens (K = 1024)."""
+    t = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    try:
+        v = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count such as 4096, 64K or 1M, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {s!r}")
+    return v
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from v4jax.sampling import SamplingParams
+    sp = SamplingParams()
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error")
+
+    ap = argparse.ArgumentParser(prog="v4jax", formatter_class=_Formatter, parents=[common], epilog=EPILOG,
+                                 description="A JAX/XLA inference stack for DeepSeek-V4-class models.")
+    ap.add_argument("--version", action="version", version=f"v4jax {_version()}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+
+    g = sub.add_parser("generate", parents=[common], formatter_class=_Formatter,
+                       help="generate text with a model", description=_wrap(
+                           "Generate a continuation of each prompt. One prompt is streamed as it is generated; "
+                           "several are generated together and printed at the end. Sampling defaults are "
+                           "SamplingParams' (vLLM's): temperature 0 is greedy."))
+    g.add_argument("prompts", nargs="*", default=["ROMEO:"], metavar="PROMPT", help="prompt strings")
+    g.add_argument("--model", default=None, help="an HF-format checkpoint directory or a preset (tiny, "
+                   "flash-slice, flash, pro: random weights); default: the embedded Shakespeare model")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and compute dtype")
+    g.add_argument("--max-tokens", type=int, default=sp.max_tokens, help="tokens to generate per prompt (at most)")
+    g.add_argument("--temperature", type=float, default=sp.temperature, help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-p", type=float, default=sp.top_p, help="nucleus sampling mass in (0, 1]; 1 = off")
+    g.add_argument("--top-k", type=int, default=sp.top_k, help="sample among the k most likely tokens; 0 = off")
+    g.add_argument("--seed", type=int, default=sp.seed, help="sampling seed (default: a fresh random seed)")
+    g.add_argument("--stop-token-ids", type=_int_list, default=None, metavar="IDS",
+                   help="comma-separated token ids that end a request (default: none; EOS always does)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context limit, prompt + generated tokens (default: the model's)")
+    g.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"], help="attention kernels")
+    g.add_argument("--no-stream", action="store_true", help="print each result at the end")
+    g.set_defaults(func=_generate)
+
+    b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter, help="benchmarks (decode, kernels)",
+                       description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
+    bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
+    for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
+                       ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)")):
+        # Everything after the name, -h included, goes to the benchmark's own parser.
+        p = bsub.add_parser(name, add_help=False, allow_abbrev=False, help=text, description=text)
+        p.set_defaults(func=_bench, passthrough=True)
+    b.set_defaults(func=lambda args: _help(b))
+
+    m = sub.add_parser("memory", parents=[common], formatter_class=_Formatter,
+                       help="weights and KV-pool bytes, per device", description=_wrap(
+                           "Bytes of the KV pools per kind, per token and per request (bf16 and the FP8 / FP4 "
+                           "layouts), the weights, and what one device of a mesh holds. Per-device figures are an "
+                           "estimate: routed experts are split over the mesh's `expert` axis, their width and the "
+                           "vocabulary over `tensor`, per-slot compressor state over `data`; everything else is "
+                           "counted on every device."))
+    m.add_argument("--model", default="flash", help="preset name or HF-format directory (its config.json)")
+    m.add_argument("--context", type=_tokens, default=1 << 20, help="tokens per request (e.g. 4096, 64K, 1M)")
+    m.add_argument("--requests", type=_positive_int, default=1, help="requests held at once")
+    m.add_argument("--format", default="bf16,fp8,fp4", help="comma list of bf16, f32, fp8, fp4 pool layouts "
+                   "(fp4 = FP8 KV + FP4 indexer keys)")
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights dtype")
+    m.add_argument("--mesh", default=None, help="devices per mesh axis, e.g. expert=8 or data=2,tensor=4 "
+                   "(axes: data, context, tensor, expert; default: one device)")
+    m.add_argument("--budget-gib", type=float, default=None,
+                   help="also: pages and tokens that fit in this pool budget (GiB) with the engine's layout")
+    m.add_argument("--max-num-seqs", type=_positive_int, default=8, help="decode slots of the engine")
+    m.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    m.set_defaults(func=_memory)
+    ap.set_defaults(func=lambda args: _help(ap))
+    return ap
+
+
+def _help(parser) -> int:
+    parser.print_help()
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text or type(e).__name__
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "passthrough", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # --help, --version (0) and argument errors (2)
+        return e.code if isinstance(e.code, int) else 0
+    args.extra = [a for a in extra if a != "--debug"]
+    debug = getattr(args, "debug", False) or "--debug" in extra
+    from v4jax.config import ConfigError
+    user_errors = (ValueError, OSError, ConfigError, KeyError)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*random weights.*")
+            return args.func(args) or 0
+    except SystemExit as e:  # a benchmark's own argparse (its -h, its argument errors)
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except user_errors as e:
+        if debug:
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+# ---- commands ----------------------------------------------------------------------------------------------------
+def _generate(args) -> int:
+    from v4jax.config import PRESETS
+    from v4jax.sampling import SamplingParams
+
+    # Everything that can be checked without the model is checked first: bad flags fail at once.
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+                        top_k=args.top_k, seed=args.seed, stop_token_ids=args.stop_token_ids or (),
+                        ignore_eos=args.ignore_eos)
+    if args.model is not None and args.model not in PRESETS and not os.path.isdir(args.model):
+        raise FileNotFoundError(f"--model {args.model!r} is neither a checkpoint directory nor a preset "
+                                f"({', '.join(sorted(PRESETS))})")
+    if any(p == "" for p in args.prompts):
+        raise ValueError("a prompt is empty")
+
+    from v4jax import LLM
+    opts = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    llm = LLM(args.model, dtype=args.dtype, attention_impl=args.attention_impl, **opts)
     prompts = args.prompts
     if llm.tokenizer is None:
         # A random preset has no tokenizer: feed the prompt's UTF-8 bytes as token ids.
@@ -42,30 +224,59 @@ def _generate(argv):
     return 0
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cmds = {"generate": _generate, "bench": _bench, "memory": _memory}
-    if not argv or argv[0] not in cmds:
-        print("usage: v4jax {generate,bench,memory} ...", file=sys.stderr)
-        return 2
-    warnings.filterwarnings("ignore", message=".*random weights.*")
-    return cmds[argv[0]](argv[1:]) or 0
-
-
-def _bench(argv):
-    if not argv or argv[0] not in ("decode", "kernels"):
-        print("usage: v4jax bench {decode,kernels} ...", file=sys.stderr)
-        return 2
-    if argv[0] == "decode":
+def _bench(args) -> int:
+    if args.bench == "decode":
         from v4jax.bench import decode_main
-        return decode_main(argv[1:])
+        return decode_main(args.extra)
     from pallas_kernels.bench import main as kernels_main
-    return kernels_main(argv[1:])
+    return kernels_main(args.extra)
 
 
-def _memory(argv):
-    from v4jax.bench import memory_main
-    return memory_main(argv)
+def _memory(args) -> int:
+    import dataclasses
+    import json
+
+    from v4jax import memory as M
+    from v4jax.config import PRESETS, ModelConfig, preset
+
+    if args.model in PRESETS:
+        cfg = preset(args.model)
+    elif os.path.isdir(args.model) or os.path.isfile(args.model):
+        cfg = ModelConfig.from_hf(args.model)
+    else:
+        raise FileNotFoundError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                                "directory with a config.json")
+    mesh = M.parse_mesh(args.mesh)
+    n_dev = 1
+    for v in mesh.values():
+        n_dev *= v
+    fmts = [f.strip() for f in args.format.split(",") if f.strip()]
+    reps = [M.report(cfg, args.context, args.requests, f) for f in fmts]
+    wdt = 2 if args.dtype == "bfloat16" else 4
+    weights = M.param_bytes(cfg, wdt)["total"]
+    w_dev = M.weight_bytes_on_mesh(cfg, mesh, wdt)
+    pools = M.engine_pool_bytes(cfg, args.context, max_num_seqs=args.max_num_seqs, dtype=args.dtype, mesh=mesh)
+    limit, source = M.device_memory_bytes()
+    budget = (M.pool_budget(cfg, int(args.budget_gib * M.GiB), max_num_seqs=args.max_num_seqs, dtype=args.dtype)
+              if args.budget_gib else None)
+    if args.json:
+        out = {"model": args.model, "mesh": mesh, "reports": [dataclasses.asdict(r) for r in reps],
+               "weights": {"dtype": args.dtype, "total": weights, "per_device": w_dev},
+               "engine_pools": pools, "device_memory": {"bytes": limit, "source": source}}
+        if budget is not None:
+            out["budget"] = dataclasses.asdict(budget)
+        print(json.dumps(out, indent=1))
+        return 0
+    print(M.format_report(reps, title=f"## {args.model}: {args.requests} request(s) x {args.context} tokens"))
+    print()
+    mesh_s = ",".join(f"{k}={v}" for k, v in mesh.items()) or "one device"
+    print(M.format_device_table(weights, w_dev, pools, mesh_s, n_dev, args.dtype, args.max_num_seqs, args.context,
+                                limit, source))
+    if budget is not None:
+        print(f"\nEngine pools in {args.budget_gib} GiB ({args.dtype}, {args.max_num_seqs} slots): {budget.n_pages} "
+              f"full pages of {budget.page_size} tokens = {budget.tokens} tokens; {budget.per_page_bytes} B per "
+              f"page; fixed {budget.fixed_bytes / M.MiB:.1f} MiB (SWA pages + compressor state)")
+    return 0
 
 
 if __name__ == "__main__":

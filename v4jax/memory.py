@@ -26,11 +26,14 @@ The MTP layer (a sliding layer in the released models) is counted apart, under `
 full pages of P tokens fit in a byte budget once the fixed pools (SWA pages, compressor states) are paid for.
 `decode_read_bytes` is reference serving_systems.md §1.2: what one decode step must read per sequence.
 `param_bytes` / `decode_weight_bytes` count the weights (the roofline of v4jax.bench).
+`device_memory_bytes`, `model_weight_bytes` / `weight_bytes_per_device`, `engine_pool_bytes` and the
+`check_*_fit` functions compare what a model and its pools need with what a device holds, before allocating.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from v4jax.config import CSA, HCA, SLIDING, ModelConfig
 
@@ -383,3 +386,292 @@ def decode_weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int = 2) -> d
     }
     out["total"] = sum(v for k, v in out.items() if k != "active_experts_per_layer")
     return out
+
+
+# ---- what fits on a device ---------------------------------------------------------------------------
+MEMORY_ENV = "V4JAX_DEVICE_MEMORY_BYTES"  # overrides the detected memory of one device (bytes)
+
+
+class DeviceMemoryError(ValueError):
+    """What a model (or its pools) needs does not fit the memory of the device it would be placed on."""
+
+
+def _host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, else the free physical pages (os.sysconf)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_memory_bytes(device=None) -> tuple[int | None, str]:
+    """(bytes one device can hold, where the figure comes from). In order: $V4JAX_DEVICE_MEMORY_BYTES; the
+    device's `memory_stats()["bytes_limit"]` (GPU / TPU); on CPU the host's available RAM. (None, why) when
+    nothing is known."""
+    env = os.environ.get(MEMORY_ENV)
+    if env:
+        try:
+            return int(float(env)), f"${MEMORY_ENV}"
+        except ValueError:
+            raise ValueError(f"${MEMORY_ENV}={env!r} is not a number of bytes") from None
+    import jax
+    dev = device if device is not None else jax.devices()[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{dev.platform} bytes_limit of {dev}"
+    if dev.platform == "cpu":
+        avail = _host_available_bytes()
+        if avail:
+            return avail, "available host RAM"
+    return None, f"no memory figure for {dev}"
+
+
+def device_free_bytes(device=None, in_use: int = 0) -> tuple[int | None, str]:
+    """Bytes still free on the device now: bytes_limit - bytes_in_use where the device reports them; the host's
+    available RAM on CPU; under $V4JAX_DEVICE_MEMORY_BYTES the override less bytes_in_use (or less `in_use`, the
+    caller's own count of what it placed, where the device keeps no count)."""
+    limit, source = device_memory_bytes(device)
+    if limit is None or source == "available host RAM":
+        return limit, source
+    import jax
+    dev = device if device is not None else jax.devices()[0]
+    try:
+        used = (dev.memory_stats() or {}).get("bytes_in_use")
+    except Exception:  # noqa: BLE001
+        used = None
+    return limit - (used if used is not None else in_use), source
+
+
+def model_weight_bytes(model) -> int:
+    """Bytes of every variable of an NNX model, abstract (nnx.eval_shape: nothing allocated) or concrete."""
+    import jax
+    from flax import nnx
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model))))
+
+
+def abstract_model(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True):
+    """The model as shapes only (nnx.eval_shape): bytes and shardings without allocating anything."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from v4jax.model import Transformer
+    dt = jnp.dtype(dtype)
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dt, mtp=mtp))
+
+
+MESH_AXES = ("data", "context", "tensor", "expert")  # sharding/rules.py's
+
+
+def parse_mesh(mesh) -> dict[str, int]:
+    """"expert=8" / "data=2,tensor=4" / {"tensor": 2} / a jax Mesh / None -> {axis: devices} (axes of size 1
+    left out)."""
+    if mesh is None or mesh == "":
+        return {}
+    if hasattr(mesh, "shape") and hasattr(mesh, "devices"):  # a jax Mesh
+        return {k: int(v) for k, v in dict(mesh.shape).items() if v > 1}
+    if isinstance(mesh, str):
+        out = {}
+        for kv in mesh.split(","):
+            if not kv.strip():
+                continue
+            k, sep, v = kv.partition("=")
+            if not sep or not v.strip().isdigit():
+                raise ValueError(f"mesh {mesh!r}: expected axis=devices pairs such as 'expert=8' or "
+                                 "'data=2,tensor=4'")
+            out[k.strip()] = int(v)
+        mesh = out
+    mesh = dict(mesh)
+    bad = sorted(set(mesh) - set(MESH_AXES))
+    if bad:
+        raise ValueError(f"unknown mesh axes {bad}; known: {list(MESH_AXES)}")
+    if any(int(v) < 1 for v in mesh.values()):
+        raise ValueError(f"mesh {mesh}: every axis needs >= 1 device")
+    return {k: int(v) for k, v in mesh.items() if int(v) > 1}
+
+
+def _shard_factor(logical, shape, mesh_shape: dict[str, int]) -> int:
+    """How many ways sharding/rules.py splits one array (a dim the mesh axis does not divide stays whole)."""
+    from sharding.rules import LOGICAL_RULES
+    f = 1
+    for name, dim in zip(logical, shape):
+        axis = LOGICAL_RULES.get(name) if name else None
+        n = mesh_shape.get(axis, 1) if axis else 1
+        if n > 1 and dim % n == 0:
+            f *= n
+    return f
+
+
+def weight_bytes_per_device(model, mesh=None) -> int:
+    """Bytes of the model's weights on one device of `mesh` ("expert=8", {"tensor": 2}, a jax Mesh or None):
+    each parameter divided by the mesh axes that sharding/rules.py maps its dims to (routed experts over
+    `expert`, their width over `tensor`, embedding / head rows over `tensor`; everything else replicated).
+    `model` may be abstract (see abstract_model)."""
+    import jax
+    from flax import nnx
+
+    from sharding.rules import param_logical_axes
+    shape = parse_mesh(mesh)
+    total = 0
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        x = var.get_value() if isinstance(var, nnx.Variable) else var
+        for leaf in jax.tree.leaves(x):
+            f = _shard_factor(param_logical_axes(tuple(path), leaf.shape), leaf.shape, shape) if shape else 1
+            total += -(-leaf.size * leaf.dtype.itemsize // f)
+    return int(total)
+
+
+def weight_bytes_on_mesh(cfg: ModelConfig, mesh=None, dtype_bytes: int = 2) -> int:
+    """weight_bytes_per_device without building the abstract model (instant for any config): param_bytes'
+    groups split as sharding/rules.py splits their arrays -- routed experts [E, ...] over `expert` and their
+    width over `tensor`, embedding and head rows (vocab) over `tensor`, everything else replicated.
+    tests/test_newcomer.py checks it against weight_bytes_per_device of the abstract model."""
+    shape = parse_mesh(mesh)
+    t, e = shape.get("tensor", 1), shape.get("expert", 1)
+    pb = param_bytes(cfg, dtype_bytes)
+    per_layer_experts = pb["routed_experts"] / max(cfg.n_layers, 1)
+    mtp_experts = cfg.n_mtp_layers * per_layer_experts
+    ef = (e if cfg.n_routed_experts % e == 0 else 1) * (t if cfg.moe_inter_dim % t == 0 else 1)
+    vf = t if cfg.vocab_size % t == 0 else 1
+    experts = pb["routed_experts"] + mtp_experts
+    rest = pb["total"] - experts - pb["embed"] - pb["head"]
+    return int(rest + -(-experts // ef) + -(-(pb["embed"] + pb["head"]) // vf))
+
+
+def engine_pool_bytes(cfg: ModelConfig, max_model_len: int, *, max_num_seqs: int = 8, page_size: int | None = None,
+                      prefill_chunk: int = 256, decode_steps: int = 8, kv_layout: str = "paged",
+                      memory_budget_bytes: int | None = None, enable_prefix_caching: bool = True, dtype="bf16",
+                      mesh=None) -> dict[str, int]:
+    """The engine's pool bytes for these LLM options (an estimate from the same arithmetic as pool_budget, plus
+    what the prefix cache keeps: four window tails per slot and the CSA compressors' boundary rows beside the
+    window pages): {"swa", "state", "pages", "total", "per_device", "n_pages", "page_size"}. Per device (a simple
+    estimate): the per-slot compressor state is split over the mesh's `data` axis where it divides max_num_seqs;
+    the page pools are replicated."""
+    f = _dtype_fmt(dtype)
+    pb = pool_budget(cfg, 0, page_size=page_size, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
+                     decode_steps=decode_steps, dtype=f)
+    p, ps = pb.page_size, pb.swa_page_size
+    main = main_entry_bytes(cfg, f)
+    n_layers = len(_layers(cfg))
+    state = pb.fixed_bytes - pb.n_swa_pages * ps * main * n_layers
+    max_pages = -(-max_model_len // p)
+    if kv_layout == "dense":
+        n_swa, n_pages = max_num_seqs * -(-max_model_len // ps), max_num_seqs * max_pages
+    else:
+        n_swa, mult = pb.n_swa_pages, page_multiple(cfg, p, f)
+        n_pages = -(-max_num_seqs * max_pages // mult) * mult
+    boundary = 0
+    if enable_prefix_caching and kv_layout != "dense":
+        n_swa += 4 * max_num_seqs * (-(-cfg.window_size // ps) + 1)
+        for kind, m in _layers(cfg):
+            if kind == CSA:
+                st = compressor_state_bytes(cfg, kind, m)
+                boundary += n_swa * (st["csa"] + st["csa_index"]) // 2  # m of the 2m state rows per row id
+    swa = n_swa * ps * main * n_layers + boundary
+    if memory_budget_bytes and kv_layout != "dense":  # the pages that fit once the fixed pools are paid for
+        n_pages = max(int((memory_budget_bytes - swa - state) // pb.per_page_bytes), 0)
+        if n_pages >= mult:
+            n_pages -= n_pages % mult
+    pages = n_pages * pb.per_page_bytes
+    data = parse_mesh(mesh).get("data", 1)
+    state_dev = state // data if data > 1 and max_num_seqs % data == 0 else state
+    return {"swa": swa, "state": state, "pages": pages, "n_pages": n_pages, "page_size": p,
+            "total": swa + state + pages, "per_device": swa + state_dev + pages}
+
+
+def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int) -> str:
+    """What would fit instead: smaller presets, bf16, and the mesh that brings the per-device share under."""
+    from v4jax.config import PRESETS, preset
+    hints = []
+    smaller = [n for n in sorted(PRESETS) if param_bytes(preset(n), dtype_bytes)["total"] <= 0.9 * limit]
+    if smaller:
+        hints.append("a smaller preset (" + ", ".join(repr(n) for n in smaller) + ")")
+    if dtype_bytes == 4:
+        hints.append(f"dtype='bfloat16' (half: {_human(need / 2)})")
+    pb = param_bytes(cfg, dtype_bytes)
+    rest = pb["total"] - pb["routed_experts"]
+    e = 2
+    while e <= cfg.n_routed_experts and cfg.n_routed_experts % e == 0:
+        if rest + pb["routed_experts"] / e <= 0.9 * limit:
+            hints.append(f"a mesh over {e} devices, mesh='expert={e}' (about "
+                         f"{_human(rest + pb['routed_experts'] / e)} of weights per device; `v4jax memory --mesh "
+                         f"expert={e}` reports it; today's loader places the whole model on the first device "
+                         "before sharding, so load it sharded or on a larger device)")
+            break
+        e *= 2
+    return "; ".join(hints) if hints else "a device with more memory"
+
+
+def check_weights_fit(cfg: ModelConfig, weight_bytes: int, dtype=None, *, what: str = "the model",
+                      limit: int | None = None, headroom: float = 0.9) -> None:
+    """Raise DeviceMemoryError if `weight_bytes` exceed `headroom` of one device's memory (`limit`, default
+    device_memory_bytes()), saying what would fit. Nothing is allocated; unknown memory skips the check."""
+    source = "limit argument"
+    if limit is None:
+        limit, source = device_memory_bytes()
+    if limit is None or weight_bytes <= headroom * limit:
+        return
+    import numpy as np
+    db = 2 if dtype is None else np.dtype(dtype).itemsize
+    raise DeviceMemoryError(
+        f"{what}: the weights need {_human(weight_bytes)} ({np.dtype(dtype or 'bfloat16').name}) but one device "
+        f"holds {_human(limit)} ({source}); would fit: {_fits_hint(cfg, weight_bytes, limit, db)}. "
+        f"Set ${MEMORY_ENV} to override the detected memory")
+
+
+def check_pools_fit(pool_bytes: int, *, free: int | None = None, source: str = "limit argument",
+                    max_model_len: int, max_num_seqs: int, budget_hint: int | None = None) -> None:
+    """Raise DeviceMemoryError if the engine's pools (`pool_bytes`) exceed the device memory still free."""
+    if free is None:
+        free, source = device_free_bytes()
+    if free is None or pool_bytes <= 0.9 * free:
+        return
+    budget = budget_hint if budget_hint is not None else int(0.8 * free)
+    raise DeviceMemoryError(
+        f"the KV pools for max_num_seqs={max_num_seqs} x max_model_len={max_model_len} need {_human(pool_bytes)} "
+        f"but {_human(free)} is free ({source}); would fit: memory_budget_bytes={budget} (pools sized to the "
+        "budget; requests queue for pages), a lower max_model_len or max_num_seqs, or a mesh with a `data` axis")
+
+
+def check_engine_fits(cfg: ModelConfig, options, max_model_len: int, dtype="bf16", weight_bytes: int = 0) -> None:
+    """Before an LLM builds its engine: the pools its options ask for (engine_pool_bytes, per device of its mesh)
+    against the device memory still free (the weights, `weight_bytes`, already placed). `options` is an
+    api.EngineOptions."""
+    opt = {k: getattr(options, k) for k in ("max_num_seqs", "page_size", "prefill_chunk", "decode_steps",
+                                            "kv_layout", "memory_budget_bytes", "enable_prefix_caching", "mesh")
+           if hasattr(options, k)}
+    pools = engine_pool_bytes(cfg, max_model_len, dtype=dtype, **opt)
+    free, source = device_free_bytes(in_use=weight_bytes)
+    if free is None:
+        return
+    budget = None
+    if not opt.get("memory_budget_bytes") and opt.get("kv_layout", "paged") == "paged":
+        budget = max(int(0.8 * free), 0)
+    check_pools_fit(pools["per_device"], free=free, source=source, max_model_len=max_model_len,
+                    max_num_seqs=opt.get("max_num_seqs", 8), budget_hint=budget)
+
+
+def format_device_table(weights: int, weights_per_device: int, pools: dict, mesh: str, n_devices: int, dtype: str,
+                        max_num_seqs: int, context: int, limit: int | None, source: str) -> str:
+    """Markdown: weights and the engine's pools, in all and per device of the mesh, against one device's memory."""
+    need = weights_per_device + pools["per_device"]
+    lines = [f"## Per device ({mesh}: {n_devices} device(s), weights in {dtype}; an estimate)", "",
+             "| | all devices | per device |", "|---|---|---|",
+             f"| weights | {_human(weights)} | {_human(weights_per_device)} |",
+             f"| engine pools ({max_num_seqs} slots x {context} tokens, {pools['n_pages']} pages of "
+             f"{pools['page_size']}) | {_human(pools['total'])} | {_human(pools['per_device'])} |",
+             f"| **weights + pools** | {_human(weights + pools['total'])} | **{_human(need)}** |"]
+    if limit is not None:
+        verdict = "fits" if need <= 0.9 * limit else "does NOT fit"
+        lines += ["", f"This machine's device: {_human(limit)} ({source}): {verdict} "
+                  f"(activations and compiler scratch need room too; 90% is the limit used)."]
+    return "\n".join(lines)

@@ -47,7 +47,7 @@ def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]]) 
         if expert is None:
             if tuple(var.shape) != tuple(arr.shape):
                 raise ValueError(f"{name}: shape {tuple(arr.shape)} != model {tuple(var.shape)}")
-            var.value = jnp.asarray(arr, dtype=var.dtype)
+            var.set_value(jnp.asarray(arr, dtype=var.dtype))
             assigned.add(path)
         else:
             buf = pending.get(path)
@@ -55,10 +55,11 @@ def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]]) 
                 buf = pending[path] = np.zeros(var.shape, dtype=np.float32)
             buf[expert] = arr
             if expert == var.shape[0] - 1:
-                var.value = jnp.asarray(pending.pop(path), dtype=var.dtype)
+                var.set_value(jnp.asarray(pending.pop(path), dtype=var.dtype))
                 assigned.add(path)
     for path, buf in pending.items():
-        _variable(model, path).value = jnp.asarray(buf, dtype=_variable(model, path).dtype)
+        var = _variable(model, path)
+        var.set_value(jnp.asarray(buf, dtype=var.dtype))
         assigned.add(path)
     missing = []
     flat = nnx.to_flat_state(nnx.state(model))
@@ -85,7 +86,7 @@ def model_to_official(model: Transformer) -> dict[str, np.ndarray]:
     """Every parameter under its official name as float32 numpy (int32 for tid2eid); experts split per expert."""
     out: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        arr = np.asarray(jax.device_get(var.value))
+        arr = np.asarray(jax.device_get(var.get_value()))
         arr = arr if arr.dtype == np.int32 else arr.astype(np.float32)
         (name, expert), = path_to_official(tuple(path))
         if expert is None:

@@ -1,0 +1,160 @@
+"""A new user's first hour: corrupt or partial checkpoints, models too big for the device, and no warnings from
+our own code."""
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import hf_reference as H
+from checkpoints import CheckpointError, write_official_checkpoint
+from checkpoints.reader import read_header
+from v4jax import LLM, SamplingParams
+from v4jax import memory as M
+from v4jax.config import ConfigError, preset
+
+OUR_PACKAGES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p) + os.sep
+                     for p in ("v4jax", "checkpoints", "sharding", "pallas_kernels"))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A small float32 checkpoint (no tokenizer, no MTP)."""
+    cfg = H.cfg_small_ratios()
+    d = tmp_path_factory.mktemp("small")
+    write_official_checkpoint(d, cfg, H.random_official_tensors(cfg, seed=1, include_mtp=False), fp8=False,
+                              fp4_experts=False, bf16=False)
+    return d
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in os.listdir(src):
+        (dst / f).write_bytes((src / f).read_bytes())
+    return dst
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------
+def test_random_bytes_in_tensor_data_fail_at_load_naming_the_tensor(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path / "corrupt")
+    path = str(d / "model.safetensors")
+    tensors, _ = read_header(path)
+    st = tensors["layers.2.attn.wkv.weight"]
+    with open(path, "r+b") as f:  # what a bad download looks like: random bytes in the middle of a tensor
+        f.seek(st.start + st.nbytes // 3)
+        f.write(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(CheckpointError, match=r"'layers\.2\.attn\.wkv\.weight'.*non-finite value.*corrupt"):
+        LLM(str(d))
+
+
+def test_truncated_config_names_the_file(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path / "truncated")
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ConfigError, match=f"{d / 'config.json'} is not valid JSON"):
+        LLM(str(d))
+    with pytest.raises(CheckpointError, match="config.json of .* is not valid JSON"):
+        from checkpoints import open_checkpoint
+        open_checkpoint(str(d))
+
+
+def test_directory_without_tokenizer_warns_once(ckpt):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(str(ckpt), dtype="float32")
+    msgs = [str(w.message) for w in caught if "tokenizer" in str(w.message)]
+    assert msgs == [f"no tokenizer.json in {ckpt}: prompts must be token ids, outputs have text=None"]
+    assert [w.filename for w in caught if "tokenizer" in str(w.message)] == [__file__]  # points at the caller
+    assert llm.tokenizer is None
+
+
+# ---- memory: what fits ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny", "flash-slice"])
+def test_param_bytes_equal_the_abstract_model(name):
+    cfg = preset(name)
+    abstract = M.abstract_model(cfg, "bfloat16")
+    assert M.param_bytes(cfg, 2)["total"] == M.model_weight_bytes(abstract)
+
+
+@pytest.mark.parametrize("mesh", [None, "expert=2", "tensor=2", "expert=4,tensor=2", "data=2", "expert=3"])
+def test_weight_bytes_on_mesh_equal_the_sharding_rules(mesh):
+    cfg = H.cfg_small_ratios()
+    abstract = M.abstract_model(cfg, "float32")
+    assert M.weight_bytes_on_mesh(cfg, mesh, 4) == M.weight_bytes_per_device(abstract, mesh)
+    if mesh == "expert=2":
+        assert M.weight_bytes_on_mesh(cfg, mesh, 4) < M.weight_bytes_on_mesh(cfg, None, 4)
+
+
+def test_too_big_preset_fails_before_allocating(monkeypatch):
+    monkeypatch.setenv(M.MEMORY_ENV, str(100 << 30))
+    with pytest.raises(M.DeviceMemoryError) as e:
+        LLM("flash")
+    msg = str(e.value)
+    assert "the weights need 542.00 GiB" in msg and "100.00 GiB" in msg and M.MEMORY_ENV in msg
+    assert "smaller preset ('flash-slice', 'tiny')" in msg and "mesh='expert=16'" in msg
+    monkeypatch.setenv(M.MEMORY_ENV, "1000000")  # below tiny's 1.4 MB of bf16 weights
+    with pytest.raises(M.DeviceMemoryError, match="preset 'tiny'.*would fit: a device with more memory"):
+        LLM("tiny")
+
+
+def test_pools_that_do_not_fit_suggest_a_budget(monkeypatch):
+    llm = LLM("tiny", dtype="float32", max_num_seqs=8, max_model_len=4096)
+    weights = M.model_weight_bytes(llm.model)
+    pools = M.engine_pool_bytes(llm.config, 4096, max_num_seqs=8, dtype="float32")["total"]
+    monkeypatch.setenv(M.MEMORY_ENV, str(weights + pools // 2))
+    with pytest.raises(M.DeviceMemoryError, match=r"max_num_seqs=8 x max_model_len=4096 .*memory_budget_bytes=\d+"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert llm._engine is None
+
+
+def test_engine_pool_bytes_match_the_engine():
+    """The estimate the pool check uses is within 10% of what the engine allocates (pools, prefix-cache rows)."""
+    import jax
+
+    from v4jax import cache as C
+    for opts in (dict(max_num_seqs=2, max_model_len=200, prefill_chunk=32, decode_steps=4),
+                 dict(max_num_seqs=2, max_model_len=200, enable_prefix_caching=False),
+                 dict(max_num_seqs=3, max_model_len=100, kv_layout="dense", page_size=16),
+                 dict(max_num_seqs=2, max_model_len=256, memory_budget_bytes=3 << 20, enable_prefix_caching=False),
+                 dict(max_num_seqs=2, max_model_len=256, memory_budget_bytes=3 << 20)):
+        llm = LLM("tiny", dtype="float32", **opts)
+        eng = llm.engine
+        got = sum(C.pool_bytes(eng.pools).values())
+        store = getattr(eng, "store", None)
+        got += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(store)) if store is not None else 0
+        want = M.engine_pool_bytes(llm.config, llm.max_model_len, dtype="float32",
+                                   **{k: v for k, v in opts.items() if k != "max_model_len"})["total"]
+        assert 0.9 * got <= want <= 1.1 * got, (opts, want, got)
+
+
+def test_device_memory_bytes_override_and_host(monkeypatch):
+    monkeypatch.setenv(M.MEMORY_ENV, "12345")
+    assert M.device_memory_bytes() == (12345, f"${M.MEMORY_ENV}")
+    monkeypatch.delenv(M.MEMORY_ENV)
+    limit, source = M.device_memory_bytes()
+    assert limit is None or limit > 0
+    monkeypatch.setenv(M.MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match="not a number of bytes"):
+        M.device_memory_bytes()
+
+
+# ---- warnings ------------------------------------------------------------------------------------------------
+def test_no_warnings_from_our_code(ckpt, tmp_path):
+    """Load a checkpoint, run a forward, export the weights, make a memory report: no warning (deprecations above
+    all) may come from a file of our packages."""
+    d = _copy(ckpt, tmp_path / "with_tok")
+    (d / "tokenizer.json").write_bytes(open(os.path.join(os.path.dirname(M.__file__), "default_model",
+                                                         "tokenizer.json"), "rb").read())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(str(d), dtype="float32", max_model_len=64, max_num_seqs=2)
+        llm.logits([1, 2, 3])
+        SamplingParams(max_tokens=3, temperature=0.5, stop_token_ids=[1])
+        from v4jax.weights import model_to_official
+        model_to_official(llm.model)
+        M.format_report(M.report(llm.config, 256))
+    ours = [f"{w.filename}:{w.lineno}: {w.category.__name__}: {str(w.message).splitlines()[0]}" for w in caught
+            if w.filename.startswith(OUR_PACKAGES)]
+    assert not ours, "\n".join(ours)
+    assert json.loads((d / "config.json").read_text())  # the copy is intact
