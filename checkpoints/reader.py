@@ -314,8 +314,8 @@ class Checkpoint:
                 raise KeyError(f"not in this checkpoint: {sorted(unknown)[:5]}")
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=sum(self._sources[n].nbytes for n in todo), unit="B", unit_scale=True,
+            from tqdm import tqdm  # a text bar, on terminals only (disable=None): not in notebooks or logs
+            bar = tqdm(total=sum(self._sources[n].nbytes for n in todo), unit="B", unit_scale=True, disable=None,
                        desc=f"loading {os.path.basename(os.path.normpath(self.path))}", leave=False)
         handles: dict = {}
         try:

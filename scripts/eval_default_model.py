@@ -3,6 +3,7 @@
 
     python scripts/eval_default_model.py                      # v4jax/default_model, data/shakespeare
     python scripts/eval_default_model.py --ckpt DIR --out eval.json --max-windows 128 --no-generate
+    python scripts/eval_default_model.py --samples-only --markdown samples.md   # the continuations alone
 
 Measures, over non-overlapping held-out windows of seq_len + 1 tokens (the training length):
   * held-out loss / perplexity of the main head;
@@ -11,7 +12,8 @@ Measures, over non-overlapping held-out windows of seq_len + 1 tokens (the train
   * the Lightning Indexer's recall: the share of the dense attention mass over compressed entries that its
     top-k covers, per CSA layer;
   * the MTP head's top-1 accuracy (position i predicts token i+2) and loss;
-  * three greedy and three sampled continuations of held-out prompts (a plain full-forward loop).
+  * three greedy and three sampled continuations of held-out prompts (a plain full-forward loop), written in
+    BENCHMARKS.md's layout: each prompt shown from its last speech, the continuation between ⟦ ⟧.
 The checkpoint is read with checkpoints.open_checkpoint and assigned with v4jax.weights.load_tensors (the
 loader every checkpoint goes through). Runs on CPU (a few minutes) or GPU.
 """
@@ -42,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--max-windows", type=int, default=None, help="held-out windows to use (default: all)")
     p.add_argument("--bucket", type=int, default=32)
     p.add_argument("--no-generate", action="store_true")
+    p.add_argument("--samples-only", action="store_true", help="only the continuations (no held-out evaluation)")
     p.add_argument("--new-tokens", type=int, default=160)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
@@ -63,20 +66,41 @@ def load_model(ckpt_dir: str, dtype):
     return cfg, load_tensors(abstract, ckpt.iter_tensors())
 
 
-def heldout_prompts(held_text: str, n: int = 3, chars: int = 400) -> list[str]:
+SPEAKER = re.compile(r"\n\n([A-Z][A-Z' ]+[A-Z]\.)\n")  # a speaker heading, e.g. "\n\nSIR TOBY.\n"
+_SMALL_WORDS = {"a", "an", "and", "as", "at", "for", "in", "of", "on", "or", "the", "to"}
+
+
+def play_title(doc: str) -> str:
+    """'TWELFTH NIGHT; OR, WHAT YOU WILL' -> 'Twelfth Night' (the first line, before a ';', in title case)."""
+    words = doc.split("\n", 1)[0].split(";")[0].strip().lower().split()
+    return " ".join(w if i and w in _SMALL_WORDS else w.capitalize() for i, w in enumerate(words))
+
+
+def heldout_prompts(held_text: str, n: int = 3, chars: int = 400, titles: bool = False):
     """n prompts from the held-out plays' modern editions: the text up to and including the first speaker
-    heading (a line like 'ANGELO.') after one third of the play, starting at a line boundary ~`chars` before."""
+    heading (a line like 'ANGELO.') after one third of the play, starting at a line boundary ~`chars` before.
+    With titles=True: [(prompt, play title)]."""
     from v4jax.data import split_documents
     docs = [d for d in split_documents(held_text) if "by William Shakespeare" in d[:200]] or \
         split_documents(held_text)
     out = []
-    head = re.compile(r"\n\n([A-Z][A-Z' ]+[A-Z]\.)\n")
     for d in docs[:n]:
-        m = head.search(d, len(d) // 3)
+        m = SPEAKER.search(d, len(d) // 3)
         end = m.end()
         start = d.rfind("\n\n", 0, max(0, end - chars)) + 2
-        out.append(d[start:end])
+        out.append((d[start:end], play_title(d)) if titles else d[start:end])
     return out
+
+
+def last_speech(prompt: str) -> str:
+    """The prompt from its last paragraph before the final speaker heading: the speech the continuation answers
+    (from its heading, or from a stage direction inside it). A fixed number of trailing characters (the earlier
+    layout showed the last 240) can start mid-speech, and for a long speech hold no paragraph start at all: prompt
+    2's last speech (Maria's, Twelfth Night) is 330 characters, and its samples were lost that way."""
+    heads = list(SPEAKER.finditer(prompt))
+    body = prompt[: heads[-1].start()] if heads else prompt
+    start = body.rstrip("\n").rfind("\n\n")
+    return prompt[start + 2:] if start >= 0 else prompt
 
 
 def oracle_recall(target, k):
@@ -112,6 +136,18 @@ def main(argv=None):
     t_load = time.time() - t0
     tok = D.load_tokenizer(args.ckpt if os.path.exists(os.path.join(args.ckpt, "tokenizer.json")) else None)
     _, held_text = D.load_split(args.data)
+    if args.samples_only:
+        res = dict(checkpoint=args.ckpt, compute_dtype=args.dtype,
+                   samples=generate_samples(graphdef, state, cfg, tok, held_text, args))
+        print("\n".join(samples_markdown(res["samples"])), flush=True)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write("\n".join(samples_markdown(res["samples"])) + "\n")
+        return res
     held = D.encode_corpus(tok, held_text)
     T = args.seq_len
     windows = np.concatenate(list(D.eval_batches(held, T + 1, 1 << 30)))
@@ -208,9 +244,7 @@ def main(argv=None):
         t2 = time.time()
         res["samples"] = generate_samples(graphdef, state, cfg, tok, held_text, args)
         res["generate_s"] = time.time() - t2
-        for s in res["samples"]:
-            print(f"--- {s['mode']} (prompt {s['prompt_index']}) ---\n{s['prompt'][-200:]}[[{s['continuation']}]]",
-                  flush=True)
+        print("\n".join(samples_markdown(res["samples"])), flush=True)
 
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -229,7 +263,7 @@ def generate_samples(graphdef, state, cfg, tok, held_text, args) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    prompts = heldout_prompts(held_text)
+    prompts, titles = zip(*heldout_prompts(held_text, titles=True))
     ids = [[cfg.bos_token_id] + tok.encode(p, add_special_tokens=False).ids for p in prompts]
     rows = [(i, "greedy") for i in range(len(ids))] + [(i, "sampled") for i in range(len(ids))]
     L = max(len(x) for x in ids) + args.new_tokens
@@ -263,9 +297,9 @@ def generate_samples(graphdef, state, cfg, tok, held_text, args) -> list[dict]:
     out = []
     for r, (i, mode) in enumerate(rows):
         new = buf[r, len(ids[i]): pos[r]].tolist()
-        out.append(dict(prompt_index=i, mode=mode, temperature=float(temp[r]), seed=args.seed,
+        out.append(dict(prompt_index=i, mode=mode, temperature=float(temp[r]), seed=args.seed, play=titles[i],
                         prompt=prompts[i], continuation=tok.decode(new, skip_special_tokens=False),
-                        new_tokens=len(new)))
+                        new_tokens=len(new), ended_with_eos=bool(new) and new[-1] == cfg.eos_token_id))
     return out
 
 
@@ -296,14 +330,20 @@ def to_markdown(res: dict) -> str:
     for b in res["position_buckets"]:
         lines.append(f"| {b['positions']} | {b['loss']:.4f} | {b['loss_window_only']:.4f} | {b['delta']:+.4f} |")
     lines.append("")
-    for s in res.get("samples", []):
-        lines.append(f"**{s['mode']}** (prompt {s['prompt_index']}"
-                     + (f", temperature {s['temperature']}, seed {s['seed']}" if s["mode"] == "sampled" else "")
-                     + "):")
-        lines.append("```")
-        lines.append(s["prompt"][-240:] + "⟦" + s["continuation"] + "⟧")
-        lines.append("```")
+    lines += samples_markdown(res.get("samples", []))
     return "\n".join(lines) + "\n"
+
+
+def samples_markdown(samples: list[dict]) -> list[str]:
+    """The continuations as BENCHMARKS.md shows them: a label, then the prompt from its last speech and the
+    continuation between ⟦ ⟧."""
+    lines = []
+    for s in samples:
+        mode = "greedy" if s["mode"] == "greedy" else f"sampled (T = {s['temperature']:g})"
+        play = f" ({s['play']})" if s.get("play") else ""
+        lines += [f"{mode}, prompt {s['prompt_index']}{play}:", "```",
+                  last_speech(s["prompt"]) + "⟦" + s["continuation"] + "⟧", "```"]
+    return lines
 
 
 if __name__ == "__main__":

@@ -597,15 +597,13 @@ def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int) -> str
         hints.append("a smaller preset (" + ", ".join(repr(n) for n in smaller) + ")")
     if dtype_bytes == 4:
         hints.append(f"dtype='bfloat16' (half: {_human(need / 2)})")
-    pb = param_bytes(cfg, dtype_bytes)
-    rest = pb["total"] - pb["routed_experts"]
     e = 2
     while e <= cfg.n_routed_experts and cfg.n_routed_experts % e == 0:
-        if rest + pb["routed_experts"] / e <= 0.9 * limit:
-            hints.append(f"a mesh over {e} devices, mesh='expert={e}' (about "
-                         f"{_human(rest + pb['routed_experts'] / e)} of weights per device; `v4jax memory --mesh "
-                         f"expert={e}` reports it; today's loader places the whole model on the first device "
-                         "before sharding, so load it sharded or on a larger device)")
+        per_dev = weight_bytes_on_mesh(cfg, {"expert": e}, dtype_bytes)
+        if per_dev <= 0.9 * limit:
+            hints.append(f"a mesh over {e} devices, mesh='expert={e}' ({_human(per_dev)} of weights per device, "
+                         f"`v4jax memory --mesh expert={e}`; note that loading places the whole model on the first "
+                         "device before the mesh shards it)")
             break
         e *= 2
     return "; ".join(hints) if hints else "a device with more memory"
@@ -615,7 +613,7 @@ def check_weights_fit(cfg: ModelConfig, weight_bytes: int, dtype=None, *, what: 
                       limit: int | None = None, headroom: float = 0.9) -> None:
     """Raise DeviceMemoryError if `weight_bytes` exceed `headroom` of one device's memory (`limit`, default
     device_memory_bytes()), saying what would fit. Nothing is allocated; unknown memory skips the check."""
-    source = "limit argument"
+    source = "the given limit"
     if limit is None:
         limit, source = device_memory_bytes()
     if limit is None or weight_bytes <= headroom * limit:
@@ -628,7 +626,7 @@ def check_weights_fit(cfg: ModelConfig, weight_bytes: int, dtype=None, *, what: 
         f"Set ${MEMORY_ENV} to override the detected memory")
 
 
-def check_pools_fit(pool_bytes: int, *, free: int | None = None, source: str = "limit argument",
+def check_pools_fit(pool_bytes: int, *, free: int | None = None, source: str = "the given limit",
                     max_model_len: int, max_num_seqs: int, budget_hint: int | None = None) -> None:
     """Raise DeviceMemoryError if the engine's pools (`pool_bytes`) exceed the device memory still free."""
     if free is None:
