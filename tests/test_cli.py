@@ -92,9 +92,10 @@ def test_debug_shows_the_traceback(no_model_load):
 
 def test_corrupt_model_dir_is_one_line(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 512, "hidden_')
-    rc, _, err = _run(capsys, "generate", "--model", str(tmp_path), "hi")
-    assert rc == 1 and err.count("\n") == 1
-    assert err.startswith(f"error: {tmp_path / 'config.json'} is not valid JSON")
+    for cmd in ("generate", "memory"):
+        rc, _, err = _run(capsys, cmd, "--model", str(tmp_path))
+        assert rc == 1 and err.count("\n") == 1
+        assert err.startswith(f"error: {tmp_path / 'config.json'} is not valid JSON"), err
 
 
 def test_too_big_preset_is_one_line(capsys, monkeypatch):

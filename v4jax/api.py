@@ -84,7 +84,7 @@ def _read_config(path: str) -> ModelConfig:
     try:
         return ModelConfig.from_hf(path)
     except json.JSONDecodeError as e:
-        cfg_file = os.path.join(path, "config.json")
+        cfg_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
         if not os.path.exists(cfg_file):
             cfg_file = os.path.join(path, "inference", "config.json")
         raise ConfigError(f"{cfg_file} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None

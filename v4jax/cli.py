@@ -237,12 +237,13 @@ def _memory(args) -> int:
     import json
 
     from v4jax import memory as M
-    from v4jax.config import PRESETS, ModelConfig, preset
+    from v4jax.config import PRESETS, preset
 
     if args.model in PRESETS:
         cfg = preset(args.model)
     elif os.path.isdir(args.model) or os.path.isfile(args.model):
-        cfg = ModelConfig.from_hf(args.model)
+        from v4jax.api import _read_config
+        cfg = _read_config(args.model)
     else:
         raise FileNotFoundError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                                 "directory with a config.json")
