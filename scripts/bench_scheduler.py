@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The scheduler with and without pipelining: generate() (decode call n+1 dispatched before call n is read) vs
-a loop of waited-for generate_step() calls (tests/test_engine.py::_synchronous_reference), same requests.
+EngineCore steps that read each decode call right after dispatching it (tests/test_engine.py::_synchronous_generate),
+same requests.
 
   python scripts/bench_scheduler.py [--model tiny] [--batches 1,4] [--tokens 300]
 """
@@ -15,7 +16,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from test_engine import _synchronous_reference  # noqa: E402
+from test_engine import _synchronous_generate  # noqa: E402
 from v4jax import LLM, SamplingParams  # noqa: E402
 
 
@@ -32,11 +33,11 @@ def main(argv=None):
         prompts = [[5, 6, 7, 8]] * b
         sp = [SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)] * b
         llm.generate(prompts, sp)
-        _synchronous_reference(llm.engine, prompts, sp)          # both warm
+        _synchronous_generate(llm, prompts, sp)          # both warm
         ts, tp = [], []
         for _ in range(a.repeats):
             t0 = time.perf_counter()
-            _synchronous_reference(llm.engine, prompts, sp)
+            _synchronous_generate(llm, prompts, sp)
             ts.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             llm.generate(prompts, sp)

@@ -65,22 +65,25 @@ def cases():
 def engine_cases():
   """The engine's jitted prefill and decode steps (XLA attention path) for the `tiny` preset: every op the
   serving loop uses, compiled for the TPU."""
+  import functools
   from v4jax import LLM
-  from v4jax.engine import MAX_STOP, _DecodeIO
+  from v4jax.engine import steps as S
   eng = LLM("tiny", dtype="bfloat16", max_num_seqs=4, max_model_len=512, prefill_chunk=64).engine
   spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
   s = eng.layout.max_slots
   z = lambda n, dt=np.int32: np.zeros((n,), dt)
-  io = _DecodeIO(z(s), z(s), z(s, bool), z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s), z(s),
-                 np.full((s, MAX_STOP), -1, np.int32))
+  state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
+                        S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s)))
   pt, swa = eng.tables.full[:, :2], eng.tables.swa
-  samp = (z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1))
+  samp = S.SamplingState(z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1))
+  batch = S.PrefillBatch(np.zeros((1, 64), np.int32), z(1), z(1), z(1, bool), z(1))
   return {
       "engine decode step (tiny, XLA attention)": (
-          eng._decode_jit, jax.tree.map(spec, (eng._leaves, eng.pools, io, pt, swa))),
+          functools.partial(S._decode, eng.spec),
+          jax.tree.map(spec, (eng._leaves, eng.pools, eng.store, state, pt, swa))),
       "engine prefill step (tiny, XLA attention, chunk 64)": (
-          eng._prefill_jit, jax.tree.map(spec, (eng._leaves, eng.pools, np.zeros((1, 64), np.int32), z(1), z(1),
-                                                z(1, bool), z(1), pt[:1], swa[:1], samp))),
+          functools.partial(S._prefill, eng.spec),
+          jax.tree.map(spec, (eng._leaves, eng.pools, eng.store, batch, pt[:1], swa[:1], samp))),
   }
 
 
