@@ -2,3 +2,6 @@
 from v4jax.cache.pages import PageAllocator, PageTables, SlotPages
 from v4jax.cache.pools import (LOGICAL_AXES, KVPools, LayerPool, PoolLayout, StepMeta, entry_rows, init_pools,
                                make_meta, pool_bytes)
+
+__all__ = ["PageAllocator", "PageTables", "SlotPages", "LOGICAL_AXES", "KVPools", "LayerPool", "PoolLayout", "StepMeta",
+           "entry_rows", "init_pools", "make_meta", "pool_bytes"]

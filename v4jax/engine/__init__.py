@@ -2,4 +2,4 @@
 from v4jax.engine.core import EngineCore, RequestDelta, _snapshot
 from v4jax.engine.scheduler import Request, Scheduler
 
-__all__ = ["EngineCore", "RequestDelta", "Request", "Scheduler"]
+__all__ = ["EngineCore", "RequestDelta", "Request", "Scheduler", "_snapshot"]

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -176,6 +176,14 @@ class EngineCore:
         for req in sch.admit():
             if req.hit_row is not None:
                 self.pools = S.restore_step(self.pools, self.store, req.slot, req.hit_row)
+        if sch.waiting and all(r is None for r in sch.slots):
+            # Nothing runs and the queue's head cannot be admitted even with the prefix cache emptied:
+            # add_request's checks should make this impossible; end it rather than spin.
+            req = sch.waiting[0]
+            sch.remove(req)
+            self.counts["aborted"] += 1
+            warnings.warn(f"request {req.request_id!r} ({len(req.tokens)} tokens) cannot fit in the pools; aborted")
+            deltas.append(RequestDelta(req.request_id, [], [], "abort"))
         flight = self._dispatch_decode(self._flight)
         prefilled = self._run_chunk()
         if self._flight is not None:

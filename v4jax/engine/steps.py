@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from v4jax import cache as C
-from v4jax.cache.boundary import BoundaryStore, restore_slot_states, save_boundary_states
+from v4jax.cache.boundary import restore_slot_states, save_boundary_states
 from v4jax.config import ModelConfig
 from v4jax.model import RunOptions
 from v4jax.sampling import sample
