@@ -154,7 +154,10 @@ def test_no_warnings_from_our_code(ckpt, tmp_path):
         from v4jax.weights import model_to_official
         model_to_official(llm.model)
         M.format_report(M.report(llm.config, 256))
+    # Flax attributes some deprecations of its API to its own files (the `.value` setter warns from
+    # flax/nnx/variablelib.py): those come from our calls as well.
     ours = [f"{w.filename}:{w.lineno}: {w.category.__name__}: {str(w.message).splitlines()[0]}" for w in caught
-            if w.filename.startswith(OUR_PACKAGES)]
+            if w.filename.startswith(OUR_PACKAGES) or (issubclass(w.category, DeprecationWarning)
+                                                        and f"{os.sep}flax{os.sep}" in w.filename)]
     assert not ours, "\n".join(ours)
     assert json.loads((d / "config.json").read_text())  # the copy is intact
