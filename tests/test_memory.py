@@ -190,7 +190,8 @@ def test_per_token_equals_init_pools(dtype, fmt):
 def test_pool_budget_matches_engine(dtype):
     from v4jax.api import LLM
     budget = 3_000_000
-    llm = LLM("tiny", dtype=dtype, memory_budget_bytes=budget, max_num_seqs=3)
+    # pool_budget counts the pools of an engine without the prefix cache (its tails: memory.engine_pool_bytes)
+    llm = LLM("tiny", dtype=dtype, memory_budget_bytes=budget, max_num_seqs=3, enable_prefix_caching=False)
     eng = llm.engine
     pb = M.pool_budget(llm.config, budget, max_num_seqs=3, dtype=dtype)
     assert (pb.page_size, pb.swa_page_size, pb.n_swa_pages, pb.n_pages) == (
@@ -223,7 +224,8 @@ def test_pools_hold_whole_tpu_tiles(budget):
     assert M.page_multiple(cfg, 256, "bf16") == 1                      # CSA 64, HCA 16 rows per page
     assert M.page_multiple(cfg, 16, "bf16") == 16 and M.page_multiple(cfg, 16, "f32") == 8   # HCA: 1 row
     assert M.page_multiple(preset("flash"), 256, "bf16") == 8         # HCA 128: 2 rows per page
-    llm = LLM("tiny", page_size=16, max_num_seqs=3, max_model_len=120, memory_budget_bytes=budget)
+    llm = LLM("tiny", page_size=16, max_num_seqs=3, max_model_len=120, memory_budget_bytes=budget,
+              enable_prefix_caching=False)
     eng = llm.engine
     assert eng.layout.n_pages % 16 == 0 and eng.layout.n_pages >= 3 * 8
     for lp in eng.pools.layers:

@@ -279,7 +279,9 @@ def pool_budget(cfg: ModelConfig, budget_bytes: int, *, page_size: int | None = 
     """How many full pages (and tokens) the engine's pools hold in `budget_bytes` (pools only: weights and
     activations are not in the budget). Same arithmetic as Engine._pages_for_budget, from the formulas above:
     per page = P * (KV bytes per token + 4 B of token id); fixed = SWA pages of every main layer + every slot's
-    compressor state. The engine allocates no MTP pool (it does not run MTP), so none is counted."""
+    compressor state. The engine allocates no MTP pool (it does not run MTP), so none is counted. This is the
+    engine with enable_prefix_caching=False; the prefix cache's window tails and boundary rows come on top
+    (engine_pool_bytes counts them)."""
     f = _dtype_fmt(dtype)
     p, ps, n_swa = engine_layout(cfg, page_size, max_num_seqs, prefill_chunk, decode_steps)
     main, idx = main_entry_bytes(cfg, f), index_key_bytes(cfg, f)
