@@ -487,7 +487,7 @@ def _markdown(meta, rows):
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="bench_kernels", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="v4jax bench kernels", description=__doc__.split("\n")[0])
   p.add_argument("--small", action="store_true", help="tiny shapes (smoke test; runs on CPU in interpret mode)")
   p.add_argument("--out", default=None, help="output directory (default $OUT or .)")
   p.add_argument("--only", nargs="*", choices=list(ALL), help="subset of kernels")

@@ -1,6 +1,6 @@
 """Benchmarks: `v4jax bench decode` (decode_main) and `v4jax memory` (memory_main).
 
-decode_main: the issue 3 decode benchmark. A Flash-shaped slice (`flash-slice` preset: Flash attention and indexer
+decode_main: the decode benchmark. A Flash-shaped slice (`flash-slice` preset: Flash attention and indexer
 sizes, layers [CSA, HCA, CSA, HCA], 16 routed experts) with random weights in bf16, decode step time and tokens/s at
 batch 1 and 32 and contexts 4K, 64K, 256K (1M at batch 1).
 

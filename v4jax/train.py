@@ -258,7 +258,7 @@ def _train_step(st: _Static, params, opt_state, buffers, tokens, lr):
     # auxiliary-loss-free balance: nudge each top-k gate's selection bias toward equal expert loads
     for j, k in enumerate(routed_bias_keys(st.cfg)[: loads.shape[0]]):
         params[k] = params[k] + st.tc.bias_update_rate * jnp.sign(1.0 - loads[j])
-    m["grad_norm"] = optax.global_norm(grads)
+    m["grad_norm"] = optax.tree.norm(grads)
     m["max_load"] = jnp.max(loads) if loads.size else jnp.zeros((), F32)
     return params, opt_state, m
 
