@@ -233,7 +233,6 @@ class JaxDecodeBench:
     def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0):
         from v4jax.api import EngineOptions
         from v4jax.engine import EngineCore
-        from v4jax.engine import steps
         self.cfg, self.batch, self.k = cfg, batch, k
         opts = EngineOptions(max_num_seqs=batch, decode_steps=k, max_model_len=max_context,
                              enable_prefix_caching=False)
@@ -242,8 +241,7 @@ class JaxDecodeBench:
         _fill_pools(self.engine, seed)
         self.setup_s = time.perf_counter() - t0
         self._captured = None
-        self._steps = steps
-        self._orig = steps.decode_step
+        self._orig = self.engine.steps.decode
 
         def capture(spec, leaves, pools, store, state, page_table, swa_table):
             self._captured = (state, page_table, swa_table)
@@ -258,11 +256,11 @@ class JaxDecodeBench:
     def generate_step(self):
         """One decode call for every slot, waited for, through the engine's own dispatch and collection."""
         eng = self.engine
-        self._steps.decode_step = self._capture
+        eng.steps = dataclasses.replace(eng.steps, decode=self._capture)
         try:
             flight = eng._dispatch_decode(None)
         finally:
-            self._steps.decode_step = self._orig
+            eng.steps = dataclasses.replace(eng.steps, decode=self._orig)
         return eng._collect(flight)
 
     def _occupy(self, held: int, rng):

@@ -101,6 +101,7 @@ class EngineCore:
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.spec = S.StepSpec(graphdef, treedef, cfg, self.layout, run_options, self.k, max_model_len, caching)
+        self.steps = S.JittedSteps.make()
         self._flight: _InFlight | None = None
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
@@ -175,7 +176,7 @@ class EngineCore:
         sch = self.scheduler
         for req in sch.admit():
             if req.hit_row is not None:
-                self.pools = S.restore_step(self.pools, self.store, req.slot, req.hit_row)
+                self.pools = self.steps.restore(self.pools, self.store, req.slot, req.hit_row)
         if sch.waiting and all(r is None for r in sch.slots):
             # Nothing runs and the queue's head cannot be admitted even with the prefix cache emptied:
             # add_request's checks should make this impossible; end it rather than spin.
@@ -230,9 +231,9 @@ class EngineCore:
         fresh = S.DecodeState(tokens, pos, active, rem, stop, S.SamplingState(temp, top_p, top_k, seed, sidx, tidx))
         # always through the (tiny) merge, so the decode step sees device arrays every time (numpy and device
         # arguments are different signatures to jit, and warm-up compiles one)
-        state = S.carry_state(prev.state if carried.any() else fresh, fresh, carried)
+        state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
         pt = self.tables.full[:, :self._page_bucket(upto)]
-        self.pools, self.store, out, state = S.decode_step(self.spec, self._leaves, self.pools, self.store, state,
+        self.pools, self.store, out, state = self.steps.decode(self.spec, self._leaves, self.pools, self.store, state,
                                                            _snapshot(pt), _snapshot(self.tables.swa))
         return _InFlight(out, state, [(r.slot, r) for r in running], {r.slot: r.fed for r in running})
 
@@ -278,7 +279,7 @@ class EngineCore:
                                i32(req.sample_index), i32(len(req.output)))
         batch = S.PrefillBatch(chunk, i32(start), i32(c), np.asarray([start == 0]), i32(req.slot))
         pt = self.tables.full[req.slot:req.slot + 1, :self._page_bucket(start + bucket)]
-        self.pools, self.store, tok, lp = S.prefill_step(self.spec, self._leaves, self.pools, self.store, batch,
+        self.pools, self.store, tok, lp = self.steps.prefill(self.spec, self._leaves, self.pools, self.store, batch,
                                                          _snapshot(pt), _snapshot(self.tables.swa[req.slot:req.slot + 1]),
                                                          samp)
         req.computed = end
@@ -318,23 +319,23 @@ class EngineCore:
         samp = S.SamplingState(np.zeros(1, np.float32), np.ones(1, np.float32), i32(), i32(), i32(), i32())
         empty = [i for i, r in enumerate(self.scheduler.slots) if r is None]
         if self.prefix is not None and empty:
-            self.pools = S.restore_step(self.pools, self.store, empty[0], 0)
+            self.pools = self.steps.restore(self.pools, self.store, empty[0], 0)
         for nb in page_buckets:
             pt = _snapshot(self.tables.full[:, :nb])
             for cb in chunk_buckets:
                 batch = S.PrefillBatch(np.zeros((1, cb), np.int32), i32(), i32(), np.zeros(1, bool), i32())
-                self.pools, self.store, _, _ = S.prefill_step(self.spec, self._leaves, self.pools, self.store, batch,
+                self.pools, self.store, _, _ = self.steps.prefill(self.spec, self._leaves, self.pools, self.store, batch,
                                                               pt[:1], _snapshot(self.tables.swa[:1]), samp)
             n = lambda dt=np.int32: np.zeros((s,), dt)
             st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
                                S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))
-            st = S.carry_state(st, st, n(bool))
-            self.pools, self.store, *_ = S.decode_step(self.spec, self._leaves, self.pools, self.store, st, pt,
+            st = self.steps.carry(st, st, n(bool))
+            self.pools, self.store, *_ = self.steps.decode(self.spec, self._leaves, self.pools, self.store, st, pt,
                                                        _snapshot(self.tables.swa))
         return self.compiled_variants()
 
     def compiled_variants(self) -> int:
-        return S.compiled_variants()
+        return self.steps.compiled_variants()
 
     def stats(self) -> dict:
         t, lay, sch = self.tables, self.layout, self.scheduler

@@ -1,8 +1,8 @@
 """The jitted steps: module-level functions of (params, pools, inputs), pools donated, shapes bucketed.
 
-    prefill_step   B rows of T tokens (chunks of prompts) -> one sampled token per row
-    decode_step    k tokens for every slot in one `lax.while_loop` (sampling, stop and length checks on device)
-    restore_step   a slot's compressor state set to a cached boundary's (a prefix hit)
+    prefill   B rows of T tokens (chunks of prompts) -> one sampled token per row
+    decode    k tokens for every slot in one `lax.while_loop` (sampling, stop and length checks on device)
+    restore   a slot's compressor state set to a cached boundary's (a prefix hit)
 
 Everything static about a step lives in one `StepSpec` (hashed by identity: jit looks it up on every call, and
 hashing a model's graph definition each time would cost more than the lookup). Sampling parameters are traced
@@ -162,12 +162,21 @@ def _carry(prev: DecodeState, fresh: DecodeState, carried):
     return jax.tree.map(pick, prev, fresh)
 
 
-prefill_step = jax.jit(_prefill, static_argnums=0, donate_argnums=(2, 3))
-decode_step = jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3))
-carry_state = jax.jit(_carry)
-restore_step = jax.jit(restore_slot_states, donate_argnums=0)
+@dataclasses.dataclass(frozen=True)
+class JittedSteps:
+    """The steps jitted for one engine: its compiled programs live and die with it (one process may build many
+    engines; programs cached at module level would never be freed)."""
+    prefill: Any
+    decode: Any
+    carry: Any
+    restore: Any
 
+    @staticmethod
+    def make() -> "JittedSteps":
+        return JittedSteps(prefill=jax.jit(_prefill, static_argnums=0, donate_argnums=(2, 3)),
+                           decode=jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3)),
+                           carry=jax.jit(_carry), restore=jax.jit(restore_slot_states, donate_argnums=0))
 
-def compiled_variants() -> int:
-    """How many shapes the prefill and decode steps have been compiled for, over every engine in the process."""
-    return prefill_step._cache_size() + decode_step._cache_size()
+    def compiled_variants(self) -> int:
+        """How many shapes the prefill and decode steps have been compiled for."""
+        return self.prefill._cache_size() + self.decode._cache_size()

@@ -1,0 +1,299 @@
+"""EngineCore: every request completes whatever the batch, lengths, chunking and pool budget; the prefix cache is
+exact (tokens identical, log-probs within 1e-5 in float32) at every kind of boundary, after eviction and after
+tombstoning; randomised adds, aborts, preemptions and evictions leave every page free and every refcount zero."""
+import numpy as np
+import pytest
+
+import hf_reference as H
+from checkpoints import write_official_checkpoint
+from v4jax import LLM, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
+
+
+def _prompts(lens, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab, n).tolist() for n in lens]
+
+
+def _check_refcounts(core):
+    """Every page's refcount is the number of slots mapping it plus one if the prefix tree holds it."""
+    t = core.tables
+    if t.dense:
+        return
+    want_full = np.zeros_like(t.full_alloc.refs)
+    want_swa = np.zeros_like(t.swa_alloc.refs)
+    for held in t.held:
+        for pg in held.full:
+            want_full[pg] += 1
+        for pg in held.swa.values():
+            want_swa[pg] += 1
+    if core.prefix is not None:
+        for n in core.prefix._nodes():
+            want_full[n.page] += 1
+            for pg in (n.tail or {}).values():
+                want_swa[pg] += 1
+    np.testing.assert_array_equal(t.full_alloc.refs, want_full)
+    np.testing.assert_array_equal(t.swa_alloc.refs, want_swa)
+    assert t.full_alloc.n_free == int((want_full == 0).sum())
+    assert t.swa_alloc.n_free == int((want_swa == 0).sum())
+
+
+def _all_free(core):
+    if core.prefix is not None:
+        core.prefix.clear()
+    t = core.tables
+    _check_refcounts(core)
+    return ((t.full_alloc.refs == 0).all() and (t.swa_alloc.refs == 0).all() and (t.full == -1).all()
+            and all(s is None for s in core.scheduler.slots) and not core.scheduler.requests)
+
+
+# ---- every request completes ----------------------------------------------------------------------------
+MAX_LEN = 520
+LENS = (1, 9, 255, 256, 257, MAX_LEN - 1, 400, 130)
+
+
+def _sweep_params(lens):
+    return [SamplingParams(max_tokens=min(12, MAX_LEN - n), **GREEDY) for n in lens]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 256, 2048])
+def test_every_request_completes_and_equals_alone(chunk):
+    """More requests than slots, prompts up to max_model_len - 1, chunks 1 / 7 / 256 / 2048: every request
+    completes with the greedy tokens it gets when run alone."""
+    llm = LLM("tiny", dtype="float32", max_num_seqs=3, max_model_len=MAX_LEN, prefill_chunk=chunk,
+              enable_prefix_caching=False)
+    prompts = _prompts(LENS, llm.config.vocab_size, seed=1)
+    params = _sweep_params(LENS)
+    outs = llm.generate(prompts, params)
+    for p, sp, o in zip(prompts, params, outs):
+        assert len(o.token_ids) == sp.max_tokens and o.finish_reason == "length"
+        alone = llm.generate([p], [sp])[0]
+        assert alone.token_ids == o.token_ids
+        np.testing.assert_allclose(alone.logprobs, o.logprobs, atol=1e-5)
+    assert _all_free(llm.engine)
+
+
+def _budget_for_pages(llm, n_pages):
+    """The smallest memory_budget_bytes for which the engine sizes its pools to n_pages full pages."""
+    core = llm.engine
+    lay = core.layout
+    caching = core.prefix is not None
+    args = (lay.page_size, lay.swa_page_size, lay.n_swa_pages, lay.max_slots, caching)
+    lo, hi = 1, 1 << 40
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            got = core._pages_for_budget(mid, *args)
+        except ValueError:
+            got = 0
+        lo, hi = (mid + 1, hi) if got < n_pages else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_budget_for_two_long_requests_queues_or_preempts(caching):
+    """Pools that hold two long requests: four of them (and short ones) still complete, by queueing or
+    preemption, with the tokens they get alone."""
+    lens = (500, 480, 20, 510, 3, 490)
+    ref_llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, prefill_chunk=64,
+                  enable_prefix_caching=False)
+    prompts = _prompts(lens, ref_llm.config.vocab_size, seed=2)
+    params = [SamplingParams(max_tokens=10, **GREEDY) for _ in lens]
+    alone = [ref_llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    budget = _budget_for_pages(LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN,
+                                   prefill_chunk=64, enable_prefix_caching=caching), 4)
+    llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, prefill_chunk=64,
+              enable_prefix_caching=caching, memory_budget_bytes=budget)
+    assert llm.engine.layout.n_pages == 4
+    outs = llm.generate(prompts, params)
+    for a, o in zip(alone, outs):
+        assert o.token_ids == a.token_ids
+        np.testing.assert_allclose(o.logprobs, a.logprobs, atol=1e-5)
+    st = llm.stats()
+    assert st["requests"]["finished"] == len(lens)
+    assert st["requests"]["preempted"] > 0 or max(v["used"] for v in st["pools"].values()) <= 4
+    assert _all_free(llm.engine)
+
+
+def test_request_that_cannot_fit_alone_is_refused_others_go_on():
+    llm = LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=2048, prefill_chunk=64)
+    budget = _budget_for_pages(llm, 2)
+    llm = LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=2048, prefill_chunk=64,
+              memory_budget_bytes=budget)
+    core = llm.engine
+    core.add_request("small", [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(ValueError, match="pages"):
+        core.add_request("huge", list(range(2, 1000)), SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(ValueError, match="max_model_len"):
+        core.add_request("long", list(range(2, 2040)), SamplingParams(max_tokens=16, **GREEDY))
+    got = []
+    while core.has_unfinished_requests():
+        got += core.step()
+    assert [d.request_id for d in got] == ["small"] * len(got) and got[-1].finish_reason == "length"
+    assert sum(len(d.new_token_ids) for d in got) == 4
+    assert llm.stats()["requests"]["rejected"] == 2
+
+
+def test_abort_returns_pages_and_reports():
+    llm = LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=1024, prefill_chunk=64)
+    core = llm.engine
+    sp = SamplingParams(max_tokens=200, **GREEDY)
+    for i, p in enumerate(_prompts((300, 40, 700), llm.config.vocab_size)):
+        core.add_request(f"r{i}", p, sp)
+    for _ in range(6):
+        core.step()
+    assert core.abort("r0") and core.abort("r2") and not core.abort("nope")
+    reasons = {}
+    while core.has_unfinished_requests():
+        for d in core.step():
+            if d.finish_reason:
+                reasons[d.request_id] = d.finish_reason
+    assert reasons == {"r0": "abort", "r1": "length", "r2": "abort"}
+    assert llm.stats()["requests"]["aborted"] == 2
+    assert _all_free(core)
+
+
+# ---- the prefix cache is exact -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_ckpt(tmp_path_factory):
+    """Window 128, CSA 4 with a binding top-16, HCA 128, random weights, float32."""
+    cfg = H.cfg_real_ratios()
+    d = tmp_path_factory.mktemp("real_prefix")
+    write_official_checkpoint(d, cfg, H.random_official_tensors(cfg, seed=7, include_mtp=False), fp8=False,
+                              fp4_experts=False, bf16=False)
+    return str(d)
+
+
+# shared-prefix lengths: on a page boundary (256, 512) and inside a page, every residue mod 4, residues
+# 0, 1, 2, 3, 64, 127 mod 128
+SHARED = (256, 257, 258, 259, 320, 383, 512, 515)
+
+
+def _variants(base, vocab, seed=3):
+    rng = np.random.default_rng(seed)
+    return [base[:n] + rng.integers(2, vocab, 37 + i).tolist() for i, n in enumerate(SHARED)]
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_prefix_cache_exact(real_ckpt):
+    opts = dict(dtype="float32", max_num_seqs=4, max_model_len=800, prefill_chunk=256)
+    cold = LLM(real_ckpt, enable_prefix_caching=False, **opts)
+    warm = LLM(real_ckpt, **opts)
+    vocab = cold.config.vocab_size
+    base = _prompts((700,), vocab, seed=4)[0]
+    variants = _variants(base, vocab)
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    want_base = cold.generate([base], sp)
+    want = cold.generate(variants, sp)
+    _same(warm.generate([base], sp), want_base)
+    assert warm.stats()["prefix_cache"]["hit_tokens"] == 0
+    st0 = warm.stats()["prefix_cache"]
+    for v, w in zip(variants, want):  # one at a time: each one's hit is the base's pages
+        before = warm.stats()["prefix_cache"]["hit_tokens"]
+        _same(warm.generate([v], sp), [w])
+        hit = warm.stats()["prefix_cache"]["hit_tokens"] - before
+        shared = next(n for n in SHARED if v[:n] == base[:n] and v[n] != base[n])
+        assert hit == shared // 256 * 256, (shared, hit)
+    st = warm.stats()["prefix_cache"]
+    assert st["queried_tokens"] - st0["queried_tokens"] == sum(map(len, variants))
+
+    # a repeat of the base reuses its two full pages; its last page (512..699) is recomputed
+    before = warm.stats()["prefix_cache"]["hit_tokens"]
+    _same(warm.generate([base], sp), want_base)
+    assert warm.stats()["prefix_cache"]["hit_tokens"] - before == 512
+
+    # tombstones: drop the tail of the first page; a match ending there backs off, deeper ones still hit
+    pc = warm.engine.prefix
+    node = pc.root
+    for _ in range(1):
+        node = next(c for c in node.children.values() if c.tokens == tuple(base[node.depth * 256:(node.depth + 1) * 256]))
+        if node.tail is not None:
+            pc.drop_tail(node)
+    before = warm.stats()["prefix_cache"]["hit_tokens"]
+    _same(warm.generate([variants[SHARED.index(383)]], sp), [want[SHARED.index(383)]])
+    assert warm.stats()["prefix_cache"]["hit_tokens"] == before  # 256 is a tombstone: a cold start
+    _same(warm.generate([variants[SHARED.index(515)]], sp), [want[SHARED.index(515)]])
+    assert warm.stats()["prefix_cache"]["hit_tokens"] - before == 512  # through the tombstone
+    assert warm.stats()["prefix_cache"]["tombstoned_tails"] >= 1
+
+    # eviction: everything the tree holds goes; the same prompts run cold and give the same results
+    pc.evict_full(warm.engine.layout.n_pages)
+    assert pc.n_nodes() == 0
+    _same(warm.generate(variants[:4], sp), want[:4])
+    assert _all_free(warm.engine)
+
+
+def test_prefix_cache_exact_with_decoded_pages_and_small_budget(real_ckpt):
+    """A second turn reuses pages the first turn's decode wrote (boundary states saved by the decode loop),
+    under a budget small enough that the tree evicts between requests."""
+    opts = dict(dtype="float32", max_num_seqs=2, max_model_len=1024, prefill_chunk=128)
+    cold = LLM(real_ckpt, enable_prefix_caching=False, **opts)
+    vocab = cold.config.vocab_size
+    first = _prompts((200,), vocab, seed=8)[0]
+    sp1 = SamplingParams(max_tokens=90, **GREEDY)   # decodes across the 256 boundary
+    turn1 = cold.generate([first], sp1)[0]
+    second = first + turn1.token_ids + _prompts((30,), vocab, seed=9)[0]
+    sp2 = SamplingParams(max_tokens=5, **GREEDY)
+    want = cold.generate([second], sp2)[0]
+    warm = LLM(real_ckpt, **opts)
+    budget = _budget_for_pages(warm, 6)
+    warm = LLM(real_ckpt, memory_budget_bytes=budget, **opts)
+    _same([warm.generate([first], sp1)[0]], [turn1])
+    before = warm.stats()["prefix_cache"]["hit_tokens"]
+    _same([warm.generate([second], sp2)[0]], [want])
+    assert warm.stats()["prefix_cache"]["hit_tokens"] - before == 256
+    # other traffic evicts the conversation; it still runs exactly
+    others = _prompts((900, 800), vocab, seed=10)
+    warm.generate(others, SamplingParams(max_tokens=3, **GREEDY))
+    _same([warm.generate([second], sp2)[0]], [want])
+    assert warm.stats()["prefix_cache"]["evicted_pages"] > 0
+    assert _all_free(warm.engine)
+
+
+# ---- randomised bookkeeping ------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_requests", [150, pytest.param(3000, marks=pytest.mark.slow)])
+def test_randomised_adds_aborts_preemptions_evictions(n_requests):
+    """Random adds (prompts from a few shared stems, so the tree shares and evicts), aborts and steps under a
+    budget of a few requests: refcounts stay exact after every step, every request ends, and at the end every
+    page is free and every refcount zero."""
+    llm = LLM("tiny", dtype="float32", max_num_seqs=3, max_model_len=700, prefill_chunk=64, decode_steps=4)
+    llm = LLM("tiny", dtype="float32", max_num_seqs=3, max_model_len=700, prefill_chunk=64, decode_steps=4,
+              memory_budget_bytes=_budget_for_pages(llm, 6))
+    core = llm.engine
+    rng = np.random.default_rng(11)
+    vocab = llm.config.vocab_size
+    stems = [rng.integers(2, vocab, 600).tolist() for _ in range(3)]
+    live, ended, added = set(), {}, 0
+    while added < n_requests or core.has_unfinished_requests():
+        r = rng.random()
+        if added < n_requests and r < 0.35:
+            stem = stems[int(rng.integers(0, 3))]
+            n = int(rng.integers(1, 600))
+            prompt = stem[:n] + rng.integers(2, vocab, int(rng.integers(0, 40))).tolist()
+            prompt = prompt[:680] or [3]
+            sp = SamplingParams(max_tokens=int(rng.integers(1, min(120, 700 - len(prompt)) + 1)),
+                                temperature=float(rng.choice([0.0, 1.0])), seed=added)
+            rid = f"q{added}"
+            core.add_request(rid, prompt, sp)
+            live.add(rid)
+            added += 1
+        elif live and r < 0.40:
+            rid = sorted(live)[int(rng.integers(0, len(live)))]
+            assert core.abort(rid)
+        for d in core.step():
+            if d.finish_reason is not None:
+                assert d.request_id not in ended
+                ended[d.request_id] = d.finish_reason
+                live.discard(d.request_id)
+        _check_refcounts(core)
+    assert len(ended) == n_requests and not live
+    st = llm.stats()
+    assert st["requests"]["aborted"] > 0 and st["requests"]["preempted"] > 0
+    assert st["prefix_cache"]["hit_tokens"] > 0 and st["prefix_cache"]["evicted_pages"] > 0
+    assert _all_free(core)
