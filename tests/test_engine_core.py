@@ -57,7 +57,8 @@ def _sweep_params(lens):
     return [SamplingParams(max_tokens=min(12, MAX_LEN - n), **GREEDY) for n in lens]
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 256, 2048])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7, pytest.param(256, marks=pytest.mark.slow),
+                                   2048])
 def test_every_request_completes_and_equals_alone(chunk):
     """More requests than slots, prompts up to max_model_len - 1, chunks 1 / 7 / 256 / 2048: every request
     completes with the greedy tokens it gets when run alone."""
