@@ -30,3 +30,24 @@ def single_device(request):
                        env=env, cwd=str(request.config.rootpath), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     pytest.skip("passed in a single-device subprocess")
+
+
+def _mapped_regions() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_code():
+    """XLA:CPU maps each compiled program's code into memory (measured: ~2,000 regions per engine built), and JAX
+    keeps every program it compiled until `jax.clear_caches()`, even after its engine is gone. One test process
+    builds dozens of engines: past the kernel's vm.max_map_count (65,530) the compiler segfaults. Clear the
+    caches between tests once the count is high."""
+    yield
+    if _mapped_regions() > 25_000:
+        import gc
+        gc.collect()
+        jax.clear_caches()
