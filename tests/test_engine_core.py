@@ -92,7 +92,7 @@ def _budget_for_pages(llm, n_pages):
     return lo
 
 
-@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("caching", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_budget_for_two_long_requests_queues_or_preempts(caching):
     """Pools that hold two long requests: four of them (and short ones) still complete, by queueing or
     preemption, with the tokens they get alone."""
@@ -258,7 +258,7 @@ def test_prefix_cache_exact_with_decoded_pages_and_small_budget(real_ckpt):
 
 
 # ---- randomised bookkeeping ------------------------------------------------------------------------------
-@pytest.mark.parametrize("n_requests", [150, pytest.param(3000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n_requests", [100, pytest.param(3000, marks=pytest.mark.slow)])
 def test_randomised_adds_aborts_preemptions_evictions(n_requests):
     """Random adds (prompts from a few shared stems, so the tree shares and evicts), aborts and steps under a
     budget of a few requests: refcounts stay exact after every step, every request ends, and at the end every
