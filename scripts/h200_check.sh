@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (~9 of the 10 minutes a call may take) that re-checks the GPU paths and re-takes the numbers
-# BENCHMARKS.md reports for issue 4, in order of importance, each stage under its own time limit:
+# BENCHMARKS.md reports for the kernels, in order of importance, each stage under its own time limit:
 #   1. GPU tests: kernels vs references, engine greedy Pallas == XLA       -> $OUT/pytest_gpu.log
 #   2. kernel table, GPU time from profiler traces                          -> $OUT/k/bench_kernels.{md,json}
 #   3. engine decode, XLA vs Pallas attention, batch 32 at 128K            -> $OUT/d{xla,pallas}/decode.md
