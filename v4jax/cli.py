@@ -20,6 +20,7 @@ EPILOG = """examples:
   v4jax memory --model flash --mesh expert=8          weights and KV pools per device
   v4jax bench decode --small                          the decode benchmark (its own flags: bench decode -h)
   v4jax bench kernels --small                         the kernel benchmark (its own flags: bench kernels -h)
+  v4jax bench replay                                  prefix-cache replay traces (its own flags: bench replay -h)
 """
 
 
@@ -116,11 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="print each result at the end")
     g.set_defaults(func=_generate)
 
-    b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter, help="benchmarks (decode, kernels)",
+    b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter, help="benchmarks (decode, kernels, replay)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
-                       ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)")):
+                       ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)"),
+                       ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.replay)")):
         # Everything after the name, -h included, goes to the benchmark's own parser.
         p = bsub.add_parser(name, add_help=False, allow_abbrev=False, help=text, description=text)
         p.set_defaults(func=_bench, passthrough=True)
@@ -225,6 +227,9 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.bench == "replay":
+        from v4jax.replay import main as replay_main
+        return replay_main(args.extra)
     if args.bench == "decode":
         from v4jax.bench import decode_main
         return decode_main(args.extra)
