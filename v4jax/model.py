@@ -379,7 +379,12 @@ class Attention(nnx.Module):
         mass = jnp.sum(p[..., -causal.shape[-1]:], axis=2)  # [B, T, S]
         target = jax.lax.stop_gradient(mass / jnp.maximum(jnp.sum(mass, -1, keepdims=True), 1e-9))
         logp = jax.nn.log_softmax(jnp.where(causal, scores, -1e30), axis=-1)
-        self.sow(IndexerAux, "indexer_aux", (logp, target))  # not "indexer": that is the submodule
+        # not "indexer": that is the submodule. One tuple entry per call, as Module.sow kept them.
+        prev = getattr(self, "indexer_aux", None)
+        if isinstance(prev, IndexerAux):
+            prev.set_value(prev.get_value() + ((logp, target),))
+        else:
+            self.indexer_aux = IndexerAux(((logp, target),))
 
     def _compressed_entries(self, comp: Compressor, x, positions, opts: RunOptions):
         """All complete windows of a sequence that starts at position 0 -> entries [B, T // m, K]."""
