@@ -141,10 +141,6 @@ def test_command_line_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="window tails are dropped in LRU order of the prefix tree's node stamps, and "
-                   "match() stamps every node it walks through: with more conversations than slots the deepest tail "
-                   "of the conversation that waited longest goes first (measured: 84 % of the reusable tokens, "
-                   "7 turns with no hit); counting only resumptions and insertions gives 100 %")
 def test_many_waiting_conversations_keep_their_tails():
     llm = LLM("tiny", dtype="float32", page_size=PAGE, prefill_chunk=MAX_LEN, max_model_len=MAX_LEN,
               max_num_seqs=2, decode_steps=8)

@@ -31,6 +31,7 @@ class Node:
     children: dict = dataclasses.field(default_factory=dict)
     tail: dict | None = None  # SWA logical index -> SWA page id, the 128 positions before this page's end
     stamp: int = 0  # last use (LRU)
+    tail_stamp: int = 0  # last use of the tail: its insertion, or a request resuming from it (tail LRU)
 
 
 class PrefixCache:
@@ -60,6 +61,8 @@ class PrefixCache:
         stamp = next(self._clock)
         for n in path:
             n.stamp = stamp
+        if path:
+            path[-1].tail_stamp = stamp  # only the tail it resumes from is used
         return path
 
     def count_query(self, n_prompt: int, hit_pages: int) -> None:
@@ -80,6 +83,7 @@ class PrefixCache:
         if node.tail is None and tail is not None:
             node.tail = dict(tail)
             self.swa_alloc.incref(node.tail.values())
+            node.tail_stamp = next(self._clock)
         node.stamp = next(self._clock)
         return node
 
@@ -122,7 +126,7 @@ class PrefixCache:
         are left to drop). Returns the SWA pages freed."""
         freed = 0
         for n in sorted((n for n in self._nodes() if n.tail is not None and self._tail_unmapped(n)),
-                        key=lambda n: n.stamp):
+                        key=lambda n: n.tail_stamp):
             if self.swa_alloc.n_free >= n_pages:
                 break
             freed += len(n.tail)

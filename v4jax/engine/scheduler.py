@@ -137,6 +137,8 @@ class Scheduler:
         `hit_row` set where a cached prefix was mapped: the engine restores that boundary's compressor state)."""
         admitted = []
         while self.waiting:
+            if self.prefix is not None and self.prefilling():
+                break  # only the oldest prefilling request gets chunks: match the next one just before it starts
             slot = next((i for i, s in enumerate(self.slots) if s is None), None)
             if slot is None:
                 break
