@@ -127,8 +127,8 @@ def main(argv=None):
     from flax import nnx
 
     from v4jax import data as D
-    from v4jax.model import IndexerAux, RunOptions
-    from v4jax.train import collect_indexer_aux, cross_entropy, indexer_terms
+    from v4jax.model import RunOptions
+    from v4jax.train import cross_entropy, forward_with_aux, indexer_terms
 
     t0 = time.time()
     cfg, model = load_model(args.ckpt, args.dtype)
@@ -161,10 +161,8 @@ def main(argv=None):
     def full(state, tokens):
         m = nnx.merge(graphdef, state)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        logits, streams = m(x, RunOptions(indexer_aux=True), return_streams=True)
-        aux = collect_indexer_aux(m)
+        logits, mtp_logits, aux, _ = forward_with_aux(m, x, RunOptions(indexer_aux=True))
         _, nll = cross_entropy(logits, y)
-        mtp_logits = m.mtp_logits(streams, x)
         _, mtp_nll = cross_entropy(mtp_logits, y[:, 1:])
         hit = jnp.argmax(mtp_logits, -1) == y[:, 1:]
         main_hit = jnp.argmax(logits, -1) == y

@@ -21,6 +21,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "q_lora": None,
     "experts": "expert",
     "mlp": "tensor",
+    "layers": None,  # the leading axis of stacked layers (parameters and pools)
     # pools (v4jax.cache.LOGICAL_AXES)
     "slots": "data",
     "pool_rows": None,
@@ -59,8 +60,11 @@ def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh
 
 
 def param_logical_axes(path: tuple, shape: tuple[int, ...]) -> tuple[str | None, ...]:
-    """Logical axes of a model parameter from its (official-name) path."""
+    """Logical axes of a model parameter from its model path (stacked layers: `stacks.<g>....`, a leading
+    "layers" axis)."""
     names = [str(p) for p in path]
+    if names[0] == "stacks":
+        return ("layers",) + param_logical_axes(tuple(names[2:]), shape[1:])
     leaf = names[-1]
     if "experts" in names and leaf in ("w1", "w3"):
         return ("experts", "mlp", None)
@@ -88,6 +92,6 @@ def shard_pools(pools, mesh: Mesh):
             return None
         return jax.device_put(arr, NamedSharding(mesh, spec_for(LOGICAL_AXES[name], arr.shape, mesh)))
 
-    layers = tuple(dataclasses.replace(lp, **{f.name: place(f.name, getattr(lp, f.name))
-                                              for f in dataclasses.fields(lp)}) for lp in pools.layers)
-    return dataclasses.replace(pools, tokens=place("tokens", pools.tokens), layers=layers)
+    stacks = tuple(dataclasses.replace(lp, **{f.name: place(f.name, getattr(lp, f.name))
+                                              for f in dataclasses.fields(lp)}) for lp in pools.stacks)
+    return dataclasses.replace(pools, tokens=place("tokens", pools.tokens), stacks=stacks)

@@ -9,6 +9,11 @@ import pytest
 jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# The persistent compilation cache (v4jax.compile_cache, on by default) in a temporary directory for the run.
+if "V4JAX_COMPILATION_CACHE" not in os.environ:
+    import tempfile
+    os.environ["V4JAX_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="v4jax-test-jax-cache-")
+
 # `import hf_reference` from any test module, whatever the rootdir / import mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

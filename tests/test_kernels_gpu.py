@@ -103,3 +103,10 @@ def test_compressor_decode_gpu(m, ov, d, Dm, B):
     np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
     for o, r in zip((out[0], out[2], out[3]), (ref[0], ref[2], ref[3])):
       _close(o, r, 1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (32, 1), (3, 300)])
+def test_sinkhorn_gpu(shape):
+  SK = importlib.import_module("pallas_kernels.sinkhorn")
+  comb = jax.nn.softmax(jax.random.normal(jax.random.key(0), (*shape, 4, 4)), -1) + 1e-6
+  _close(jax.jit(lambda c: SK.sinkhorn(c, 20, 1e-6))(comb), SK.sinkhorn_ref(comb, 20, 1e-6), 1e-6)

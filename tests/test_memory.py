@@ -228,10 +228,10 @@ def test_pools_hold_whole_tpu_tiles(budget):
               enable_prefix_caching=False)
     eng = llm.engine
     assert eng.layout.n_pages % 16 == 0 and eng.layout.n_pages >= 3 * 8
-    for lp in eng.pools.layers:
+    for lp in eng.pools.stacks:  # [layers of the stack, rows, K]
         for pool in (lp.kv, lp.idx):
             if pool is not None:
-                assert pool.shape[0] % 16 == 0
+                assert pool.shape[1] % 16 == 0
     if budget:
         pb = M.pool_budget(cfg, budget, page_size=16, max_num_seqs=3, dtype="bfloat16")
         assert pb.n_pages == eng.layout.n_pages and pb.pool_bytes == sum(C.pool_bytes(eng.pools).values()) <= budget

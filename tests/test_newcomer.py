@@ -92,7 +92,7 @@ def test_too_big_preset_fails_before_allocating(monkeypatch):
         LLM("flash")
     msg = str(e.value)
     assert "the weights need 542.00 GiB" in msg and "100.00 GiB" in msg and M.MEMORY_ENV in msg
-    assert "smaller preset ('flash-slice', 'tiny')" in msg and "mesh='expert=8' (80.00 GiB of weights per device" in msg
+    assert "smaller preset ('flash-1gpu', 'flash-slice', 'tiny')" in msg and "mesh='expert=8' (80.00 GiB of weights per device" in msg
     monkeypatch.setenv(M.MEMORY_ENV, "1000000")  # below tiny's 1.4 MB of bf16 weights
     with pytest.raises(M.DeviceMemoryError, match="preset 'tiny'.*would fit: a device with more memory"):
         LLM("tiny")

@@ -16,10 +16,10 @@ SCRIPT = textwrap.dedent("""
     ref = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=128, prefill_chunk=32)
     base = ref.generate(prompts, sp)
     llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=128, prefill_chunk=32, mesh="data=2,expert=4")
-    w1 = llm.model.layers[1].ffn.experts.w1.value
-    assert len(w1.sharding.device_set) == 8 and w1.sharding.spec[0] == "expert", w1.sharding
-    st = llm.engine.pools.layers[1].state_kv
-    assert st.sharding.spec[0] == "data", st.sharding
+    w1 = llm.model.stacks[1].ffn.experts.w1[...]  # [layers of the stack, experts, I, D]
+    assert len(w1.sharding.device_set) == 8 and w1.sharding.spec[1] == "expert", w1.sharding
+    st = llm.engine.pools.stacks[1].state_kv  # [layers of the stack, slots, ...]
+    assert st.sharding.spec[1] == "data", st.sharding
     outs = llm.generate(prompts, sp)
     for a, b in zip(base, outs):
         assert a.token_ids == b.token_ids, (a.token_ids, b.token_ids)

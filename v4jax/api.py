@@ -146,8 +146,11 @@ class LLM:
         except TypeError as e:
             known = [f.name for f in dataclasses.fields(EngineOptions)]
             raise TypeError(f"unknown LLM option(s) {sorted(set(options) - set(known))}; known: {known}") from e
+        from v4jax import compile_cache
+        compile_cache.enable()  # before anything compiles
         spec = None if model is None else os.fspath(model)
         self.config, self.model, self.tokenizer, self.source = load_model(spec, _DTYPES[dtype], self.options.seed)
+        compile_cache.watch_first_compile()  # the model's steps compile at the first generate
         self.dtype = dtype
         if self.options.mesh:
             from sharding import make_mesh, shard_params

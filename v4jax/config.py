@@ -6,6 +6,7 @@ Layer types come from the config, never from code: `layer_types[i]` is "sliding"
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -424,6 +425,12 @@ def _preset_flash_slice() -> ModelConfig:
         n_routed_experts=16, n_hash_layers=0)
 
 
+def _preset_flash_1gpu() -> ModelConfig:
+    # Every Flash layer (the real pattern: 2 sliding, then CSA / HCA alternating), real attention, indexer and
+    # expert widths, routed experts cut to 16 (6 active + 1 shared), no hash layers: ~50 GB in bf16, one H200.
+    return _preset_flash().replace(n_routed_experts=16, n_hash_layers=0)
+
+
 def _preset_tiny() -> ModelConfig:
     # Every feature on at toy size: sliding, CSA (indexer, 16 heads), HCA, a hash layer, MTP.
     return ModelConfig(
@@ -438,6 +445,7 @@ PRESETS = {
     "flash": _preset_flash,
     "pro": _preset_pro,
     "flash-slice": _preset_flash_slice,
+    "flash-1gpu": _preset_flash_1gpu,
     "tiny": _preset_tiny,
 }
 
@@ -446,3 +454,86 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name]()
+
+
+# ---- the layer stack: stacks of layers of one shape, and the order in which the model runs them -----------
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """Main layers whose parameters and pools have one shape: same type, ratio and router kind. They are held
+    stacked on a leading axis, in layer order."""
+    kind: str
+    ratio: int
+    hashed: bool
+    layers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """`repeats` repetitions of a period of layers, from layer `start`: layer start + i * len(period) + j belongs
+    to stack period[j] at index base[j] + i * step[j]. repeats == 1: run unrolled; > 1: one `lax.scan`."""
+    start: int
+    period: tuple[int, ...]
+    repeats: int
+    base: tuple[int, ...]
+    step: tuple[int, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.period) * self.repeats
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlan:
+    stacks: tuple[LayerStack, ...]
+    where: tuple[tuple[int, int], ...]  # main layer -> (stack, index in the stack)
+    segments: tuple[Segment, ...]
+
+
+MAX_PERIOD = 8  # longest period of layer shapes the plan looks for
+
+
+@functools.lru_cache(maxsize=None)
+def layer_stacks(cfg: ModelConfig) -> StackPlan:
+    """Group the main layers into stacks of one shape and cover them, in order, with the fewest layer bodies a
+    program must hold: periodic runs (e.g. Flash's [CSA, HCA] x 20) become one scan over their period, the
+    irregular head and tail are unrolled. A program's size then depends on the pattern, not on the depth."""
+    keys, where, stacks = {}, [], []
+    for i in range(cfg.n_layers):
+        key = (cfg.layer_type(i), cfg.compress_ratio(i), cfg.is_hash_layer(i))
+        if key not in keys:
+            keys[key] = len(stacks)
+            stacks.append([])
+        g = keys[key]
+        where.append((g, len(stacks[g])))
+        stacks[g].append(i)
+    gid = [g for g, _ in where]
+    n = len(gid)
+    # cost of covering layers [0, i): (layer bodies + scans, scans); a scan costs one body more than its period
+    inf = (float("inf"), 0)
+    best = [inf] * (n + 1)
+    back: list = [None] * (n + 1)
+    best[0] = (0, 0)
+    for i in range(n):
+        if best[i] == inf:
+            continue
+        cands = [(1, 1)]  # one unrolled layer
+        for p in range(1, MAX_PERIOD + 1):
+            r = 1
+            while i + p * (r + 1) <= n and gid[i + p * r:i + p * (r + 1)] == gid[i:i + p]:
+                r += 1
+            cands += [(p, rr) for rr in range(2, r + 1)]
+        for p, r in cands:
+            c = best[i][0] + p + (r > 1), best[i][1] + (r > 1)
+            if c < best[i + p * r]:
+                best[i + p * r], back[i + p * r] = c, (i, p, r)
+    segs = []
+    j = n
+    while j > 0:
+        i, p, r = back[j]
+        period = tuple(gid[i:i + p])
+        segs.append(Segment(start=i, period=period, repeats=r, base=tuple(where[i + k][1] for k in range(p)),
+                            step=tuple(period.count(g) for g in period)))
+        j = i
+    names = list(keys)
+    return StackPlan(stacks=tuple(LayerStack(*names[g], tuple(ls)) for g, ls in enumerate(stacks)),
+                     where=tuple(where), segments=tuple(reversed(segs)))

@@ -77,8 +77,9 @@ def _hc_mix(x, fn, eps):
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32)) * inv
 
 
-def hc_pre(x, fn, base, scale, cfg: ModelConfig):
-    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N])."""
+def hc_pre(x, fn, base, scale, cfg: ModelConfig, normalise=None):
+    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]). `normalise(comb, iters,
+    eps)` is the Sinkhorn implementation (default `sinkhorn`, the jnp reference)."""
     n, eps = cfg.hc_mult, cfg.hc_eps
     mix = _hc_mix(x, fn, cfg.norm_eps)
     base = base.astype(F32)
@@ -86,16 +87,26 @@ def hc_pre(x, fn, base, scale, cfg: ModelConfig):
     post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = mix[..., 2 * n:].reshape(*mix.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
     comb = jax.nn.softmax(comb, axis=-1) + eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-
-    def sinkhorn_step(c, _):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-        return c, None
-
-    comb, _ = jax.lax.scan(sinkhorn_step, comb, None, length=cfg.hc_sinkhorn_iters - 1)
+    comb = (normalise or sinkhorn)(comb, cfg.hc_sinkhorn_iters, eps)
     u = jnp.einsum("...n,...nd->...d", pre, x.astype(F32)).astype(x.dtype)
     return u, post, comb
+
+
+SINKHORN_UNROLL = False  # unroll the Sinkhorn loop (no while loop on the device; measured by bench --sinkhorn-unroll)
+
+
+def sinkhorn(comb, iters: int, eps: float):
+    """Alternate column / row normalisation of comb [..., N, N] (reference §5: one column step, then iters - 1
+    (row, column) steps). Measured on CPU: writing the N*N entries as separate arrays with explicit sums (so that
+    XLA could fuse the whole loop into one kernel) made each mHC's compile grow super-linearly with the
+    iterations (~25 s at 20), so the loop stays a scan of reductions."""
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+    def step(c, _):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps), None
+
+    return jax.lax.scan(step, comb, None, length=iters - 1, unroll=SINKHORN_UNROLL)[0]
 
 
 def hc_post(f, x, post, comb):
@@ -113,6 +124,13 @@ def hc_head(x, fn, base, scale, cfg: ModelConfig):
 
 
 # ---- attention core ---------------------------------------------------------------------------------
+def index_scores(q, w, keys):
+    """Lightning Indexer scores sum_h w_h relu(q_h . k_s): q [B, T, Hi, Ki], w [B, T, Hi], keys [B, S, Ki] ->
+    [B, T, S] f32."""
+    s = jnp.einsum("bthk,bsk->bths", q, keys.astype(q.dtype), preferred_element_type=F32)
+    return jnp.einsum("bths,bth->bts", jax.nn.relu(s), w)
+
+
 # ---- compressor (reference §3.4), full-sequence form ------------------------------------------------
 def compress_windows(a, z, ratio: int, overlap: bool):
     """Pool every complete window of a chunk that starts at position 0.

@@ -1,10 +1,21 @@
-"""The DeepSeek-V4 model in Flax NNX (reference §2-§7), with a full-sequence forward and no cache.
+"""The DeepSeek-V4 model in Flax NNX (reference §2-§7): a full-sequence forward (the reference) and the cached
+step over the pools (v4jax.cache).
 
-Modules hold parameters under the official checkpoint names (`layers.3.attn.wq_a.weight` is
-`model.layers[3].attn.wq_a.weight`; routed experts are stacked on a leading E axis), so loading is a
-path lookup. The forward runs as a pure function: `nnx.split` once, then jit over the state.
+The main layers are held in stacks (`config.layer_stacks`): layers of one shape (type, ratio, router kind) have
+their parameters stacked on a leading axis, `model.stacks[g]` is one Block whose every parameter is [n_g, ...],
+and official layer N is index i of stack g (`layers.3.attn.wq_a.weight` is `model.stacks[g].attn.wq_a.weight[i]`;
+routed experts are stacked on a further E axis). Both forwards run the layers as `lax.scan`s over periodic runs
+of the pattern (Flash: 3 unrolled layers, then one scan of [HCA, CSA] x 20), so a program's size and its compile
+time do not grow with depth. The forward runs as a pure function: `nnx.split` once, then jit over the state.
 Pieces of each layer (projections, compressor, indexer, output) are separate methods so that the engine's
 cached steps reuse exactly the same maths.
+
+How the layers are run was chosen by measurement (`RunOptions.layer_loop`; scripts/layer_loop_compare.py, CPU,
+2 cores, JAX 0.10.2, `tiny` widths at 24 layers of the Flash pattern, batch 4): "periods" (scans over repeating
+periods, irregular head / tail unrolled) compiled the cached decode step in 3.5 s and ran it in 7.6 ms; "switch"
+(one scan over every layer, a `lax.switch` on its stack) compiled in 3.2 s but ran in 35 ms (every stack's pools
+go through the conditional each layer); the full forward was 16.7 vs 17.5 ms. A GPU `lax.switch` also reads its
+branch index on the host. So "periods" is the default; "switch" is kept only to repeat the comparison.
 """
 from __future__ import annotations
 
@@ -16,13 +27,21 @@ from flax import nnx
 
 from v4jax import layers as L
 from v4jax import quant
-from v4jax.config import CSA, HCA, SLIDING, ModelConfig
+from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
+from v4jax.layers import index_scores  # noqa: F401  (re-exported: the indexer's scores)
+from v4jax.ops import Ops, ops_for
 
 F32 = jnp.float32
 
 
 class IndexerAux(nnx.Intermediate):
-    """Per CSA layer: (indexer log-softmax over causal entries [B, T, S], target distribution [B, T, S])."""
+    """Per CSA stack: (indexer log-softmax over causal entries [n, B, T, S], target distribution [n, B, T, S]),
+    sown by the full-sequence forward under `nnx.capture` when RunOptions.indexer_aux is set."""
+
+
+class RoutingAux(nnx.Intermediate):
+    """The experts each top-k-routed layer chose: "routing" per top-k stack [n, B*T, k] (stacks in order), and
+    "mtp_routing" [B*T, k] from the MTP block; sown under `nnx.capture` when RunOptions.routing_aux is set."""
 
 
 class Buffer(nnx.Variable):
@@ -33,9 +52,11 @@ class Buffer(nnx.Variable):
 class RunOptions:
     """Static numerics switches of a forward pass."""
     quant_sim: bool = False  # the official FP8 KV / FP4 indexer / FP8 activation rounding (reference §9.1)
-    attention_impl: str = "xla"  # "xla" | "pallas" (kernels in pallas_kernels/)
+    attention_impl: str = "xla"  # "xla" | "pallas": the ops table of the cached path (v4jax.ops)
+    layer_loop: str = "periods"  # "periods" | "switch": how the layer stack runs (see the module doc)
     # Training / evaluation only (full-sequence forward):
-    indexer_aux: bool = False  # sow IndexerAux (indexer log-probs and the attention-mass target) per CSA layer
+    indexer_aux: bool = False  # sow IndexerAux (indexer log-probs and the attention-mass target) per CSA stack
+    routing_aux: bool = False  # sow RoutingAux (the experts of every top-k-routed layer)
     drop_compressed: bool = False  # attend to the window only (to measure what compressed entries earn)
 
 
@@ -63,13 +84,28 @@ class Linear(nnx.Module):
         return L.linear(x, self.weight[...])
 
 
-def _rows_of(state, meta):
-    """The step's rows of a per-slot state pool (meta.slot None: every slot, in order)."""
-    return state if meta.slot is None else state[meta.slot]
+def _index(a, i):
+    """a[i] along the leading (stack) axis; i a Python int or a traced scalar."""
+    return a[i] if isinstance(i, int) else jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
 
 
-def _set_rows(state, meta, new):
-    return new if meta.slot is None else state.at[meta.slot].set(new)
+def _rows_of(state, li, meta):
+    """The step's rows of layer li's per-slot state [n, slots, ...] (meta.slot None: every slot, in order)."""
+    return _index(state, li) if meta.slot is None else state[li, meta.slot]
+
+
+def _set_rows(state, li, meta, new):
+    return state.at[li].set(new) if meta.slot is None else state.at[li, meta.slot].set(new)
+
+
+def _flat(pool):
+    """A stacked pool [n, R, K] as the flat rows [n * R, K] of all its layers (a free reshape)."""
+    return pool.reshape(-1, pool.shape[-1])
+
+
+def _offset(rows, off):
+    """Row ids of one layer of a stacked pool -> rows of the flat view (-1 stays -1)."""
+    return jnp.where(rows >= 0, rows + off, -1)
 
 
 class RMSNorm(nnx.Module):
@@ -135,12 +171,6 @@ class Indexer(nnx.Module):
         if opts.quant_sim:
             k = quant.fp4_roundtrip(quant.hadamard_rotate(k), 32)
         return k
-
-
-def index_scores(q, w, keys):
-    """q [B, T, Hi, Ki], w [B, T, Hi], keys [B, S, Ki] -> [B, T, S] f32."""
-    s = jnp.einsum("bthk,bsk->bths", q, keys.astype(q.dtype), preferred_element_type=F32)
-    return jnp.einsum("bths,bth->bts", jax.nn.relu(s), w)
 
 
 def topk_mask(scores, valid, k: int):
@@ -209,14 +239,16 @@ class Attention(nnx.Module):
 
     # -- the full-sequence forward (no cache): dense masks, the reference for every cached path --
     def __call__(self, x, positions, opts: RunOptions):
+        """Returns (out [B, T, D], indexer aux (logp, target) [B, T, S] on CSA layers when opts.indexer_aux
+        else None)."""
         cfg = self.cfg
-        b, t, _ = x.shape
         cos, sin = self.rope(positions)
         q, qr = self.queries(x, cos, sin, opts)
         kv = self.window_kv(x, cos, sin, opts)
         pos_q = positions[:, :, None]
         pos_k = positions[:, None, :]
         keys, valid = kv, (pos_k <= pos_q) & (pos_k > pos_q - cfg.window_size)
+        aux = None
         if self.compressor is not None:
             entries = self._compressed_entries(self.compressor, x, positions, opts)
             n = entries.shape[1]
@@ -227,164 +259,80 @@ class Attention(nnx.Module):
                 iq = self.indexer.queries(qr, cos, sin, opts)
                 scores = index_scores(iq, self.indexer.head_weights(x), ikeys)
                 if opts.indexer_aux:
-                    self._sow_indexer_aux(q, keys, jnp.concatenate([valid, causal], -1), scores, causal)
+                    aux = self._indexer_aux(q, keys, jnp.concatenate([valid, causal], -1), scores, causal)
                 causal = topk_mask(scores, causal, cfg.index_topk)
             if opts.drop_compressed:
                 causal = jnp.zeros_like(causal)
             valid = jnp.concatenate([valid, causal], axis=-1)
         o = L.attend(q, keys, valid, None, None, self.attn_sink[...], cfg.head_dim ** -0.5)
-        return self.output(o, cos, sin, opts)
+        return self.output(o, cos, sin, opts), aux
 
     # -- the cached path: read and write the pools through row ids (v4jax.cache) --
-    def cached(self, x, meta, pool, opts: RunOptions):
-        """x [B, T, D] for the tokens of `meta`; returns (out [B, T, D], pool with this step's writes)."""
+    def cached(self, x, meta, pool, li, ops: Ops, opts: RunOptions):
+        """x [B, T, D] for the tokens of `meta`; `pool` is this layer's stack of pools (every array [n, ...]) and
+        li this layer's index in it. Returns (out [B, T, D], pool with this step's writes)."""
         cfg = self.cfg
         b, t, _ = x.shape
         pos = meta.positions
         cos, sin = self.rope(pos)
         q, qr = self.queries(x, cos, sin, opts)
         kv = self.window_kv(x, cos, sin, opts)
-        swa = pool.swa.at[meta.swa_write.reshape(-1)].set(kv.reshape(b * t, -1).astype(pool.swa.dtype), mode="drop")
-        pool = dataclasses.replace(pool, swa=swa)
-        if opts.attention_impl == "pallas":
-            return self._cached_pallas(x, meta, pool, q, qr, cos, sin, opts)
-        win_keys = swa[jnp.maximum(meta.win_rows, 0)]  # [B, U, K]
-        wp = meta.win_pos[:, None, :]
-        win_valid = (meta.win_rows[:, None, :] >= 0) & (wp <= pos[:, :, None]) & (wp > pos[:, :, None] - cfg.window_size)
-        sel_keys = sel_valid = None
+        swa, r_swa = _flat(pool.swa), pool.swa.shape[1]
+        write = jnp.where(meta.swa_write < r_swa, meta.swa_write + li * r_swa, swa.shape[0])
+        swa = swa.at[write.reshape(-1)].set(kv.reshape(b * t, -1).astype(swa.dtype), mode="drop")
+        new = {"swa": swa.reshape(pool.swa.shape)}
+        kv_pool = rows = n_ready = hca_rows = sel_rows = None
         if self.compressor is not None:
-            rows = meta.entry_rows[self.ratio]  # [B, S]
+            rows = _offset(meta.entry_rows[self.ratio], li * pool.kv.shape[1])  # [B, S] rows of the flat pools
             n_ready = (pos + 1) // self.ratio  # entries query t may see
-            e_valid = (jnp.arange(rows.shape[1])[None, None, :] < n_ready[:, :, None]) & (rows[:, None, :] >= 0)
-            pool = self._compress_into(self.compressor, x, meta, pool, "kv", "state_kv", "state_score", opts)
+            if opts.drop_compressed:
+                n_ready = jnp.zeros_like(n_ready)
+            new.update(self._compress_into(self.compressor, x, meta, pool, li, rows, "kv", "state_kv",
+                                           "state_score", ops, opts))
+            kv_pool = _flat(new["kv"])
             if self.indexer is not None:
-                pool = self._compress_into(self.indexer.compressor, x, meta, pool, "idx", "idx_state_kv",
-                                           "idx_state_score", opts)
-                ikeys = pool.idx[jnp.maximum(rows, 0)]  # [B, S, Ki]
+                new.update(self._compress_into(self.indexer.compressor, x, meta, pool, li, rows, "idx",
+                                               "idx_state_kv", "idx_state_score", ops, opts))
                 iq = self.indexer.queries(qr, cos, sin, opts)
-                scores = index_scores(iq, self.indexer.head_weights(x), ikeys)
-                kk = min(cfg.index_topk, rows.shape[1])
-                vals, sel = jax.lax.top_k(jnp.where(e_valid, scores, -jnp.inf), kk)  # ties: lower index first
-                sel_valid = jnp.isfinite(vals)
-                if opts.drop_compressed:
-                    sel_valid = jnp.zeros_like(sel_valid)
-                sel_rows = jnp.take_along_axis(jnp.broadcast_to(rows[:, None, :], (b, t, rows.shape[1])), sel, axis=2)
-                sel_keys = pool.kv[jnp.maximum(sel_rows, 0)]  # [B, T, k, K]
+                sel_rows = ops.select(iq, self.indexer.head_weights(x), _flat(new["idx"]), rows, n_ready,
+                                      cfg.index_topk)
             else:
-                hca_valid = e_valid & (not opts.drop_compressed)
-                win_keys = jnp.concatenate([win_keys, pool.kv[jnp.maximum(rows, 0)]], axis=1)
-                win_valid = jnp.concatenate([win_valid, hca_valid], axis=-1)
-        o = L.attend(q, win_keys.astype(q.dtype), win_valid,
-                         None if sel_keys is None else sel_keys.astype(q.dtype), sel_valid,
-                         self.attn_sink[...], cfg.head_dim ** -0.5)
-        return self.output(o, cos, sin, opts), pool
+                hca_rows = rows
+        o = ops.attend(q, self.attn_sink[...], cfg.head_dim ** -0.5, swa, _offset(meta.win_rows, li * r_swa),
+                       meta.win_pos, pos, cfg.window_size, kv_pool, hca_rows, n_ready, sel_rows)
+        return self.output(o, cos, sin, opts), dataclasses.replace(pool, **new)
 
-    def _cached_pallas(self, x, meta, pool, q, qr, cos, sin, opts: RunOptions):
-        """The same step through pallas_kernels: per-query row lists, gathered inside the kernels."""
-        from pallas_kernels import indexer_topk, sparse_attention
-        cfg = self.cfg
-        b, t, _ = x.shape
-        pos = meta.positions
-        # Query t's window is win_rows[t : t + W] (win_pos starts at start - W + 1).
-        swa_rows = jnp.take_along_axis(
-            jnp.broadcast_to(meta.win_rows[:, None, :], (b, t, meta.win_rows.shape[1])),
-            jnp.arange(t)[None, :, None] + jnp.arange(cfg.window_size)[None, None, :], axis=2)
-        cmp_rows = None
-        if self.compressor is not None:
-            rows = meta.entry_rows[self.ratio]
-            n_ready = (pos + 1) // self.ratio
-            pool = self._compress_into_pallas(self.compressor, x, meta, pool, "kv", "state_kv", "state_score",
-                                              opts)
-            if self.indexer is not None:
-                pool = self._compress_into_pallas(self.indexer.compressor, x, meta, pool, "idx", "idx_state_kv",
-                                                  "idx_state_score", opts)
-                iq = self.indexer.queries(qr, cos, sin, opts)
-                sel = indexer_topk(iq, self.indexer.head_weights(x), pool.idx, rows, n_ready, cfg.index_topk,
-                                   impl="pallas")
-                cmp_rows = jnp.where(sel >= 0, jnp.take_along_axis(
-                    jnp.broadcast_to(rows[:, None, :], (b, t, rows.shape[1])), jnp.maximum(sel, 0), axis=2), -1)
-            else:
-                e = jnp.arange(rows.shape[1])[None, None, :]
-                cmp_rows = jnp.where(e < n_ready[:, :, None], rows[:, None, :], -1)
-        o = sparse_attention(q, pool.swa, swa_rows, None if cmp_rows is None else pool.kv, cmp_rows,
-                             self.attn_sink[...], scale=cfg.head_dim ** -0.5)
-        return self.output(o.astype(q.dtype), cos, sin, opts), pool
-
-    def _compress_into(self, comp: Compressor, x, meta, pool, pool_name, st_kv_name, st_sc_name, opts):
-        """Run a compressor over the step's tokens from the slot's state; store closed windows' entries."""
-        a, z = comp.project(x, meta.positions)
-        st_kv = getattr(pool, st_kv_name)
-        st_sc = getattr(pool, st_sc_name)
-        pooled, ent, ok, nkv, nsc = L.compress_chunk(_rows_of(st_kv, meta), _rows_of(st_sc, meta), a, z,
-                                                      meta.start, meta.n_valid, meta.fresh, comp.ratio, comp.overlap)
-        cos, sin = self.rope(ent * comp.ratio)
-        pooled = jnp.where(ok[..., None], pooled, 0.0)
-        if comp is self.compressor:
-            entries = self.kv_round(comp.finish(pooled, cos, sin, x.dtype), opts)
-        else:
-            entries = self.indexer.finish_keys(pooled, cos, sin, x.dtype, opts)
-        return self._store(comp, meta, pool, pool_name, st_kv_name, st_sc_name, entries, ent, ok, nkv, nsc)
-
-    def _compress_into_pallas(self, comp: Compressor, x, meta, pool, pool_name, st_kv_name, st_sc_name, opts):
-        """`_compress_into` through pallas_kernels.compressor: the decode kernel for one token per slot, the
-        prefill kernel for a chunk; entries rounded to the activation dtype where the XLA path rounds them."""
-        from pallas_kernels import compressor as pallas_compressor
-        t = x.shape[1]
-        m = comp.ratio
-        st_kv = getattr(pool, st_kv_name)
-        st_sc = getattr(pool, st_sc_name)
-        # The kernels resume from the state they are given; a slot that starts a new request starts empty.
-        fresh = meta.fresh[:, None, None]
-        kv0 = jnp.where(fresh, 0.0, _rows_of(st_kv, meta))
-        sc0 = jnp.where(fresh, -jnp.inf, _rows_of(st_sc, meta))
-        weights = (comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])
-        static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps, entry_dtype=x.dtype)
-        if t == 1:
-            pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding slot, its state is left alone
-            entry, emitted, nkv, nsc = pallas_compressor.compressor_decode(
-                x[:, 0], pos, kv0, sc0, *weights, self.rope(pos + 1 - m), **static)
-            entries, ent, ok = entry[:, None], (pos // m)[:, None], emitted[:, None]
-        else:
-            cos, sin = self.rope(pallas_compressor.prefill_entry_positions(meta.start, t, m))
-            entries, n_emitted, first, nkv, nsc = pallas_compressor.compressor_prefill(
-                x, meta.start, meta.n_valid, kv0, sc0, *weights, cos, sin, **static)
-            i = jnp.arange(entries.shape[1])[None, :]
-            ent, ok = first[:, None] + i, i < n_emitted[:, None]
-        entries = entries.astype(x.dtype)
+    def _compress_into(self, comp: Compressor, x, meta, pool, li, rows, pool_name, st_kv_name, st_sc_name,
+                       ops: Ops, opts: RunOptions) -> dict:
+        """Run a compressor over the step's tokens from the rows' states; store closed windows' entries (rounded
+        as the layer stores them) in their pool rows and the new states in the state pools."""
+        st_kv, st_sc = getattr(pool, st_kv_name), getattr(pool, st_sc_name)
+        entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, _rows_of(st_kv, li, meta),
+                                                  _rows_of(st_sc, li, meta), self.rope)
         if comp is self.compressor:
             entries = self.kv_round(entries, opts)
         else:
             entries = self.indexer.round_keys(entries, opts)
-        return self._store(comp, meta, pool, pool_name, st_kv_name, st_sc_name, entries, ent, ok, nkv, nsc)
-
-    def _store(self, comp: Compressor, meta, pool, pool_name, st_kv_name, st_sc_name, entries, ent, ok, nkv, nsc):
-        """Scatter finished entries [B, E, K] (entry index ent [B, E], ok: emitted) into their pool rows and the
-        slots' new compressor states into the state pools."""
-        rows_all = meta.entry_rows[comp.ratio]
-        target = getattr(pool, pool_name)
-        row = jnp.take_along_axis(rows_all, jnp.clip(ent, 0, rows_all.shape[1] - 1), axis=1)
-        row = jnp.where(ok & (ent < rows_all.shape[1]) & (row >= 0), row, target.shape[0])
+        stacked = getattr(pool, pool_name)
+        target = _flat(stacked)
+        s = rows.shape[1]
+        row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
+        row = jnp.where(ok & (ent < s) & (row >= 0), row, target.shape[0])
         target = target.at[row.reshape(-1)].set(entries.reshape(-1, entries.shape[-1]).astype(target.dtype),
                                                 mode="drop")
-        st_kv = getattr(pool, st_kv_name)
-        st_sc = getattr(pool, st_sc_name)
-        return dataclasses.replace(pool, **{pool_name: target, st_kv_name: _set_rows(st_kv, meta, nkv),
-                                            st_sc_name: _set_rows(st_sc, meta, nsc)})
+        return {pool_name: target.reshape(stacked.shape), st_kv_name: _set_rows(st_kv, li, meta, nkv),
+                st_sc_name: _set_rows(st_sc, li, meta, nsc)}
 
-    def _sow_indexer_aux(self, q, keys, valid_dense, scores, causal):
+    def _indexer_aux(self, q, keys, valid_dense, scores, causal):
         """Distillation target for the indexer: each query's attention mass over the compressed entries under
-        dense attention (all causal entries), summed over heads and normalised; no gradient flows into it."""
+        dense attention (all causal entries), summed over heads and normalised; no gradient flows into it.
+        Returns (indexer log-softmax, target), both [B, T, S]."""
         s = jnp.einsum("bthk,bsk->bths", q, keys, preferred_element_type=F32) * self.cfg.head_dim ** -0.5
         p = jax.nn.softmax(jnp.where(valid_dense[:, :, None, :], s, -jnp.inf), axis=-1)
         mass = jnp.sum(p[..., -causal.shape[-1]:], axis=2)  # [B, T, S]
         target = jax.lax.stop_gradient(mass / jnp.maximum(jnp.sum(mass, -1, keepdims=True), 1e-9))
         logp = jax.nn.log_softmax(jnp.where(causal, scores, -1e30), axis=-1)
-        # not "indexer": that is the submodule. One tuple entry per call, as Module.sow kept them.
-        prev = getattr(self, "indexer_aux", None)
-        if isinstance(prev, IndexerAux):
-            prev.set_value(prev.get_value() + ((logp, target),))
-        else:
-            self.indexer_aux = IndexerAux(((logp, target),))
+        return logp, target
 
     def _compressed_entries(self, comp: Compressor, x, positions, opts: RunOptions):
         """All complete windows of a sequence that starts at position 0 -> entries [B, T // m, K]."""
@@ -437,7 +385,12 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
         self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype) if cfg.n_shared_experts else None
 
+    @property
+    def hashed(self) -> bool:
+        return self.gate.tid2eid is not None
+
     def __call__(self, x, token_ids, opts: RunOptions):
+        """Returns (y like x, the chosen experts [B*T, k] int32)."""
         cfg = self.cfg
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -449,7 +402,7 @@ class MoE(nnx.Module):
                              cfg.swiglu_limit)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, cfg.swiglu_limit, opts).astype(F32)
-        return y.astype(x.dtype).reshape(shape)
+        return y.astype(x.dtype).reshape(shape), idx
 
 
 class Block(nnx.Module):
@@ -470,26 +423,43 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer_id, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, layer_id, rngs=rngs, dtype=dtype)
 
-    def hc_attn(self, x):
-        return L.hc_pre(x, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...], self.cfg)
+    def hc_attn(self, x, sinkhorn=None):
+        return L.hc_pre(x, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...], self.cfg, sinkhorn)
 
-    def hc_ffn(self, x):
-        return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg)
+    def hc_ffn(self, x, sinkhorn=None):
+        return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg, sinkhorn)
 
-    def ffn_part(self, x, token_ids, opts):
-        u, post, comb = self.hc_ffn(x)
-        return L.hc_post(self.ffn(self.ffn_norm(u), token_ids, opts), x, post, comb)
+    def ffn_part(self, x, token_ids, opts, sinkhorn=None):
+        u, post, comb = self.hc_ffn(x, sinkhorn)
+        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts)
+        return L.hc_post(y, x, post, comb), experts
 
-    def cached(self, x, meta, token_ids, pool, opts: RunOptions):
-        u, post, comb = self.hc_attn(x)
-        a, pool = self.attn.cached(self.attn_norm(u), meta, pool, opts)
+    def cached(self, x, meta, token_ids, pool, li, ops: Ops, opts: RunOptions):
+        u, post, comb = self.hc_attn(x, ops.sinkhorn)
+        a, pool = self.attn.cached(self.attn_norm(u), meta, pool, li, ops, opts)
         x = L.hc_post(a, x, post, comb)
-        return self.ffn_part(x, token_ids, opts), pool
+        return self.ffn_part(x, token_ids, opts, ops.sinkhorn)[0], pool
 
     def __call__(self, x, positions, token_ids, opts: RunOptions):
+        """Returns (streams, aux): aux["indexer"] (CSA, opts.indexer_aux), aux["routing"] (top-k routed layers,
+        opts.routing_aux)."""
         u, post, comb = self.hc_attn(x)
-        x = L.hc_post(self.attn(self.attn_norm(u), positions, opts), x, post, comb)
-        return self.ffn_part(x, token_ids, opts)
+        a, idx_aux = self.attn(self.attn_norm(u), positions, opts)
+        x = L.hc_post(a, x, post, comb)
+        x, experts = self.ffn_part(x, token_ids, opts)
+        aux = {}
+        if idx_aux is not None:
+            aux["indexer"] = idx_aux
+        if opts.routing_aux and not self.ffn.hashed:
+            aux["routing"] = experts
+        return x, aux
+
+
+def _stack(blocks: list) -> "Block":
+    """Blocks of one shape -> one Block whose every array is stacked on a new leading axis."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
+    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
 
 
 class MTPBlock(nnx.Module):
@@ -524,7 +494,15 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
         self.embed = Table(cfg.vocab_size, d, 1.0, rngs=rngs, dtype=dtype)
-        self.layers = nnx.List([Block(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.n_layers)])
+        # Layers are built one by one in layer order (the random init does not depend on the grouping), then
+        # stacked; each layer's own arrays are dropped as soon as its stack exists.
+        blocks = [Block(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.n_layers)]
+        stacks = []
+        for st in layer_stacks(cfg).stacks:
+            stacks.append(_stack([blocks[i] for i in st.layers]))
+            for i in st.layers:
+                blocks[i] = None
+        self.stacks = nnx.List(stacks)
         self.norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
         self.hc_head_fn = nnx.Param(_normal(rngs, (n, n * d), (n * d) ** -0.5, F32))
         self.hc_head_base = nnx.Param(_normal(rngs, (n,), 0.1, F32))
@@ -550,35 +528,134 @@ class Transformer(nnx.Module):
         # XLA hoisted a 2.1 GB f32 head out of the decode loop and read it every step).
         return jnp.einsum("...d,vd->...v", y, self.head.weight[...].astype(y.dtype), preferred_element_type=F32)
 
+    # -- the layer loop --
+    def _run_layers(self, layer, x, pools, opts: RunOptions, collect: bool = False):
+        """Run every main layer in order: `layer(block, g, li, x, pool) -> (x, pool, aux)` with `block` the
+        layer's parameters (a Block sliced out of stack g at index li) and `pool` stack g's pools (None in the
+        full-sequence forward). Returns (x, pools, per-stack aux: stack -> list of (li, aux) when collect)."""
+        split = [nnx.split(s) for s in self.stacks]
+        pools = None if pools is None else list(pools)
+
+        def run(g, li, x, pool):
+            graphdef, state = split[g]
+            return layer(nnx.merge(graphdef, jax.tree.map(lambda a: _index(a, li), state)), g, li, x, pool)
+
+        if opts.layer_loop == "switch":
+            if collect:
+                raise ValueError("layer_loop='switch' collects no auxiliary outputs")
+            return self._run_switch(run, x, pools)
+        if opts.layer_loop != "periods":
+            raise ValueError(f"layer_loop must be 'periods' or 'switch', got {opts.layer_loop!r}")
+        auxs: dict[int, list] = {}
+        for seg in layer_stacks(self.cfg).segments:
+            if seg.repeats == 1:  # unrolled
+                for g, li in zip(seg.period, seg.base):
+                    x, pool, aux = run(g, li, x, None if pools is None else pools[g])
+                    if pools is not None:
+                        pools[g] = pool
+                    if collect:
+                        auxs.setdefault(g, []).append((li, aux))
+                continue
+            touched = sorted(set(seg.period))
+
+            def body(carry, i, seg=seg, touched=touched):
+                x, ps = carry
+                ps = None if ps is None else dict(zip(touched, ps))
+                out = []
+                for j, g in enumerate(seg.period):
+                    li = seg.base[j] + i * seg.step[j]
+                    x, pool, aux = run(g, li, x, None if ps is None else ps[g])
+                    if ps is not None:
+                        ps[g] = pool
+                    out.append(aux if collect else None)
+                return (x, None if ps is None else tuple(ps[g] for g in touched)), tuple(out)
+
+            carry = (x, None if pools is None else tuple(pools[g] for g in touched))
+            (x, ps), ys = jax.lax.scan(body, carry, jnp.arange(seg.repeats, dtype=jnp.int32))
+            if pools is not None:
+                for g, p in zip(touched, ps):
+                    pools[g] = p
+            if collect:
+                for j, g in enumerate(seg.period):
+                    for i in range(seg.repeats):
+                        auxs.setdefault(g, []).append(
+                            (seg.base[j] + i * seg.step[j], jax.tree.map(lambda a: a[i], ys[j])))
+        return x, pools, auxs
+
+    def _run_switch(self, run, x, pools):
+        """The alternative loop (kept to repeat the measurement): one scan over all layers, a `lax.switch` on
+        the layer's stack, the pools of every stack in the carry."""
+        plan = layer_stacks(self.cfg)
+        n_stacks = len(plan.stacks)
+
+        def branch(g):
+            def f(x, ps, li):
+                x, pool, _ = run(g, li, x, None if ps is None else ps[g])
+                if ps is not None:
+                    ps = ps[:g] + (pool,) + ps[g + 1:]
+                return x, ps
+            return f
+
+        def body(carry, xs):
+            x, ps = carry
+            g, li = xs
+            return jax.lax.switch(g, [branch(k) for k in range(n_stacks)], x, ps, li), None
+
+        xs = (jnp.asarray([g for g, _ in plan.where], jnp.int32), jnp.asarray([i for _, i in plan.where], jnp.int32))
+        (x, ps), _ = jax.lax.scan(body, (x, None if pools is None else tuple(pools)), xs)
+        return x, None if ps is None else list(ps), {}
+
     def __call__(self, token_ids, opts: RunOptions = RunOptions(), return_streams: bool = False):
-        """Full-sequence forward from position 0, no cache. token_ids [B, T] -> logits [B, T, V] f32."""
+        """Full-sequence forward from position 0, no cache. token_ids [B, T] -> logits [B, T, V] f32.
+        With opts.indexer_aux / routing_aux, sows IndexerAux / RoutingAux (collect them with `nnx.capture`)."""
         b, t = token_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embed_streams(token_ids)
-        for layer in self.layers:
-            x = layer(x, positions, token_ids, opts)
+        collect = opts.indexer_aux or opts.routing_aux
+
+        def layer(block, g, li, x, pool):
+            x, aux = block(x, positions, token_ids, opts)
+            return x, pool, aux
+
+        x, _, auxs = self._run_layers(layer, x, None, opts, collect)
+        routing = []
+        for g in sorted(auxs):
+            per_layer = [a for _, a in sorted(auxs[g], key=lambda e: e[0])]
+            if opts.indexer_aux and "indexer" in per_layer[0]:
+                self.sow(IndexerAux, "indexer_aux", jax.tree.map(lambda *a: jnp.stack(a),
+                                                                 *[a["indexer"] for a in per_layer]))
+            if "routing" in per_layer[0]:
+                routing.append(jnp.stack([a["routing"] for a in per_layer]))
+        if opts.routing_aux:
+            self.sow(RoutingAux, "routing", tuple(routing))
         logits = self.logits_from_streams(x)
         return (logits, x) if return_streams else logits
 
     def cached(self, token_ids, meta, pools, opts: RunOptions = RunOptions()):
         """One step over the pools: token_ids [B, T] at meta's positions. Returns (logits [B, V] f32 of each
         row's last valid token, pools with the step's writes)."""
+        ops = ops_for(opts.attention_impl)
         x = self.embed_streams(token_ids)
-        new_layers = []
-        for layer, pool in zip(self.layers, pools.layers):
-            x, pool = layer.cached(x, meta, token_ids, pool, opts)
-            new_layers.append(pool)
+
+        def layer(block, g, li, x, pool):
+            x, pool = block.cached(x, meta, token_ids, pool, li, ops, opts)
+            return x, pool, None
+
+        x, stacks, _ = self._run_layers(layer, x, pools.stacks, opts)
         last = jnp.maximum(meta.n_valid - 1, 0)
         x_last = jnp.take_along_axis(x, last[:, None, None, None], axis=1)[:, 0]
-        return self.logits_from_streams(x_last), dataclasses.replace(pools, layers=tuple(new_layers))
+        return self.logits_from_streams(x_last), dataclasses.replace(pools, stacks=tuple(stacks))
 
     def mtp_logits(self, streams, token_ids, opts: RunOptions = RunOptions()):
         """MTP head over a full sequence: position i sees the main streams at i and token i+1 and predicts
-        token i+2. Returns [B, T-1, V] for positions 0..T-2."""
+        token i+2. Returns [B, T-1, V] for positions 0..T-2. With opts.routing_aux, sows RoutingAux
+        "mtp_routing"."""
         mtp = self.mtp[0]
         b, t = token_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
         e = self.embed.weight[...][token_ids[:, 1:]]
         x = mtp.streams_in(e, streams[:, :-1], opts)
-        x = mtp.block(x, positions, token_ids[:, 1:], opts)
+        x, aux = mtp.block(x, positions, token_ids[:, 1:], opts)
+        if "routing" in aux:
+            self.sow(RoutingAux, "mtp_routing", aux["routing"])
         return self.head_logits(mtp.collapse(x))

@@ -28,12 +28,10 @@ state leaves and the step; `Trainer.restore` checks shapes and resumes the data 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import os
-import time
 from typing import Any, Iterator
 
 import jax
@@ -42,9 +40,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from v4jax import layers as L
-from v4jax.config import CSA, HCA, SLIDING, ModelConfig
-from v4jax.model import IndexerAux, RunOptions, Transformer
+from v4jax.config import CSA, HCA, SLIDING, ModelConfig, layer_stacks
+from v4jax.model import IndexerAux, RoutingAux, RunOptions, Transformer
 
 F32 = jnp.float32
 
@@ -119,32 +116,47 @@ def path_key(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-@contextlib.contextmanager
-def record_routing():
-    """Record the expert choices of every top-k-routed MoE call made while tracing (main layers in order, then
-    the MTP layer), for the load-balancing bias update. Hash-routed calls are not recorded."""
-    calls: list = []
-    orig = L.route
-
-    def route(x, gate_w, gate_bias, tid2eid, token_ids, cfg):
-        w, idx = orig(x, gate_w, gate_bias, tid2eid, token_ids, cfg)
-        if tid2eid is None:
-            calls.append(idx)
-        return w, idx
-
-    L.route = route
-    try:
-        yield calls
-    finally:
-        L.route = orig
-
-
 def routed_bias_keys(cfg: ModelConfig, mtp: bool = True) -> list[str]:
-    """Parameter keys of the top-k gates' selection biases, in the order `record_routing` sees the calls."""
-    keys = [f"layers.{i}.ffn.gate.bias" for i in range(cfg.n_layers) if not cfg.is_hash_layer(i)]
-    if mtp and cfg.n_mtp_layers:
+    """Parameter keys of the top-k gates' selection biases ([n, E] per top-k-routed layer stack, then [E] of the
+    MTP block), in the order of the loads `forward_with_aux` returns."""
+    keys = [f"stacks.{g}.ffn.gate.bias" for g, st in enumerate(layer_stacks(cfg).stacks) if not st.hashed]
+    if mtp and cfg.n_mtp_layers and not cfg.is_hash_layer(cfg.n_layers):
         keys.append("mtp.0.block.ffn.gate.bias")
     return keys
+
+
+def _capture(fn, *types):
+    """nnx.capture where this Flax has it (0.12+); else call and pop the sown values from the model."""
+    if hasattr(nnx, "capture"):
+        return nnx.capture(fn, *types)
+
+    def run(model, *args):
+        out = fn(model, *args)
+        return (out, *(nnx.pop(model, t) for t in types))
+    return run
+
+
+def _values(state, name: str) -> list:
+    """The values sown under `name` at the top of a captured State (a tuple of sow calls)."""
+    for path, var in nnx.to_flat_state(state):
+        if tuple(path) == (name,):
+            return list(var.get_value())
+    return []
+
+
+def forward_with_aux(model: Transformer, x, opts: RunOptions, mtp: bool = True):
+    """Full forward (and the MTP head when `mtp`) with the auxiliary outputs: returns (logits, mtp logits or
+    None, indexer aux: a list of (logp, target) [B, T, S] per CSA layer, routing: a list of expert choices
+    [n, B*T, k] per routed_bias_keys entry)."""
+
+    def run(m, x):
+        logits, streams = m(x, opts, return_streams=True)
+        return logits, (m.mtp_logits(streams, x, opts) if mtp else None)
+
+    (logits, mtp_logits), iaux, raux = _capture(run, IndexerAux, RoutingAux)(model, x)
+    indexer = [(lp[i], tg[i]) for lp, tg in _values(iaux, "indexer_aux") for i in range(lp.shape[0])]
+    routing = [r for stacked in _values(raux, "routing") for r in stacked] + _values(raux, "mtp_routing")
+    return logits, mtp_logits, indexer, routing
 
 
 def cross_entropy(logits, targets):
@@ -167,15 +179,6 @@ def indexer_terms(logp, target, topk: int):
     covered = jnp.sum(jnp.take_along_axis(target, idx, axis=-1), axis=-1)
     recall = jnp.sum(jnp.where(has, covered, 0.0)) / n
     return kl, recall
-
-
-def collect_indexer_aux(model) -> list[tuple[Any, Any]]:
-    aux = nnx.pop(model, IndexerAux)
-    out = []
-    for _, var in nnx.to_flat_state(aux):
-        for logp, target in var.get_value():
-            out.append((logp, target))
-    return out
 
 
 # ---- the trainer -------------------------------------------------------------------------------------
@@ -230,10 +233,7 @@ def _loss(st: _Static, params, buffers, tokens):
     cfg, tc = st.cfg, st.tc
     x, y = tokens[:, :-1], tokens[:, 1:]
     model = nnx.merge(st.graphdef, st.state(params, tc.compute_dtype), buffers)
-    with record_routing() as routed:
-        logits, streams = model(x, RunOptions(indexer_aux=True), return_streams=True)
-        aux = collect_indexer_aux(model)
-        mtp_logits = model.mtp_logits(streams, x)
+    logits, mtp_logits, aux, routed = forward_with_aux(model, x, RunOptions(indexer_aux=True, routing_aux=True))
     ce, _ = cross_entropy(logits, y)
     mtp_ce, _ = cross_entropy(mtp_logits, y[:, 1:])
     if aux:
@@ -244,8 +244,13 @@ def _loss(st: _Static, params, buffers, tokens):
         idx_kl = idx_recall = jnp.zeros((), F32)
     loss = ce + tc.mtp_weight * mtp_ce + tc.indexer_weight * idx_kl
     e = cfg.n_routed_experts
-    loads = (jnp.stack([jnp.bincount(i.reshape(-1), length=e).astype(F32) * e / i.size for i in routed])
-             if routed else jnp.zeros((0, e), F32))
+
+    def load(idx):  # [..., M, k] -> [..., E]: each expert's share of the routed tokens, x E (1 = balanced)
+        flat = idx.reshape(*idx.shape[:-2], -1)
+        return jax.vmap(lambda i: jnp.bincount(i, length=e))(flat.reshape(-1, flat.shape[-1])).reshape(
+            *flat.shape[:-1], e).astype(F32) * e / flat.shape[-1]
+
+    loads = [load(r) for r in routed]  # one per routed_bias_keys entry: [n, E] per stack, [E] for MTP
     return loss, dict(loss=loss, ce=ce, mtp_ce=mtp_ce, idx_kl=idx_kl, idx_recall=idx_recall, loads=loads)
 
 
@@ -256,10 +261,10 @@ def _train_step(st: _Static, params, opt_state, buffers, tokens, lr):
     params = dict(optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates)))
     loads = m.pop("loads")
     # auxiliary-loss-free balance: nudge each top-k gate's selection bias toward equal expert loads
-    for j, k in enumerate(routed_bias_keys(st.cfg)[: loads.shape[0]]):
-        params[k] = params[k] + st.tc.bias_update_rate * jnp.sign(1.0 - loads[j])
+    for k, ld in zip(routed_bias_keys(st.cfg), loads):
+        params[k] = params[k] + st.tc.bias_update_rate * jnp.sign(1.0 - ld)
     m["grad_norm"] = optax.tree.norm(grads)
-    m["max_load"] = jnp.max(loads) if loads.size else jnp.zeros((), F32)
+    m["max_load"] = jnp.max(jnp.stack([jnp.max(ld) for ld in loads])) if loads else jnp.zeros((), F32)
     return params, opt_state, m
 
 

@@ -1,4 +1,9 @@
-"""Official checkpoint names <-> paths in the NNX model, and filling an abstract model from a tensor stream."""
+"""Official checkpoint names <-> paths in the NNX model, and filling an abstract model from a tensor stream.
+
+Main layers live in stacks (`config.layer_stacks`): official `layers.N.<rest>` is `stacks.<g>.<rest>` at index i
+of the leading axis, (g, i) = layer_stacks(cfg).where[N]; routed experts `...ffn.experts.E.w1.weight` are a
+further index into `...ffn.experts.w1`. The loader fills each stacked array directly (one buffer per stacked
+parameter, assigned once every layer / expert of it has arrived)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -8,23 +13,34 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from v4jax.config import ModelConfig, layer_stacks
 from v4jax.model import Transformer
 
 _MTP_OWN = {"e_proj", "h_proj", "enorm", "hnorm", "norm", "hc_head_fn", "hc_head_base", "hc_head_scale"}
 
 
-def official_to_path(name: str) -> tuple[tuple, int | None]:
-    """`layers.3.ffn.experts.7.w1.weight` -> (("layers", 3, "ffn", "experts", "w1"), 7); others -> (path, None)."""
+def official_to_path(name: str, cfg: ModelConfig) -> tuple[tuple, tuple[int, ...]]:
+    """An official tensor name -> (model path, indices into the parameter's leading axes):
+    `layers.3.ffn.experts.7.w1.weight` -> (("stacks", g, "ffn", "experts", "w1"), (i, 7)) with layer 3 at index i
+    of stack g; `mtp.0.ffn.experts.7.w1.weight` -> (("mtp", 0, "block", "ffn", "experts", "w1"), (7,));
+    `embed.weight` -> (("embed", "weight"), ())."""
     parts: list = [int(p) if p.isdigit() else p for p in name.split(".")]
-    if parts[0] == "mtp" and parts[2] not in _MTP_OWN:
+    index: list[int] = []
+    if parts[0] == "layers" and len(parts) > 2 and isinstance(parts[1], int):
+        if not 0 <= parts[1] < cfg.n_layers:
+            raise KeyError(f"{name}: the model has {cfg.n_layers} layers")
+        g, i = layer_stacks(cfg).where[parts[1]]
+        parts[:2] = ["stacks", g]
+        index.append(i)
+    if parts[0] == "mtp" and len(parts) > 2 and parts[2] not in _MTP_OWN:
         parts.insert(2, "block")
     if "experts" in parts and parts[parts.index("experts") - 1] == "ffn" and isinstance(
             parts[parts.index("experts") + 1], int):
-        i = parts.index("experts")
-        expert = parts.pop(i + 1)
+        j = parts.index("experts")
+        index.append(parts.pop(j + 1))
         assert parts[-1] == "weight", name
-        return tuple(parts[:-1]), expert
-    return tuple(parts), None
+        return tuple(parts[:-1]), tuple(index)
+    return tuple(parts), tuple(index)
 
 
 def _variable(model, path):
@@ -38,60 +54,71 @@ def _variable(model, path):
 
 def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]]) -> Transformer:
     """Assign every (official name, array) to the model (abstract or concrete), casting to each parameter's
-    dtype; routed experts are gathered per layer and assigned once. Every parameter must be assigned."""
-    pending: dict[tuple, np.ndarray] = {}
+    dtype. A stacked parameter (layers of a stack, routed experts) is filled in a host buffer of its full shape
+    and assigned once, when its last slice arrives. Every parameter must be assigned."""
+    cfg = model.cfg
+    pending: dict[tuple, tuple[np.ndarray, set]] = {}
     assigned: set[tuple] = set()
     for name, arr in tensors:
-        path, expert = official_to_path(name)
+        path, index = official_to_path(name, cfg)
         var = _variable(model, path)
-        if expert is None:
-            if tuple(var.shape) != tuple(arr.shape):
-                raise ValueError(f"{name}: shape {tuple(arr.shape)} != model {tuple(var.shape)}")
+        shape = tuple(var.shape)
+        if tuple(arr.shape) != shape[len(index):]:
+            raise ValueError(f"{name}: shape {tuple(arr.shape)} != model {shape[len(index):]}")
+        if not index:
             var.set_value(jnp.asarray(arr, dtype=var.dtype))
             assigned.add(path)
-        else:
-            buf = pending.get(path)
-            if buf is None:
-                buf = pending[path] = np.zeros(var.shape, dtype=np.float32)
-            buf[expert] = arr
-            if expert == var.shape[0] - 1:
-                var.set_value(jnp.asarray(pending.pop(path), dtype=var.dtype))
-                assigned.add(path)
-    for path, buf in pending.items():
-        var = _variable(model, path)
-        var.set_value(jnp.asarray(buf, dtype=var.dtype))
-        assigned.add(path)
+            continue
+        if path not in pending:
+            pending[path] = (np.zeros(shape, dtype=np.dtype(var.dtype)), set())
+        buf, seen = pending[path]
+        buf[index] = np.asarray(arr).astype(buf.dtype)
+        seen.add(index)
+        if len(seen) == int(np.prod(shape[:len(index)])):
+            var.set_value(jnp.asarray(pending.pop(path)[0]))
+            assigned.add(path)
     missing = []
-    flat = nnx.to_flat_state(nnx.state(model))
-    for path, var in flat:
+    for path, (buf, seen) in pending.items():
+        lead = buf.shape[:len(next(iter(seen)))]
+        missing += [_official_name(cfg, path, idx) for idx in np.ndindex(*lead) if tuple(idx) not in seen]
+    for path, _ in nnx.to_flat_state(nnx.state(model)):
         key = tuple(path)
-        if key not in assigned:
+        if key not in assigned and key not in pending:
             missing.append(".".join(map(str, key)))
     if missing:
         raise ValueError(f"parameters not found in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return model
 
 
-def path_to_official(path: tuple) -> list[tuple[str, int | None]]:
-    """Inverse of official_to_path for one model variable: [(official name, expert index or None)]."""
+def _n_lead(path: tuple) -> int:
+    """Leading axes of a model parameter that index official tensors (its stack's layers, routed experts)."""
+    names = [str(p) for p in path]
+    return (names[0] == "stacks") + (len(names) >= 2 and names[-2] == "experts" and names[-1] in ("w1", "w2", "w3"))
+
+
+def _official_name(cfg: ModelConfig, path: tuple, index: tuple[int, ...]) -> str:
+    """Inverse of official_to_path."""
     parts = [str(p) for p in path]
-    if parts[0] == "mtp" and parts[2] == "block":
+    index = list(index)
+    if parts[0] == "stacks":
+        layer = layer_stacks(cfg).stacks[int(parts[1])].layers[index.pop(0)]
+        parts[:2] = ["layers", str(layer)]
+    if parts[0] == "mtp" and len(parts) > 2 and parts[2] == "block":
         del parts[2]
-    if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in ("w1", "w2", "w3"):
-        return [(".".join(parts[:-1]) + ".{e}." + parts[-1] + ".weight", -1)]
-    return [(".".join(parts), None)]
+    if index:  # routed experts
+        return ".".join(parts[:-1] + [str(index[0]), parts[-1], "weight"])
+    return ".".join(parts)
 
 
 def model_to_official(model: Transformer) -> dict[str, np.ndarray]:
-    """Every parameter under its official name as float32 numpy (int32 for tid2eid); experts split per expert."""
+    """Every parameter under its official name as float32 numpy (int32 for tid2eid); stacks split per layer,
+    experts per expert."""
+    cfg = model.cfg
     out: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
+        path = tuple(path)
         arr = np.asarray(jax.device_get(var.get_value()))
         arr = arr if arr.dtype == np.int32 else arr.astype(np.float32)
-        (name, expert), = path_to_official(tuple(path))
-        if expert is None:
-            out[name] = arr
-        else:
-            for e in range(arr.shape[0]):
-                out[name.format(e=e)] = arr[e]
+        for idx in np.ndindex(*arr.shape[:_n_lead(path)]):
+            out[_official_name(cfg, path, tuple(idx))] = arr[idx]
     return out

@@ -22,8 +22,8 @@ _FIELDS = (("state_kv", 0.0), ("state_score", -jnp.inf), ("idx_state_kv", 0.0), 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class BoundaryStore:
-    """Per layer: a dict field -> [n_rows, m, C*K] f32 for CSA layers (the previous window at a boundary), None
-    for the others."""
+    """Per layer stack (KVPools.stacks): a dict field -> [n, n_rows, m, C*K] f32 for CSA stacks (the previous
+    window at a boundary, for each of the stack's n layers), None for the others."""
     layers: tuple
 
 
@@ -33,14 +33,14 @@ def _is_csa(lp) -> bool:
 
 def init_boundary_store(pools: KVPools, n_rows: int) -> BoundaryStore:
     out = []
-    for lp in pools.layers:
+    for lp in pools.stacks:
         if not _is_csa(lp):
             out.append(None)
             continue
         d = {}
         for name, _ in _FIELDS:
-            st = getattr(lp, name)  # [slots, 2m, 2K]
-            d[name] = jnp.zeros((n_rows, st.shape[1] // 2, st.shape[2]), F32)
+            st = getattr(lp, name)  # [n, slots, 2m, 2K]
+            d[name] = jnp.zeros((st.shape[0], n_rows, st.shape[2] // 2, st.shape[3]), F32)
         out.append(d)
     return BoundaryStore(layers=tuple(out))
 
@@ -49,16 +49,16 @@ def save_boundary_states(store: BoundaryStore, pools: KVPools, slots, rows) -> B
     """store[rows[i]] = the previous-window half of slot slots[i]'s CSA states (rows out of range: no write).
     slots None: slot i for row i."""
     out = []
-    for lp, d in zip(pools.layers, store.layers):
+    for lp, d in zip(pools.stacks, store.layers):
         if d is None:
             out.append(None)
             continue
         nd = {}
         for name, _ in _FIELDS:
             st = getattr(lp, name)
-            m = st.shape[1] // 2
-            src = st[:, :m] if slots is None else st[slots, :m]
-            nd[name] = d[name].at[rows].set(src, mode="drop")
+            m = st.shape[2] // 2
+            src = st[:, :, :m] if slots is None else st[:, slots, :m]
+            nd[name] = d[name].at[:, rows].set(src, mode="drop")
         out.append(nd)
     return BoundaryStore(layers=tuple(out))
 
@@ -66,21 +66,22 @@ def save_boundary_states(store: BoundaryStore, pools: KVPools, slots, rows) -> B
 def restore_slot_states(pools: KVPools, store: BoundaryStore, slot, row) -> KVPools:
     """Set slot `slot`'s compressor states to those of a boundary: CSA from store row `row` (the previous window,
     an empty current one), HCA empty. The slot then resumes at that boundary exactly (fresh=False)."""
-    layers = []
-    for lp, d in zip(pools.layers, store.layers):
+    stacks = []
+    for lp, d in zip(pools.stacks, store.layers):
         upd = {}
         for name, empty in _FIELDS:
-            st = getattr(lp, name)
+            st = getattr(lp, name)  # [n, slots, C*m, C*K]
             if st is None:
                 continue
             if d is None:
-                new = jnp.full(st.shape[1:], empty, F32)
+                new = jnp.full((st.shape[0],) + st.shape[2:], empty, F32)
             else:
-                m = st.shape[1] // 2
-                new = jnp.concatenate([d[name][row], jnp.full((m, st.shape[2]), empty, F32)], axis=0)
-            upd[name] = st.at[slot].set(new)
-        layers.append(dataclasses.replace(lp, **upd))
-    return dataclasses.replace(pools, layers=tuple(layers))
+                m = st.shape[2] // 2
+                new = jnp.concatenate([d[name][:, row], jnp.full((st.shape[0], m, st.shape[3]), empty, F32)],
+                                      axis=1)
+            upd[name] = st.at[:, slot].set(new)
+        stacks.append(dataclasses.replace(lp, **upd))
+    return dataclasses.replace(pools, stacks=tuple(stacks))
 
 
 def store_bytes(store: BoundaryStore) -> int:

@@ -1,13 +1,17 @@
 """The pool pytree (device side): every byte of per-request state lives in these arrays.
 
-Pools (DESIGN §4), one `LayerPool` per layer, all rows flat so that any layout turns into row ids:
-  tokens       [n_pages, P]            int32  token ids of every full page (the prefix tree keys on these)
-  swa          [n_swa_pages * Ps, K]          raw token KV of the window; small pages of Ps tokens
-  kv           [n_pages * P/m, K]             compressed entries (C4 on CSA layers, C128 on HCA layers)
-  idx          [n_pages * P/m, Ki]            C4 indexer keys (CSA layers)
-  state_*      [slots, C*m, C*K]       f32    compressor partial windows, per slot (never shared)
+Pools (DESIGN §4), one `LayerPool` per layer stack (`config.layer_stacks`: the layers of one shape, the model's
+parameter stacks), every array stacked on a leading axis of the stack's n layers, rows flat per layer so that
+any layout turns into row ids:
+  tokens       [n_pages, P]               int32  token ids of every full page (the prefix tree keys on these)
+  swa          [n, n_swa_pages * Ps, K]          raw token KV of the window; small pages of Ps tokens
+  kv           [n, n_pages * P/m, K]             compressed entries (C4 on CSA layers, C128 on HCA layers)
+  idx          [n, n_pages * P/m, Ki]            C4 indexer keys (CSA layers)
+  state_*      [n, slots, C*m, C*K]       f32    compressor partial windows, per slot (never shared)
+Layer N of the model is `pools.stacks[g]` at index i, (g, i) = `layer_stacks(cfg).where[N]` (`layer_pool`).
 A full page of P tokens addresses its rows of every compressed pool by arithmetic: entry e of ratio m lives
-on full page (e*m)//P at row page*(P/m) + e % (P/m). One page table serves every compressed pool.
+on full page (e*m)//P at row page*(P/m) + e % (P/m). One page table serves every compressed pool (and every
+layer: the row ids are the same in each layer of a stack).
 The dense layout is the same pytree with a fixed identity page table (one contiguous span per slot)."""
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from v4jax.config import CSA, SLIDING, ModelConfig
+from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
 from v4jax.memory import full_page_size
 
 F32 = jnp.float32
@@ -26,25 +29,26 @@ F32 = jnp.float32
 LOGICAL_AXES = {
     # pool field -> logical axis names of its dims (sharding/ maps names to mesh axes)
     "tokens": ("pages", "page_tokens"),
-    "swa": ("pool_rows", "head_dim"),
-    "kv": ("pool_rows", "head_dim"),
-    "idx": ("pool_rows", "index_head_dim"),
-    "state_kv": ("slots", "window", "state_dim"),
-    "state_score": ("slots", "window", "state_dim"),
-    "idx_state_kv": ("slots", "window", "state_dim"),
-    "idx_state_score": ("slots", "window", "state_dim"),
+    "swa": ("layers", "pool_rows", "head_dim"),
+    "kv": ("layers", "pool_rows", "head_dim"),
+    "idx": ("layers", "pool_rows", "index_head_dim"),
+    "state_kv": ("layers", "slots", "window", "state_dim"),
+    "state_score": ("layers", "slots", "window", "state_dim"),
+    "idx_state_kv": ("layers", "slots", "window", "state_dim"),
+    "idx_state_score": ("layers", "slots", "window", "state_dim"),
 }
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerPool:
-    swa: jax.Array  # [R_swa, K]
-    kv: jax.Array | None = None  # [R_m, K]
-    idx: jax.Array | None = None  # [R_m, Ki]
-    state_kv: jax.Array | None = None  # [slots, C*m, C*K] f32
+    """The pools of one layer stack; every array has a leading axis of the stack's n layers."""
+    swa: jax.Array  # [n, R_swa, K]
+    kv: jax.Array | None = None  # [n, R_m, K]
+    idx: jax.Array | None = None  # [n, R_m, Ki]
+    state_kv: jax.Array | None = None  # [n, slots, C*m, C*K] f32
     state_score: jax.Array | None = None
-    idx_state_kv: jax.Array | None = None  # [slots, 2m, 2Ki] f32
+    idx_state_kv: jax.Array | None = None  # [n, slots, 2m, 2Ki] f32
     idx_state_score: jax.Array | None = None
 
 
@@ -52,7 +56,14 @@ class LayerPool:
 @dataclasses.dataclass
 class KVPools:
     tokens: jax.Array  # [n_pages, P] int32
-    layers: tuple  # LayerPool per main layer
+    stacks: tuple  # LayerPool per layer stack (config.layer_stacks(cfg).stacks)
+
+    def layer_pool(self, cfg: ModelConfig, layer: int) -> LayerPool:
+        """Main layer `layer`'s pools (views of its stack's arrays at its index), e.g. for tests and reports."""
+        g, i = layer_stacks(cfg).where[layer]
+        lp = self.stacks[g]
+        return LayerPool(**{f.name: None if getattr(lp, f.name) is None else getattr(lp, f.name)[i]
+                            for f in dataclasses.fields(lp)})
 
 
 @jax.tree_util.register_dataclass
@@ -89,25 +100,25 @@ class PoolLayout:
 
 def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
     p, k = layout.page_size, cfg.head_dim
-    layers = []
-    for i in range(cfg.n_layers):
-        kind, m = cfg.layer_type(i), cfg.compress_ratio(i)
-        swa = jnp.zeros((layout.n_swa_pages * layout.swa_page_size, k), dtype)
+    stacks = []
+    for stack in layer_stacks(cfg).stacks:
+        n, kind, m = len(stack.layers), stack.kind, stack.ratio
+        swa = jnp.zeros((n, layout.n_swa_pages * layout.swa_page_size, k), dtype)
         if kind == SLIDING:
-            layers.append(LayerPool(swa=swa))
+            stacks.append(LayerPool(swa=swa))
             continue
         coff = 2 if kind == CSA else 1
         rows = layout.n_pages * (p // m)
-        st = lambda d: (jnp.zeros((layout.max_slots, coff * m, coff * d), F32),
-                        jnp.full((layout.max_slots, coff * m, coff * d), -jnp.inf, F32))
+        st = lambda d: (jnp.zeros((n, layout.max_slots, coff * m, coff * d), F32),
+                        jnp.full((n, layout.max_slots, coff * m, coff * d), -jnp.inf, F32))
         skv, ssc = st(k)
-        lp = LayerPool(swa=swa, kv=jnp.zeros((rows, k), dtype), state_kv=skv, state_score=ssc)
+        lp = LayerPool(swa=swa, kv=jnp.zeros((n, rows, k), dtype), state_kv=skv, state_score=ssc)
         if kind == CSA:
             ikv, isc = st(cfg.index_head_dim)
-            lp = dataclasses.replace(lp, idx=jnp.zeros((rows, cfg.index_head_dim), dtype),
+            lp = dataclasses.replace(lp, idx=jnp.zeros((n, rows, cfg.index_head_dim), dtype),
                                      idx_state_kv=ikv, idx_state_score=isc)
-        layers.append(lp)
-    return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), layers=tuple(layers))
+        stacks.append(lp)
+    return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), stacks=tuple(stacks))
 
 
 def entry_rows(cfg: ModelConfig, layout: PoolLayout, page_table) -> dict:
@@ -149,7 +160,7 @@ def make_meta(cfg: ModelConfig, layout: PoolLayout, start, n_valid, fresh, slot,
 def pool_bytes(tree: Any) -> dict[str, int]:
     """Bytes held by each pool kind across layers."""
     out: dict[str, int] = {}
-    for lp in tree.layers:
+    for lp in tree.stacks:
         for f in dataclasses.fields(lp):
             arr = getattr(lp, f.name)
             if arr is not None:

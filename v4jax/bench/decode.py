@@ -1,6 +1,6 @@
-"""Benchmarks: `v4jax bench decode` (decode_main) and `v4jax memory` (memory_main).
+"""`v4jax bench decode` (decode_main): decode step time against the roofline and the HF peer.
 
-decode_main: the decode benchmark. A Flash-shaped slice (`flash-slice` preset: Flash attention and indexer
+The decode benchmark. A Flash-shaped slice (`flash-slice` preset: Flash attention and indexer
 sizes, layers [CSA, HCA, CSA, HCA], 16 routed experts) with random weights in bf16, decode step time and tokens/s at
 batch 1 and 32 and contexts 4K, 64K, 256K (1M at batch 1).
 
@@ -9,18 +9,18 @@ batch 1 and 32 and contexts 4K, 64K, 256K (1M at batch 1).
   holds `context - 2k` tokens; nothing is prefilled. One jitted decode call then runs k steps, at positions
   context-2k .. context-k-1, so the page bucket (a power of two of full pages) is exactly context / P pages and
   every slot stays active for all k steps (checked).
-* The time is the engine's jitted decode call (`steps.decode_step`, k steps in one `lax.while_loop`, sampling
-  included) with the arguments the engine's dispatch passes it, median over calls after warm-up, with
-  `block_until_ready`; per-step time = call time / k. `generate_step` (host bookkeeping and transfers included) is
-  timed too.
+* The time is the engine's jitted decode call (`engine.steps.decode_step`, k steps in one `lax.while_loop`,
+  sampling included) with the arguments `EngineCore.step` passes it, median over calls after warm-up, with
+  `block_until_ready`; per-step time = call time / k. `EngineCore.step()` (the loop `LLM.generate` runs: host
+  bookkeeping, the pipelined dispatch and the transfers included) is timed too, on the same synthetic slots.
 * Roofline: bytes a step must read / measured HBM bandwidth (a large device copy, bytes read + written / time).
   Bytes = weights the step touches (all attention / router / shared-expert / head weights, the batch's embedding
   rows, and only the routed experts the batch activates: E (1 - (1 - k/E)^B) per layer for random routing) + per
   sequence the pool bytes of reference serving_systems.md §1.2 in bf16 (all C4 indexer keys, top-k selected C4
   entries, all C128 entries, the window), see v4jax.memory.
-* HF peer: transformers' `DeepseekV4ForCausalLM` with the same config and the same weights (copied from the JAX
-  model), bf16, eager attention, on the same GPU: one cached decode step after a chunked prefill of `context`
-  random tokens (works with transformers 5.17, `past_key_values=`, and 5.24, `cache=`).
+* HF peer (v4jax.bench.hf_peer, the only module that imports torch): transformers' `DeepseekV4ForCausalLM` with
+  the same config and the same weights (copied from the JAX model), bf16, eager attention, on the same GPU: one
+  cached decode step after a chunked prefill of `context` random tokens.
 
 Results are written (JSON + markdown) after every row to --out (default $OUT, else ./bench_out), so a run that is
 killed still leaves what it measured. `--small` runs the whole thing on a tiny config on CPU in well under a minute.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import statistics
@@ -39,6 +38,8 @@ import time
 import traceback
 
 from v4jax import memory as M
+from v4jax.bench.hf_peer import (build_hf_model, free_device_cache, have_transformers, hf_check, hf_decode,
+                                 hf_probe)
 from v4jax.config import CSA, HCA, ModelConfig, preset
 
 DEFAULT_CONTEXTS = (4096, 65536, 262144)
@@ -228,7 +229,8 @@ def _decode_temp_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
 
 
 class JaxDecodeBench:
-    """One engine per batch size (max_num_seqs = batch, max_model_len = the largest context of that batch)."""
+    """One engine per batch size (max_num_seqs = batch, max_model_len = the largest context of that batch; no
+    prefix cache), its pools filled with random values and every slot holding a request that is decoding."""
 
     def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0):
         from v4jax.api import EngineOptions
@@ -240,78 +242,99 @@ class JaxDecodeBench:
         self.engine = EngineCore(cfg, model, opts, run_options, max_context)
         _fill_pools(self.engine, seed)
         self.setup_s = time.perf_counter() - t0
-        self._captured = None
-        self._orig = self.engine.steps.decode
-
-        def capture(spec, leaves, pools, store, state, page_table, swa_table):
-            self._captured = (state, page_table, swa_table)
-            return self._orig(spec, leaves, pools, store, state, page_table, swa_table)
-
-        self._capture = capture
 
     def pool_bytes(self) -> int:
         from v4jax import cache as C
         return sum(C.pool_bytes(self.engine.pools).values())
 
-    def generate_step(self):
-        """One decode call for every slot, waited for, through the engine's own dispatch and collection."""
-        eng = self.engine
-        eng.steps = dataclasses.replace(eng.steps, decode=self._capture)
-        try:
-            flight = eng._dispatch_decode(None)
-        finally:
-            eng.steps = dataclasses.replace(eng.steps, decode=self._orig)
-        return eng._collect(flight)
-
     def _occupy(self, held: int, rng):
-        from v4jax.engine.scheduler import RUNNING, Request
+        """Every slot: a running request whose first `held` tokens are in the (synthetic) pools."""
+        from v4jax.engine.scheduler import RUNNING
         from v4jax.sampling import SamplingParams
-        eng, sch = self.engine, self.engine.scheduler
+        eng = self.engine
+        sch = eng.scheduler
         for r in list(sch.requests.values()):
             sch.remove(r)
-        sp = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
+        eng._flight = None
+        sp = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
         for s in range(self.batch):
-            req = Request(f"bench-{s}", [0] * held, sp, s, s, (), s,
-                          output=[int(rng.integers(2, self.cfg.vocab_size))], status=RUNNING, slot=s)
+            req = sch.add(f"bench-{s}", rng.integers(2, self.cfg.vocab_size, held).tolist(), sp, s, s, ())
+            sch.waiting.remove(req)
+            req.status, req.slot, req.computed = RUNNING, s, held
+            req.output.append(int(rng.integers(2, self.cfg.vocab_size)))
             sch.slots[s] = req
-            sch.requests[req.request_id] = req
             eng.tables.reserve(s, held, held)  # full pages for [0, held), SWA pages of the window
 
-    def _rewind(self, held: int):
-        for r in self.engine.scheduler.running():
-            del r.output[1:]
+    def _decode_args(self, held: int):
+        """The decode step's arguments for every slot at position `held` (what EngineCore.step passes)."""
+        import numpy as np
 
-    def run(self, context: int, n_iter: int, n_gen: int, rng) -> dict:
+        from v4jax.engine import steps as S
+        from v4jax.engine.core import _snapshot
+        eng, s = self.engine, self.engine.layout.max_slots
+        z = lambda dt=np.int32: np.zeros(s, dt)
+        state = S.DecodeState(z(), np.full(s, held, np.int32), np.ones(s, bool), np.full(s, 1 << 20, np.int32),
+                              np.full((s, S.MAX_STOP), -1, np.int32),
+                              S.SamplingState(z(np.float32), np.ones(s, np.float32), z(), np.arange(s, dtype=np.int32),
+                                              np.arange(s, dtype=np.int32), z()))
+        state = S.carry_state(state, state, z(bool))
+        pt = eng.tables.full[:, :eng._page_bucket(held + self.k)]
+        return state, _snapshot(pt), _snapshot(eng.tables.swa)
+
+    def run(self, context: int, n_iter: int, n_gen: int, rng, profile: bool = False) -> dict:
         import jax
+
+        from v4jax.engine import steps as S
         k, eng = self.k, self.engine
         held = context - 2 * k
         self._occupy(held, rng)
+        for s in range(self.batch):
+            eng.tables.reserve(s, held, held + k)
+        state, pt, swa = self._decode_args(held)
         t0 = time.perf_counter()
-        res = self.generate_step()  # compiles this (batch, page bucket) variant
+        out = S.decode_step(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)  # compiles this variant
+        jax.block_until_ready(out)
         compile_s = time.perf_counter() - t0
-        steps = sorted({len(d.new_token_ids) for d in res})
-        if steps != [k] or len(res) != self.batch:
-            raise RuntimeError(f"decode call ran {steps} steps for {len(res)} slots, expected {k} for {self.batch}")
-        self._rewind(held)
-        state, pt, swa = self._captured
+        eng.pools, eng.store, res, _ = out
+        n_out = jax.device_get(res.n_out)
+        if sorted(set(n_out.tolist())) != [k]:
+            raise RuntimeError(f"decode call ran {sorted(set(n_out.tolist()))} steps, expected {k} for every slot")
         entries_scanned = pt.shape[1] * (eng.layout.page_size // min(self.cfg.ratios_in_use))
         # the raw jitted call, same positions every time (the context stays put)
         times = []
         for i in range(n_iter + 1):
             t0 = time.perf_counter()
-            out = self._orig(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
+            out = S.decode_step(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
             jax.block_until_ready(out)
             dt = time.perf_counter() - t0
             eng.pools, eng.store = out[0], out[1]
             if i:  # the first is a warm-up
                 times.append(dt)
         call_s = statistics.median(times)
+        prof = None
+        if profile:
+            from v4jax.bench.profile import summarize
+
+            def call():
+                out = S.decode_step(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
+                jax.block_until_ready(out)
+                eng.pools, eng.store = out[0], out[1]
+
+            prof = summarize(call)
+            if "kernels" in prof:
+                prof["kernels_per_layer_step"] = prof["kernels"] / (self.cfg.n_layers * k)
+        # the engine loop (what LLM.generate drives): dispatch call n+1, then read call n
         gen = []
-        for _ in range(n_gen):
-            t0 = time.perf_counter()
-            self.generate_step()
-            gen.append(time.perf_counter() - t0)
-            self._rewind(held)
+        if n_gen:
+            # from a little earlier, so that the n_gen + 1 calls stay inside this context's page bucket
+            self._occupy(context - (n_gen + 3) * k, rng)
+            eng.step()  # the first dispatch (nothing to read yet)
+            for _ in range(n_gen):
+                t0 = time.perf_counter()
+                deltas = eng.step()
+                gen.append(time.perf_counter() - t0)
+                if len(deltas) != self.batch or any(len(d.new_token_ids) != k for d in deltas):
+                    raise RuntimeError(f"an engine step advanced {[len(d.new_token_ids) for d in deltas]}")
         return {
             "batch": self.batch, "context": context, "held_tokens": held, "k": k,
             "positions": [held, held + k - 1], "page_bucket": int(pt.shape[1]),
@@ -319,175 +342,10 @@ class JaxDecodeBench:
             "call_ms_median": call_s * 1e3, "call_ms_all": [t * 1e3 for t in times],
             "ms_per_step": call_s * 1e3 / k, "tokens_per_s": self.batch * k / call_s,
             "generate_step_ms_per_step": statistics.median(gen) * 1e3 / k if gen else None,
-            "compile_s": compile_s, "peak_device_bytes": _peak_bytes(),
+            "compile_s": compile_s, "peak_device_bytes": _peak_bytes(), "profile": prof,
         }
 
 
-# ---- HF side -----------------------------------------------------------------------------------------
-_KEEP_FP32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm",
-              "kv_norm", "input_layernorm", "post_attention_layernorm", "norm")
-
-
-def _jax_param(model, official: str):
-    from v4jax.weights import official_to_path
-    path, expert = official_to_path(official)
-    node = model
-    for p in path:
-        node = node[p] if isinstance(p, int) else getattr(node, p)
-    arr = node[...]
-    return arr if expert is None else arr[expert]
-
-
-def _to_torch(arr, device):
-    import torch
-    try:
-        t = torch.from_dlpack(arr)
-    except Exception:  # noqa: BLE001 - fall back to a host copy
-        import numpy as np
-        t = torch.from_numpy(np.asarray(arr.astype("float32")))
-    return t.to(device)
-
-
-def build_hf_model(cfg: ModelConfig, model, device: str, keep_fp32: bool = True):
-    """transformers' DeepseekV4ForCausalLM with `cfg` and the JAX model's weights, bf16 (fp32 where HF keeps
-    fp32: `_keep_in_fp32_modules_strict`, unless keep_fp32=False), eval mode, on `device`."""
-    import re
-
-    import torch
-    import transformers
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from checkpoints.names import map_name
-    hf_logging.set_verbosity_error()
-    hf_cfg = DeepseekV4Config(**cfg.to_hf_dict())
-    keep = getattr(DeepseekV4ForCausalLM, "_keep_in_fp32_modules_strict", None) or list(_KEEP_FP32)
-    keep_re = re.compile("|".join(rf"((^|\.){re.escape(m)}($|\.))" for m in keep))
-    with torch.device(device):
-        hf = DeepseekV4ForCausalLM(hf_cfg)
-    hf.eval()
-    n_set = 0
-    with torch.no_grad():
-        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
-            if "rotary_emb" in name:
-                continue
-            nm = map_name(name)
-            names = nm.expand(cfg.n_routed_experts)
-            if not names:
-                raise KeyError(f"HF tensor {name!r} (transformers {transformers.__version__}) has no official name")
-            if nm.stack:
-                m = len(nm.stack)
-                parts = [_to_torch(_jax_param(model, n), device) for n in names]
-                val = torch.stack([torch.cat(parts[e * m:(e + 1) * m], 0) for e in range(cfg.n_routed_experts)])
-            else:
-                val = _to_torch(_jax_param(model, names[0]), device)
-            if tuple(val.shape) != tuple(t.shape):
-                raise ValueError(f"{name}: HF shape {tuple(t.shape)} != JAX {tuple(val.shape)} ({names[0]})")
-            if t.is_floating_point():
-                dt = torch.float32 if keep_fp32 and keep_re.search(name) else torch.bfloat16
-                t.data = val.to(dt, copy=True).contiguous()  # a copy: never alias the JAX buffers
-            else:
-                t.data = val.to(t.dtype, copy=True).contiguous()
-            n_set += 1
-    return hf, {"transformers": transformers.__version__, "tensors_set": n_set, "fp32_modules_kept": keep_fp32,
-                "experts_implementation": getattr(hf.config, "_experts_implementation", None),
-                "attn_implementation": getattr(hf.config, "_attn_implementation", None)}
-
-
-def hf_probe(hf, device: str) -> None:
-    """One tiny cached forward (raises what the real run would raise, e.g. a dtype mismatch)."""
-    import torch
-    with torch.no_grad():
-        out = hf(input_ids=torch.full((1, 2), 2, dtype=torch.long, device=device), use_cache=True)
-        hf(input_ids=torch.full((1, 1), 2, dtype=torch.long, device=device), use_cache=True,
-           **{_cache_kw(hf): _cache_of(out)})
-
-
-def hf_check(cfg: ModelConfig, model, hf, device: str, n_tokens: int = 32, seed: int = 0) -> dict:
-    """Evidence that HF runs the same weights: uncached logits of one random sequence from both models (bf16),
-    compared relative to the logits' spread, and the agreement of their argmax."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import torch
-    from flax import nnx
-
-    from v4jax.model import RunOptions
-    ids = np.random.default_rng(seed).integers(2, cfg.vocab_size, (1, n_tokens)).astype(np.int32)
-    graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, RunOptions()))
-    lj = np.asarray(fwd(state, jnp.asarray(ids)))[0].astype(np.float64)
-    with torch.no_grad():
-        lh = hf(input_ids=torch.as_tensor(ids, dtype=torch.long, device=device), use_cache=False).logits
-    lh = lh[0].float().cpu().numpy().astype(np.float64)
-    err = np.abs(lj - lh).max(-1) / lj.std(-1)
-    return {"tokens": n_tokens, "max_abs_diff_over_std": float(err.max()), "median_over_std": float(np.median(err)),
-            "argmax_agree": float((lj.argmax(-1) == lh.argmax(-1)).mean()),
-            "corr": float(np.corrcoef(lj.ravel(), lh.ravel())[0, 1])}
-
-
-def _cache_of(out):
-    for name in ("cache", "past_key_values"):
-        c = getattr(out, name, None)
-        if c is not None:
-            return c
-    raise RuntimeError("the HF output carries no cache")
-
-
-def _cache_kw(hf) -> str:
-    import inspect
-    params = inspect.signature(hf.forward).parameters
-    return "past_key_values" if "past_key_values" in params else "cache"
-
-
-def hf_decode(hf, batch: int, context: int, chunk: int, n_warm: int, n_iter: int, device: str, deadline: float,
-              seed: int = 0) -> dict:
-    """Chunked prefill of `context` random tokens, then cached one-token decode steps; median step time."""
-    import inspect
-
-    import torch
-    kw = _cache_kw(hf)
-    takes_keep = "logits_to_keep" in inspect.signature(hf.forward).parameters
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.randint(2, hf.config.vocab_size, (batch, context + n_warm + n_iter), generator=gen).to(device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    row = {"batch": batch, "context": context, "chunk": chunk, "cache_kwarg": kw}
-    cache = None
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        for a in range(0, context, chunk):
-            extra = {"logits_to_keep": 1} if takes_keep else {}
-            out = hf(input_ids=ids[:, a:a + chunk], use_cache=True, **{kw: cache}, **extra)
-            cache = _cache_of(out)
-            del out
-            if time.perf_counter() > deadline:
-                sync()
-                row["error"] = (f"too slow: prefill reached {a + chunk} of {context} tokens in "
-                                f"{time.perf_counter() - t0:.0f} s (time budget)")
-                return row
-        sync()
-        row["prefill_s"] = time.perf_counter() - t0
-        times = []
-        for i in range(n_warm + n_iter):
-            pos = context + i
-            sync()
-            t1 = time.perf_counter()
-            out = hf(input_ids=ids[:, pos:pos + 1], use_cache=True, **{kw: cache})
-            nxt = out.logits[:, -1].argmax(-1)
-            sync()
-            dt = time.perf_counter() - t1
-            cache = _cache_of(out)
-            del out, nxt
-            if i >= n_warm:
-                times.append(dt)
-    row["ms_per_step"] = statistics.median(times) * 1e3
-    row["ms_all"] = [t * 1e3 for t in times]
-    if device.startswith("cuda"):
-        row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    return row
-
-
-# ---- main --------------------------------------------------------------------------------------------
 def _parse_ints(s: str) -> tuple[int, ...]:
     out = []
     for part in s.split(","):
@@ -536,6 +394,10 @@ def decode_main(argv=None) -> int:
     ap.add_argument("--attention-impl", default="xla", choices=("xla", "pallas"),
                     help="the engine's attention path (pallas: pallas_kernels)")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./bench_out)")
+    ap.add_argument("--sinkhorn-unroll", action="store_true", help="unroll the mHC Sinkhorn loop (to compare "
+                    "launches)")
+    ap.add_argument("--profile", action="store_true", help="trace each row's decode call: kernels per call and "
+                    "per layer, device copies, the heaviest kernels (GPU)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + (a.deadline_s if a.deadline_s else 1e9)
@@ -585,6 +447,10 @@ def decode_main(argv=None) -> int:
     res.data["model_init_s"] = time.perf_counter() - t0
     print(f"[{time.perf_counter() - t_start:6.1f}s] model initialised", flush=True)
     run_opts = RunOptions(attention_impl=a.attention_impl)
+    if a.sinkhorn_unroll:
+        from v4jax import layers
+        layers.SINKHORN_UNROLL = True
+        res.data["sinkhorn"] = "unrolled"
     rng = np.random.default_rng(a.seed)
 
     plan = _plan(batches, contexts, long_b1)
@@ -594,7 +460,7 @@ def decode_main(argv=None) -> int:
     bw_Bps = bw["copy_GBps"] * 1e9
 
     def run_hf():
-        if a.hf == "off" or (a.hf == "auto" and not _have_transformers()):
+        if a.hf == "off" or (a.hf == "auto" and not have_transformers()):
             res.note("HF comparison not run: " + ("--hf off" if a.hf == "off" else "transformers is not installed"))
             return None
         device = "cuda" if on_gpu else "cpu"
@@ -632,8 +498,7 @@ def decode_main(argv=None) -> int:
                 res.add_hf(row)
                 print(f"[{time.perf_counter() - t_start:6.1f}s] HF {row}", flush=True)
                 if device == "cuda":
-                    import torch
-                    torch.cuda.empty_cache()
+                    free_device_cache()
         return hf
 
     def check_hf(hf):
@@ -677,7 +542,7 @@ def decode_main(argv=None) -> int:
             temp = _decode_temp_bytes(cfg, b, c)
             if free is not None and temp + (1 << 30) > free:
                 raise MemoryError(f"decode temporaries {temp / 1e9:.1f} GB > {free / 1e9:.1f} GB free")
-            row = bench.run(c, iters, a.gen_iters, rng)
+            row = bench.run(c, iters, a.gen_iters, rng, profile=a.profile)
             row["pool_bytes"] = bench.pool_bytes()
             rl = roofline_bytes(cfg, b, c)
             row["roofline"] = rl
@@ -701,57 +566,3 @@ def decode_main(argv=None) -> int:
     res.write()
     print(markdown(res.data), flush=True)
     return 0
-
-
-def _have_transformers() -> bool:
-    try:
-        import torch  # noqa: F401
-        from transformers import DeepseekV4ForCausalLM  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-def memory_main(argv=None) -> int:
-    """`v4jax memory --model flash --context 1048576 [--requests N] [--format bf16,fp8,fp4] [--budget-gib G]`"""
-    ap = argparse.ArgumentParser(prog="v4jax memory", description="KV pool bytes per kind, per token and per "
-                                 "request, in bf16 and in the FP8 / FP4 layouts")
-    ap.add_argument("--model", default="flash", help="preset name or HF config directory")
-    ap.add_argument("--context", type=str, default="1048576", help="tokens per request (e.g. 1048576, 64K, 1M)")
-    ap.add_argument("--requests", type=int, default=1)
-    ap.add_argument("--format", default="bf16,fp8,fp4", help="comma list of bf16, f32, fp8, fp4 (fp4 = FP8 KV + "
-                    "FP4 indexer keys)")
-    ap.add_argument("--budget-gib", type=float, default=None, help="also: pages / tokens that fit in this pool "
-                    "budget with the engine's layout (bf16)")
-    ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    a = ap.parse_args(argv)
-    cfg = preset(a.model) if not os.path.isdir(a.model) else ModelConfig.from_hf(a.model)
-    ctx = _parse_ints(a.context)[0]
-    reps = [M.report(cfg, ctx, a.requests, f.strip()) for f in a.format.split(",") if f.strip()]
-    if a.json:
-        out = {"model": a.model, "reports": [dataclasses.asdict(r) for r in reps]}
-        if a.budget_gib:
-            out["budget"] = dataclasses.asdict(M.pool_budget(cfg, int(a.budget_gib * M.GiB),
-                                                             max_num_seqs=a.max_num_seqs))
-        print(json.dumps(out, indent=1))
-        return 0
-    print(M.format_report(reps, title=f"## {a.model}: {a.requests} request(s) x {ctx} tokens"))
-    if a.budget_gib:
-        pb = M.pool_budget(cfg, int(a.budget_gib * M.GiB), max_num_seqs=a.max_num_seqs)
-        print(f"\nEngine pools in {a.budget_gib} GiB (bf16, {a.max_num_seqs} slots): {pb.n_pages} full pages of "
-              f"{pb.page_size} tokens = {pb.tokens} tokens; {pb.per_page_bytes} B per page; fixed "
-              f"{pb.fixed_bytes / M.MiB:.1f} MiB (SWA pages + compressor state)")
-    return 0
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("decode", "memory"):
-        print("usage: python -m v4jax.bench {decode,memory} [options]", file=sys.stderr)
-        return 2
-    return (decode_main if argv[0] == "decode" else memory_main)(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

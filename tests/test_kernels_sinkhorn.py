@@ -1,0 +1,36 @@
+"""mHC's Sinkhorn kernel (pallas_kernels.sinkhorn) against its jnp reference and the model's, and its lowering for
+TPU (Mosaic) and GPU (Triton) from this CPU machine."""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _compat
+from v4jax import layers as L
+
+SK = importlib.import_module("pallas_kernels.sinkhorn")
+
+
+def _comb(shape, seed=0):
+    return jax.nn.softmax(3.0 * jax.random.normal(jax.random.key(seed), (*shape, 4, 4)), -1) + 1e-6
+
+
+@pytest.mark.parametrize("shape,iters", [((1,), 20), ((2, 3), 20), ((130,), 7), ((1, 1), 1)])
+def test_matches_reference(shape, iters):
+    comb = _comb(shape)
+    out = np.asarray(SK.sinkhorn(comb, iters, 1e-6, interpret=True))
+    ref = np.asarray(L.sinkhorn(comb, iters, 1e-6))
+    np.testing.assert_array_equal(np.asarray(SK.sinkhorn_ref(comb, iters, 1e-6)), ref)
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-7)
+    # doubly stochastic after the last (column) step: columns sum to one
+    np.testing.assert_allclose(out.sum(-2), 1.0, atol=1e-5)
+
+
+def test_lowers_for_tpu_and_gpu():
+    comb = jnp.ones((1, 1, 4, 4), jnp.float32)
+    fn = lambda c: SK.sinkhorn(c, 20, 1e-6, interpret=False, gpu=False)
+    assert "tpu_custom_call" in _compat.export_for_tpu(fn, comb).mlir_module()
+    txt = _compat.lower_for_cuda(lambda c: SK.sinkhorn(c, 20, 1e-6, interpret=False, gpu=True), comb)
+    assert "triton" in txt

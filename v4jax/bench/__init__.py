@@ -1,0 +1,21 @@
+"""Benchmarks (`v4jax bench ...`, `python -m v4jax.bench ...`):
+
+  decode.py    `v4jax bench decode`: the jitted decode call and the engine loop on synthetic pools, against the
+               roofline and the HF peer
+  generate.py  `v4jax bench generate`: what a user of LLM.generate sees (first-call compile time, prefill and
+               decode ms/step through the API)
+  kernels.py   `v4jax bench kernels`: the kernel table (pallas_kernels.bench)
+  memory.py    `v4jax memory`: pool bytes per kind
+  hf_peer.py   transformers' implementation on the same weights (the only module that imports torch)
+"""
+from v4jax.bench.decode import decode_main, markdown, measure_bandwidth, roofline_bytes, small_config
+from v4jax.bench.kernels import kernels_main
+from v4jax.bench.memory import memory_main
+
+__all__ = ["decode_main", "generate_main", "kernels_main", "markdown", "measure_bandwidth", "memory_main",
+           "roofline_bytes", "small_config"]
+
+
+def generate_main(argv=None) -> int:
+    from v4jax.bench.generate import generate_main as run
+    return run(argv)

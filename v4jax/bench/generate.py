@@ -1,0 +1,158 @@
+"""`v4jax bench generate`: what a user of `LLM.generate` sees, on a preset with random weights.
+
+* first call: `LLM(...)` then one `generate` of a short prompt (16 tokens, 16 new): its wall time is mostly the
+  compile of the prefill and decode programs it uses (cache off by default here, so the number is the compile a
+  first run pays; `--cache on` measures a warm persistent cache instead); the same call again gives the
+  steady-state time, the difference is reported as the compile time.
+* decode rows (batch, context): `batch` random prompts of `context` tokens through one streaming `generate`
+  (greedy, ignore_eos, `--new` tokens each): prefill s = time to the last request's first token; decode ms/step =
+  the time from then to the end over the steps run in it (every request is decoding then). Each row runs twice on
+  fresh prompts of the same lengths and the second pass is timed (the first compiles its programs). One engine per
+  batch size (max_num_seqs = batch: the decode step runs every slot), the model's weights shared.
+* `--prefill` contexts: more rows at batch 1 (for long prompts: the prefill time of one prompt of that length,
+  and the decode rate after it).
+Results (JSON + markdown) go to --out after every row.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+
+def _engine_for(llm, **opts):
+    """Point `llm` at a fresh engine with these options (same model and weights)."""
+    llm.options = dataclasses.replace(llm.options, **opts)
+    llm.max_model_len = min(llm.options.max_model_len or llm.config.max_seq_len, llm.config.max_seq_len)
+    llm._engine = None
+
+
+def _stream_times(llm, prompts, sp):
+    """Run a streaming generate; per request the arrival time of each token. Returns (t0, {i: [times]})."""
+    t0 = time.perf_counter()
+    times: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
+    for i, toks, _ in llm.generate(prompts, sp, stream=True):
+        now = time.perf_counter()
+        times[i].extend([now] * len(toks))
+    return t0, times
+
+
+def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
+    """Two passes over fresh random prompts of the same lengths (no prefix hits): the first compiles every
+    program the row uses (chunk and page buckets), the second is timed."""
+    from v4jax.sampling import SamplingParams
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    fresh = lambda: [rng.integers(2, llm.config.vocab_size, context).tolist() for _ in range(batch)]
+    t0 = time.perf_counter()
+    llm.generate(fresh(), sp)
+    warm_s = time.perf_counter() - t0
+    t0, times = _stream_times(llm, fresh(), sp)
+    first = max(ts[0] for ts in times.values())  # every request decodes from here on
+    end = max(ts[-1] for ts in times.values())
+    steps = min(sum(1 for t in ts if t > first) for ts in times.values())
+    return {"batch": batch, "context": context, "new_tokens": new, "first_pass_s": warm_s, "wall_s": end - t0,
+            "prefill_s": first - t0,
+            "decode_steps_timed": steps,
+            "ms_per_step": (end - first) * 1e3 / steps if steps else None,
+            "tokens": sum(len(ts) for ts in times.values())}
+
+
+def markdown(data: dict) -> str:
+    f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)
+    lines = [f"Device: {data.get('device')}; JAX {data.get('jax')}; `{data.get('model')}` (random weights, bf16); "
+             f"k = {data.get('k')}; prefill chunk {data.get('prefill_chunk')}; attention {data.get('attention_impl')}.",
+             ""]
+    fc = data.get("first_call")
+    if fc:
+        lines += [f"First generate (16-token prompt, 16 new): {fc['first_s']:.1f} s; again: {fc['second_s']:.2f} s; "
+                  f"compile ~{fc['compile_s']:.1f} s (model init {data.get('init_s', 0):.1f} s, not included).", ""]
+    lines += ["| batch | context | prefill s | decode ms/step (LLM.generate) | steps timed |",
+              "|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | |")
+        else:
+            lines.append(f"| {r['batch']} | {r['context']} | {f(r['prefill_s'])} | {f(r['ms_per_step'])} | "
+                         f"{r['decode_steps_timed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def generate_main(argv=None) -> int:
+    from v4jax.bench.decode import _parse_ints
+    ap = argparse.ArgumentParser(prog="v4jax bench generate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="flash-slice")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--contexts", default="4K")
+    ap.add_argument("--prefill", default="", help="more contexts at batch 1 only (e.g. 128K)")
+    ap.add_argument("--new", type=int, default=48, help="new tokens per request in a decode row")
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--attention-impl", default="xla", choices=("xla", "pallas"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cache", default="off", choices=("on", "off"), help="the persistent compilation cache")
+    ap.add_argument("--deadline-s", type=float, default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + (a.deadline_s or 1e9)
+    if a.cache == "off":
+        os.environ["V4JAX_COMPILATION_CACHE"] = "off"
+    import jax
+    import numpy as np
+
+    from v4jax import LLM, SamplingParams
+
+    out_dir = a.out or os.environ.get("OUT") or "bench_out"
+    os.makedirs(out_dir, exist_ok=True)
+    dev = jax.devices()[0]
+    data = {"command": "v4jax bench generate " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
+            "model": a.model, "k": a.k, "prefill_chunk": a.prefill_chunk, "attention_impl": a.attention_impl,
+            "rows": []}
+
+    def write():
+        with open(os.path.join(out_dir, "generate.json"), "w") as fh:
+            json.dump(data, fh, indent=1, default=str)
+        with open(os.path.join(out_dir, "generate.md"), "w") as fh:
+            fh.write(markdown(data))
+
+    batches, contexts, prefills = _parse_ints(a.batches), _parse_ints(a.contexts), _parse_ints(a.prefill)
+    longest = max(contexts + prefills) + a.new + 2 * a.k
+    t0 = time.perf_counter()
+    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=1, max_model_len=longest, decode_steps=a.k,
+              prefill_chunk=a.prefill_chunk, attention_impl=a.attention_impl)
+    jax.block_until_ready(jax.tree.leaves(llm._state))
+    data["init_s"] = time.perf_counter() - t0
+    print(f"[{time.perf_counter() - t_start:6.1f}s] {data['device']}: {a.model} initialised", flush=True)
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([rng.integers(2, llm.config.vocab_size, 16).tolist()], sp)
+    t1 = time.perf_counter()
+    llm.generate([rng.integers(2, llm.config.vocab_size, 16).tolist()], sp)
+    t2 = time.perf_counter()
+    data["first_call"] = {"first_s": t1 - t0, "second_s": t2 - t1, "compile_s": (t1 - t0) - (t2 - t1)}
+    write()
+    print(f"[{time.perf_counter() - t_start:6.1f}s] first generate {data['first_call']}", flush=True)
+    plan = [(b, c) for b in batches for c in contexts] + [(1, c) for c in prefills]
+    for b, c in plan:
+        if time.perf_counter() > deadline:
+            data["rows"].append({"batch": b, "context": c, "error": "skipped: time budget"})
+            write()
+            continue
+        try:
+            _engine_for(llm, max_num_seqs=b, max_model_len=c + a.new + 2 * a.k)
+            row = decode_row(llm, b, c, a.new, rng)
+        except Exception as e:  # noqa: BLE001 - a row that fails is a result too
+            row = {"batch": b, "context": c, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        llm._engine = None
+        data["rows"].append(row)
+        write()
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {row}", flush=True)
+    data["total_s"] = time.perf_counter() - t_start
+    write()
+    print(markdown(data), flush=True)
+    return 0

@@ -1,0 +1,144 @@
+"""The ops table of the cached path: one interface, two implementations (DESIGN §2 "one ops table").
+
+`OPS["xla"]` holds the jnp reference maths, `OPS["pallas"]` the kernels of pallas_kernels (TPU interpret mode on
+CPU, Triton / Mosaic on GPU and TPU); `Transformer.cached` picks one from `RunOptions.attention_impl` once and
+hands it to every layer, so layers hold no `attention_impl` branches. Every entry reads the pools as flat row
+arrays ([rows, K], all layers of a stack one after another) through row ids (-1 = none):
+
+  compress(comp, x, meta, st_kv, st_sc, rope) -> (entries [B, E, K] in x's dtype, entry index [B, E],
+      emitted [B, E] bool, new state_kv, new state_score): the compressor over the step's tokens from the rows'
+      states (st_* [B, C*m, C*K] f32), before the layer's storage rounding.
+  select(iq, w, idx_pool, rows, n_ready, k) -> selected rows [B, T, k] (-1 = none): the Lightning Indexer's
+      top-k of each query over the entries of `rows` [B, S] it may see (entry e < n_ready [B, T]).
+  attend(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows) -> [B, T, H, K]:
+      one softmax with the sink over each query's window (win_rows / win_pos [B, U]: the rows and positions of
+      the chunk's window union) and either all ready entries of hca_rows [B, S] (HCA) or its selected rows
+      sel_rows [B, T, k] (CSA); kv is None on sliding layers.
+  sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
+Kernels are looked up in their modules at call time (tests patch them to count calls).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from v4jax import layers as L
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    name: str
+    compress: Callable
+    select: Callable
+    attend: Callable
+    sinkhorn: Callable
+
+
+def _broadcast_rows(rows, t):
+    """rows [B, S] -> [B, T, S]."""
+    return jnp.broadcast_to(rows[:, None, :], (rows.shape[0], t, rows.shape[1]))
+
+
+def _ready(rows, n_ready):
+    """[B, T, S]: entry e exists and query t may see it."""
+    return (jnp.arange(rows.shape[1])[None, None, :] < n_ready[:, :, None]) & (rows[:, None, :] >= 0)
+
+
+# ---- XLA (jnp) ----------------------------------------------------------------------------------------
+def _compress_xla(comp, x, meta, st_kv, st_sc, rope):
+    a, z = comp.project(x, meta.positions)
+    pooled, ent, ok, nkv, nsc = L.compress_chunk(st_kv, st_sc, a, z, meta.start, meta.n_valid, meta.fresh,
+                                                 comp.ratio, comp.overlap)
+    cos, sin = rope(ent * comp.ratio)
+    pooled = jnp.where(ok[..., None], pooled, 0.0)
+    return comp.finish(pooled, cos, sin, x.dtype), ent, ok, nkv, nsc
+
+
+def _select_xla(iq, w, idx_pool, rows, n_ready, k):
+    t = iq.shape[1]
+    scores = L.index_scores(iq, w, idx_pool[jnp.maximum(rows, 0)])  # [B, T, S]
+    vals, sel = jax.lax.top_k(jnp.where(_ready(rows, n_ready), scores, -jnp.inf), min(k, rows.shape[1]))
+    return jnp.where(jnp.isfinite(vals), jnp.take_along_axis(_broadcast_rows(rows, t), sel, axis=2), -1)
+
+
+def _attend_xla(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows):
+    keys = swa[jnp.maximum(win_rows, 0)]  # [B, U, K]: the chunk's window union, shared by its queries
+    wp = win_pos[:, None, :]
+    valid = (win_rows[:, None, :] >= 0) & (wp <= pos[:, :, None]) & (wp > pos[:, :, None] - window)
+    sel_keys = sel_valid = None
+    if hca_rows is not None:
+        keys = jnp.concatenate([keys, kv[jnp.maximum(hca_rows, 0)]], axis=1)
+        valid = jnp.concatenate([valid, _ready(hca_rows, n_ready)], axis=-1)
+    if sel_rows is not None:
+        sel_keys, sel_valid = kv[jnp.maximum(sel_rows, 0)].astype(q.dtype), sel_rows >= 0  # [B, T, k, K]
+    return L.attend(q, keys.astype(q.dtype), valid, sel_keys, sel_valid, sink, scale)
+
+
+# ---- Pallas --------------------------------------------------------------------------------------------
+def _compress_pallas(comp, x, meta, st_kv, st_sc, rope):
+    """pallas_kernels.compressor: the decode kernel for one token per row, the prefill kernel for a chunk."""
+    pallas_compressor = importlib.import_module("pallas_kernels.compressor")
+    t, m = x.shape[1], comp.ratio
+    # The kernels resume from the state they are given; a row that starts a new request starts empty.
+    fresh = meta.fresh[:, None, None]
+    kv0 = jnp.where(fresh, 0.0, st_kv)
+    sc0 = jnp.where(fresh, -jnp.inf, st_sc)
+    weights = (comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])
+    static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps, entry_dtype=x.dtype)
+    if t == 1:
+        pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding row, its state is left alone
+        entry, emitted, nkv, nsc = pallas_compressor.compressor_decode(
+            x[:, 0], pos, kv0, sc0, *weights, rope(pos + 1 - m), **static)
+        entries, ent, ok = entry[:, None], (pos // m)[:, None], emitted[:, None]
+    else:
+        cos, sin = rope(pallas_compressor.prefill_entry_positions(meta.start, t, m))
+        entries, n_emitted, first, nkv, nsc = pallas_compressor.compressor_prefill(
+            x, meta.start, meta.n_valid, kv0, sc0, *weights, cos, sin, **static)
+        i = jnp.arange(entries.shape[1])[None, :]
+        ent, ok = first[:, None] + i, i < n_emitted[:, None]
+    return entries.astype(x.dtype), ent, ok, nkv, nsc
+
+
+def _select_pallas(iq, w, idx_pool, rows, n_ready, k):
+    pallas_indexer = importlib.import_module("pallas_kernels.indexer")
+    sel = pallas_indexer.indexer_topk(iq, w, idx_pool, rows, n_ready, k, impl="pallas")
+    picked = jnp.take_along_axis(_broadcast_rows(rows, iq.shape[1]), jnp.maximum(sel, 0), axis=2)
+    return jnp.where(sel >= 0, picked, -1)
+
+
+def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows):
+    """pallas_kernels.sparse_attention over per-query row lists, gathered inside the kernel."""
+    pallas_sa = importlib.import_module("pallas_kernels.sparse_attention")  # the package name is the function
+    b, t = q.shape[:2]
+    # Query t's window is win_rows[t : t + W] (win_pos starts at start - W + 1).
+    swa_rows = jnp.take_along_axis(_broadcast_rows(win_rows, t),
+                                   jnp.arange(t)[None, :, None] + jnp.arange(window)[None, None, :], axis=2)
+    cmp_rows = sel_rows
+    if hca_rows is not None:
+        e = jnp.arange(hca_rows.shape[1])[None, None, :]
+        cmp_rows = jnp.where(e < n_ready[:, :, None], hca_rows[:, None, :], -1)
+    o = pallas_sa.sparse_attention(q, swa, swa_rows, None if cmp_rows is None else kv, cmp_rows, sink, scale=scale)
+    return o.astype(q.dtype)
+
+
+def _sinkhorn_pallas(comb, iters, eps):
+    """pallas_kernels.sinkhorn: the whole loop in one launch (XLA runs it as ~80 small kernels per layer)."""
+    return importlib.import_module("pallas_kernels.sinkhorn").sinkhorn(comb, iters, eps)
+
+
+OPS = {
+    "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn),
+    "pallas": Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas),
+}
+
+
+def ops_for(attention_impl: str) -> Ops:
+    if attention_impl not in OPS:
+        raise ValueError(f"attention_impl must be one of {sorted(OPS)}, got {attention_impl!r}")
+    return OPS[attention_impl]
