@@ -1,4 +1,4 @@
-"""The `v4jax` command line: generate, bench decode, bench kernels, memory.
+"""The `v4jax` command line: generate, serve, bench decode / kernels / replay / serve, memory.
 
 `v4jax` alone (or `v4jax bench` alone) prints the help and exits 0. Errors in the arguments exit 2 with
 argparse's usage message; errors of the user's making found later (a model directory that is missing or
@@ -21,6 +21,8 @@ EPILOG = """examples:
   v4jax bench decode --small                          the decode benchmark (its own flags: bench decode -h)
   v4jax bench kernels --small                         the kernel benchmark (its own flags: bench kernels -h)
   v4jax bench replay                                  prefix-cache replay traces (its own flags: bench replay -h)
+  v4jax serve --port 8000                             OpenAI-compatible server of the embedded model
+  v4jax bench serve --rate 4 --num-requests 64        load generator against a running server
 """
 
 
@@ -117,12 +119,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="print each result at the end")
     g.set_defaults(func=_generate)
 
-    b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter, help="benchmarks (decode, kernels, replay)",
+    from v4jax.serve.options import add_llm_arguments, add_server_arguments
+    s = sub.add_parser("serve", parents=[common], formatter_class=_Formatter,
+                       help="serve a model over HTTP (OpenAI API, JetStream /v1/generate, metrics)",
+                       description=_wrap(
+                           "Serve a model: POST /v1/completions and /v1/chat/completions (OpenAI, streamed or not), "
+                           "GET /v1/models, JetStream's POST /v1/generate and GET /v1/health, GET /health, GET "
+                           "/metrics (Prometheus). SIGINT / SIGTERM drain: running requests get --shutdown-grace "
+                           "seconds, then their streams end."))
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="an HF-format checkpoint directory or a "
+                   "preset (tiny, flash-slice, flash, pro: random weights); default: the embedded Shakespeare model")
+    add_server_arguments(s)
+    add_llm_arguments(s)
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
+                       help="benchmarks (decode, kernels, replay, serve)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
                        ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)"),
-                       ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.replay)")):
+                       ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.replay)"),
+                       ("serve", "open-loop load against a running v4jax serve (v4jax.serve.bench)")):
         # Everything after the name, -h included, goes to the benchmark's own parser.
         p = bsub.add_parser(name, add_help=False, allow_abbrev=False, help=text, description=text)
         p.set_defaults(func=_bench, passthrough=True)
@@ -226,7 +244,23 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from v4jax.config import PRESETS
+    from v4jax.serve.options import llm_kwargs, server_options
+
+    opts = server_options(args)  # bad server flags fail before the model loads
+    if args.model is not None and args.model not in PRESETS and not os.path.isdir(args.model):
+        raise FileNotFoundError(f"model {args.model!r} is neither a checkpoint directory nor a preset "
+                                f"({', '.join(sorted(PRESETS))})")
+    from v4jax import LLM
+    from v4jax.serve import serve
+    return serve(LLM(args.model, **llm_kwargs(args)), opts, warmup=args.warmup)
+
+
 def _bench(args) -> int:
+    if args.bench == "serve":
+        from v4jax.serve.bench import main as serve_bench_main
+        return serve_bench_main(args.extra)
     if args.bench == "replay":
         from v4jax.replay import main as replay_main
         return replay_main(args.extra)

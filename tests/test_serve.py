@@ -1,0 +1,509 @@
+"""`v4jax serve`: the real server (uvicorn on a free local port, in a thread) over the embedded default model,
+driven by the official `openai` client and plain httpx.
+
+One server for the module (compiling the engine's buckets is most of the cost): prefill chunks of 8 tokens, and
+prompts of at most 8 tokens or chat prompts of 16, so every chunk uses one prefill bucket; every request stays
+inside one 256-token page (one decode bucket). The shutdown test runs last: it stops the shared server."""
+import asyncio
+import json
+import socket
+import threading
+import time
+import types
+
+import httpx
+import numpy as np
+import pytest
+
+from v4jax import LLM, SamplingParams
+from v4jax.serve.app import Server, ServerState
+from v4jax.serve.chat import DEFAULT_MODEL_TEMPLATE, ChatTemplate, TemplateError
+from v4jax.serve.detokenize import IncrementalDetokenizer, SequenceText
+from v4jax.serve.options import ServerOptions
+
+KEY = "test-key-0123"
+MODEL = "v4jax-shakespeare"
+PROMPTS = ["ROMEO:", "JULIET:"]
+MAX_TOKENS = 8
+LOAD_CLIENTS, LOAD_TOKENS = 64, 12
+
+
+def _all_pages_free(core) -> bool:
+    """No slot maps a page, and once the prefix cache lets go of its pages every page is free."""
+    t = core.tables
+    if core.prefix is not None:
+        core.prefix.clear()
+    return (t.full_alloc.n_free == core.layout.n_pages and t.swa_alloc.n_free == core.layout.n_swa_pages
+            and (t.full_alloc.refs == 0).all() and (t.swa_alloc.refs == 0).all()
+            and (t.full == -1).all() and (t.swa == -1).all() and all(s is None for s in core.scheduler.slots))
+
+
+def _start(state: ServerState):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = Server(state)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = LLM(max_model_len=512, prefill_chunk=8, decode_steps=2)
+    # references before the server owns the engine (only its thread may drive it afterwards)
+    refs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True))
+    opts = ServerOptions(api_key=KEY, log_level="warning", access_log=False, max_waiting=64, max_n=4,
+                         max_body_bytes=64 << 10, request_timeout_s=120.0)
+    state = ServerState(llm, opts).start()
+    server, thread, url = _start(state)
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    yield types.SimpleNamespace(llm=llm, refs=refs, state=state, server=server, thread=thread, url=url, http=http)
+    http.close()
+    server.shutdown_now()
+    thread.join(30)
+    state.orchestrator.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from openai import OpenAI
+    return OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _idle_and_free(state, timeout: float = 30.0) -> bool:
+    """Wait for the engine to finish everything, then check (on its thread) that every page is free."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if state.orchestrator.run_on_engine(lambda e: not e.has_unfinished_requests()).result(10):
+            return state.orchestrator.run_on_engine(lambda e: _all_pages_free(e.core)).result(10)
+        time.sleep(0.05)
+    return False
+
+
+def _metrics(http) -> dict:
+    out = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _sse(lines) -> tuple[list, bool]:
+    chunks, done = [], False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+            break
+        chunks.append(json.loads(line[6:]))
+    return chunks, done
+
+
+# ---- pieces without a server ----
+def test_incremental_detokenizer_matches_a_full_decode():
+    llm_tok = LLM().tokenizer  # the shipped tokenizer: byte-level BPE, multi-byte characters split
+    text = "ROMEO: héllo wörld — naïve 😀 fin."
+    ids = llm_tok.encode(text).ids
+    decode = lambda xs: llm_tok.decode(list(xs), skip_special_tokens=True)
+    d = IncrementalDetokenizer(decode)
+    pieces = [d.push(t) for t in ids] + [d.flush()]
+    assert "".join(pieces) == decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_strings_match_across_tokens_and_are_never_sent():
+    toks = ["Hel", "lo, w", "or", "ld! ", "Bye"]
+    decode = lambda ids: "".join(toks[i] for i in ids)
+    st = SequenceText(decode, stop=["world"])
+    sent = [st.push([0, 1]), st.push([2]), st.push([3, 4])]
+    assert "".join(p.text for p in sent) == "Hello, "
+    assert sent[-1].stopped and sent[-1].token_ids == [3]  # "ld! " completed it; "Bye" is dropped
+    st = SequenceText(decode, stop=["xyz"])
+    out = [st.push([i], final=i == 4) for i in range(5)]
+    assert "".join(p.text for p in out) == "Hello, world! Bye" and not any(p.stopped for p in out)
+    assert all("xyz"[:2] not in p.text for p in out[:-1])
+
+
+def test_chat_templates_render_as_transformers_does(tmp_path):
+    tpl = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 % 2 == 1 %}"
+           "{{ raise_exception('roles must alternate') }}{% endif %}"
+           "<|{{ m['role'] }}|>{{ m['content'] | tojson }}\n{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tpl, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    t = ChatTemplate.from_model_dir(str(tmp_path))
+    assert t.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "ok"}]
+    assert t.render(msgs) == '<|system|>"Be brief."\n<|assistant|>"ok"\n<|assistant|>'
+    with pytest.raises(TemplateError, match="alternate"):
+        t.render([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}])
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
+    assert ChatTemplate.from_model_dir(str(tmp_path)).render([{"role": "user", "content": "x"}]) == "<s>x"
+    assert ChatTemplate.from_model_dir(str(tmp_path / "missing")) is None
+    d = ChatTemplate(DEFAULT_MODEL_TEMPLATE, {"bos_token": "<B>"})
+    assert d.render([{"role": "system", "content": "A play."}, {"role": "user", "content": "Hi"}]) == \
+        "<B>A play.\n\nUSER:\nHi\n\nASSISTANT:\n"
+
+
+# ---- OpenAI endpoints through the official client ----
+def test_models_lists_the_default_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_completion_equals_llm_generate(served, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    ref = served.refs[0]
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_completion_with_usage(served, client):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == served.refs[1].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_token_prompts_lists_of_prompts_and_n(served, client):
+    ids = [r.prompt_token_ids for r in served.refs]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0, n=2,
+                                  extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:  # choice i * n + j: prompt i, sample j
+        ref = served.refs[c.index // 2]
+        assert c.text == ref.text and c.model_extra["token_ids"] == ref.token_ids
+    assert r.usage.prompt_tokens == sum(len(p) for p in ids)
+    assert r.usage.completion_tokens == 4 * MAX_TOKENS
+    r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.text for c in r.choices] == [ref.text for ref in served.refs]
+
+
+def _boundary_stop(served, ref) -> str:
+    """A stop string made of the end of one token's text and the start of the next's."""
+    pieces = [served.state.codec.token_text(t) for t in ref.token_ids]
+    i = next(i for i in range(len(pieces) - 1) if pieces[i] and pieces[i + 1])
+    return pieces[i][-1] + pieces[i + 1][0]
+
+
+def test_stop_strings_cut_the_text_before_them(served, client):
+    ref = served.refs[0]
+    stop = _boundary_stop(served, ref)
+    want = ref.text[:ref.text.find(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                  stop=[stop, "no such text"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    assert r.usage.completion_tokens < MAX_TOKENS
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert _idle_and_free(served.state)  # the engine's sequence was aborted when the stop string matched
+
+
+def test_logprobs_in_openai_shapes(served, client):
+    ref = served.refs[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+    lp = r.choices[0].logprobs
+    np.testing.assert_allclose(lp.token_logprobs, ref.logprobs, atol=1e-5)
+    assert "".join(lp.tokens) == ref.text and len(lp.top_logprobs) == MAX_TOKENS
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=1)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == MAX_TOKENS
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert all(t.logprob <= 0 and t.top_logprobs[0].token == t.token and bytes(t.bytes) == t.token.encode()
+               for t in content)
+
+
+def test_chat_streamed_and_not_with_n(served, client):
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS, temperature=0.8, seed=3,
+                                       n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.message.role == "assistant" and c.message.content for c in r.choices)
+    assert r.choices[0].message.content != r.choices[1].message.content  # sample index 0 vs 1: other keys
+    assert r.usage.completion_tokens == 2 * MAX_TOKENS
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS, temperature=0.8,
+                                                 seed=3, n=2, stream=True, stream_options={"include_usage": True}))
+    text = {0: "", 1: ""}
+    roles = {}
+    for c in chunks[:-1]:
+        ch = c.choices[0]
+        roles.setdefault(ch.index, ch.delta.role)
+        text[ch.index] += ch.delta.content or ""
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert [text[0], text[1]] == [c.message.content for c in r.choices]  # seeded: the same tokens
+    assert chunks[-1].usage.completion_tokens == 2 * MAX_TOKENS
+    # the template's prompt: what the default model's play-script template renders, tokenized as is
+    want = served.state.codec.encode_rendered(served.state.codec.template.render(msgs))
+    assert chunks[-1].usage.prompt_tokens == len(want) and want[0] == 0  # BOS written by the template
+
+
+# ---- JetStream's endpoints with httpx ----
+def test_jetstream_generate_streams_text_and_ids(served):
+    ref = served.refs[0]
+    with served.http.stream("POST", "/v1/generate", json={"max_tokens": MAX_TOKENS,
+                                                          "text_content": {"text": PROMPTS[0]}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        msgs = [json.loads(line) for line in r.iter_lines() if line]
+    samples = [m["streamContent"]["samples"] for m in msgs]
+    assert all(len(s) == 1 for s in samples)
+    assert "".join(s[0].get("text", "") for s in samples) == ref.text
+    assert sum((s[0].get("tokenIds", []) for s in samples), []) == ref.token_ids
+    body = {"max_tokens": MAX_TOKENS, "token_content": {"token_ids": ref.prompt_token_ids}, "num_samples": 2}
+    with served.http.stream("POST", "/v1/generate", json=body) as r:
+        msgs = [json.loads(line) for line in r.iter_lines() if line]
+    samples = [m["streamContent"]["samples"] for m in msgs]
+    assert all(len(s) == 2 and all(set(x) <= {"tokenIds"} for x in s) for s in samples)  # ids only
+    assert [sum(len(s[j].get("tokenIds", [])) for s in samples) for j in (0, 1)] == [MAX_TOKENS, MAX_TOKENS]
+
+
+def test_health_endpoints(served):
+    assert served.http.get("/v1/health").json() == {"is_live": "True"}
+    assert httpx.get(served.url + "/health").status_code == 200  # no key needed
+    assert httpx.get(served.url + "/v1/health").status_code == 200
+
+
+def test_metrics_count_what_happened(served, client):
+    before = _metrics(served.http)
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    after = _metrics(served.http)
+    d = lambda k: after.get(k, 0) - before.get(k, 0)
+    assert d("v4jax_prompt_tokens_total") == len(served.refs[0].prompt_token_ids)
+    assert d("v4jax_generation_tokens_total") == MAX_TOKENS
+    assert d("v4jax_time_to_first_token_seconds_count") == 1
+    assert d("v4jax_e2e_request_latency_seconds_count") == 1
+    assert d("v4jax_time_per_output_token_seconds_count") == 1
+    assert d('v4jax_request_finished_total{finish_reason="length"}') == 1
+    assert d("v4jax_prefix_cache_queried_tokens_total") == len(served.refs[0].prompt_token_ids)
+    for pool in ("swa", "c4_kv", "c4_index", "c128_kv", "compressor_state"):
+        assert after[f'v4jax_pool_total_pages{{pool="{pool}"}}'] > 0
+        assert f'v4jax_pool_used_pages{{pool="{pool}"}}' in after
+    for name in ("v4jax_num_requests_running", "v4jax_num_requests_waiting", "v4jax_num_preemptions_total",
+                 "v4jax_prefix_cache_hit_tokens_total"):
+        assert name in after
+
+
+# ---- limits ----
+LONG = list(range(2, 600))  # past the 512-token context
+MALFORMED = [  # (path, body: dict | bytes, headers, status, param)
+    ("/v1/completions", b"{not json", {}, 400, None),
+    ("/v1/completions", b"[1, 2]", {}, 400, None),
+    ("/v1/completions", {"prompt": 5}, {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5000]}, {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "10"}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2**40}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4.5}, {}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, {}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, {}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, {}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -5}, {}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**40}, {}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, {}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, {}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, {}, 400, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, {}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, {}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": ["a"]}, {}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 10}, {}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, {}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, {}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": 1}, {}, 400, "ignore_eos"),
+    ("/v1/completions", {"prompt": LONG}, {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, {}, 404, "model"),
+    ("/v1/completions", {"prompt": "x" * (70 << 10)}, {}, 413, None),
+    ("/v1/chat/completions", {"messages": []}, {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, {}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, {}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, 400,
+     "messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": ["x"]}, {}, 400, "messages[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 5}, {}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, {}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}, {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600}, {},
+     400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, {},
+     400, "tools"),
+    ("/v1/generate", {"text_content": {"text": "x"}}, {}, 400, "max_tokens"),
+    ("/v1/generate", {"max_tokens": 4}, {}, 400, "text_content"),
+    ("/v1/generate", {"max_tokens": 4, "text_content": {"text": "x"}, "token_content": {"token_ids": [1]}}, {}, 400,
+     "text_content"),
+    ("/v1/generate", {"max_tokens": 4, "text_content": {"text": "x"}, "temperature": 0}, {}, 400, "temperature"),
+    ("/v1/generate", {"max_tokens": 4, "token_content": {"token_ids": []}}, {}, 400, "token_content"),
+    ("/v1/generate", {"max_tokens": 4, "token_content": {"token_ids": LONG}}, {}, 400, "token_content"),
+    ("/v1/generate", {"max_tokens": 4, "text_content": {"text": "x"}, "num_samples": 99}, {}, 400, "num_samples"),
+    ("/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, None),
+    ("/v1/completions", {"prompt": "x"}, {"Authorization": ""}, 401, None),
+    ("/v1/nothing-here", {}, {}, 404, None),
+]
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served):
+    seen = []
+    for path, body, headers, status, param in MALFORMED:
+        kw = {"content": body, "headers": {"Content-Type": "application/json", **headers}} \
+            if isinstance(body, bytes) else {"json": body, "headers": headers}
+        if headers.get("Authorization") == "":
+            with httpx.Client(base_url=served.url) as anon:  # no key at all
+                r = anon.post(path, json=body)
+        else:
+            r = served.http.post(path, **kw)
+        err = r.json()["error"]
+        seen.append((path, body if len(repr(body)) < 80 else "...", r.status_code, err.get("param")))
+        assert r.status_code == status, seen[-1]
+        assert err["message"] and err["type"] and set(err) == {"message", "type", "param", "code"}, seen[-1]
+        if param is not None:
+            assert err["param"] == param, (seen[-1], err["message"])
+    assert served.http.get("/v1/completions").status_code == 405
+    r = served.http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == served.refs[0].text
+    assert _idle_and_free(served.state)
+
+
+def test_request_timeout_aborts(served):
+    opts = served.state.options
+    old, opts.request_timeout_s = opts.request_timeout_s, 0.05
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
+        r = served.http.post("/v1/completions", json=body)
+        assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+        with served.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks, done = _sse(r.iter_lines())
+        assert done and chunks[-1]["error"]["code"] == "request_timeout"
+    finally:
+        opts.request_timeout_s = old
+    assert _idle_and_free(served.state)
+
+
+def test_load_with_disconnects_returns_every_page(served):
+    """64 concurrent streaming clients, a quarter leaving at random points: no 5xx, every complete stream is
+    whole, every page comes back, and /metrics counts it all."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 2048, int(rng.integers(5, 9))).tolist() for _ in range(LOAD_CLIENTS)]
+    leave = set(rng.choice(LOAD_CLIENTS, LOAD_CLIENTS // 4, replace=False).tolist())
+    leave_after = {i: int(rng.integers(0, 5)) for i in leave}  # chunks read before disconnecting
+    before = _metrics(served.http)
+
+    async def one(http, i):
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": LOAD_TOKENS, "temperature": 0.7, "seed": i,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        tokens, finish, done, n = 0, None, False, 0
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            status = r.status_code
+            if i in leave and leave_after[i] == 0:
+                return status, None, None, False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                ch = json.loads(line[6:])["choices"][0]
+                tokens += len(ch["token_ids"])
+                finish = ch["finish_reason"] or finish
+                n += 1
+                if i in leave and n >= leave_after[i]:
+                    break  # leaving the block closes the connection mid-stream
+        return status, tokens, finish, done
+
+    async def run():
+        limits = httpx.Limits(max_connections=LOAD_CLIENTS + 8)
+        async with httpx.AsyncClient(base_url=served.url, headers={"Authorization": f"Bearer {KEY}"},
+                                     limits=limits, timeout=120) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(LOAD_CLIENTS)))
+
+    results = asyncio.run(run())
+    assert [s for s, *_ in results] == [200] * LOAD_CLIENTS
+    for i, (_, tokens, finish, done) in enumerate(results):
+        if i not in leave:
+            assert (tokens, finish, done) == (LOAD_TOKENS, "length", True), i
+    assert _idle_and_free(served.state)
+    after = _metrics(served.http)
+    d = lambda k: after.get(k, 0) - before.get(k, 0)
+    assert d("v4jax_prompt_tokens_total") == sum(len(p) for p in prompts)
+    aborted, finished = d('v4jax_request_finished_total{finish_reason="abort"}'), \
+        d('v4jax_request_finished_total{finish_reason="length"}')
+    assert aborted + finished == LOAD_CLIENTS and aborted >= 1 and finished >= LOAD_CLIENTS - len(leave)
+    assert d("v4jax_e2e_request_latency_seconds_count") == finished
+    assert d("v4jax_generation_tokens_total") >= (LOAD_CLIENTS - len(leave)) * LOAD_TOKENS
+    assert after["v4jax_num_requests_in_flight"] == 0 and after['v4jax_pool_used_pages{pool="compressor_state"}'] == 0
+
+
+def test_queue_bound_turns_excess_into_429(served):
+    orch = served.state.orchestrator
+    old, orch.max_waiting = orch.max_waiting, 0  # capacity: the 8 decode slots
+    try:
+        async def one(http):
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 48, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return r.status_code, r.headers.get("retry-after"), json.loads(await r.aread())
+                _, done = _sse([line async for line in r.aiter_lines()])
+                return r.status_code, done, None
+
+        async def run():
+            async with httpx.AsyncClient(base_url=served.url, headers={"Authorization": f"Bearer {KEY}"},
+                                         timeout=120) as http:
+                return await asyncio.gather(*(one(http) for _ in range(20)))
+
+        results = asyncio.run(run())
+    finally:
+        orch.max_waiting = old
+    ok = [r for r in results if r[0] == 200]
+    busy = [r for r in results if r[0] == 429]
+    assert len(ok) + len(busy) == 20 and len(ok) >= 8 and busy
+    assert all(done for _, done, _ in ok)
+    assert all(ra == "1" and body["error"]["type"] == "rate_limit_error" for _, ra, body in busy)
+    assert _idle_and_free(served.state)
+
+
+def test_bench_serve_against_the_server(served, tmp_path):
+    from v4jax.serve import bench
+    args = bench._parser().parse_args(["--url", served.url, "--api-key", KEY, "--num-requests", "8", "--rate", "inf",
+                                       "--prompt-len", "5:8", "--output-len", "4:12", "--vocab", "2048"])
+    rep = asyncio.run(bench.run(args))
+    s = rep["summary"]
+    assert (s["requests"], s["completed"], s["errors"]) == (8, 8, 0)
+    assert 8 * 4 <= s["output_tokens"] <= 8 * 12 and s["ttft_s"]["p50"] > 0 and s["e2e_s"]["p99"] >= s["e2e_s"]["p50"]
+    assert bench.markdown(rep).count("\n") == 2
+
+
+def test_shutdown_ends_running_streams(served):
+    """Runs last: SIGTERM's path (handle_exit) with no grace: the running stream ends with finish_reason
+    "abort" and [DONE], the server stops, and the engine lets go of every page."""
+    served.state.options.shutdown_grace_s = 0.0
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with served.http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        served.server.shutdown_now()
+        chunks, done = _sse(lines)
+    assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+    assert done and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    served.thread.join(30)
+    assert not served.thread.is_alive()
+    assert not served.state.orchestrator.accepting
+    assert _idle_and_free(served.state)

@@ -1,0 +1,172 @@
+"""The FastAPI application and its uvicorn server: routes, API key, errors, health, metrics, clean shutdown.
+
+    state = ServerState(llm, ServerOptions(port=8000)).start()
+    Server(state).run()                      # blocks; SIGINT / SIGTERM drain and stop it
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from v4jax.serve import jetstream, openai
+from v4jax.serve.engine import LocalEngine, ServingEngine
+from v4jax.serve.metrics import CONTENT_TYPE, ServerMetrics
+from v4jax.serve.options import ServerOptions
+from v4jax.serve.orchestrator import Orchestrator
+from v4jax.serve.protocol import ApiError, Limits
+from v4jax.serve.streams import ClientGone
+from v4jax.serve.tokens import TextCodec
+
+log = logging.getLogger("v4jax.serve")
+DEFAULT_MODEL_ID = "v4jax-shakespeare"
+
+
+def model_id_of(llm) -> str:
+    """The directory's base name, the preset's name, or v4jax-shakespeare for the embedded model."""
+    from v4jax.api import DEFAULT_MODEL_DIR
+    src = llm.source
+    if src.startswith("preset "):
+        return src[len("preset "):]
+    if os.path.realpath(src) == os.path.realpath(DEFAULT_MODEL_DIR):
+        return DEFAULT_MODEL_ID
+    return os.path.basename(os.path.normpath(src))
+
+
+class ServerState:
+    """Everything the routes share: the model's text codec, the orchestrator over the engine, metrics, limits."""
+
+    def __init__(self, llm, options: ServerOptions | None = None, engine: ServingEngine | None = None):
+        self.llm = llm
+        self.options = options or ServerOptions()
+        self.model_id = self.options.served_model_name or model_id_of(llm)
+        self.created = int(time.time())
+        self.codec = TextCodec(llm)
+        self.engine = engine or LocalEngine(llm.engine)
+        self.orchestrator = Orchestrator(self.engine, self.codec.decoder, max_waiting=self.options.max_waiting)
+        self.metrics = ServerMetrics(self.orchestrator.stats)
+        self.orchestrator.metrics = self.metrics
+        self.limits = Limits(self.engine.max_model_len, self.options.max_n, self.orchestrator.capacity)
+
+    def start(self) -> "ServerState":
+        self.orchestrator.start()
+        return self
+
+    def check_model(self, body: dict) -> None:
+        m = body.get("model")
+        if m is not None and m != self.model_id:
+            raise ApiError(404, f"model {m!r} is not served here; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+
+class _ApiKey:
+    """ASGI middleware: /v1/* (but /v1/health) needs "Authorization: Bearer <key>", compared in constant time."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["path"] != "/v1/health":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = ApiError(401, "a valid API key is required: 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="v4jax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(openai.router(state))
+    app.include_router(jetstream.router(state))
+
+    @app.get("/health")
+    async def health():
+        ok = state.orchestrator.accepting
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        if e.status < 500 and e.status not in (429,):
+            state.metrics.rejected.labels(reason=str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone):
+        return Response(status_code=499)  # nobody reads it: the client closed the connection
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        err = ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(ApiError(400, str(e)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
+    if state.options.api_key:
+        app.add_middleware(_ApiKey, key=state.options.api_key)
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, with SIGINT / SIGTERM draining the orchestrator first: new requests get 503, running
+    ones get `shutdown_grace_s` to finish, then are aborted, so every stream ends with a last chunk and
+    [DONE] before the connections close."""
+
+    def __init__(self, state: ServerState, *, app=None, **config):
+        o = state.options
+        cfg = dict(host=o.host, port=o.port, log_level=o.log_level, access_log=o.access_log, lifespan="off",
+                   timeout_graceful_shutdown=o.shutdown_grace_s + 10.0)
+        cfg.update(config)
+        super().__init__(uvicorn.Config(app or build_app(state), **cfg))
+        self.state = state
+
+    def handle_exit(self, sig, frame):
+        if not self.should_exit:
+            log.info("shutting down: %d sequence(s) in flight get %g s to finish",
+                     self.state.orchestrator.stats()["server"]["in_flight"], self.state.options.shutdown_grace_s)
+        self.state.orchestrator.begin_shutdown(self.state.options.shutdown_grace_s)
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured signal once it has shut down; the drain above is the clean exit
+        self._captured_signals.clear()
+
+    def shutdown_now(self) -> None:
+        """What a signal does, from any thread (tests, embedding)."""
+        self.handle_exit(None, None)
+
+
+def serve(llm, options: ServerOptions, *, warmup: bool = False) -> int:
+    """Run `v4jax serve` until SIGINT / SIGTERM; the engine is stopped after the last stream has ended."""
+    logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s: %(message)s")
+    state = ServerState(llm, options)
+    if warmup:
+        t = time.perf_counter()
+        n = llm.engine.warmup()
+        log.info("warm-up: %d compiled variants in %.1f s", n, time.perf_counter() - t)
+    state.start()
+    server = Server(state)
+    try:
+        server.run()
+    finally:
+        state.orchestrator.stop()
+    return 0

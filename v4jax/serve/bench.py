@@ -1,0 +1,297 @@
+"""`v4jax bench serve`: an open-loop load generator against a running `v4jax serve`.
+
+    v4jax bench serve --url http://127.0.0.1:8000 --rate 4 --num-requests 64 --prompt-len 32 --output-len 16:64
+    v4jax bench serve --replay multi_turn --step-s 0.05          # a trace of v4jax.replay, steps -> seconds
+
+Requests arrive as a Poisson process at `--rate` per second (`inf`: all at once), whatever the server's
+progress (open loop), each a streamed `/v1/completions` call with a token-id prompt, `ignore_eos` (so outputs
+have exactly the drawn length), `return_token_ids` and the usage chunk. Lengths are fixed (`N`) or uniform in
+`LO:HI`; token ids uniform in [2, --vocab). With `--replay`, a trace's request without a parent arrives at
+`arrival x --step-s`, one that extends a parent `arrival x --step-s` after the parent finished, its prompt the
+parent's prompt + the tokens the parent got + its own new tokens (the prefix cache's case).
+
+Measured per request on the client: TTFT = first chunk carrying a token - send; TPOT = (last token chunk - first)
+/ (tokens - 1), over requests with >= 2 tokens (tokens come several per chunk: one engine decode call each);
+e2e = end of stream - send. Throughput: output tokens (and prompt + output) / wall time from the first send to
+the last end. p50 / p90 / p99 by linear interpolation. Errors are non-200 answers, error events and broken
+streams, by kind. The server's prefix-cache counters (/metrics) are read before and after."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Sequence
+
+
+@dataclasses.dataclass
+class Result:
+    prompt_len: int
+    sent: float
+    first: float | None = None
+    last: float | None = None
+    end: float | None = None
+    tokens: list = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
+def _length(spec: str) -> tuple[int, int]:
+    lo, _, hi = spec.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {spec!r}") from None
+    if a < 1 or b < a:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {spec!r}")
+    return a, b
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag's help, except None (the help says what None means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="v4jax bench serve", formatter_class=_Formatter,
+                                description=__doc__)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests to send (synthetic load)")
+    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (Poisson); inf = all at once")
+    p.add_argument("--prompt-len", type=_length, default=(128, 128), metavar="N|LO:HI", help="prompt tokens")
+    p.add_argument("--output-len", type=_length, default=(64, 64), metavar="N|LO:HI", help="generated tokens")
+    p.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn from [2, vocab)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests open at once "
+                   "(default: no limit, a pure open loop)")
+    p.add_argument("--replay", default=None, help="replay a v4jax.replay trace instead: shared_system, "
+                   "multi_turn, long_docs or agentic")
+    p.add_argument("--replay-scale", type=float, default=1.0, help="the trace's length scale")
+    p.add_argument("--step-s", type=float, default=0.05, help="seconds per trace step (replay arrivals)")
+    p.add_argument("--warmup-requests", type=int, default=0, help="requests of the same shapes sent and awaited "
+                   "first, not measured (they compile what the measured run uses)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument("--seed", type=int, default=0, help="arrivals, lengths and token ids")
+    p.add_argument("--out", default=None, help="directory for serve_bench.json and serve_bench.md")
+    return p
+
+
+# ---- one request ----
+async def _one(client, model: str, prompt: list[int], max_tokens: int, temperature: float, timeout: float,
+               res: Result) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    res.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                await r.aread()
+                res.error = f"HTTP {r.status_code}"
+                return
+            done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = f"error event ({chunk['error'].get('code')})"
+                    continue
+                for ch in chunk.get("choices", []):
+                    ids = ch.get("token_ids") or []
+                    if ids:
+                        now = time.perf_counter()
+                        res.first = res.first or now
+                        res.last = now
+                        res.tokens += ids
+            if not done and res.error is None:
+                res.error = "stream ended without [DONE]"
+    except Exception as e:  # a broken connection, a timeout: counted, the run goes on
+        res.error = type(e).__name__
+    finally:
+        res.end = time.perf_counter()
+
+
+# ---- workloads ----
+async def _synthetic(client, a, model: str, rng: random.Random) -> list[Result]:
+    reqs = []
+    t = 0.0
+    for _ in range(a.num_requests):
+        p = [rng.randrange(2, a.vocab) for _ in range(rng.randint(*a.prompt_len))]
+        reqs.append((t, p, rng.randint(*a.output_len)))
+        if not math.isinf(a.rate):
+            t += rng.expovariate(a.rate)
+    sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
+    start = time.perf_counter()
+    results = [Result(len(p), 0.0) for _, p, _ in reqs]
+
+    async def fire(i):
+        at, p, mt = reqs[i]
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        if sem is None:
+            await _one(client, model, p, mt, a.temperature, a.timeout, results[i])
+        else:
+            async with sem:
+                await _one(client, model, p, mt, a.temperature, a.timeout, results[i])
+
+    await asyncio.gather(*(fire(i) for i in range(len(reqs))))
+    return results
+
+
+async def _replayed(client, a, model: str) -> list[Result]:
+    from v4jax.replay import TRACES, make_traces
+    if a.replay not in TRACES:
+        raise SystemExit(f"--replay {a.replay!r}: traces are {', '.join(TRACES)}")
+    trace = make_traces([a.replay], a.vocab, a.seed, a.replay_scale)[0]
+    done: dict[str, asyncio.Future] = {r.rid: asyncio.get_running_loop().create_future() for r in trace.requests}
+    results: dict[str, Result] = {}
+    start = time.perf_counter()
+
+    async def fire(tr):
+        if tr.parent is None:
+            prompt = list(tr.new_tokens)
+            await asyncio.sleep(max(0.0, start + tr.arrival * a.step_s - time.perf_counter()))
+        else:
+            ctx = await done[tr.parent]
+            if ctx is None:  # the parent failed: this turn cannot be built
+                results[tr.rid] = Result(0, time.perf_counter(), error="parent failed", end=time.perf_counter())
+                done[tr.rid].set_result(None)
+                return
+            prompt = ctx + list(tr.new_tokens)
+            await asyncio.sleep(tr.arrival * a.step_s)
+        res = results[tr.rid] = Result(len(prompt), 0.0)
+        await _one(client, model, prompt, tr.max_tokens, a.temperature, a.timeout, res)
+        done[tr.rid].set_result(None if res.error else prompt + res.tokens)
+
+    await asyncio.gather(*(fire(tr) for tr in trace.requests))
+    return [results[r.rid] for r in trace.requests]
+
+
+# ---- report ----
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(math.floor(k))
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _dist(xs: Sequence[float]) -> dict:
+    return {"mean": sum(xs) / len(xs) if xs else None, "p50": _pct(xs, 50), "p90": _pct(xs, 90),
+            "p99": _pct(xs, 99)}
+
+
+def summarize(results: list[Result]) -> dict:
+    ok = [r for r in results if r.error is None]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    t0 = min((r.sent for r in results), default=0.0)
+    t1 = max((r.end for r in results if r.end is not None), default=t0)
+    wall = max(t1 - t0, 1e-9)
+    out_tok = sum(len(r.tokens) for r in ok)
+    in_tok = sum(r.prompt_len for r in ok)
+    return {
+        "requests": len(results), "completed": len(ok), "errors": sum(errors.values()), "errors_by_kind": errors,
+        "duration_s": wall, "request_throughput": len(ok) / wall, "output_throughput": out_tok / wall,
+        "total_throughput": (in_tok + out_tok) / wall, "prompt_tokens": in_tok, "output_tokens": out_tok,
+        "ttft_s": _dist([r.first - r.sent for r in ok if r.first is not None]),
+        "tpot_s": _dist([(r.last - r.first) / (len(r.tokens) - 1) for r in ok if len(r.tokens) >= 2]),
+        "e2e_s": _dist([r.end - r.sent for r in ok]),
+    }
+
+
+def markdown(rep: dict) -> str:
+    s = rep["summary"]
+    ms = lambda d: " / ".join("-" if d[k] is None else f"{d[k] * 1e3:.0f}" for k in ("p50", "p90", "p99"))
+    sec = lambda d: " / ".join("-" if d[k] is None else f"{d[k]:.2f}" for k in ("p50", "p90", "p99"))
+    pc = rep.get("prefix_cache") or {}
+    reuse = f"{pc['hit_tokens']} / {pc['queried_tokens']}" if pc else "-"
+    head = ("| load | requests | ok | errors | duration s | req/s | out tok/s | total tok/s | TTFT p50 / p90 / p99 ms "
+            "| TPOT p50 / p90 / p99 ms | e2e p50 / p90 / p99 s | prefix hit / queried tok |")
+    row = (f"| {rep['load']} | {s['requests']} | {s['completed']} | {s['errors']} | {s['duration_s']:.1f} | "
+           f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {s['total_throughput']:.1f} | "
+           f"{ms(s['ttft_s'])} | {ms(s['tpot_s'])} | {sec(s['e2e_s'])} | {reuse} |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1), row]
+    if s["errors_by_kind"]:
+        lines.append("\nerrors: " + ", ".join(f"{k}: {v}" for k, v in sorted(s["errors_by_kind"].items())))
+    return "\n".join(lines)
+
+
+def _counter(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def _prefix_counters(client) -> dict | None:
+    try:
+        text = (await client.get("/metrics")).text
+    except Exception:
+        return None
+    return {"queried_tokens": _counter(text, "v4jax_prefix_cache_queried_tokens_total"),
+            "hit_tokens": _counter(text, "v4jax_prefix_cache_hit_tokens_total")}
+
+
+async def run(a) -> dict:
+    import httpx
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=a.url, headers=headers, limits=limits, timeout=a.timeout) as client:
+        models = (await client.get("/v1/models")).raise_for_status().json()["data"]
+        model = a.model or models[0]["id"]
+        rng = random.Random(a.seed)
+        if a.warmup_requests:
+            warm = argparse.Namespace(**{**vars(a), "num_requests": a.warmup_requests, "rate": math.inf})
+            res = await _synthetic(client, warm, model, random.Random(a.seed + 1))
+            bad = [r.error for r in res if r.error]
+            if bad:
+                raise SystemExit(f"warm-up failed: {bad[0]}")
+        before = await _prefix_counters(client)
+        results = await (_replayed(client, a, model) if a.replay else _synthetic(client, a, model, rng))
+        after = await _prefix_counters(client)
+    pc = ({k: int(after[k] - before[k]) for k in after} if before and after else None)
+    load = (f"replay {a.replay} (scale {a.replay_scale:g}, {a.step_s:g} s/step)" if a.replay else
+            f"{'all at once' if math.isinf(a.rate) else f'Poisson {a.rate:g}/s'}, prompt {_spec(a.prompt_len)}, "
+            f"output {_spec(a.output_len)}")
+    return {"load": load, "model": model, "url": a.url, "summary": summarize(results), "prefix_cache": pc,
+            "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k != "api_key"}}
+
+
+def _spec(r: tuple[int, int]) -> str:
+    return f"{r[0]}" if r[0] == r[1] else f"{r[0]}:{r[1]}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    rep = asyncio.run(run(a))
+    rep["command"] = "v4jax bench serve " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = markdown(rep)
+    print(table)
+    print(json.dumps(rep["summary"], indent=1))
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "serve_bench.json"), "w") as f:
+            json.dump(rep, f, indent=1, default=str)
+        with open(os.path.join(a.out, "serve_bench.md"), "w") as f:
+            f.write(table + "\n")
+    return 0 if rep["summary"]["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

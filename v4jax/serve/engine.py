@@ -1,0 +1,69 @@
+"""What the orchestrator needs from an engine, and the one engine that exists: prefill and decode in one `EngineCore`.
+
+The orchestrator drives a `ServingEngine` from one thread and knows nothing else of it. Separate prefill and
+decode engines (JetStream's prefill / transfer / generate slices) would sit behind the same interface: a
+composite whose `step()` runs prefill chunks on one engine, moves finished prefills' state to the other, and
+decodes there, returning the same per-request deltas."""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from v4jax.engine.core import EngineCore, RequestDelta
+from v4jax.sampling import SamplingParams
+
+
+class ServingEngine(Protocol):
+    """Called from the orchestrator's engine thread only (except `check`, which reads immutable limits)."""
+    max_model_len: int
+    max_num_seqs: int
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ValueError (naming the limit) for a request that could never run; thread-safe."""
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                    sample_index: int) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> dict: ...
+
+
+class LocalEngine:
+    """One `EngineCore` that interleaves prefill chunks with decodes (JetStream's interleaved mode)."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.max_model_len = core.max_model_len
+        self.max_num_seqs = core.layout.max_slots
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        # The same limits EngineCore.add_request enforces, checked before the request reaches the engine thread
+        # so that the client gets a 400 instead of a failed stream. The layout never changes after construction.
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {prompt_len} tokens + max_tokens={max_tokens} exceeds max_model_len="
+                             f"{self.max_model_len}")
+        lay = self.core.layout
+        if not self.core.tables.dense:
+            need = -(-(prompt_len + max_tokens) // lay.page_size)
+            if need > lay.n_pages:
+                raise ValueError(f"request needs {need} pages of {lay.page_size} tokens ({prompt_len} prompt + "
+                                 f"{max_tokens} max_tokens); the pool holds {lay.n_pages}")
+
+    def add_request(self, request_id, prompt_ids, params, sample_index):
+        self.core.add_request(request_id, prompt_ids, params, sample_index=sample_index)
+
+    def abort(self, request_id):
+        return self.core.abort(request_id)
+
+    def step(self):
+        return self.core.step()
+
+    def has_unfinished_requests(self):
+        return self.core.has_unfinished_requests()
+
+    def stats(self):
+        return self.core.stats()

@@ -1,0 +1,79 @@
+"""Prometheus metrics of one server, in a registry of its own (several servers can share a process).
+
+Latencies are histograms in seconds, tokens are counters; the engine's pools, prefix cache and queues are read
+at scrape time from the orchestrator's latest engine stats (never from the engine itself: only its thread may
+touch it)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                960.0, 1920.0)
+
+
+class _EngineCollector:
+    """Pools, prefix cache and request counts from the engine's stats() snapshot."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        used = GaugeMetricFamily("v4jax_pool_used_pages", "Pages in use per pool (compressor_state: slots); "
+                                 "pages only the prefix cache holds count as used", labels=["pool"])
+        total = GaugeMetricFamily("v4jax_pool_total_pages", "Pages per pool (compressor_state: slots)",
+                                  labels=["pool"])
+        for name, p in s.get("pools", {}).items():
+            used.add_metric([name], p["used"])
+            total.add_metric([name], p["total"])
+        yield used
+        yield total
+        pc = s.get("prefix_cache", {})
+        yield CounterMetricFamily("v4jax_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=pc.get("queried_tokens", 0))
+        yield CounterMetricFamily("v4jax_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache "
+                                  "(whole full pages)", value=pc.get("hit_tokens", 0))
+        yield GaugeMetricFamily("v4jax_prefix_cache_cached_pages", "Full pages held by the prefix tree",
+                                value=pc.get("cached_pages", 0))
+        rq = s.get("requests", {})
+        yield GaugeMetricFamily("v4jax_num_requests_running", "Sequences in a decode slot (prefilling included)",
+                                value=rq.get("running", 0) + rq.get("prefilling", 0))
+        yield GaugeMetricFamily("v4jax_num_requests_waiting", "Sequences waiting for a slot",
+                                value=rq.get("waiting", 0))
+        yield CounterMetricFamily("v4jax_num_preemptions", "Sequences preempted (recomputed later) since start",
+                                  value=rq.get("preempted", 0))
+        srv = s.get("server", {})
+        yield GaugeMetricFamily("v4jax_num_requests_in_flight", "Sequences admitted and not yet released by the "
+                                "engine", value=srv.get("in_flight", 0))
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict]):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("v4jax_time_to_first_token_seconds", "Time from arrival to the first generated token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("v4jax_time_per_output_token_seconds", "Per sequence: (last - first token time) / "
+                              "(tokens - 1)", buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("v4jax_e2e_request_latency_seconds", "Time from arrival to a sequence's end",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("v4jax_prompt_tokens", "Prompt tokens admitted (once per sequence)",
+                                     registry=r)
+        self.generation_tokens = Counter("v4jax_generation_tokens", "Tokens generated and sent", registry=r)
+        self.finished = Counter("v4jax_request_finished", "Sequences released by the engine, by how they ended "
+                                "(abort: the client left, timed out, or the server shut down)",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("v4jax_request_rejected", "Requests refused before they reached the engine",
+                                ["reason"], registry=r)
+        r.register(_EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

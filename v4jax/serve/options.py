@@ -1,0 +1,101 @@
+"""Options of `v4jax serve`: the server's own, and every `LLM` option as a flag (kept light: no server imports)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1/* (but /v1/health) needs "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # default: the directory's base name, the preset's name, or
+    # v4jax-shakespeare for the embedded model
+    max_waiting: int = 256  # sequences waiting for a decode slot; more get 429
+    max_n: int = 16  # largest n (choices per request)
+    request_timeout_s: float = 600.0  # a request still running after this is aborted (408)
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    shutdown_grace_s: float = 5.0  # on SIGINT / SIGTERM: time running requests get to finish before they are
+    # aborted (their streams end with finish_reason "abort")
+    log_level: str = "info"
+    access_log: bool = True
+
+    def __post_init__(self):
+        for name in ("max_waiting",):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("max_n", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("request_timeout_s", "shutdown_grace_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0")
+
+
+_LLM_HELP = {
+    "quant_sim": "the release's FP8-KV / FP4-indexer / FP8-activation rounding",
+    "attention_impl": "attention kernels",
+    "seed": "weights of a random preset",
+    "max_model_len": "context limit, prompt + generated tokens (default: the model's)",
+    "max_num_seqs": "decode slots",
+    "kv_layout": "KV-cache layout",
+    "page_size": "tokens per full page (default: 256 rounded up to the lcm of the compression ratios)",
+    "decode_steps": "tokens per jitted decode call",
+    "prefill_chunk": "largest prefill chunk, in tokens",
+    "memory_budget_bytes": "size the KV pools from this byte budget instead of max_num_seqs x max_model_len",
+    "enable_prefix_caching": "reuse cached full pages of earlier requests' prefixes",
+    "mesh": "devices per mesh axis, e.g. expert=4 or data=2,tensor=2 (default: one device)",
+}
+_CHOICES = {"attention_impl": ["xla", "pallas"], "kv_layout": ["paged", "dense"]}
+
+
+def add_llm_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineOptions field (its name with dashes), plus --dtype: what LLM(...) takes."""
+    from v4jax.api import EngineOptions
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and compute dtype")
+    for f in dataclasses.fields(EngineOptions):
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        helptext = _LLM_HELP.get(f.name, f.name)
+        if kind.startswith("bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+        elif kind.startswith("int"):
+            p.add_argument(flag, type=int, default=f.default, help=helptext)
+        else:
+            p.add_argument(flag, default=f.default, choices=_CHOICES.get(f.name), help=helptext)
+
+
+def llm_kwargs(args) -> dict:
+    from v4jax.api import EngineOptions
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)}
+    return {"dtype": args.dtype, **kw}
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServerOptions()
+    p.add_argument("--host", default=d.host, help="address to bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=d.port, help="port to bind")
+    p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on /v1/* "
+                   "(default: no key)")
+    p.add_argument("--served-model-name", default=d.served_model_name,
+                   help="model id in /v1/models (default: the directory's base name or the preset's name)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="sequences that may wait for a decode slot; more are refused with 429")
+    p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=d.request_timeout_s,
+                   help="seconds a request may run before it is aborted (408)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies get 413")
+    p.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float, default=d.shutdown_grace_s,
+                   help="on SIGINT / SIGTERM, seconds running requests get to finish before they are aborted")
+    p.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log,
+                   help="a log line per HTTP request")
+    p.add_argument("--warmup", action="store_true", help="compile every bucket the engine can use before "
+                   "serving (minutes on a CPU; the first requests of each shape compile otherwise)")
+
+
+def server_options(args) -> ServerOptions:
+    names = [f.name for f in dataclasses.fields(ServerOptions)]
+    return ServerOptions(**{n: getattr(args, n) for n in names})

@@ -1,0 +1,363 @@
+"""Request bodies checked field by field into what the orchestrator takes; errors in OpenAI's shape.
+
+Every check names the field it rejects (`param`), so a client sees `{"error": {"message", "type", "param",
+"code"}}` with a 4xx status, never a 500. Unknown fields of the OpenAI endpoints are ignored (clients send
+extras such as `user`); JetStream's `/v1/generate` forbids them, as its own server does."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+from v4jax.sampling import SamplingParams
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+          503: "service_unavailable_error"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+MAX_TOP_LOGPROBS = 20  # and for chat
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# ---- typed fields ----
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def get_int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad(name, f"'{name}' must be an integer, got {_show(v)}", "invalid_type")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
+        raise bad(name, f"'{name}' must be {rng}, got {v}")
+    return int(v)
+
+
+def get_number(body: dict, name: str, default):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_number(v) or not math.isfinite(v):
+        raise bad(name, f"'{name}' must be a finite number, got {_show(v)}", "invalid_type")
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"'{name}' must be true or false, got {_show(v)}", "invalid_type")
+    return v
+
+
+def _show(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _token_ids(v) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
+
+
+# ---- what the orchestrator takes ----
+@dataclasses.dataclass
+class Prepared:
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per prompt
+    n: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None: off; else how many top alternatives were asked for
+    return_token_ids: bool
+
+
+@dataclasses.dataclass
+class Limits:
+    max_model_len: int
+    max_n: int
+    capacity: int  # sequences the server admits at once
+
+
+def _unsupported(body: dict) -> None:
+    """OpenAI fields this server does not implement: refused when set to anything but their neutral value."""
+    if body.get("echo"):
+        raise bad("echo", "'echo' is not supported")
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix", "'suffix' is not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v not in (None, 0, 0.0) or isinstance(v, bool):
+            raise bad(name, f"'{name}' is not supported (only 0)")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "'logit_bias' is not supported")
+    if body.get("tools"):
+        raise bad("tools", "'tools' is not supported")
+    rf = body.get("response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
+    if len(v) > MAX_STOP_STRINGS:
+        raise bad("stop", f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(v)}")
+    return tuple(s for s in v if s)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = get_bool(body, "stream", False)
+    so = body.get("stream_options")
+    if so is None:
+        return stream, False
+    if not isinstance(so, dict):
+        raise bad("stream_options", "'stream_options' must be an object", "invalid_type")
+    if not stream:
+        raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    return stream, get_bool(so, "include_usage", False)
+
+
+def _sampling(body: dict, max_tokens: int, *, ignore_eos=None, temperature_default: float = 1.0,
+              logprobs: bool) -> SamplingParams:
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
+        raise bad("stop_token_ids", "'stop_token_ids' must be a list of token ids", "invalid_type")
+    kw = dict(max_tokens=max_tokens, temperature=get_number(body, "temperature", temperature_default),
+              top_p=get_number(body, "top_p", 1.0), top_k=get_int(body, "top_k", 0),
+              seed=get_int(body, "seed", None), stop_token_ids=stop_ids or (), logprobs=logprobs,
+              ignore_eos=get_bool(body, "ignore_eos", False) if ignore_eos is None else ignore_eos)
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:  # its messages start with the field's name
+        name = str(e).split()[0]
+        raise bad(name if name in kw else None, str(e)) from None
+
+
+def _max_tokens(body: dict, names=("max_tokens",)):
+    for name in names:
+        v = get_int(body, name, None, lo=1, hi=2**31 - 1)
+        if v is not None:
+            return v, name
+    return None, names[0]
+
+
+def _fit(prompts: list[list[int]], max_tokens: int | None, mt_name: str, prompt_name: str, limits, check,
+         default_tokens: int | None) -> list[int]:
+    """max_tokens per prompt (None = what the context leaves, as vLLM does for chat), checked against the
+    context and the pools."""
+    out = []
+    for i, ids in enumerate(prompts):
+        where = prompt_name if len(prompts) == 1 else f"{prompt_name}[{i}]"
+        if len(ids) >= limits.max_model_len:
+            raise bad(prompt_name, f"{where} has {len(ids)} tokens; the context holds {limits.max_model_len} "
+                      "(prompt + max_tokens)", "context_length_exceeded")
+        mt = max_tokens if max_tokens is not None else default_tokens
+        mt = mt if mt is not None else limits.max_model_len - len(ids)
+        if len(ids) + mt > limits.max_model_len:
+            raise bad(mt_name, f"{where} has {len(ids)} tokens and {mt_name}={mt}: {len(ids) + mt} exceed the "
+                      f"context of {limits.max_model_len} tokens; lower {mt_name} to at most "
+                      f"{limits.max_model_len - len(ids)}", "context_length_exceeded")
+        try:
+            check(len(ids), mt)
+        except ValueError as e:
+            raise bad(mt_name, f"{where}: {e}", "context_length_exceeded") from None
+        out.append(mt)
+    return out
+
+
+def _n(body: dict, limits, n_prompts: int) -> int:
+    n = get_int(body, "n", 1, lo=1, hi=limits.max_n)
+    if n * n_prompts > limits.capacity:
+        raise bad("n", f"{n_prompts} prompt(s) x n={n} = {n * n_prompts} sequences exceed what the server "
+                  f"admits at once ({limits.capacity})")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", "'best_of' is not supported (only best_of == n)")
+    return n
+
+
+def parse_completion(body: dict, codec, limits, check) -> Prepared:
+    _unsupported(body)
+    p = body.get("prompt")
+    if isinstance(p, str) or _token_ids(p):
+        raw = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) or _token_ids(x) for x in p):
+        raw = p
+    else:
+        raise bad("prompt", "'prompt' must be a non-empty string, list of strings, list of token ids, or list of "
+                  "token-id lists", "invalid_type")
+    prompts = []
+    for i, x in enumerate(raw):
+        where = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+        if isinstance(x, str) and not codec.has_tokenizer:
+            raise bad("prompt", "this model has no tokenizer: send prompts as token ids")
+        try:
+            prompts.append(codec.encode(x, where))
+        except (ValueError, TypeError) as e:
+            raise bad("prompt", str(e)) from None
+    stream, include_usage = _stream(body)
+    lp = body.get("logprobs")
+    if lp is True or lp is False:  # some clients send chat's boolean form here
+        lp = 0 if lp else None
+    logprobs = get_int({"logprobs": lp}, "logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
+    n = _n(body, limits, len(prompts))
+    stop = _stop(body)
+    if stop and not codec.has_tokenizer:
+        raise bad("stop", "this model has no tokenizer: stop strings cannot be matched (use stop_token_ids)")
+    max_tokens, name = _max_tokens(body)
+    mts = _fit(prompts, max_tokens, name, "prompt", limits, check, default_tokens=16)
+    params = [_sampling(body, mt, logprobs=logprobs is not None) for mt in mts]
+    return Prepared(prompts, params, n, stop, stream, include_usage, logprobs,
+                    get_bool(body, "return_token_ids", False))
+
+
+def _message_text(m: dict, i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        if m.get("role") == "assistant":
+            return ""
+        raise bad(f"messages[{i}].content", f"messages[{i}] has no content", "invalid_type")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content[{j}]", f"messages[{i}].content[{j}]: only text parts "
+                          "({\"type\": \"text\", \"text\": ...}) are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts",
+              "invalid_type")
+
+
+def parse_chat(body: dict, codec, limits, check) -> Prepared:
+    _unsupported(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty list of messages", "invalid_type")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content'", "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}; got "
+                      f"{_show(role)}")
+        msg = {"role": role, "content": _message_text(m, i)}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        clean.append(msg)
+    if codec.template is None or not codec.has_tokenizer:
+        raise bad("messages", "this model has no chat template (tokenizer_config.json 'chat_template'): use "
+                  "/v1/completions")
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    from v4jax.serve.chat import TemplateError
+    try:
+        ids = codec.encode_rendered(codec.template.render(clean, add_generation_prompt=add_gen, **kwargs))
+    except TemplateError as e:
+        raise bad("messages", str(e)) from None
+    except ValueError as e:
+        raise bad("messages", str(e)) from None
+    stream, include_usage = _stream(body)
+    want_lp = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not want_lp:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    n = _n(body, limits, 1)
+    stop = _stop(body)
+    max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
+    mts = _fit([ids], max_tokens, name, "messages", limits, check, default_tokens=None)
+    params = [_sampling(body, mts[0], logprobs=want_lp)]
+    return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
+                    get_bool(body, "return_token_ids", False))
+
+
+_GENERATE_FIELDS = {"max_tokens", "text_content", "token_content", "metadata", "num_samples"}
+
+
+def parse_generate(body: dict, codec, limits, check) -> tuple[Prepared, bool]:
+    """JetStream's DecodeRequest: max_tokens, one of text_content {text} / token_content {token_ids}, optional
+    metadata and num_samples; nothing else. Greedy (its request carries no sampling fields) unless
+    num_samples > 1, which samples at temperature 1. Returns (request, whether the prompt was text)."""
+    extra = sorted(set(body) - _GENERATE_FIELDS)
+    if extra:
+        raise bad(extra[0], f"unknown field(s) {extra}; /v1/generate takes {sorted(_GENERATE_FIELDS)}",
+                  "extra_forbidden")
+    if body.get("max_tokens") is None:
+        raise bad("max_tokens", "'max_tokens' is required", "missing")
+    max_tokens = get_int(body, "max_tokens", None, lo=1, hi=2**31 - 1)
+    text, toks = body.get("text_content"), body.get("token_content")
+    if (text is None) == (toks is None):
+        raise bad("text_content", "exactly one of 'text_content' and 'token_content' is required")
+    if text is not None:
+        if not isinstance(text, dict) or not isinstance(text.get("text"), str) or set(text) - {"text"}:
+            raise bad("text_content", "'text_content' must be {\"text\": string}", "invalid_type")
+        if not codec.has_tokenizer:
+            raise bad("text_content", "this model has no tokenizer: use token_content")
+        try:
+            ids = codec.encode(text["text"].strip(), "text_content.text")
+        except ValueError as e:
+            raise bad("text_content", str(e)) from None
+    else:
+        if not isinstance(toks, dict) or not _token_ids(toks.get("token_ids")) or set(toks) - {"token_ids"}:
+            raise bad("token_content", "'token_content' must be {\"token_ids\": [int, ...]} (non-empty)",
+                      "invalid_type")
+        try:
+            ids = codec.encode(toks["token_ids"], "token_content.token_ids")
+        except ValueError as e:
+            raise bad("token_content", str(e)) from None
+    md = body.get("metadata")
+    if md is not None and not isinstance(md, dict):
+        raise bad("metadata", "'metadata' must be an object", "invalid_type")
+    n = get_int(body, "num_samples", 0, lo=0, hi=limits.max_n) or 1
+    mts = _fit([ids], max_tokens, "max_tokens", "text_content" if text is not None else "token_content",
+               limits, check, default_tokens=None)
+    sp = SamplingParams(max_tokens=mts[0], temperature=0.0 if n == 1 else 1.0)
+    return Prepared([ids], [sp], n, (), True, False, None, False), text is not None
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    import json
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
