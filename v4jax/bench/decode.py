@@ -277,7 +277,7 @@ class JaxDecodeBench:
                               np.full((s, S.MAX_STOP), -1, np.int32),
                               S.SamplingState(z(np.float32), np.ones(s, np.float32), z(), np.arange(s, dtype=np.int32),
                                               np.arange(s, dtype=np.int32), z()))
-        state = S.carry_state(state, state, z(bool))
+        state = eng.steps.carry(state, state, z(bool))
         pt = eng.tables.full[:, :eng._page_bucket(held + self.k)]
         return state, _snapshot(pt), _snapshot(eng.tables.swa)
 
@@ -292,7 +292,7 @@ class JaxDecodeBench:
             eng.tables.reserve(s, held, held + k)
         state, pt, swa = self._decode_args(held)
         t0 = time.perf_counter()
-        out = S.decode_step(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)  # compiles this variant
+        out = eng.steps.decode(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)  # compiles this variant
         jax.block_until_ready(out)
         compile_s = time.perf_counter() - t0
         eng.pools, eng.store, res, _ = out
@@ -304,7 +304,7 @@ class JaxDecodeBench:
         times = []
         for i in range(n_iter + 1):
             t0 = time.perf_counter()
-            out = S.decode_step(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
+            out = eng.steps.decode(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
             jax.block_until_ready(out)
             dt = time.perf_counter() - t0
             eng.pools, eng.store = out[0], out[1]
@@ -316,7 +316,7 @@ class JaxDecodeBench:
             from v4jax.bench.profile import summarize
 
             def call():
-                out = S.decode_step(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
+                out = eng.steps.decode(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
                 jax.block_until_ready(out)
                 eng.pools, eng.store = out[0], out[1]
 

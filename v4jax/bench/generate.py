@@ -4,11 +4,10 @@
   compile of the prefill and decode programs it uses (cache off by default here, so the number is the compile a
   first run pays; `--cache on` measures a warm persistent cache instead); the same call again gives the
   steady-state time, the difference is reported as the compile time.
-* decode rows (batch, context): `batch` random prompts of `context` tokens through one streaming `generate`
-  (greedy, ignore_eos, `--new` tokens each): prefill s = time to the last request's first token; decode ms/step =
-  the time from then to the end over the steps run in it (every request is decoding then). Each row runs twice on
-  fresh prompts of the same lengths and the second pass is timed (the first compiles its programs). One engine per
-  batch size (max_num_seqs = batch: the decode step runs every slot), the model's weights shared.
+* decode rows (batch, context): `batch` random prompts of `context` tokens through `generate` with max_tokens=1
+  and with 1 + `--new` (fresh prompts each time, after a pass that compiles): prefill s = the first; decode
+  ms/step = the difference over `--new`. One engine per batch size (max_num_seqs = batch: the decode step runs
+  every slot), the model's weights shared.
 * `--prefill` contexts: more rows at batch 1 (for long prompts: the prefill time of one prompt of that length,
   and the decode rate after it).
 Results (JSON + markdown) go to --out after every row.
@@ -30,34 +29,28 @@ def _engine_for(llm, **opts):
     llm._engine = None
 
 
-def _stream_times(llm, prompts, sp):
-    """Run a streaming generate; per request the arrival time of each token. Returns (t0, {i: [times]})."""
-    t0 = time.perf_counter()
-    times: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
-    for i, toks, _ in llm.generate(prompts, sp, stream=True):
-        now = time.perf_counter()
-        times[i].extend([now] * len(toks))
-    return t0, times
-
-
 def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
-    """Two passes over fresh random prompts of the same lengths (no prefix hits): the first compiles every
-    program the row uses (chunk and page buckets), the second is timed."""
+    """What a user sees: `batch` random prompts of `context` tokens through `LLM.generate` (greedy, ignore_eos),
+    once with max_tokens=1 (prefill and the first token) and once with max_tokens=1+new, each on fresh prompts of
+    the same lengths (no prefix hits) after a first pass that compiles every program the row uses. Decode ms/step =
+    (time(1 + new) - time(1)) / new: one step is one new token for every request."""
     from v4jax.sampling import SamplingParams
-    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     fresh = lambda: [rng.integers(2, llm.config.vocab_size, context).tolist() for _ in range(batch)]
     t0 = time.perf_counter()
-    llm.generate(fresh(), sp)
+    llm.generate(fresh(), sp(1 + new))
     warm_s = time.perf_counter() - t0
-    t0, times = _stream_times(llm, fresh(), sp)
-    first = max(ts[0] for ts in times.values())  # every request decodes from here on
-    end = max(ts[-1] for ts in times.values())
-    steps = min(sum(1 for t in ts if t > first) for ts in times.values())
-    return {"batch": batch, "context": context, "new_tokens": new, "first_pass_s": warm_s, "wall_s": end - t0,
-            "prefill_s": first - t0,
-            "decode_steps_timed": steps,
-            "ms_per_step": (end - first) * 1e3 / steps if steps else None,
-            "tokens": sum(len(ts) for ts in times.values())}
+    t0 = time.perf_counter()
+    llm.generate(fresh(), sp(1))
+    one_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate(fresh(), sp(1 + new))
+    all_s = time.perf_counter() - t0
+    decode_s = all_s - one_s
+    return {"batch": batch, "context": context, "new_tokens": new, "first_pass_s": warm_s, "prefill_s": one_s,
+            "wall_s": all_s, "decode_steps_timed": new, "ms_per_step": decode_s * 1e3 / new,
+            "tok_per_s": batch * new / decode_s if decode_s > 0 else None,
+            "tokens": sum(len(o.token_ids) for o in outs)}
 
 
 def markdown(data: dict) -> str:
@@ -69,14 +62,14 @@ def markdown(data: dict) -> str:
     if fc:
         lines += [f"First generate (16-token prompt, 16 new): {fc['first_s']:.1f} s; again: {fc['second_s']:.2f} s; "
                   f"compile ~{fc['compile_s']:.1f} s (model init {data.get('init_s', 0):.1f} s, not included).", ""]
-    lines += ["| batch | context | prefill s | decode ms/step (LLM.generate) | steps timed |",
-              "|---:|---:|---:|---:|---:|"]
+    lines += ["| batch | context | prefill s (max_tokens=1) | decode ms/step (LLM.generate) | tok/s | new tokens |",
+              "|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
         if "error" in r:
             lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | |")
         else:
             lines.append(f"| {r['batch']} | {r['context']} | {f(r['prefill_s'])} | {f(r['ms_per_step'])} | "
-                         f"{r['decode_steps_timed']} |")
+                         f"{f(r.get('tok_per_s'), '{:.0f}')} | {r['decode_steps_timed']} |")
     return "\n".join(lines) + "\n"
 
 
