@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The speed tables of BENCHMARKS.md ("Decode and prefill at depth"), one device call per stage (each inside the
 # 10-minute limit):
+#   bash scripts/h200_speed.sh main    flash-slice decode (Pallas and XLA ops, profiled), flash-1gpu generate and decode
 #   bash scripts/h200_speed.sh slice   GPU tests; flash-slice: decode (jitted call and engine loop, XLA and Pallas
 #                                      ops, kernels per step from a profile), HF at 4K, generate rows, 128K prefill
 #   bash scripts/h200_speed.sh 1gpu    flash-1gpu (43 layers): first generate (compile), decode rows, 32K prefill
@@ -29,6 +30,27 @@ for h in d.get("hf", []):
 EOF
 }
 case "${1:-slice}" in
+main)
+  stamp "flash-slice decode pallas"
+  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 120 \
+    --out "$out/slice_pallas" 2>&1 | quiet | grep "^|" | tail -6
+  summary "$out/slice_pallas/decode.json"
+  stamp "flash-slice decode xla"
+  timeout 75 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K \
+    --long-b1 "" --hf off --iters 5 --gen-iters 3 --profile --attention-impl xla --deadline-s 50 \
+    --out "$out/slice_xla" 2>&1 | quiet | grep "^|" | tail -4
+  summary "$out/slice_xla/decode.json"
+  stamp "flash-1gpu generate"
+  timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
+    --prefill 32K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 150 --out "$out/gen_1gpu" \
+    2>&1 | quiet | tail -9
+  stamp "flash-1gpu decode"
+  timeout 140 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --profile --attention-impl pallas --deadline-s 100 \
+    --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
+  summary "$out/d_1gpu/decode.json"
+  ;;
 slice)
   stamp "gpu tests"
   timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
