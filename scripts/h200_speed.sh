@@ -36,11 +36,8 @@ main)
     --long-b1 "" --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 120 \
     --out "$out/slice_pallas" 2>&1 | quiet | grep "^|" | tail -6
   summary "$out/slice_pallas/decode.json"
-  stamp "flash-slice decode xla"
-  timeout 75 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K \
-    --long-b1 "" --hf off --iters 5 --gen-iters 3 --profile --attention-impl xla --deadline-s 50 \
-    --out "$out/slice_xla" 2>&1 | quiet | grep "^|" | tail -4
-  summary "$out/slice_xla/decode.json"
+  stamp "flash-slice prefill profile (8192-token chunk)"
+  timeout 90 python3 -W ignore scripts/profile_prefill.py flash-slice 8192 pallas 2>&1 | quiet | tail -27
   stamp "flash-1gpu generate"
   timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
     --prefill 32K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 150 --out "$out/gen_1gpu" \
