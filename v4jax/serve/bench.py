@@ -269,7 +269,12 @@ async def run(a) -> dict:
     load = (f"replay {a.replay} (scale {a.replay_scale:g}, {a.step_s:g} s/step)" if a.replay else
             f"{'all at once' if math.isinf(a.rate) else f'Poisson {a.rate:g}/s'}, prompt {_spec(a.prompt_len)}, "
             f"output {_spec(a.output_len)}")
+    t0 = min((r.sent for r in results), default=0.0)
+    per_request = [{"sent_s": r.sent - t0, "prompt_len": r.prompt_len, "tokens": len(r.tokens),
+                    "ttft_s": None if r.first is None else r.first - r.sent,
+                    "e2e_s": None if r.end is None else r.end - r.sent, "error": r.error} for r in results]
     return {"load": load, "model": model, "url": a.url, "summary": summarize(results), "prefix_cache": pc,
+            "requests": per_request,
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k != "api_key"}}
 
 
