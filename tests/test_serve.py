@@ -323,6 +323,7 @@ MALFORMED = [  # (path, body: dict | bytes, headers, status, param)
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, {}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, {}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": ["a"]}, {}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(2, 12))}, {}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "logprobs": 10}, {}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "echo": True}, {}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, {}, 400, "presence_penalty"),

@@ -12,7 +12,6 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -117,10 +116,6 @@ def build_app(state: ServerState) -> FastAPI:
     async def http_error(request: Request, e: StarletteHTTPException):
         err = ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
         return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError):
-        return JSONResponse(ApiError(400, str(e)).body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from v4jax.engine.core import EngineCore, RequestDelta
+from v4jax.engine.steps import MAX_STOP
 from v4jax.sampling import SamplingParams
 
 
@@ -17,8 +18,9 @@ class ServingEngine(Protocol):
     max_model_len: int
     max_num_seqs: int
 
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        """Raise ValueError (naming the limit) for a request that could never run; thread-safe."""
+    def check(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise ValueError for a request that could never run, its message starting with the field at fault
+        (max_tokens, stop_token_ids); thread-safe."""
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                     sample_index: int) -> None: ...
@@ -40,18 +42,23 @@ class LocalEngine:
         self.max_model_len = core.max_model_len
         self.max_num_seqs = core.layout.max_slots
 
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        # The same limits EngineCore.add_request enforces, checked before the request reaches the engine thread
-        # so that the client gets a 400 instead of a failed stream. The layout never changes after construction.
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt of {prompt_len} tokens + max_tokens={max_tokens} exceeds max_model_len="
+    def check(self, prompt_len: int, params: SamplingParams) -> None:
+        # The limits EngineCore.add_request enforces, checked before the request reaches the engine thread so
+        # that the client gets a 400 instead of a failed stream. The layout never changes after construction.
+        mt = params.max_tokens
+        if prompt_len + mt > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt of {prompt_len} tokens + max_tokens={mt} exceeds max_model_len="
                              f"{self.max_model_len}")
         lay = self.core.layout
         if not self.core.tables.dense:
-            need = -(-(prompt_len + max_tokens) // lay.page_size)
+            need = -(-(prompt_len + mt) // lay.page_size)
             if need > lay.n_pages:
-                raise ValueError(f"request needs {need} pages of {lay.page_size} tokens ({prompt_len} prompt + "
-                                 f"{max_tokens} max_tokens); the pool holds {lay.n_pages}")
+                raise ValueError(f"max_tokens: the request needs {need} pages of {lay.page_size} tokens "
+                                 f"({prompt_len} prompt + {mt} max_tokens); the pool holds {lay.n_pages}")
+        eos = 0 if params.ignore_eos or self.core.cfg.eos_token_id is None else 1
+        if len(params.stop_token_ids) + eos > MAX_STOP:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP - eos} are supported, got "
+                             f"{len(params.stop_token_ids)}")
 
     def add_request(self, request_id, prompt_ids, params, sample_index):
         self.core.add_request(request_id, prompt_ids, params, sample_index=sample_index)

@@ -159,8 +159,8 @@ class Orchestrator:
             self._detok_thread.join(timeout)
 
     # ---- from the HTTP layer ----
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        self.engine.check(prompt_len, max_tokens)
+    def check(self, prompt_len: int, params: SamplingParams) -> None:
+        self.engine.check(prompt_len, params)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *, n: int = 1,
                stop: Sequence[str] = (), arrival: float | None = None) -> RequestStream:

@@ -149,15 +149,14 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, get_bool(so, "include_usage", False)
 
 
-def _sampling(body: dict, max_tokens: int, *, ignore_eos=None, temperature_default: float = 1.0,
-              logprobs: bool) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, *, logprobs: bool) -> SamplingParams:
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
         raise bad("stop_token_ids", "'stop_token_ids' must be a list of token ids", "invalid_type")
-    kw = dict(max_tokens=max_tokens, temperature=get_number(body, "temperature", temperature_default),
+    kw = dict(max_tokens=max_tokens, temperature=get_number(body, "temperature", 1.0),
               top_p=get_number(body, "top_p", 1.0), top_k=get_int(body, "top_k", 0),
               seed=get_int(body, "seed", None), stop_token_ids=stop_ids or (), logprobs=logprobs,
-              ignore_eos=get_bool(body, "ignore_eos", False) if ignore_eos is None else ignore_eos)
+              ignore_eos=get_bool(body, "ignore_eos", False))
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # its messages start with the field's name
@@ -173,10 +172,10 @@ def _max_tokens(body: dict, names=("max_tokens",)):
     return None, names[0]
 
 
-def _fit(prompts: list[list[int]], max_tokens: int | None, mt_name: str, prompt_name: str, limits, check,
+def _fit(prompts: list[list[int]], max_tokens: int | None, mt_name: str, prompt_name: str, limits,
          default_tokens: int | None) -> list[int]:
     """max_tokens per prompt (None = what the context leaves, as vLLM does for chat), checked against the
-    context and the pools."""
+    context."""
     out = []
     for i, ids in enumerate(prompts):
         where = prompt_name if len(prompts) == 1 else f"{prompt_name}[{i}]"
@@ -189,12 +188,18 @@ def _fit(prompts: list[list[int]], max_tokens: int | None, mt_name: str, prompt_
             raise bad(mt_name, f"{where} has {len(ids)} tokens and {mt_name}={mt}: {len(ids) + mt} exceed the "
                       f"context of {limits.max_model_len} tokens; lower {mt_name} to at most "
                       f"{limits.max_model_len - len(ids)}", "context_length_exceeded")
-        try:
-            check(len(ids), mt)
-        except ValueError as e:
-            raise bad(mt_name, f"{where}: {e}", "context_length_exceeded") from None
         out.append(mt)
     return out
+
+
+def _checked(prompts, params, check, mt_name: str) -> None:
+    """The engine's own limits (pages in the pool, stop ids it can hold): a 400 naming the field."""
+    for ids, sp in zip(prompts, params):
+        try:
+            check(len(ids), sp)
+        except ValueError as e:
+            field = str(e).partition(":")[0]
+            raise bad(mt_name if field == "max_tokens" else field, str(e)) from None
 
 
 def _n(body: dict, limits, n_prompts: int) -> int:
@@ -237,8 +242,9 @@ def parse_completion(body: dict, codec, limits, check) -> Prepared:
     if stop and not codec.has_tokenizer:
         raise bad("stop", "this model has no tokenizer: stop strings cannot be matched (use stop_token_ids)")
     max_tokens, name = _max_tokens(body)
-    mts = _fit(prompts, max_tokens, name, "prompt", limits, check, default_tokens=16)
+    mts = _fit(prompts, max_tokens, name, "prompt", limits, default_tokens=16)
     params = [_sampling(body, mt, logprobs=logprobs is not None) for mt in mts]
+    _checked(prompts, params, check, name)
     return Prepared(prompts, params, n, stop, stream, include_usage, logprobs,
                     get_bool(body, "return_token_ids", False))
 
@@ -302,8 +308,9 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     n = _n(body, limits, 1)
     stop = _stop(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
-    mts = _fit([ids], max_tokens, name, "messages", limits, check, default_tokens=None)
+    mts = _fit([ids], max_tokens, name, "messages", limits, default_tokens=None)
     params = [_sampling(body, mts[0], logprobs=want_lp)]
+    _checked([ids], params, check, name)
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
                     get_bool(body, "return_token_ids", False))
 
@@ -347,8 +354,9 @@ def parse_generate(body: dict, codec, limits, check) -> tuple[Prepared, bool]:
         raise bad("metadata", "'metadata' must be an object", "invalid_type")
     n = get_int(body, "num_samples", 0, lo=0, hi=limits.max_n) or 1
     mts = _fit([ids], max_tokens, "max_tokens", "text_content" if text is not None else "token_content",
-               limits, check, default_tokens=None)
+               limits, default_tokens=None)
     sp = SamplingParams(max_tokens=mts[0], temperature=0.0 if n == 1 else 1.0)
+    _checked([ids], [sp], check, "max_tokens")
     return Prepared([ids], [sp], n, (), True, False, None, False), text is not None
 
 
