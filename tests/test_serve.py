@@ -25,7 +25,7 @@ KEY = "test-key-0123"
 MODEL = "v4jax-shakespeare"
 PROMPTS = ["ROMEO:", "JULIET:"]
 MAX_TOKENS = 8
-LOAD_CLIENTS, LOAD_TOKENS = 64, 12
+LOAD_CLIENTS, LOAD_TOKENS = 64, 8
 
 
 def _all_pages_free(core) -> bool:
@@ -107,7 +107,11 @@ def _sse(lines) -> tuple[list, bool]:
 
 # ---- pieces without a server ----
 def test_incremental_detokenizer_matches_a_full_decode():
-    llm_tok = LLM().tokenizer  # the shipped tokenizer: byte-level BPE, multi-byte characters split
+    from tokenizers import Tokenizer
+
+    from v4jax.api import DEFAULT_MODEL_DIR
+    # the shipped tokenizer: byte-level BPE, multi-byte characters split across tokens
+    llm_tok = Tokenizer.from_file(f"{DEFAULT_MODEL_DIR}/tokenizer.json")
     text = "ROMEO: héllo wörld — naïve 😀 fin."
     ids = llm_tok.encode(text).ids
     decode = lambda xs: llm_tok.decode(list(xs), skip_special_tokens=True)
@@ -405,7 +409,7 @@ def test_load_with_disconnects_returns_every_page(served):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 2048, int(rng.integers(5, 9))).tolist() for _ in range(LOAD_CLIENTS)]
     leave = set(rng.choice(LOAD_CLIENTS, LOAD_CLIENTS // 4, replace=False).tolist())
-    leave_after = {i: int(rng.integers(0, 5)) for i in leave}  # chunks read before disconnecting
+    leave_after = {i: int(rng.integers(0, 4)) for i in leave}  # chunks read (of 5) before disconnecting
     before = _metrics(served.http)
 
     async def one(http, i):

@@ -54,10 +54,9 @@ class SeqOutput:
 class RequestStream:
     """One HTTP request's sequences; their outputs arrive on an asyncio queue of the server's event loop."""
 
-    def __init__(self, request_id: str, n_seqs: int, prompt_lens: list[int], loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, n_seqs: int, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self.n_seqs = n_seqs
-        self.prompt_lens = prompt_lens  # one per sequence
         self.loop = loop
         self.queue: asyncio.Queue[SeqOutput] = asyncio.Queue()
         self.closed = False  # the client is gone or gave up: outputs are dropped
@@ -163,16 +162,15 @@ class Orchestrator:
         self.engine.check(prompt_len, params)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *, n: int = 1,
-               stop: Sequence[str] = (), arrival: float | None = None) -> RequestStream:
+               stop: Sequence[str] = ()) -> RequestStream:
         """Queue n sequences per prompt (sequence i * n + j samples prompt i with sample index j). Must be called
         from the event loop that will read the stream."""
         if not self.accepting:
             raise ShuttingDown()
         count = len(prompts) * n
         rid = f"{next(self._ids)}"
-        lens = [len(p) for p in prompts for _ in range(n)]
-        stream = RequestStream(rid, count, lens, asyncio.get_running_loop())
-        now = time.monotonic() if arrival is None else arrival
+        stream = RequestStream(rid, count, asyncio.get_running_loop())
+        now = time.monotonic()
         with self._lock:
             if self._in_flight + count > self.capacity:
                 raise Overloaded()
@@ -185,7 +183,7 @@ class Orchestrator:
                     stream.seq_ids.append(seq_id)
                     self._commands.put(("add", seq_id, list(p), sp, j))
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(sum(lens))
+            self.metrics.prompt_tokens.inc(n * sum(len(p) for p in prompts))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
