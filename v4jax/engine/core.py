@@ -26,7 +26,7 @@ from v4jax.cache.pages import PageTables
 from v4jax.cache.prefix import PrefixCache
 from v4jax.config import ModelConfig
 from v4jax.engine import steps as S
-from v4jax.engine.scheduler import PREFILLING, RUNNING, Request, Scheduler
+from v4jax.engine.scheduler import MAX_PREFILL_ROWS, PREFILLING, RUNNING, Request, Scheduler, chunk_bucket
 from v4jax.memory import engine_layout, page_multiple
 from v4jax.model import RunOptions, Transformer
 from v4jax.sampling import SamplingParams
@@ -91,13 +91,10 @@ class EngineCore:
         self.prefix = PrefixCache(self.tables.full_alloc, self.tables.swa_alloc, p) if caching else None
         self.scheduler = Scheduler(self.tables, self.prefix, max_num_seqs=slots, prefill_chunk=options.prefill_chunk,
                                    decode_steps=self.k, max_model_len=max_model_len)
-        self.pools = C.init_pools(cfg, self.layout, self.dtype)
-        self.store = init_boundary_store(self.pools, n_swa if caching else 0)
-        if not caching:
-            self.store = dataclasses.replace(self.store, layers=tuple(None for _ in self.store.layers))
-        if options.mesh:
-            from sharding import make_mesh, shard_pools
-            self.pools = shard_pools(self.pools, make_mesh(options.mesh))
+        if run_options.mesh_rules is None and options.mesh:
+            from sharding import MeshRules
+            run_options = self.run_options = dataclasses.replace(run_options, mesh_rules=MeshRules.make(options.mesh))
+        self.pools, self.store = self._create_pools(n_swa if caching else 0, caching)
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.spec = S.StepSpec(graphdef, treedef, cfg, self.layout, run_options, self.k, max_model_len, caching)
@@ -106,6 +103,24 @@ class EngineCore:
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
         self.counts = {"finished": 0, "aborted": 0, "rejected": 0}
+
+    def _create_pools(self, n_boundary_rows: int, caching: bool):
+        """The pools and the boundary store, created in their shards on a mesh (one jit, out_shardings from the
+        logical axes of every pool dimension)."""
+        from sharding.place import create_sharded
+        from v4jax.cache.boundary import store_shardings
+
+        def make():
+            pools = C.init_pools(self.cfg, self.layout, self.dtype)
+            store = init_boundary_store(pools, n_boundary_rows)
+            if not caching:
+                store = dataclasses.replace(store, layers=tuple(None for _ in store.layers))
+            return pools, store
+
+        def shardings(abstract, mr):
+            return C.pool_shardings(abstract[0], mr.sharding), store_shardings(abstract[1], mr.sharding)
+
+        return create_sharded(make, shardings, self.run_options.mesh_rules)
 
     def _pages_for_budget(self, budget, p, ps, n_swa, slots, caching) -> int:
         def total(n_pages):
@@ -186,12 +201,12 @@ class EngineCore:
             warnings.warn(f"request {req.request_id!r} ({len(req.tokens)} tokens) cannot fit in the pools; aborted")
             deltas.append(RequestDelta(req.request_id, [], [], "abort"))
         flight = self._dispatch_decode(self._flight)
-        prefilled = self._run_chunk()
+        prefilled = self._run_prefill()
         if self._flight is not None:
             deltas += self._collect(self._flight)
         self._flight = flight
-        if prefilled is not None:
-            deltas += self._finish_prefill(*prefilled)
+        for done in prefilled:
+            deltas += self._finish_prefill(*done)
         if self._flight is not None and not any(sch.slots[i] is r for i, r in self._flight.running):
             self._flight = None  # every request it decoded has ended: nothing left to read
         return deltas
@@ -263,38 +278,50 @@ class EngineCore:
     def _page_bucket(self, upto: int) -> int:
         return min(_pow2(-(-upto // self.layout.page_size)), self.layout.max_pages_per_seq)
 
-    def _run_chunk(self):
-        """Dispatch the next prefill chunk; returns (request, tokens, logprobs) when it was the request's last."""
-        plan = self.scheduler.next_chunk()
-        if plan is None:
-            return None
-        req, start, end = plan
-        c = end - start
-        bucket = _pow2(c)
-        chunk = np.zeros((1, bucket), np.int32)
-        chunk[0, :c] = req.tokens[start:end]
-        sp = req.params
-        f32, i32 = lambda v: np.asarray([v], np.float32), lambda v: np.asarray([v], np.int32)
-        samp = S.SamplingState(f32(sp.temperature), f32(sp.top_p), i32(max(sp.top_k, 0)), i32(req.seed),
-                               i32(req.sample_index), i32(len(req.output)))
-        batch = S.PrefillBatch(chunk, i32(start), i32(c), np.asarray([start == 0]), i32(req.slot))
-        pt = self.tables.full[req.slot:req.slot + 1, :self._page_bucket(start + bucket)]
+    def _run_prefill(self) -> list:
+        """Dispatch the next prefill step (a chunk of each of up to MAX_PREFILL_ROWS requests, as rows of one
+        batch); returns [(request, tokens, logprobs, row)] for the rows that were their request's last chunk."""
+        plans = self.scheduler.next_chunks()
+        if not plans:
+            return []
+        n_rows = _pow2(len(plans))
+        bucket = chunk_bucket(max(e - s for _, s, e in plans))
+        slots = self.layout.max_slots
+        chunk = np.zeros((n_rows, bucket), np.int32)
+        start, n_valid, slot = (np.zeros(n_rows, np.int32) for _ in range(3))
+        slot[:] = slots  # an empty row's slot is out of range: its state writes are dropped
+        fresh = np.zeros(n_rows, bool)
+        temp, top_p = np.zeros(n_rows, np.float32), np.ones(n_rows, np.float32)
+        top_k, seed, sidx, tidx = (np.zeros(n_rows, np.int32) for _ in range(4))
+        pt = np.full((n_rows, self._page_bucket(max(s for _, s, _ in plans) + bucket)), -1, np.int32)
+        swa = np.full((n_rows, self.tables.swa.shape[1]), -1, np.int32)
+        for i, (req, s0, e0) in enumerate(plans):
+            sp = req.params
+            chunk[i, :e0 - s0] = req.tokens[s0:e0]
+            start[i], n_valid[i], slot[i], fresh[i] = s0, e0 - s0, req.slot, s0 == 0
+            temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
+            seed[i], sidx[i], tidx[i] = req.seed, req.sample_index, len(req.output)
+            pt[i] = self.tables.full[req.slot, :pt.shape[1]]
+            swa[i] = self.tables.swa[req.slot]
+        samp = S.SamplingState(temp, top_p, top_k, seed, sidx, tidx)
+        batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
         self.pools, self.store, tok, lp = self.steps.prefill(self.spec, self._leaves, self.pools, self.store, batch,
-                                                         _snapshot(pt), _snapshot(self.tables.swa[req.slot:req.slot + 1]),
-                                                         samp)
-        req.computed = end
-        if end % self.layout.page_size == 0:
-            req.saved.add(end)
-        self.scheduler.cache_pages(req)
-        if end == len(req.tokens):
-            return req, tok, lp
-        return None
+                                                             pt, swa, samp)
+        done = []
+        for i, (req, s0, e0) in enumerate(plans):
+            req.computed = e0
+            if e0 % self.layout.page_size == 0:
+                req.saved.add(e0)
+            self.scheduler.cache_pages(req)
+            if e0 == len(req.tokens):
+                done.append((req, tok, lp, i))
+        return done
 
-    def _finish_prefill(self, req: Request, tok, lp) -> list[RequestDelta]:
+    def _finish_prefill(self, req: Request, tok, lp, row: int) -> list[RequestDelta]:
         sch = self.scheduler
         if req.slot is None or sch.slots[req.slot] is not req:
             return []  # aborted or preempted meanwhile
-        t, l = int(tok[0]), float(lp[0])
+        t, l = int(tok[row]), float(lp[row])
         req.output.append(t)
         req.status = RUNNING
         sch.tables.reserve(req.slot, req.fed, req.fed)  # the window is all it keeps of its prefill's SWA pages
@@ -314,18 +341,23 @@ class EngineCore:
         s = self.layout.max_slots
         page_buckets = sorted({self._page_bucket(n * self.layout.page_size)
                                for n in range(1, self.layout.max_pages_per_seq + 1)})
-        chunk_buckets = sorted({_pow2(c) for c in range(1, self.options.prefill_chunk + 1)})
-        i32 = lambda v=0: np.asarray([v], np.int32)
-        samp = S.SamplingState(np.zeros(1, np.float32), np.ones(1, np.float32), i32(), i32(), i32(), i32())
+        top = self.scheduler.step_tokens
+        row_buckets = sorted({_pow2(r) for r in range(1, min(MAX_PREFILL_ROWS, s) + 1)})
+        shapes = [(rb, cb) for rb in row_buckets for cb in sorted({chunk_bucket(c) for c in range(1, top + 1)})
+                  if rb == 1 or rb * cb <= top]
         empty = [i for i, r in enumerate(self.scheduler.slots) if r is None]
         if self.prefix is not None and empty:
             self.pools = self.steps.restore(self.pools, self.store, empty[0], 0)
         for nb in page_buckets:
             pt = _snapshot(self.tables.full[:, :nb])
-            for cb in chunk_buckets:
-                batch = S.PrefillBatch(np.zeros((1, cb), np.int32), i32(), i32(), np.zeros(1, bool), i32())
-                self.pools, self.store, _, _ = self.steps.prefill(self.spec, self._leaves, self.pools, self.store, batch,
-                                                              pt[:1], _snapshot(self.tables.swa[:1]), samp)
+            for rb, cb in shapes:
+                z = lambda dt=np.int32: np.zeros(rb, dt)
+                samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z())
+                batch = S.PrefillBatch(np.zeros((rb, cb), np.int32), z(), z(), z(bool), np.full(rb, s, np.int32))
+                self.pools, self.store, _, _ = self.steps.prefill(self.spec, self._leaves, self.pools, self.store,
+                                                                  batch, np.full((rb, nb), -1, np.int32),
+                                                                  np.full((rb, self.tables.swa.shape[1]), -1, np.int32),
+                                                                  samp)
             n = lambda dt=np.int32: np.zeros((s,), dt)
             st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
                                S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))

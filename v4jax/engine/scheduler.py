@@ -1,8 +1,9 @@
 """Which request runs where, and with which pages: continuous batching under every pool's limits (host only).
 
-Each engine step decodes every running slot (k tokens in one jitted call) and runs one prefill chunk of at most
-`prefill_chunk` tokens for the oldest request still prefilling, so a long prompt is interleaved with the running
-decodes instead of stalling them. Admission takes a waiting request into a free slot when the full-page pool
+Each engine step decodes every running slot (k tokens in one jitted call) and runs one prefill step of at most
+`prefill_chunk` tokens in all: a chunk of each request still prefilling, oldest first, as the rows of one batch
+(up to MAX_PREFILL_ROWS), so a long prompt is interleaved with the running decodes instead of stalling them and
+many short prompts share one call. Admission takes a waiting request into a free slot when the full-page pool
 (C4 KV, C4 indexer keys, C128 KV and token ids share it), the SWA pool (window KV and the boundary states) and the
 compressor-state slots can hold it, counting pages the prefix cache could give back. When a pool runs dry
 mid-run the newest request is preempted (its pages freed; the prefix cache keeps its full pages) and recomputed
@@ -20,6 +21,8 @@ from v4jax.cache.prefix import Node, PrefixCache
 from v4jax.sampling import SamplingParams
 
 WAITING, PREFILLING, RUNNING = "waiting", "prefilling", "running"
+MAX_PREFILL_ROWS = 8  # rows of one prefill step (powers of two up to this are compiled)
+MIN_CHUNK_BUCKET = 16  # shortest compiled chunk: shorter ones are padded (fewer programs; the cost is a decode's)
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,6 +63,7 @@ class Scheduler:
         self.tables, self.prefix = tables, prefix
         self.layout = tables.layout
         self.chunk, self.k, self.max_model_len = prefill_chunk, decode_steps, max_model_len
+        self.step_tokens = chunk_bucket(prefill_chunk)  # a prefill step's rows x compiled length stay within this
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.requests: dict[str, Request] = {}
@@ -137,8 +141,8 @@ class Scheduler:
         `hit_row` set where a cached prefix was mapped: the engine restores that boundary's compressor state)."""
         admitted = []
         while self.waiting:
-            if self.prefix is not None and self.prefilling():
-                break  # only the oldest prefilling request gets chunks: match the next one just before it starts
+            if self.prefix is not None and self._may_share(self.waiting[0]):
+                break  # it may reuse pages a prefilling request has yet to cache: match it once they are cached
             slot = next((i for i, s in enumerate(self.slots) if s is None), None)
             if slot is None:
                 break
@@ -156,6 +160,15 @@ class Scheduler:
             self._map_prefix(req, nodes)
             admitted.append(req)
         return admitted
+
+    def _may_share(self, req: Request) -> bool:
+        """Whether `req` could match full pages that a request still prefilling will cache: their first pages
+        are equal (every prefix match starts at page 0)."""
+        p = self.layout.page_size
+        if len(req.tokens) <= p:
+            return False  # the last position is always computed: no full page of it can be reused
+        head = req.tokens[:p]
+        return any(r.tokens[:p] == head for r in self.prefilling())
 
     def _swa_need(self, req: Request) -> int:
         ps, w = self.layout.swa_page_size, self.tables.cfg.window_size
@@ -194,20 +207,29 @@ class Scheduler:
         req.hit_row = last.tail[max(last.tail)]  # the SWA page holding position b-1 carries the state
 
     # ---- prefill chunks ----
-    def next_chunk(self) -> tuple[Request, int, int] | None:
-        """(request, start, end) of the next prefill chunk: the oldest prefilling request, at most
-        `prefill_chunk` tokens, cut at the last full-page boundary inside it (its state is saved there)."""
+    def next_chunks(self) -> list[tuple[Request, int, int]]:
+        """[(request, start, end)]: the next prefill step's rows, oldest prefilling request first, each chunk cut
+        at the last full-page boundary inside it (its state is saved there). The first row takes up to
+        `prefill_chunk` tokens; further rows join while the step's rows x its compiled length stay within one full
+        chunk's (`step_tokens`), so a step costs at most what one full chunk does."""
+        plans: list[tuple[Request, int, int]] = []
+        p = self.layout.page_size
         for req in self.prefilling():
-            n = len(req.tokens)
-            start = req.computed
+            if len(plans) == MAX_PREFILL_ROWS:
+                break
+            n, start = len(req.tokens), req.computed
             end = min(n, start + self.chunk)
-            p = self.layout.page_size
             if end % p and end // p * p > start:
                 end = end // p * p
-            if self.reserve(req, start, end):
-                return req, start, end
-            return None  # it was preempted: try again next step
-        return None
+            if plans:
+                longest = max([e - s for _, s, e in plans] + [end - start])
+                if _pow2(len(plans) + 1) * chunk_bucket(longest) > self.step_tokens:
+                    break
+            if not self.reserve(req, start, end):
+                break  # it was preempted: the rest waits for the next step
+            plans.append((req, start, end))
+        # reserving pages for a later row may have preempted an earlier one
+        return [(r, s, e) for r, s, e in plans if r.status == PREFILLING]
 
     # ---- the prefix tree ----
     def cache_pages(self, req: Request) -> None:
@@ -229,3 +251,12 @@ class Scheduler:
             toks = req.tokens if toks is None else toks
             parent = req.nodes[-1] if req.nodes else self.prefix.root
             req.nodes.append(self.prefix.insert(parent, toks[i * p:b], held.full[i], tail))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def chunk_bucket(n: int) -> int:
+    """The compiled length of a prefill row of n tokens."""
+    return max(MIN_CHUNK_BUCKET, _pow2(n))
