@@ -1,4 +1,4 @@
-"""Meshes and the one table that maps logical axis names to mesh axes."""
-from sharding.rules import LOGICAL_RULES, make_mesh, param_logical_axes, shard_params, shard_pools, spec_for
+"""Meshes, the one table that maps logical axis names to mesh axes, and arrays placed by it."""
+from sharding.rules import LOGICAL_RULES, MESH_AXES, MeshRules, make_mesh, parse_mesh_spec, spec_for
 
-__all__ = ["LOGICAL_RULES", "make_mesh", "param_logical_axes", "shard_params", "shard_pools", "spec_for"]
+__all__ = ["LOGICAL_RULES", "MESH_AXES", "MeshRules", "make_mesh", "parse_mesh_spec", "spec_for"]

@@ -1,47 +1,80 @@
 """Logical axes -> mesh axes. Changing a parallelism strategy is editing LOGICAL_RULES.
 
+Every parameter dimension carries a logical name where the model creates it (`logical_axes` metadata of its
+nnx.Param, the leading axis of a layer stack named "layers"); every pool dimension has one in
+v4jax.cache.LOGICAL_AXES. This table alone says which mesh axis, if any, each name is split over.
+
 Mesh axes by role: `data` (decode slots and their per-slot state), `context` (pages of a long sequence),
-`tensor` (heads, MLP width, vocab), `expert` (routed experts)."""
+`tensor` (heads, q/o low-rank, MLP width, vocab), `expert` (routed experts).
+
+Two rules make any table valid for any shape: a dimension the mesh axis does not divide stays whole, and a
+mesh axis already used by an earlier dimension of the same array is not used again (wq_b's rows are heads over
+`tensor`, so its q_lora columns stay whole)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "context", "tensor", "expert")
 
-LOGICAL_RULES: dict[str, str | None] = {
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
-    "vocab": "tensor",
-    "embed": None,
-    "heads_x_dim": "tensor",  # H*K of wq_b rows / wo_a columns
-    "q_lora": None,
-    "experts": "expert",
-    "mlp": "tensor",
-    "layers": None,  # the leading axis of stacked layers (parameters and pools)
+    "layers": None,  # the leading axis of a layer stack (parameters and pools): every device holds every layer
+    "vocab": "tensor",  # embedding and output-head rows
+    "embed": None,  # the model width D
+    "heads": "tensor",  # query heads: wq_b rows (heads x head_dim), attention sinks
+    "q_lora": "tensor",  # the q low-rank: wq_a rows, q_norm
+    "o_lora": "tensor",  # the grouped o low-rank: wo_a rows, wo_b columns (groups x o_lora_rank)
+    "group_heads": None,  # wo_a columns: the heads of one output group x head_dim
+    "head_dim": None,  # the one shared KV head
+    "index_heads": "tensor",  # Lightning Indexer heads: its wq_b rows, weights_proj rows
+    "compress": "tensor",  # compressor projections (overlap x head_dim): features pooled one by one
+    "ratio": None,
+    "router": None,  # gate rows: every device routes every token
+    "routed": None,  # the k experts of a hash-routed token
+    "hash_tokens": None,
+    "experts": "expert",  # routed experts
+    "mlp": "tensor",  # expert and shared-expert width
+    "hc_mix": None,  # mHC mixing rows ((2 + N) x N)
+    "hc_embed": "tensor",  # mHC's flattened streams (N x D): the mixing weights' columns
+    "hc_scale": None,
     # pools (v4jax.cache.LOGICAL_AXES)
-    "slots": "data",
-    "pool_rows": None,
+    "slots": "data",  # per-slot compressor state (and the decode batch)
+    "pool_rows": None,  # rows of the paged pools: pages are shared by slots through the page tables
     "pages": None,
     "page_tokens": None,
-    "head_dim": None,
     "index_head_dim": None,
     "window": None,
     "state_dim": None,
+    "boundary_rows": None,
 }
 
 
-def make_mesh(spec: str | dict[str, int] | None = None, devices=None) -> Mesh:
-    """`"expert=4"` / `{"tensor": 2, "data": 2}` -> a Mesh over all MESH_AXES (unnamed axes have size 1)."""
+def parse_mesh_spec(spec: str | dict[str, int] | None) -> dict[str, int]:
+    """`"data=2,tensor=4"` / a dict -> {axis: size}, checked against MESH_AXES."""
     if isinstance(spec, str):
-        spec = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
+        try:
+            spec = {k.strip(): int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv.strip())}
+        except ValueError:
+            raise ValueError(f"mesh {spec!r}: expected axis=size pairs, e.g. 'data=2,tensor=4'") from None
     spec = dict(spec or {})
     bad = set(spec) - set(MESH_AXES)
     if bad:
         raise ValueError(f"unknown mesh axes {sorted(bad)}; known: {MESH_AXES}")
+    small = [a for a, n in spec.items() if n < 1]
+    if small:
+        raise ValueError(f"mesh axes {small} need at least one device")
+    return spec
+
+
+def make_mesh(spec: str | dict[str, int] | None = None, devices=None) -> Mesh:
+    """`"expert=4"` / `{"tensor": 2, "data": 2}` -> a Mesh over all MESH_AXES (unnamed axes have size 1), over
+    every process's devices (jax.devices() is global under jax.distributed)."""
+    spec = parse_mesh_spec(spec)
     shape = tuple(spec.get(a, 1) for a in MESH_AXES)
     devices = list(devices if devices is not None else jax.devices())
     n = int(np.prod(shape))
@@ -50,48 +83,60 @@ def make_mesh(spec: str | dict[str, int] | None = None, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[:n]).reshape(shape), MESH_AXES)
 
 
-def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """PartitionSpec from logical names; a dimension the mesh axis does not divide stays replicated."""
+def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+             rules: dict | None = None) -> PartitionSpec:
+    """PartitionSpec of an array from its dims' logical names (see the module doc for the two rules)."""
+    rules = LOGICAL_RULES if rules is None else rules
+    if len(logical) != len(shape):
+        raise ValueError(f"logical axes {logical} do not match shape {shape}")
+    used: set[str] = set()
     out = []
     for name, dim in zip(logical, shape):
-        axis = LOGICAL_RULES.get(name) if name else None
-        out.append(axis if axis and dim % mesh.shape[axis] == 0 and mesh.shape[axis] > 1 else None)
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} is not in the sharding rules")
+        want = rules.get(name) if name else None
+        axes = () if want is None else (want,) if isinstance(want, str) else tuple(want)
+        axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in used)
+        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        if not axes or dim % size:
+            out.append(None)
+            continue
+        used.update(axes)
+        out.append(axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)
 
 
-def param_logical_axes(path: tuple, shape: tuple[int, ...]) -> tuple[str | None, ...]:
-    """Logical axes of a model parameter from its model path (stacked layers: `stacks.<g>....`, a leading
-    "layers" axis)."""
-    names = [str(p) for p in path]
-    if names[0] == "stacks":
-        return ("layers",) + param_logical_axes(tuple(names[2:]), shape[1:])
-    leaf = names[-1]
-    if "experts" in names and leaf in ("w1", "w3"):
-        return ("experts", "mlp", None)
-    if "experts" in names and leaf == "w2":
-        return ("experts", None, "mlp")
-    if names[0] in ("embed", "head") and leaf == "weight":
-        return ("vocab", "embed")
-    return (None,) * len(shape)
+@dataclasses.dataclass(frozen=True)
+class MeshRules:
+    """A mesh and the rules table: what the model, the pools and the steps need to place arrays. Hashable, so it
+    rides in the model's static RunOptions."""
+    mesh: Mesh
+    rules: tuple[tuple[str, Any], ...] = tuple(LOGICAL_RULES.items())
 
-
-def shard_params(model, mesh: Mesh):
-    """Place every parameter of an NNX model by the rules (in place)."""
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        spec = spec_for(param_logical_axes(tuple(path), var.value.shape), var.value.shape, mesh)
-        var.value = jax.device_put(var.value, NamedSharding(mesh, spec))
-    return model
-
-
-def shard_pools(pools, mesh: Mesh):
-    """Place every pool array by v4jax.cache.LOGICAL_AXES."""
-    from v4jax.cache import LOGICAL_AXES
-
-    def place(name, arr):
-        if arr is None:
+    @staticmethod
+    def make(spec: str | dict[str, int] | Mesh | None, devices=None) -> "MeshRules | None":
+        if spec is None or spec == "" or spec == {}:
             return None
-        return jax.device_put(arr, NamedSharding(mesh, spec_for(LOGICAL_AXES[name], arr.shape, mesh)))
+        return MeshRules(spec if isinstance(spec, Mesh) else make_mesh(spec, devices))
 
-    stacks = tuple(dataclasses.replace(lp, **{f.name: place(f.name, getattr(lp, f.name))
-                                              for f in dataclasses.fields(lp)}) for lp in pools.stacks)
-    return dataclasses.replace(pools, tokens=place("tokens", pools.tokens), stacks=stacks)
+    @property
+    def table(self) -> dict:
+        return dict(self.rules)
+
+    def spec(self, logical, shape) -> PartitionSpec:
+        return spec_for(tuple(logical), tuple(shape), self.mesh, self.table)
+
+    def sharding(self, logical, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, shape))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def constrain(self, x, logical):
+        """with_sharding_constraint by logical names (inside jit)."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape))
+
+    def replicate(self, tree):
+        """Every array of `tree` replicated (inside jit): what the host reads from every process."""
+        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, self.replicated), tree)

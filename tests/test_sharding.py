@@ -1,39 +1,103 @@
-"""Sharding leaves greedy outputs unchanged (fake CPU devices, in a subprocess: the device count is fixed at
-JAX start-up)."""
+"""Sharding leaves greedy outputs unchanged, and splits the parameters as the rules table says.
+
+The mesh runs go through tests/mesh_worker.py in a subprocess with 8 fake CPU devices (the device count is fixed
+at JAX start-up); one single-device reference run serves every mesh of that process."""
+import json
 import os
 import subprocess
 import sys
-import textwrap
 
-SCRIPT = textwrap.dedent("""
-    import jax, numpy as np
-    jax.config.update("jax_default_matmul_precision", "highest")
-    from v4jax import LLM, SamplingParams
-    from sharding import make_mesh
-    assert len(jax.devices()) == 8
-    prompts = [[3, 4, 5] * 9, [7, 8] * 20, [11]]
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
-    ref = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=128, prefill_chunk=32)
-    base = ref.generate(prompts, sp)
-    llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=128, prefill_chunk=32, mesh="data=2,expert=4")
-    w1 = llm.model.stacks[1].ffn.experts.w1[...]  # [layers of the stack, experts, I, D]
-    assert len(w1.sharding.device_set) == 8 and w1.sharding.spec[1] == "expert", w1.sharding
-    st = llm.engine.pools.stacks[1].state_kv  # [layers of the stack, slots, ...]
-    assert st.sharding.spec[1] == "data", st.sharding
-    outs = llm.generate(prompts, sp)
-    for a, b in zip(base, outs):
-        assert a.token_ids == b.token_ids, (a.token_ids, b.token_ids)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-    try:
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from sharding import LOGICAL_RULES, MeshRules, make_mesh, parse_mesh_spec, spec_for
+from sharding.place import variable_axes
+from v4jax.cache import LOGICAL_AXES as POOL_AXES
+from v4jax.cache.boundary import LOGICAL_AXES as STORE_AXES
+from v4jax.config import preset
+from v4jax.model import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESHES = ["tensor=8", "expert=8", "data=2,tensor=2,expert=2", "data=4,tensor=2", "context=2,tensor=4"]
+
+
+def _run_worker(args, timeout=1500) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mesh_worker.py"), *args], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    return {(row["check"], row.get("mesh")): row for row in rows}
+
+
+def _check_meshes(results, meshes):
+    for mesh in meshes:
+        row = results[("mesh", mesh)]
+        assert row["tokens_equal"], row
+        assert row["logprob_err"] <= 1e-4, row
+        if "data=" in mesh:
+            assert row["state_spec"][1] == "data", row  # per-slot compressor state split over `data`
+
+
+def test_every_parameter_and_pool_dimension_has_a_logical_name():
+    abstract = nnx.eval_shape(lambda: Transformer(preset("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32))
+    for path, var in nnx.to_flat_state(nnx.state(abstract)):
+        axes = variable_axes(var, ".".join(map(str, path)))
+        assert all(a in LOGICAL_RULES for a in axes), (path, axes)
+        if path[0] == "stacks":
+            assert axes[0] == "layers", path
+    for axes in list(POOL_AXES.values()) + [STORE_AXES]:
+        assert all(a in LOGICAL_RULES for a in axes), axes
+    assert LOGICAL_RULES["layers"] is None
+
+
+def test_spec_rules():
+    class FakeMesh:  # spec_for reads axis sizes only
+        shape = {"data": 2, "context": 1, "tensor": 4, "expert": 2}
+
+    m = FakeMesh()
+    assert tuple(spec_for(("experts", "mlp", "embed"), (8, 32, 64), m)) == ("expert", "tensor", None)
+    # a dim the axis does not divide stays whole; an axis used once is not used again in the same array
+    assert tuple(spec_for(("experts", "mlp", "embed"), (3, 32, 64), m)) == (None, "tensor", None)
+    assert tuple(spec_for(("heads", "q_lora"), (256, 32), m)) == ("tensor", None)
+    assert tuple(spec_for(("layers", "slots", "window", "state_dim"), (2, 4, 8, 8), m)) == (None, "data", None, None)
+    custom = dict(LOGICAL_RULES, vocab=("tensor", "expert"))  # a strategy is a table
+    assert tuple(spec_for(("vocab", "embed"), (512, 64), m, custom)) == (("tensor", "expert"), None)
+    with pytest.raises(KeyError, match="not in the sharding rules"):
+        spec_for(("nonsense",), (4,), m)
+    with pytest.raises(ValueError, match="16 devices"):
         make_mesh("tensor=16")
-    except ValueError as e:
-        assert "16 devices" in str(e)
-    print("SHARDED-OK")
-""")
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        parse_mesh_spec("model=2")
+    assert MeshRules.make(None) is None and MeshRules.make("") is None
 
 
-def test_sharded_engine_equals_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert "SHARDED-OK" in r.stdout, r.stderr[-3000:]
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """The tiny preset's weights (seed 0, float32) as an HF-format directory."""
+    from checkpoints import write_official_checkpoint
+    from v4jax.weights import model_to_official
+    cfg = preset("tiny")
+    d = tmp_path_factory.mktemp("tiny-ckpt")
+    write_official_checkpoint(d, cfg, model_to_official(Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)),
+                              fp8=False, fp4_experts=False, bf16=False)
+    return str(d)
+
+
+def test_checkpoint_loads_into_its_shards(tiny_checkpoint):
+    """Read straight into the shards of tensor=4,expert=2: the same values, at most 30% of the parameter bytes on
+    any device. (Greedy tokens on a mesh by default: tests/test_multihost.py, two processes, one 8-device mesh.)"""
+    ck = _run_worker(["--checkpoint", tiny_checkpoint, "--memory-mesh", "tensor=4,expert=2"])[
+        ("checkpoint", "tensor=4,expert=2")]
+    assert ck["same_values"], ck
+    assert ck["max_device_fraction"] <= 0.30, ck
+    assert ck["w1_spec"][:3] == ["None", "expert", "tensor"], ck  # [layers, experts, width, D]
+
+
+@pytest.mark.slow
+def test_meshes_equal_single_device():
+    """One single-device reference; on every mesh the preset's weights are created in their shards (one jit with
+    out_shardings) and give the same greedy tokens and log-probs."""
+    _check_meshes(_run_worker(["--meshes", *MESHES], timeout=3000), MESHES)

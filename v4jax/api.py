@@ -54,7 +54,8 @@ class EngineOptions:
     prefill_chunk: int = 256  # largest prefill chunk
     memory_budget_bytes: int | None = None  # size the pools from this budget instead of max_num_seqs * max_model_len
     enable_prefix_caching: bool = True  # reuse cached full pages of earlier requests' prefixes (paged layout)
-    mesh: str | None = None  # e.g. "expert=4" or "data=2,tensor=2" (sharding/ maps logical axes to it)
+    mesh: str | None = None  # e.g. "expert=4" or "data=2,tensor=2" (sharding/ maps logical axes to it), over
+    # every process's devices once jax.distributed runs (sharding.multihost.initialize, called by LLM)
 
     def __post_init__(self):
         if self.attention_impl not in ("xla", "pallas"):
@@ -92,13 +93,18 @@ def _read_config(path: str) -> ModelConfig:
         raise ConfigError(f"config.json in {path} is not UTF-8 text: {e}") from None
 
 
-def load_model(spec: str | None, dtype, seed: int = 0) -> tuple[ModelConfig, Transformer, object, str]:
+def load_model(spec: str | None, dtype, seed: int = 0,
+               mesh_rules=None) -> tuple[ModelConfig, Transformer, object, str]:
     """(config, model, tokenizer or None, description) for a preset name or an HF-format directory.
 
-    Before anything is allocated, the weights' bytes (of the abstract model) are checked against the memory of
-    one device (`v4jax.memory.check_weights_fit`: the model is placed whole on the first device before a mesh
-    shards it); the checkpoint reader rejects a tensor holding NaN or infinity (corrupt bytes), naming it."""
+    Before anything is allocated, the weights' bytes on one device (of the abstract model, split as the mesh's
+    rules split them) are checked against its memory (`v4jax.memory.check_weights_fit`). With `mesh_rules`
+    (sharding.MeshRules) every parameter is created, or read from the checkpoint, straight into its shards; the
+    checkpoint reader rejects a tensor holding NaN or infinity (corrupt bytes), naming it."""
+    from sharding.place import create_model
     from v4jax import memory as M
+
+    mesh = None if mesh_rules is None else dict(mesh_rules.mesh.shape)
 
     if spec is None:
         if os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")):
@@ -110,11 +116,11 @@ def load_model(spec: str | None, dtype, seed: int = 0) -> tuple[ModelConfig, Tra
         cfg = preset(spec)
         # param_bytes is the abstract model's byte count (nnx.eval_shape: tests/test_newcomer.py checks they
         # agree) without its cost: eval_shape of `flash` alone takes ~10 s, of `pro` ~25 s.
-        M.check_weights_fit(cfg, M.param_bytes(cfg, jnp.dtype(dtype).itemsize)["total"], dtype,
+        M.check_weights_fit(cfg, M.weight_bytes_on_mesh(cfg, mesh, jnp.dtype(dtype).itemsize), dtype,
                             what=f"preset {spec!r}")
         warnings.warn(f"preset {spec!r}: random weights (seed {seed}); no tokenizer, prompts are token ids",
                       stacklevel=3)
-        model = Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+        model = create_model(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype), mesh_rules)
         return cfg, model, None, f"preset {spec}"
     if not os.path.isdir(spec):
         hint = "" if os.path.exists(spec) else " (no such file or directory)"
@@ -128,8 +134,8 @@ def load_model(spec: str | None, dtype, seed: int = 0) -> tuple[ModelConfig, Tra
     if not ckpt.has_mtp and cfg.n_mtp_layers:
         warnings.warn(f"{spec}: no mtp.* weights; MTP is off", stacklevel=3)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=ckpt.has_mtp))
-    M.check_weights_fit(cfg, M.model_weight_bytes(abstract), dtype, what=spec)
-    model = load_tensors(abstract, ckpt.iter_tensors(progress=True))
+    M.check_weights_fit(cfg, M.weight_bytes_per_device(abstract, mesh), dtype, what=spec)
+    model = load_tensors(abstract, ckpt.iter_tensors(progress=True), mesh_rules)
     return cfg, model, _load_tokenizer(spec), spec
 
 
@@ -146,24 +152,29 @@ class LLM:
         except TypeError as e:
             known = [f.name for f in dataclasses.fields(EngineOptions)]
             raise TypeError(f"unknown LLM option(s) {sorted(set(options) - set(known))}; known: {known}") from e
+        from sharding import multihost
         from v4jax import compile_cache
+        multihost.initialize()  # one process of several when the environment says so (before any device is used)
         compile_cache.enable()  # before anything compiles
         spec = None if model is None else os.fspath(model)
-        self.config, self.model, self.tokenizer, self.source = load_model(spec, _DTYPES[dtype], self.options.seed)
+        from sharding import MeshRules
+        self.mesh_rules = MeshRules.make(self.options.mesh)  # over every process's devices
+        self.config, self.model, self.tokenizer, self.source = load_model(spec, _DTYPES[dtype], self.options.seed,
+                                                                          self.mesh_rules)
         compile_cache.watch_first_compile()  # the model's steps compile at the first generate
         self.dtype = dtype
-        if self.options.mesh:
-            from sharding import make_mesh, shard_params
-            shard_params(self.model, make_mesh(self.options.mesh))
         self.max_model_len = min(self.options.max_model_len or self.config.max_seq_len, self.config.max_seq_len)
-        self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=self.options.attention_impl)
+        self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=self.options.attention_impl,
+                                      mesh_rules=self.mesh_rules)
         graphdef, state = nnx.split(self.model)
         self._state = state
         opts = self.run_options
+        mr = self.mesh_rules
 
         @jax.jit
         def forward(state, tokens):
-            return nnx.merge(graphdef, state)(tokens, opts)
+            logits = nnx.merge(graphdef, state)(tokens, opts)
+            return logits if mr is None else mr.replicate(logits)  # every process reads the whole of it
 
         self._forward = forward
         self._engine = None

@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context limit, prompt + generated tokens (default: the model's)")
     g.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"], help="attention kernels")
+    g.add_argument("--mesh", default=None, help="devices per mesh axis over every process's devices, e.g. "
+                   "tensor=8 or data=2,tensor=2,expert=2 (default: one device)")
+    g.add_argument("--coordinator-address", default=None, help="multi-host: process 0's host:port (default: "
+                   "$V4JAX_COORDINATOR_ADDRESS, a LeaderWorkerSet's leader, or what a TPU pod / SLURM job says)")
+    g.add_argument("--num-processes", type=_positive_int, default=None, help="multi-host: processes in the job")
+    g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     g.add_argument("--no-stream", action="store_true", help="print each result at the end")
     g.set_defaults(func=_generate)
 
@@ -224,9 +230,14 @@ def _generate(args) -> int:
     if any(p == "" for p in args.prompts):
         raise ValueError("a prompt is empty")
 
+    from sharding import multihost
     from v4jax import LLM
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     opts = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    llm = LLM(args.model, dtype=args.dtype, attention_impl=args.attention_impl, **opts)
+    llm = LLM(args.model, dtype=args.dtype, attention_impl=args.attention_impl, mesh=args.mesh, **opts)
+    import jax
+    if jax.process_index() != 0:  # every process generates the same; one prints
+        sys.stdout = open(os.devnull, "w")
     prompts = args.prompts
     if llm.tokenizer is None:
         # A random preset has no tokenizer: feed the prompt's UTF-8 bytes as token ids.

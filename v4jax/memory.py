@@ -502,51 +502,92 @@ def parse_mesh(mesh) -> dict[str, int]:
 
 
 def _shard_factor(logical, shape, mesh_shape: dict[str, int]) -> int:
-    """How many ways sharding/rules.py splits one array (a dim the mesh axis does not divide stays whole)."""
-    from sharding.rules import LOGICAL_RULES
+    """How many ways sharding/rules.py splits one array (its spec_for on a mesh of these axis sizes)."""
+    import types
+
+    from sharding.rules import MESH_AXES as AXES, spec_for
+    mesh = types.SimpleNamespace(shape={a: mesh_shape.get(a, 1) for a in AXES})
     f = 1
-    for name, dim in zip(logical, shape):
-        axis = LOGICAL_RULES.get(name) if name else None
-        n = mesh_shape.get(axis, 1) if axis else 1
-        if n > 1 and dim % n == 0:
-            f *= n
+    for entry in spec_for(tuple(logical), tuple(shape), mesh):
+        for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+            f *= mesh.shape[axis]
     return f
 
 
 def weight_bytes_per_device(model, mesh=None) -> int:
     """Bytes of the model's weights on one device of `mesh` ("expert=8", {"tensor": 2}, a jax Mesh or None):
-    each parameter divided by the mesh axes that sharding/rules.py maps its dims to (routed experts over
-    `expert`, their width over `tensor`, embedding / head rows over `tensor`; everything else replicated).
-    `model` may be abstract (see abstract_model)."""
-    import jax
+    each parameter divided as sharding/rules.py splits it (by the logical axes it was created with). `model` may
+    be abstract (see abstract_model)."""
+    import numpy as np
     from flax import nnx
 
-    from sharding.rules import param_logical_axes
+    from sharding.place import variable_axes
     shape = parse_mesh(mesh)
     total = 0
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        x = var.get_value() if isinstance(var, nnx.Variable) else var
-        for leaf in jax.tree.leaves(x):
-            f = _shard_factor(param_logical_axes(tuple(path), leaf.shape), leaf.shape, shape) if shape else 1
-            total += -(-leaf.size * leaf.dtype.itemsize // f)
+        f = _shard_factor(variable_axes(var, ".".join(map(str, path))), var.shape, shape) if shape else 1
+        total += -(-math.prod(var.shape) * np.dtype(var.dtype).itemsize // f)
     return int(total)
 
 
+def _param_arrays(cfg: ModelConfig, dtype_bytes: int, mtp: bool = True):
+    """(shape, bytes per element, logical axes) of every parameter array of v4jax.model.Transformer, layer by
+    layer, as its modules create them (the leading "layers" axis of a stack is never split, so it is left out)."""
+    w, f32 = dtype_bytes, 4
+    d, n, v = cfg.dim, cfg.hc_mult, cfg.vocab_size
+    mix = (2 + n) * n
+    hc = [((mix, n * d), f32, ("hc_mix", "hc_embed")), ((mix,), f32, ("hc_mix",)), ((3,), f32, ("hc_scale",))]
+
+    def block(i: int):
+        kind, m = cfg.layer_type(i), cfg.compress_ratio(i)
+        h, k, q, g, r = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+        e, inter = cfg.n_routed_experts, cfg.moe_inter_dim
+        out = [((d,), f32, ("embed",))] * 2 + hc * 2
+        out += [((q, d), w, ("q_lora", "embed")), ((q,), f32, ("q_lora",)), ((h * k, q), w, ("heads", "q_lora")),
+                ((k, d), w, ("head_dim", "embed")), ((k,), f32, ("head_dim",)),
+                ((g * r, h * k // g), w, ("o_lora", "group_heads")), ((d, g * r), w, ("embed", "o_lora")),
+                ((h,), f32, ("heads",))]
+
+        def compressor(kk, coff):
+            return [((coff * kk, d), w, ("compress", "embed"))] * 2 + [
+                ((m, coff * kk), f32, ("ratio", "compress")), ((kk,), f32, ("head_dim",))]
+
+        if kind != SLIDING:
+            out += compressor(k, 2 if kind == CSA else 1)
+        if kind == CSA:
+            hi, ki = cfg.index_n_heads, cfg.index_head_dim
+            out += [((hi * ki, q), w, ("index_heads", "q_lora")), ((hi, d), w, ("index_heads", "embed"))]
+            out += compressor(ki, 2)
+        out.append(((e, d), w, ("router", "embed")))
+        if cfg.is_hash_layer(i):
+            out.append(((v, cfg.n_activated_experts), 4, ("hash_tokens", "routed")))
+        else:
+            out.append(((e,), f32, ("router",)))
+        out += [((e, inter, d), w, ("experts", "mlp", "embed"))] * 2
+        out += [((e, d, inter), w, ("experts", "embed", "mlp"))]
+        out += [((inter, d), w, ("mlp", "embed"))] * 2 * cfg.n_shared_experts
+        out += [((d, inter), w, ("embed", "mlp"))] * cfg.n_shared_experts
+        return out
+
+    head = [((n, n * d), f32, ("hc_mix", "hc_embed")), ((n,), f32, ("hc_mix",)), ((1,), f32, ("hc_scale",))]
+    out = [((v, d), w, ("vocab", "embed"))] * 2 + [((d,), f32, ("embed",))] + head
+    for i in range(cfg.n_layers):
+        out += block(i)
+    for j in range(cfg.n_mtp_layers if mtp else 0):
+        out += block(cfg.n_layers + j) + [((d, d), w, ("embed", "embed"))] * 2 + [((d,), f32, ("embed",))] * 3 + head
+    return out
+
+
 def weight_bytes_on_mesh(cfg: ModelConfig, mesh=None, dtype_bytes: int = 2) -> int:
-    """weight_bytes_per_device without building the abstract model (instant for any config): param_bytes'
-    groups split as sharding/rules.py splits their arrays -- routed experts [E, ...] over `expert` and their
-    width over `tensor`, embedding and head rows (vocab) over `tensor`, everything else replicated.
-    tests/test_newcomer.py checks it against weight_bytes_per_device of the abstract model."""
+    """weight_bytes_per_device without building the abstract model (instant for any config): every parameter
+    array, as the model creates it, split as sharding/rules.py splits it. tests/test_newcomer.py checks it
+    against weight_bytes_per_device of the abstract model."""
     shape = parse_mesh(mesh)
-    t, e = shape.get("tensor", 1), shape.get("expert", 1)
-    pb = param_bytes(cfg, dtype_bytes)
-    per_layer_experts = pb["routed_experts"] / max(cfg.n_layers, 1)
-    mtp_experts = cfg.n_mtp_layers * per_layer_experts
-    ef = (e if cfg.n_routed_experts % e == 0 else 1) * (t if cfg.moe_inter_dim % t == 0 else 1)
-    vf = t if cfg.vocab_size % t == 0 else 1
-    experts = pb["routed_experts"] + mtp_experts
-    rest = pb["total"] - experts - pb["embed"] - pb["head"]
-    return int(rest + -(-experts // ef) + -(-(pb["embed"] + pb["head"]) // vf))
+    total = 0
+    for dims, itemsize, logical in _param_arrays(cfg, dtype_bytes):
+        f = _shard_factor(logical, dims, shape) if shape else 1
+        total += math.prod(dims) * itemsize // f
+    return int(total)
 
 
 def engine_pool_bytes(cfg: ModelConfig, max_model_len: int, *, max_num_seqs: int = 8, page_size: int | None = None,
@@ -604,8 +645,7 @@ def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int) -> str
         per_dev = weight_bytes_on_mesh(cfg, {"expert": e}, dtype_bytes)
         if per_dev <= 0.9 * limit:
             hints.append(f"a mesh over {e} devices, mesh='expert={e}' ({_human(per_dev)} of weights per device, "
-                         f"`v4jax memory --mesh expert={e}`; note that loading places the whole model on the first "
-                         "device before the mesh shards it)")
+                         f"`v4jax memory --mesh expert={e}`)")
             break
         e *= 2
     return "; ".join(hints) if hints else "a device with more memory"

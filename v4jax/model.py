@@ -20,6 +20,7 @@ branch index on the host. So "periods" is the default; "switch" is kept only to 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +55,19 @@ class RunOptions:
     quant_sim: bool = False  # the official FP8 KV / FP4 indexer / FP8 activation rounding (reference §9.1)
     attention_impl: str = "xla"  # "xla" | "pallas": the ops table of the cached path (v4jax.ops)
     layer_loop: str = "periods"  # "periods" | "switch": how the layer stack runs (see the module doc)
+    # sharding.MeshRules (mesh + logical-axis table) when the model runs on a mesh: the MoE runs its routed
+    # experts per shard (shard_map) and the steps replicate what the host reads; None = one device
+    mesh_rules: Any = None
     # Training / evaluation only (full-sequence forward):
     indexer_aux: bool = False  # sow IndexerAux (indexer log-probs and the attention-mass target) per CSA stack
     routing_aux: bool = False  # sow RoutingAux (the experts of every top-k-routed layer)
     drop_compressed: bool = False  # attend to the window only (to measure what compressed entries earn)
+
+
+# Logical axes of parameters shared by several modules (sharding/rules.py maps names to mesh axes).
+EXPERT_UP_AXES = ("experts", "mlp", "embed")  # routed w1 / w3 [E, I, D]
+EXPERT_DOWN_AXES = ("experts", "embed", "mlp")  # routed w2 [E, D, I]
+HC_FN_AXES = ("hc_mix", "hc_embed")  # mHC mixing weights [(2 + N) N or N, N D]
 
 
 def _normal(rngs, shape, std, dtype):
@@ -68,14 +78,15 @@ class Table(nnx.Module):
     """A [rows, D] table: the embedding or the output head."""
 
     def __init__(self, rows: int, d: int, std: float, *, rngs: nnx.Rngs, dtype):
-        self.weight = nnx.Param(_normal(rngs, (rows, d), std, dtype))
+        self.weight = nnx.Param(_normal(rngs, (rows, d), std, dtype), logical_axes=("vocab", "embed"))
 
 
 class Linear(nnx.Module):
     """y = x @ weight.T, weight in checkpoint layout [out, in]."""
 
-    def __init__(self, n_in: int, n_out: int, *, rngs: nnx.Rngs, dtype, fp8: bool = False):
-        self.weight = nnx.Param(_normal(rngs, (n_out, n_in), n_in ** -0.5, dtype))
+    def __init__(self, n_in: int, n_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs, dtype, fp8: bool = False):
+        # axes: logical names of (out, in), mapped to mesh axes by sharding/rules.py
+        self.weight = nnx.Param(_normal(rngs, (n_out, n_in), n_in ** -0.5, dtype), logical_axes=tuple(axes))
         self.fp8 = fp8  # an FP8/FP4 linear in the release: quant_sim rounds its input (1x128 blocks)
 
     def __call__(self, x, opts: RunOptions | None = None):
@@ -109,8 +120,8 @@ def _offset(rows, off):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, n: int, eps: float, *, rngs: nnx.Rngs):
-        self.weight = nnx.Param(jnp.ones((n,), F32))
+    def __init__(self, n: int, eps: float, axis: str, *, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jnp.ones((n,), F32), logical_axes=(axis,))
         self.eps = eps
 
     def __call__(self, x):
@@ -123,10 +134,10 @@ class Compressor(nnx.Module):
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, overlap: bool, *, rngs, dtype):
         coff = 2 if overlap else 1
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
-        self.wkv = Linear(cfg.dim, coff * head_dim, rngs=rngs, dtype=dtype)
-        self.wgate = Linear(cfg.dim, coff * head_dim, rngs=rngs, dtype=dtype)
-        self.ape = nnx.Param(_normal(rngs, (ratio, coff * head_dim), 1.0, F32))
-        self.norm = RMSNorm(head_dim, cfg.norm_eps, rngs=rngs)
+        self.wkv = Linear(cfg.dim, coff * head_dim, ("compress", "embed"), rngs=rngs, dtype=dtype)
+        self.wgate = Linear(cfg.dim, coff * head_dim, ("compress", "embed"), rngs=rngs, dtype=dtype)
+        self.ape = nnx.Param(_normal(rngs, (ratio, coff * head_dim), 1.0, F32), logical_axes=("ratio", "compress"))
+        self.norm = RMSNorm(head_dim, cfg.norm_eps, "head_dim", rngs=rngs)
 
     def project(self, x, positions):
         """x [B, T, D] -> (a, z) [B, T, coff*K] f32; z includes ape[t mod m]. Run in f32 (official)."""
@@ -146,8 +157,9 @@ class Indexer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, ratio: int, *, rngs, dtype):
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype, fp8=True)
-        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, rngs=rngs, dtype=dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, ("index_heads", "q_lora"),
+                           rngs=rngs, dtype=dtype, fp8=True)
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, ("index_heads", "embed"), rngs=rngs, dtype=dtype)
         self.compressor = Compressor(cfg, ratio, cfg.index_head_dim, overlap=True, rngs=rngs, dtype=dtype)
 
     def queries(self, qr, cos, sin, opts: RunOptions):
@@ -191,15 +203,17 @@ class Attention(nnx.Module):
         self.ratio = cfg.compress_ratio(layer_id)
         self.inv_freq = tuple(float(f) for f in L.rope_inv_freq(cfg, self.kind))
         h, k = cfg.n_heads, cfg.head_dim
-        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, rngs=rngs, dtype=dtype, fp8=True)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, rngs=rngs)
-        self.wq_b = Linear(cfg.q_lora_rank, h * k, rngs=rngs, dtype=dtype, fp8=True)
-        self.wkv = Linear(cfg.dim, k, rngs=rngs, dtype=dtype, fp8=True)
-        self.kv_norm = RMSNorm(k, cfg.norm_eps, rngs=rngs)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, ("q_lora", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, "q_lora", rngs=rngs)
+        self.wq_b = Linear(cfg.q_lora_rank, h * k, ("heads", "q_lora"), rngs=rngs, dtype=dtype, fp8=True)
+        self.wkv = Linear(cfg.dim, k, ("head_dim", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+        self.kv_norm = RMSNorm(k, cfg.norm_eps, "head_dim", rngs=rngs)
         # wo_a is dequantized to bf16 by the official converter: a plain grouped einsum, no input rounding.
-        self.wo_a = Linear(h * k // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, rngs=rngs, dtype=dtype)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, rngs=rngs, dtype=dtype, fp8=True)
-        self.attn_sink = nnx.Param(_normal(rngs, (h,), 1.0, F32))
+        self.wo_a = Linear(h * k // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, ("o_lora", "group_heads"),
+                           rngs=rngs, dtype=dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, ("embed", "o_lora"), rngs=rngs, dtype=dtype,
+                           fp8=True)
+        self.attn_sink = nnx.Param(_normal(rngs, (h,), 1.0, F32), logical_axes=("heads",))
         self.compressor = (Compressor(cfg, self.ratio, k, overlap=self.kind == CSA, rngs=rngs, dtype=dtype)
                            if self.kind != SLIDING else None)
         self.indexer = Indexer(cfg, self.ratio, rngs=rngs, dtype=dtype) if self.kind == CSA else None
@@ -347,13 +361,15 @@ class Attention(nnx.Module):
 
 class Gate(nnx.Module):
     def __init__(self, cfg: ModelConfig, hashed: bool, *, rngs, dtype):
-        self.weight = nnx.Param(_normal(rngs, (cfg.n_routed_experts, cfg.dim), cfg.dim ** -0.5, dtype))
+        self.weight = nnx.Param(_normal(rngs, (cfg.n_routed_experts, cfg.dim), cfg.dim ** -0.5, dtype),
+                                logical_axes=("router", "embed"))
         if hashed:
             keys = jax.random.split(rngs.params(), cfg.vocab_size)
             perm = jax.vmap(lambda k: jax.random.permutation(k, cfg.n_routed_experts)[: cfg.n_activated_experts])(keys)
-            self.tid2eid, self.bias = Buffer(perm.astype(jnp.int32)), None
+            self.tid2eid, self.bias = Buffer(perm.astype(jnp.int32), logical_axes=("hash_tokens", "routed")), None
         else:
-            self.tid2eid, self.bias = None, nnx.Param(_normal(rngs, (cfg.n_routed_experts,), 0.1, F32))
+            self.tid2eid, self.bias = None, nnx.Param(_normal(rngs, (cfg.n_routed_experts,), 0.1, F32),
+                                                      logical_axes=("router",))
 
 
 class Experts(nnx.Module):
@@ -361,16 +377,47 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs, dtype):
         e, i, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
-        self.w1 = nnx.Param(_normal(rngs, (e, i, d), d ** -0.5, dtype))
-        self.w2 = nnx.Param(_normal(rngs, (e, d, i), i ** -0.5, dtype))
-        self.w3 = nnx.Param(_normal(rngs, (e, i, d), d ** -0.5, dtype))
+        self.w1 = nnx.Param(_normal(rngs, (e, i, d), d ** -0.5, dtype), logical_axes=EXPERT_UP_AXES)
+        self.w2 = nnx.Param(_normal(rngs, (e, d, i), i ** -0.5, dtype), logical_axes=EXPERT_DOWN_AXES)
+        self.w3 = nnx.Param(_normal(rngs, (e, i, d), d ** -0.5, dtype), logical_axes=EXPERT_UP_AXES)
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry as a tuple of mesh axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def routed_experts(x, weights, experts, w1, w2, w3, limit, mesh_rules=None):
+    """L.routed_experts, on a mesh run per shard (shard_map): a shard holds some experts (expert parallel) and a
+    slice of each one's width (tensor), runs its experts on every token routed to them, and the partial outputs
+    add up over those mesh axes. Tokens are not dispatched: every shard sees the step's (few) tokens, so the only
+    collective is the sum of [M, D]."""
+    if mesh_rules is None:
+        return L.routed_experts(x, weights, experts, w1, w2, w3, limit)
+    from jax.sharding import PartitionSpec as P
+    up, down = mesh_rules.spec(EXPERT_UP_AXES, w1.shape), mesh_rules.spec(EXPERT_DOWN_AXES, w2.shape)
+    e_axes, sum_axes = _mesh_axes(up[0]), _mesh_axes(up[0]) + _mesh_axes(up[1])
+    if not sum_axes:
+        return L.routed_experts(x, weights, experts, w1, w2, w3, limit)
+
+    def local(x, weights, experts, w1, w2, w3):
+        n_local = w1.shape[0]
+        first = jax.lax.axis_index(e_axes) * n_local if e_axes else 0
+        mine = (experts >= first) & (experts < first + n_local)
+        # Another shard's experts: weight 0 on a local expert (the grouped matmul then needs no ragged tail).
+        y = L.routed_experts(x, jnp.where(mine, weights, 0.0), jnp.clip(experts - first, 0, n_local - 1), w1, w2, w3,
+                             limit)
+        return jax.lax.psum(y, sum_axes)
+
+    return jax.shard_map(local, mesh=mesh_rules.mesh, in_specs=(P(), P(), P(), up, down, up), out_specs=P(),
+                         check_vma=False)(x, weights, experts, w1, w2, w3)
 
 
 class SharedExpert(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs, dtype):
-        self.w1 = Linear(cfg.dim, cfg.moe_inter_dim, rngs=rngs, dtype=dtype, fp8=True)
-        self.w2 = Linear(cfg.moe_inter_dim, cfg.dim, rngs=rngs, dtype=dtype, fp8=True)
-        self.w3 = Linear(cfg.dim, cfg.moe_inter_dim, rngs=rngs, dtype=dtype, fp8=True)
+        self.w1 = Linear(cfg.dim, cfg.moe_inter_dim, ("mlp", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+        self.w2 = Linear(cfg.moe_inter_dim, cfg.dim, ("embed", "mlp"), rngs=rngs, dtype=dtype, fp8=True)
+        self.w3 = Linear(cfg.dim, cfg.moe_inter_dim, ("mlp", "embed"), rngs=rngs, dtype=dtype, fp8=True)
 
     def __call__(self, x, limit, opts):
         # The current official revision clamps the shared expert too (reference §9.3).
@@ -398,8 +445,8 @@ class MoE(nnx.Module):
         bias = None if self.gate.bias is None else self.gate.bias[...]
         w, idx = L.route(flat, self.gate.weight[...], bias, tid2eid, token_ids.reshape(-1), cfg)
         xin = quant.fp8_roundtrip(flat, 128) if opts.quant_sim else flat
-        y = L.routed_experts(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...],
-                             cfg.swiglu_limit)
+        y = routed_experts(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...],
+                           cfg.swiglu_limit, opts.mesh_rules)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, cfg.swiglu_limit, opts).astype(F32)
         return y.astype(x.dtype).reshape(shape), idx
@@ -412,14 +459,14 @@ class Block(nnx.Module):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
         mix = (2 + n) * n
-        self.attn_norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
-        self.ffn_norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
-        self.hc_attn_fn = nnx.Param(_normal(rngs, (mix, n * d), (n * d) ** -0.5, F32))
-        self.hc_attn_base = nnx.Param(_normal(rngs, (mix,), 0.1, F32))
-        self.hc_attn_scale = nnx.Param(jnp.ones((3,), F32))
-        self.hc_ffn_fn = nnx.Param(_normal(rngs, (mix, n * d), (n * d) ** -0.5, F32))
-        self.hc_ffn_base = nnx.Param(_normal(rngs, (mix,), 0.1, F32))
-        self.hc_ffn_scale = nnx.Param(jnp.ones((3,), F32))
+        self.attn_norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
+        self.ffn_norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
+        self.hc_attn_fn = nnx.Param(_normal(rngs, (mix, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
+        self.hc_attn_base = nnx.Param(_normal(rngs, (mix,), 0.1, F32), logical_axes=("hc_mix",))
+        self.hc_attn_scale = nnx.Param(jnp.ones((3,), F32), logical_axes=("hc_scale",))
+        self.hc_ffn_fn = nnx.Param(_normal(rngs, (mix, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
+        self.hc_ffn_base = nnx.Param(_normal(rngs, (mix,), 0.1, F32), logical_axes=("hc_mix",))
+        self.hc_ffn_scale = nnx.Param(jnp.ones((3,), F32), logical_axes=("hc_scale",))
         self.attn = Attention(cfg, layer_id, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, layer_id, rngs=rngs, dtype=dtype)
 
@@ -456,10 +503,14 @@ class Block(nnx.Module):
 
 
 def _stack(blocks: list) -> "Block":
-    """Blocks of one shape -> one Block whose every array is stacked on a new leading axis."""
+    """Blocks of one shape -> one Block whose every array is stacked on a new leading axis (logical axis
+    "layers")."""
     graphdef, first = nnx.split(blocks[0])
     states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
-    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
+    stacked = jax.tree.map(lambda v: v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"])),
+                           stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, stacked)
 
 
 class MTPBlock(nnx.Module):
@@ -468,14 +519,14 @@ class MTPBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs, dtype):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
-        self.e_proj = Linear(d, d, rngs=rngs, dtype=dtype, fp8=True)
-        self.h_proj = Linear(d, d, rngs=rngs, dtype=dtype, fp8=True)
-        self.enorm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
-        self.hnorm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
-        self.norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
-        self.hc_head_fn = nnx.Param(_normal(rngs, (n, n * d), (n * d) ** -0.5, F32))
-        self.hc_head_base = nnx.Param(_normal(rngs, (n,), 0.1, F32))
-        self.hc_head_scale = nnx.Param(jnp.ones((1,), F32))
+        self.e_proj = Linear(d, d, ("embed", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+        self.h_proj = Linear(d, d, ("embed", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+        self.enorm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
+        self.hnorm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
+        self.norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
+        self.hc_head_fn = nnx.Param(_normal(rngs, (n, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
+        self.hc_head_base = nnx.Param(_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
+        self.hc_head_scale = nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",))
         self.block = Block(cfg, cfg.n_layers, rngs=rngs, dtype=dtype)
 
     def streams_in(self, embedded_next, h_main, opts):
@@ -503,10 +554,10 @@ class Transformer(nnx.Module):
             for i in st.layers:
                 blocks[i] = None
         self.stacks = nnx.List(stacks)
-        self.norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
-        self.hc_head_fn = nnx.Param(_normal(rngs, (n, n * d), (n * d) ** -0.5, F32))
-        self.hc_head_base = nnx.Param(_normal(rngs, (n,), 0.1, F32))
-        self.hc_head_scale = nnx.Param(jnp.ones((1,), F32))
+        self.norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
+        self.hc_head_fn = nnx.Param(_normal(rngs, (n, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
+        self.hc_head_base = nnx.Param(_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
+        self.hc_head_scale = nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",))
         self.head = Table(cfg.vocab_size, d, d ** -0.5, rngs=rngs, dtype=dtype)
         self.mtp = nnx.List([MTPBlock(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.n_mtp_layers if mtp else 0)])
 

@@ -52,12 +52,16 @@ def _variable(model, path):
     return node
 
 
-def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]]) -> Transformer:
+def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], mesh_rules=None) -> Transformer:
     """Assign every (official name, array) to the model (abstract or concrete), casting to each parameter's
-    dtype. A stacked parameter (layers of a stack, routed experts) is filled in a host buffer of its full shape
-    and assigned once, when its last slice arrives. Every parameter must be assigned."""
+    dtype. Each tensor goes straight to the device(s) that hold it: with `mesh_rules` (sharding.MeshRules) into
+    its parameter's shards. A stacked parameter (layers of a stack, routed experts) is allocated once in its
+    shards and each slice written in place as it arrives, so the host holds about one tensor at a time. Every
+    parameter must be assigned."""
+    from sharding.place import empty, put, put_slice, variable_axes
+
     cfg = model.cfg
-    pending: dict[tuple, tuple[np.ndarray, set]] = {}
+    pending: dict[tuple, tuple[jax.Array, set]] = {}
     assigned: set[tuple] = set()
     for name, arr in tensors:
         path, index = official_to_path(name, cfg)
@@ -65,17 +69,20 @@ def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]]) 
         shape = tuple(var.shape)
         if tuple(arr.shape) != shape[len(index):]:
             raise ValueError(f"{name}: shape {tuple(arr.shape)} != model {shape[len(index):]}")
+        sharding = None if mesh_rules is None else mesh_rules.sharding(variable_axes(var, name), shape)
+        host = np.asarray(arr).astype(np.dtype(var.dtype))
         if not index:
-            var.set_value(jnp.asarray(arr, dtype=var.dtype))
+            var.set_value(put(host, sharding))
             assigned.add(path)
             continue
         if path not in pending:
-            pending[path] = (np.zeros(shape, dtype=np.dtype(var.dtype)), set())
+            pending[path] = (empty(shape, var.dtype, sharding), set())
         buf, seen = pending[path]
-        buf[index] = np.asarray(arr).astype(buf.dtype)
+        buf = put_slice(buf, host, index)
         seen.add(index)
+        pending[path] = (buf, seen)
         if len(seen) == int(np.prod(shape[:len(index)])):
-            var.set_value(jnp.asarray(pending.pop(path)[0]))
+            var.set_value(pending.pop(path)[0])
             assigned.add(path)
     missing = []
     for path, (buf, seen) in pending.items():

@@ -27,6 +27,15 @@ class BoundaryStore:
     layers: tuple
 
 
+LOGICAL_AXES = ("layers", "boundary_rows", "window", "state_dim")  # every array of the store
+
+
+def store_shardings(store: BoundaryStore, sharding_of) -> BoundaryStore:
+    """The same tree with each array's sharding, `sharding_of(logical axes, shape)`; store may be abstract."""
+    return BoundaryStore(layers=tuple(
+        None if d is None else {k: sharding_of(LOGICAL_AXES, a.shape) for k, a in d.items()} for d in store.layers))
+
+
 def _is_csa(lp) -> bool:
     return lp.idx is not None
 

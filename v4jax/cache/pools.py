@@ -39,6 +39,17 @@ LOGICAL_AXES = {
 }
 
 
+def pool_shardings(pools: "KVPools", sharding_of) -> "KVPools":
+    """The same tree with each array's sharding, `sharding_of(logical axes, shape)` (sharding.MeshRules.sharding)
+    applied to LOGICAL_AXES by field; pools may be abstract (jax.eval_shape)."""
+    def one(name, arr):
+        return None if arr is None else sharding_of(LOGICAL_AXES[name], arr.shape)
+
+    stacks = tuple(dataclasses.replace(lp, **{f.name: one(f.name, getattr(lp, f.name)) for f in dataclasses.fields(lp)})
+                   for lp in pools.stacks)
+    return dataclasses.replace(pools, tokens=one("tokens", pools.tokens), stacks=stacks)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerPool:

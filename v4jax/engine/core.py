@@ -98,7 +98,7 @@ class EngineCore:
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.spec = S.StepSpec(graphdef, treedef, cfg, self.layout, run_options, self.k, max_model_len, caching)
-        self.steps = S.JittedSteps.make()
+        self.steps = S.JittedSteps.make(run_options.mesh_rules)
         self._flight: _InFlight | None = None
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
@@ -165,7 +165,11 @@ class EngineCore:
             stop_ids = stop_ids + (self.cfg.eos_token_id,)
         if len(stop_ids) > S.MAX_STOP:
             raise ValueError(f"at most {S.MAX_STOP - 1} stop_token_ids are supported")
-        self.scheduler.add(request_id, prompt, sp, sp.resolved_seed(), sample_index, stop_ids)
+        seed = sp.resolved_seed()
+        if sp.seed is None:
+            from sharding.multihost import agree
+            seed = agree(seed)  # every process samples with process 0's fresh seed
+        self.scheduler.add(request_id, prompt, sp, seed, sample_index, stop_ids)
 
     def abort(self, request_id: str) -> bool:
         """End a request now; its pages return. Its last delta (finish_reason "abort") comes with the next step."""

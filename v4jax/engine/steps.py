@@ -104,6 +104,13 @@ def _boundary_rows(spec: StepSpec, end, ok, swa_table):
     return jnp.where(at & (page >= 0), page, lay.n_swa_pages)
 
 
+def _host_readable(spec: StepSpec, tree):
+    """What the host reads, replicated on a mesh: every process then holds all of it (a process may only read
+    the shards on its own devices)."""
+    mr = spec.opts.mesh_rules
+    return tree if mr is None else mr.replicate(tree)
+
+
 def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_table, swa_table, samp: SamplingState):
     t = batch.tokens.shape[1]
     meta = C.make_meta(spec.cfg, spec.layout, batch.start, batch.n_valid, batch.fresh, batch.slot, page_table,
@@ -116,7 +123,7 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
         store = save_boundary_states(store, pools, batch.slot, rows)
     tok, lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed, samp.sample_index,
                      samp.token_index)
-    return pools, store, tok, lp
+    return pools, store, *_host_readable(spec, (tok, lp))
 
 
 def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table, swa_table):
@@ -153,7 +160,7 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
     out = DecodeOutput(tokens=jnp.zeros((s, k), jnp.int32), logprobs=jnp.zeros((s, k), jnp.float32),
                        n_out=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool))
     _, pools, store, state, out = jax.lax.while_loop(cond, body, (0, pools, store, state, out))
-    return pools, store, out, state
+    return pools, store, *_host_readable(spec, (out, state))
 
 
 def _carry(prev: DecodeState, fresh: DecodeState, carried):
@@ -172,10 +179,14 @@ class JittedSteps:
     restore: Any
 
     @staticmethod
-    def make() -> "JittedSteps":
+    def make(mesh_rules=None) -> "JittedSteps":
+        # On a mesh the decode state lives replicated on the mesh's devices from its first merge on (its inputs
+        # are host arrays then: without out_shardings it would land on one local device).
+        carry_out = None if mesh_rules is None else mesh_rules.replicated
         return JittedSteps(prefill=jax.jit(_prefill, static_argnums=0, donate_argnums=(2, 3)),
                            decode=jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3)),
-                           carry=jax.jit(_carry), restore=jax.jit(restore_slot_states, donate_argnums=0))
+                           carry=jax.jit(_carry, out_shardings=carry_out),
+                           restore=jax.jit(restore_slot_states, donate_argnums=0))
 
     def compiled_variants(self) -> int:
         """How many shapes the prefill and decode steps have been compiled for."""

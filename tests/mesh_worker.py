@@ -1,0 +1,75 @@
+"""Run by tests/test_sharding.py in a subprocess with 8 fake CPU devices (the device count is fixed at JAX start):
+a checkpoint loaded onto a mesh (its values and bytes per device), and one single-device reference run, then the
+same requests on each mesh given; prints one JSON line per check.
+
+    python tests/mesh_worker.py --meshes data=2,tensor=2,expert=2 tensor=8 [--checkpoint DIR [--memory-mesh M]]
+"""
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from flax import nnx  # noqa: E402
+
+from sharding.place import addressable_bytes_per_device  # noqa: E402
+from v4jax import LLM, SamplingParams  # noqa: E402
+
+# Short prompts, one prefill chunk and one page each, so every run compiles one prefill and one decode program.
+PROMPTS = [[3, 4, 5] * 5, [7, 8] * 6, [11, 12, 13]]
+SAMPLING = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+OPTIONS = dict(dtype="float32", max_num_seqs=4, max_model_len=64, prefill_chunk=16, decode_steps=4)
+
+
+def emit(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def param_bytes(model) -> tuple[int, int]:
+    """(most bytes on one device, total bytes) of the model's parameters."""
+    state = nnx.state(model)
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    return max(addressable_bytes_per_device(state).values()), total
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--meshes", nargs="*", default=[])
+    ap.add_argument("--checkpoint", default=None, help="an HF-format directory of the tiny preset's weights: the "
+                    "mesh runs load it (else they create the preset's weights in their shards)")
+    ap.add_argument("--memory-mesh", default=None, help="load the checkpoint onto this mesh and report its bytes")
+    a = ap.parse_args()
+    assert jax.device_count() == 8, jax.devices()
+    if a.memory_mesh:
+        # Loaded straight into the shards of a mesh: the preset's values, spread over the devices.
+        t0 = time.time()
+        llm = LLM(a.checkpoint, mesh=a.memory_mesh, **OPTIONS)
+        want = dict(nnx.to_flat_state(nnx.state(LLM("tiny", **OPTIONS).model)))
+        same = all(np.array_equal(np.asarray(v.get_value()), np.asarray(want[p].get_value()))
+                   for p, v in nnx.to_flat_state(nnx.state(llm.model)))
+        most, total = param_bytes(llm.model)
+        w1 = llm.model.stacks[1].ffn.experts.w1[...]
+        emit(check="checkpoint", mesh=a.memory_mesh, same_values=bool(same), max_device_fraction=most / total,
+             w1_spec=[str(s) for s in w1.sharding.spec], seconds=round(time.time() - t0, 1))
+    if not a.meshes:
+        return
+    t0 = time.time()
+    base = LLM("tiny", **OPTIONS).generate(PROMPTS, SAMPLING)  # one reference for every mesh
+    emit(check="reference", seconds=round(time.time() - t0, 1))
+    for mesh in a.meshes:
+        t0 = time.time()
+        llm = LLM(a.checkpoint or "tiny", mesh=mesh, **OPTIONS)
+        outs = llm.generate(PROMPTS, SAMPLING)
+        most, total = param_bytes(llm.model)
+        err = max(float(np.max(np.abs(np.subtract(x.logprobs, y.logprobs)))) for x, y in zip(base, outs))
+        st = llm.engine.pools.stacks[1].state_kv  # [layers of the stack, slots, ...]
+        emit(check="mesh", mesh=mesh, tokens_equal=all(x.token_ids == y.token_ids for x, y in zip(base, outs)),
+             logprob_err=err, max_device_fraction=most / total, state_spec=[str(s) for s in st.sharding.spec],
+             seconds=round(time.time() - t0, 1))
+
+
+if __name__ == "__main__":
+    main()
