@@ -32,21 +32,23 @@ EOF
 case "${1:-slice}" in
 main)
   stamp "flash-slice decode pallas"
-  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,128K \
-    --long-b1 "" --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 120 \
+  timeout 110 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 90 \
     --out "$out/slice_pallas" 2>&1 | quiet | grep "^|" | tail -6
   summary "$out/slice_pallas/decode.json"
-  stamp "flash-slice prefill profile (8192-token chunk)"
-  timeout 90 python3 -W ignore scripts/profile_prefill.py flash-slice 8192 pallas 2>&1 | quiet | tail -27
-  stamp "flash-1gpu generate"
-  timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
-    --prefill 32K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 150 --out "$out/gen_1gpu" \
-    2>&1 | quiet | tail -9
+  stamp "flash-slice generate"
+  timeout 150 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 120 --out "$out/gen_slice" \
+    2>&1 | quiet | tail -7
   stamp "flash-1gpu decode"
-  timeout 140 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
-    --long-b1 "" --hf off --iters 3 --gen-iters 2 --profile --attention-impl pallas --deadline-s 100 \
+  timeout 130 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 100 \
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
   summary "$out/d_1gpu/decode.json"
+  stamp "flash-1gpu generate"
+  timeout 150 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
+    --prefill 32K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 110 --out "$out/gen_1gpu" \
+    2>&1 | quiet | tail -8
   ;;
 slice)
   stamp "gpu tests"

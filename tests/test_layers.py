@@ -1,5 +1,6 @@
 """Unit tests of the building blocks against HF modules and against each other: mHC, RoPE/YaRN, both
 compressors across window boundaries, indexer top-k tie rule, routing."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -155,3 +156,21 @@ def test_routed_experts_grouped_matmul_equals_dense(m):
             h = np.asarray(L.swiglu(w1[ex] @ x[t], w3[ex] @ x[t], 3.0))
             ref[t] += wts[t, j] * (w2[ex] @ h)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,n_exp,k", [(2, 16, 3), (40, 8, 2), (40, 32, 3)])  # gather, dense, grouped forms
+def test_routed_experts_every_form_equals_per_token_reference(m, n_exp, k):
+    key = jax.random.split(jax.random.key(0), 6)
+    d, i = 16, 24
+    x = jax.random.normal(key[0], (m, d))
+    w1, w3 = jax.random.normal(key[1], (n_exp, i, d)), jax.random.normal(key[2], (n_exp, i, d))
+    w2 = jax.random.normal(key[3], (n_exp, d, i))
+    experts = jnp.argsort(jax.random.uniform(key[4], (m, n_exp)), axis=-1)[:, :k]  # k distinct experts per token
+    weights = jax.random.uniform(key[5], (m, k))
+    ref = 0
+    for j in range(k):
+        e = experts[:, j]
+        h = L.swiglu(jnp.einsum("md,mid->mi", x, w1[e]), jnp.einsum("md,mid->mi", x, w3[e]), 7.0)
+        ref = ref + weights[:, j:j + 1] * jnp.einsum("mi,mdi->md", h, w2[e])
+    out = L.routed_experts(x, weights, experts, w1, w2, w3, 7.0)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4 * float(jnp.abs(ref).max()))

@@ -220,7 +220,7 @@ def _decode_temp_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
     layer, the HCA gather), for the memory guard."""
     t = 0
     for kind, m in zip(cfg.layer_types, cfg.compress_ratios):
-        s = context // m
+        s = context // m if m else 0  # sliding layers keep no compressed entries
         if kind == CSA:
             t = max(t, batch * s * (cfg.index_head_dim * 2 + cfg.index_n_heads * 4 * 3))
         elif kind == HCA:
