@@ -188,7 +188,7 @@ def _fill_pools(engine, seed: int):
         leaves, tdef = jax.tree.flatten(pools)
         keys = jax.random.split(key, len(leaves))
         new = [jax.random.randint(k, a.shape, 0, vocab, a.dtype) if jnp.issubdtype(a.dtype, jnp.integer)
-               else jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for a, k in zip(leaves, keys)]
+               else jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]  # no f32 temporary
         return jax.tree.unflatten(tdef, new)
 
     engine.pools = jax.jit(fill, donate_argnums=0)(engine.pools, jax.random.key(seed))
