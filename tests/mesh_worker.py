@@ -1,5 +1,5 @@
 """Run by tests/test_sharding.py in a subprocess with 8 fake CPU devices (the device count is fixed at JAX start):
-a checkpoint loaded onto a mesh (its values and bytes per device), and one single-device reference run, then the
+a checkpoint loaded onto a mesh (its values and bytes per device), an orbax checkpoint restored onto it, and one single-device reference run, then the
 same requests on each mesh given; prints one JSON line per check.
 
     python tests/mesh_worker.py --meshes data=2,tensor=2,expert=2 tensor=8 [--checkpoint DIR [--memory-mesh M]]
@@ -40,6 +40,8 @@ def main():
     ap.add_argument("--meshes", nargs="*", default=[])
     ap.add_argument("--checkpoint", default=None, help="an HF-format directory of the tiny preset's weights: the "
                     "mesh runs load it (else they create the preset's weights in their shards)")
+    ap.add_argument("--orbax", default=None, help="an orbax checkpoint of the same weights to restore onto "
+                    "--memory-mesh")
     ap.add_argument("--memory-mesh", default=None, help="load the checkpoint onto this mesh and report its bytes")
     a = ap.parse_args()
     assert jax.device_count() == 8, jax.devices()
@@ -54,6 +56,16 @@ def main():
         w1 = llm.model.stacks[1].ffn.experts.w1[...]
         emit(check="checkpoint", mesh=a.memory_mesh, same_values=bool(same), max_device_fraction=most / total,
              w1_spec=[str(s) for s in w1.sharding.spec], seconds=round(time.time() - t0, 1))
+        if a.orbax:
+            # An orbax checkpoint written elsewhere, restored onto this mesh: the same values and logits.
+            t0 = time.time()
+            restored = LLM(a.orbax, mesh=a.memory_mesh, **OPTIONS)
+            same = all(np.array_equal(np.asarray(v.get_value()), np.asarray(want[p].get_value()))
+                       for p, v in nnx.to_flat_state(nnx.state(restored.model)))
+            err = float(np.max(np.abs(restored.logits(PROMPTS[0]) - LLM("tiny", **OPTIONS).logits(PROMPTS[0]))))
+            w1 = restored.model.stacks[1].ffn.experts.w1[...]
+            emit(check="orbax", mesh=a.memory_mesh, same_values=bool(same), logits_err=err,
+                 w1_spec=[str(s) for s in w1.sharding.spec], seconds=round(time.time() - t0, 1))
     if not a.meshes:
         return
     t0 = time.time()

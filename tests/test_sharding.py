@@ -86,14 +86,24 @@ def tiny_checkpoint(tmp_path_factory):
     return str(d)
 
 
-def test_checkpoint_loads_into_its_shards(tiny_checkpoint):
+@pytest.mark.filterwarnings("ignore:no tokenizer.json")
+def test_checkpoint_loads_into_its_shards(tiny_checkpoint, tmp_path):
     """Read straight into the shards of tensor=4,expert=2: the same values, at most 30% of the parameter bytes on
-    any device. (Greedy tokens on a mesh by default: tests/test_multihost.py, two processes, one 8-device mesh.)"""
-    ck = _run_worker(["--checkpoint", tiny_checkpoint, "--memory-mesh", "tensor=4,expert=2"])[
-        ("checkpoint", "tensor=4,expert=2")]
+    any device. An orbax checkpoint converted on one device restores onto that mesh with the same values and
+    logits. (Greedy tokens on a mesh by default: tests/test_multihost.py, two processes, one 8-device mesh.)"""
+    from checkpoints.orbax_io import is_orbax_dir
+    from v4jax.cli import main
+    orbax_dir = str(tmp_path / "orbax")
+    assert main(["convert", tiny_checkpoint, orbax_dir, "--dtype", "float32"]) == 0 and is_orbax_dir(orbax_dir)
+    results = _run_worker(["--checkpoint", tiny_checkpoint, "--orbax", orbax_dir, "--memory-mesh",
+                           "tensor=4,expert=2"])
+    ck = results[("checkpoint", "tensor=4,expert=2")]
     assert ck["same_values"], ck
     assert ck["max_device_fraction"] <= 0.30, ck
     assert ck["w1_spec"][:3] == ["None", "expert", "tensor"], ck  # [layers, experts, width, D]
+    ob = results[("orbax", "tensor=4,expert=2")]
+    assert ob["same_values"] and ob["logits_err"] <= 1e-4, ob
+    assert ob["w1_spec"][:3] == ["None", "expert", "tensor"], ob
 
 
 @pytest.mark.slow

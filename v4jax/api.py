@@ -95,7 +95,8 @@ def _read_config(path: str) -> ModelConfig:
 
 def load_model(spec: str | None, dtype, seed: int = 0,
                mesh_rules=None) -> tuple[ModelConfig, Transformer, object, str]:
-    """(config, model, tokenizer or None, description) for a preset name or an HF-format directory.
+    """(config, model, tokenizer or None, description) for a preset name, an HF-format directory or an orbax
+    checkpoint directory (`convert`).
 
     Before anything is allocated, the weights' bytes on one device (of the abstract model, split as the mesh's
     rules split them) are checked against its memory (`v4jax.memory.check_weights_fit`). With `mesh_rules`
@@ -126,10 +127,12 @@ def load_model(spec: str | None, dtype, seed: int = 0,
         hint = "" if os.path.exists(spec) else " (no such file or directory)"
         raise FileNotFoundError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                                 f"checkpoint directory{hint}")
-    from checkpoints import open_checkpoint
+    from checkpoints import open_checkpoint, orbax_io
     from v4jax.weights import load_tensors
 
     cfg = _read_config(spec)
+    if orbax_io.is_orbax_dir(spec):  # written by `v4jax convert`, restored onto this mesh
+        return cfg, _restore_orbax(spec, cfg, dtype, mesh_rules, mesh), _load_tokenizer(spec), spec
     ckpt = open_checkpoint(spec, cfg)
     if not ckpt.has_mtp and cfg.n_mtp_layers:
         warnings.warn(f"{spec}: no mtp.* weights; MTP is off", stacklevel=3)
@@ -137,6 +140,49 @@ def load_model(spec: str | None, dtype, seed: int = 0,
     M.check_weights_fit(cfg, M.weight_bytes_per_device(abstract, mesh), dtype, what=spec)
     model = load_tensors(abstract, ckpt.iter_tensors(progress=True), mesh_rules)
     return cfg, model, _load_tokenizer(spec), spec
+
+
+def _restore_orbax(path: str, cfg: ModelConfig, dtype, mesh_rules, mesh) -> Transformer:
+    """The model from an orbax checkpoint of `v4jax convert`, each array read straight into its shards of
+    `mesh_rules` (or onto the first device)."""
+    from checkpoints import orbax_io
+    from sharding.place import state_shardings
+    from v4jax import memory as M
+
+    meta = orbax_io.read_meta(path)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=meta["mtp"]))
+    M.check_weights_fit(cfg, M.weight_bytes_per_device(abstract, mesh), dtype, what=path)
+    graphdef, state = nnx.split(abstract)
+    if mesh_rules is None:
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda v: one, state)
+    else:
+        shardings = state_shardings(state, mesh_rules)
+    target = jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
+                          nnx.to_pure_dict(state), nnx.to_pure_dict(shardings))
+    nnx.replace_by_pure_dict(state, orbax_io.restore(path, target))
+    return nnx.merge(graphdef, state)
+
+
+def convert(src: str, out: str, *, dtype: str = "bfloat16", mesh: str | None = None, progress: bool = True) -> str:
+    """An HF-format checkpoint directory (or a preset) -> an orbax checkpoint in `out`, written from the shards
+    of `mesh`; `LLM(out, mesh=...)` restores it onto any mesh. Tokenizer files are copied. Returns `out`."""
+    import shutil
+
+    from checkpoints import orbax_io
+    from sharding import MeshRules, multihost
+    multihost.initialize()
+    mr = MeshRules.make(mesh)
+    cfg, model, _, _ = load_model(src, _DTYPES[dtype], mesh_rules=mr)
+    os.makedirs(out, exist_ok=True)
+    orbax_io.save(out, nnx.to_pure_dict(nnx.state(model)), cfg.to_hf_dict(),
+                  {"dtype": dtype, "mtp": len(model.mtp) > 0, "mesh": mesh, "source": os.path.abspath(src)
+                   if os.path.isdir(src) else src}, progress=progress)
+    if os.path.isdir(src) and jax.process_index() == 0:
+        for name in os.listdir(src):
+            if name.startswith("tokenizer") or name in ("special_tokens_map.json", "generation_config.json"):
+                shutil.copy(os.path.join(src, name), os.path.join(out, name))
+    return out
 
 
 def _bucket(n: int, lo: int = 16) -> int:

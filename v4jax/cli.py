@@ -18,6 +18,7 @@ EPILOG = """examples:
   v4jax generate "To be, or not" --temperature 0.8 --seed 0 --max-tokens 64
   v4jax generate --model tiny "x"                     a random preset (no tokenizer: prompt bytes are token ids)
   v4jax memory --model flash --mesh expert=8          weights and KV pools per device
+  v4jax convert HF_DIR OUT --mesh expert=8           an orbax checkpoint, restorable onto any mesh
   v4jax bench decode --small                          the decode benchmark (its own flags: bench decode -h)
   v4jax bench kernels --small                         the kernel benchmark (its own flags: bench kernels -h)
   v4jax bench replay                                  prefix-cache replay traces (its own flags: bench replay -h)
@@ -172,6 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-num-seqs", type=_positive_int, default=8, help="decode slots of the engine")
     m.add_argument("--json", action="store_true", help="print JSON instead of tables")
     m.set_defaults(func=_memory)
+
+    c = sub.add_parser("convert", parents=[common], formatter_class=_Formatter,
+                       help="write an orbax checkpoint of a model, restorable onto any mesh", description=_wrap(
+                           "Read an HF-format checkpoint directory (or a preset) into the shards of --mesh and "
+                           "write it as an orbax checkpoint; LLM(OUT, mesh=...) restores it onto any mesh."))
+    c.add_argument("source", metavar="HF_DIR", help="an HF-format checkpoint directory or a preset")
+    c.add_argument("out", metavar="OUT", help="the orbax checkpoint directory to write")
+    c.add_argument("--mesh", default=None, help="devices per mesh axis to load and write from, e.g. expert=8")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
+    c.set_defaults(func=_convert)
     ap.set_defaults(func=lambda args: _help(ap))
     return ap
 
@@ -280,6 +291,13 @@ def _bench(args) -> int:
         return decode_main(args.extra)
     from pallas_kernels.bench import main as kernels_main
     return kernels_main(args.extra)
+
+
+def _convert(args) -> int:
+    from v4jax.api import convert
+    convert(args.source, args.out, dtype=args.dtype, mesh=args.mesh)
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _memory(args) -> int:
