@@ -64,7 +64,8 @@ def chunk_reference(real_ckpt):
     return prompts, llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64])
+# chunk 1 (a token per step, ~40 s) runs with -m slow; chunks of 1 and 7 are also in the engine-core sweep
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7, 64])
 def test_chunked_prefill_same_outputs(real_ckpt, chunk_reference, chunk):
     prompts, ref = chunk_reference
     llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=512, prefill_chunk=chunk)
