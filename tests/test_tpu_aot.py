@@ -45,3 +45,20 @@ def test_kernel_compiles_for_tpu(report, kernel):
         assert line.startswith("FAIL"), f"{kernel} compiles now: drop it from KNOWN_FAILING"
         pytest.xfail(line[:300])
     assert line.startswith("OK"), line
+
+
+def test_flash_pod_plan_compiles_on_a_v5p_slice():
+    """Flash's prefill and decode steps compiled for v5p-16 (8 chips, tensor=8) with abstract weights and pools:
+    the compiled arguments are the analytic weights + pools per device (scripts/tpu_pod_plan.py)."""
+    import json
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([LIBTPU_DIR, ROOT]), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tpu_pod_plan.py"), "--preset", "flash",
+                        "--topology", "v5p:2x2x2", "--mesh", "tensor=8", "--slots", "8", "--context", "4096"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    rows = [json.loads(ln[len("PLAN "):]) for ln in r.stdout.splitlines() if ln.startswith("PLAN ")]
+    assert [row["step"] for row in rows] == ["decode", "prefill"], r.stdout[-3000:] + r.stderr[-3000:]
+    for row in rows:
+        assert row["ok"], row
+        static = row["weights_per_device"] + row["pools_per_device"]
+        assert abs(row["argument_size_in_bytes"] - static) <= 0.01 * static, row

@@ -175,7 +175,7 @@ def swiglu(h1, h3, limit):
 DENSE_EXPERTS_RATIO = 4  # with at most this many experts per active one, compute every expert densely
 
 
-def routed_experts(x, weights, experts, w1, w2, w3, limit):
+def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = None):
     """The routed experts' sum_k w_k FFN_{e_k}(x). x [M, D]; weights/experts [M, k]; w1/w3 [E, I, D]; w2 [E, D, I].
     Three forms, by measurement on the H200 (flash-slice, 16 experts, 6 active):
     * few tokens (M * k < E, decode at small batch): gather the selected experts' weights; only those are read.
@@ -184,17 +184,20 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit):
       expert (k times this form's FLOPs: an 8192-token chunk's experts took 45 ms per layer), and its weights had
       to be transposed every call (14 of 42 ms of a batch-32 decode call).
     * otherwise: tokens sorted by expert, `lax.ragged_dot_general` (grouped matmul) contracting the weights'
-      own input axis (no transpose)."""
+      own input axis (no transpose).
+    `form` ("gather" | "dense" | "grouped") overrides the choice (the mesh path picks its own per shard)."""
     m, k = experts.shape
     n_exp = w1.shape[0]
     dt = x.dtype
-    if m * k < n_exp:
+    if form is None:
+        form = "gather" if m * k < n_exp else "dense" if n_exp <= DENSE_EXPERTS_RATIO * k else "grouped"
+    if form == "gather":
         g1, g3, g2 = w1[experts].astype(dt), w3[experts].astype(dt), w2[experts].astype(dt)  # [M, k, ...]
         h = swiglu(jnp.einsum("md,mkid->mki", x, g1, preferred_element_type=F32),
                    jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit).astype(dt)
         y = jnp.einsum("mki,mkdi->mkd", h, g2, preferred_element_type=F32)
         return jnp.einsum("mkd,mk->md", y, weights)
-    if n_exp <= DENSE_EXPERTS_RATIO * k:
+    if form == "dense":
         combine = jnp.zeros((m, n_exp), F32).at[jnp.arange(m)[:, None], experts].add(weights)  # [M, E]
         h = swiglu(jnp.einsum("md,eid->emi", x, w1.astype(dt), preferred_element_type=F32),
                    jnp.einsum("md,eid->emi", x, w3.astype(dt), preferred_element_type=F32), limit).astype(dt)

@@ -387,6 +387,9 @@ def _mesh_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+DENSE_ROWS_PER_EXPERT = 8
+
+
 def routed_experts(x, weights, experts, w1, w2, w3, limit, mesh_rules=None):
     """L.routed_experts, on a mesh run per shard (shard_map): a shard holds some experts (expert parallel) and a
     slice of each one's width (tensor), runs its experts on every token routed to them, and the partial outputs
@@ -404,9 +407,14 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, mesh_rules=None):
         n_local = w1.shape[0]
         first = jax.lax.axis_index(e_axes) * n_local if e_axes else 0
         mine = (experts >= first) & (experts < first + n_local)
+        # Up to DENSE_ROWS_PER_EXPERT routed rows per local expert: every local expert densely. The grouped
+        # matmul inside the decode loop made XLA:TPU hold a second copy of the experts (libtpu AOT of Flash on
+        # v5p-16, tensor=4,expert=2, batch 32: 136 GB of temporaries; dense: 0.65 GB; BENCHMARKS "TPU pod plan").
+        m, k = experts.shape
+        form = "gather" if m * k < n_local else "dense" if m * k <= DENSE_ROWS_PER_EXPERT * n_local else "grouped"
         # Another shard's experts: weight 0 on a local expert (the grouped matmul then needs no ragged tail).
         y = L.routed_experts(x, jnp.where(mine, weights, 0.0), jnp.clip(experts - first, 0, n_local - 1), w1, w2, w3,
-                             limit)
+                             limit, form)
         return jax.lax.psum(y, sum_axes)
 
     return jax.shard_map(local, mesh=mesh_rules.mesh, in_specs=(P(), P(), P(), up, down, up), out_specs=P(),
