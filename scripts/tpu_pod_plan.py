@@ -10,7 +10,6 @@ memory_analysis() beside the analytic bytes of the weights and pools as the mesh
 One JSON line per step (`PLAN {...}`). tests/test_tpu_aot.py (-m slow) runs the Flash plan.
 """
 import argparse
-import dataclasses
 import functools
 import json
 import math

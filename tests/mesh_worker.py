@@ -1,6 +1,6 @@
 """Run by tests/test_sharding.py in a subprocess with 8 fake CPU devices (the device count is fixed at JAX start):
-a checkpoint loaded onto a mesh (its values and bytes per device), an orbax checkpoint restored onto it, and one single-device reference run, then the
-same requests on each mesh given; prints one JSON line per check.
+a checkpoint loaded onto a mesh (its values and bytes per device), an orbax checkpoint restored onto it, and one
+single-device reference run, then the same requests on each mesh given; prints one JSON line per check.
 
     python tests/mesh_worker.py --meshes data=2,tensor=2,expert=2 tensor=8 [--checkpoint DIR [--memory-mesh M]]
 """
