@@ -57,8 +57,9 @@ def _sweep_params(lens):
     return [SamplingParams(max_tokens=min(12, MAX_LEN - n), **GREEDY) for n in lens]
 
 
+# chunk 7 (many chunks per prompt) by default; 1, 256 and 2048 (whole prompts, batched prefill rows) with -m slow
 @pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7, pytest.param(256, marks=pytest.mark.slow),
-                                   2048])
+                                   pytest.param(2048, marks=pytest.mark.slow)])
 def test_every_request_completes_and_equals_alone(chunk):
     """More requests than slots, prompts up to max_model_len - 1, chunks 1 / 7 / 256 / 2048: every request
     completes with the greedy tokens it gets when run alone."""
@@ -92,7 +93,8 @@ def _budget_for_pages(llm, n_pages):
     return lo
 
 
-@pytest.mark.parametrize("caching", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow  # ~60 s; the randomised test below also runs budgets that queue and preempt
+@pytest.mark.parametrize("caching", [False, True])
 def test_budget_for_two_long_requests_queues_or_preempts(caching):
     """Pools that hold two long requests: four of them (and short ones) still complete, by queueing or
     preemption, with the tokens they get alone."""
@@ -230,6 +232,7 @@ def test_prefix_cache_exact(real_ckpt):
     assert _all_free(warm.engine)
 
 
+@pytest.mark.slow  # ~55 s; test_prefix_cache_exact covers every boundary kind in the default run
 def test_prefix_cache_exact_with_decoded_pages_and_small_budget(real_ckpt):
     """A second turn reuses pages the first turn's decode wrote (boundary states saved by the decode loop),
     under a budget small enough that the tree evicts between requests."""
