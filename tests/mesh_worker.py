@@ -77,9 +77,10 @@ def main():
         outs = llm.generate(PROMPTS, SAMPLING)
         most, total = param_bytes(llm.model)
         err = max(float(np.max(np.abs(np.subtract(x.logprobs, y.logprobs)))) for x, y in zip(base, outs))
-        st = llm.engine.pools.stacks[1].state_kv  # [layers of the stack, slots, ...]
+        st = llm.engine.pools.stacks[1].state_kv  # [layers of the stack, slots, ...] after the steps ran
         emit(check="mesh", mesh=mesh, tokens_equal=all(x.token_ids == y.token_ids for x, y in zip(base, outs)),
-             logprob_err=err, max_device_fraction=most / total, state_spec=[str(s) for s in st.sharding.spec],
+             logprob_err=err, max_device_fraction=most / total,
+             state_spec=[str(s) for s in tuple(st.sharding.spec) + (None,) * (st.ndim - len(st.sharding.spec))],
              seconds=round(time.time() - t0, 1))
 
 

@@ -18,6 +18,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from sharding import multihost  # noqa: E402
 
 
+def spec_of(arr) -> list[str]:
+    spec = tuple(arr.sharding.spec)
+    return [str(x) for x in spec + (None,) * (arr.ndim - len(spec))]
+
+
 def main():
     pid, n, port, mesh, checkpoint = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     assert multihost.initialize(f"127.0.0.1:{port}", n, pid, cpu_collectives="gloo")
@@ -32,7 +37,8 @@ def main():
     print("RESULT " + json.dumps({
         "process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
         "local_devices": jax.local_device_count(), "tokens": [o.token_ids for o in outs],
-        "logprobs": [o.logprobs for o in outs], "sampled": drawn}), flush=True)
+        "logprobs": [o.logprobs for o in outs], "sampled": drawn,
+        "state_spec": spec_of(llm.engine.pools.stacks[1].state_kv)}), flush=True)
     jax.distributed.shutdown()
 
 

@@ -67,6 +67,7 @@ def test_two_processes_one_mesh_equal_single_device(tiny_checkpoint):
     assert sorted(r["process"] for r in rows) == [0, 1]
     for r in rows:
         assert r["processes"] == 2 and r["devices"] == 8 and r["local_devices"] == 4, r
+        assert r["state_spec"] == ["None", "data", "None", "None"], r  # as the rules table says, after the steps
         assert r["tokens"] == [o.token_ids for o in ref], r
         assert max(abs(a - b) for lps, o in zip(r["logprobs"], ref) for a, b in zip(lps, o.logprobs)) <= 1e-4
     assert rows[0]["tokens"] == rows[1]["tokens"] and rows[0]["sampled"] == rows[1]["sampled"]

@@ -111,6 +111,18 @@ def _host_readable(spec: StepSpec, tree):
     return tree if mr is None else mr.replicate(tree)
 
 
+def _placed(spec: StepSpec, pools, store):
+    """Pools and store pinned to the shardings of their logical axes on a mesh: without this XLA propagates the
+    layout of the step's activations into them (the compressor states came out split over `tensor`), and a step
+    fed its own outputs would compile again for the new layout."""
+    mr = spec.opts.mesh_rules
+    if mr is None:
+        return pools, store
+    from v4jax.cache.boundary import store_shardings
+    return jax.lax.with_sharding_constraint(
+        (pools, store), (C.pool_shardings(pools, mr.sharding), store_shardings(store, mr.sharding)))
+
+
 def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_table, swa_table, samp: SamplingState):
     t = batch.tokens.shape[1]
     meta = C.make_meta(spec.cfg, spec.layout, batch.start, batch.n_valid, batch.fresh, batch.slot, page_table,
@@ -123,7 +135,7 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
         store = save_boundary_states(store, pools, batch.slot, rows)
     tok, lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed, samp.sample_index,
                      samp.token_index)
-    return pools, store, *_host_readable(spec, (tok, lp))
+    return *_placed(spec, pools, store), *_host_readable(spec, (tok, lp))
 
 
 def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table, swa_table):
@@ -160,7 +172,7 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
     out = DecodeOutput(tokens=jnp.zeros((s, k), jnp.int32), logprobs=jnp.zeros((s, k), jnp.float32),
                        n_out=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool))
     _, pools, store, state, out = jax.lax.while_loop(cond, body, (0, pools, store, state, out))
-    return pools, store, *_host_readable(spec, (out, state))
+    return *_placed(spec, pools, store), *_host_readable(spec, (out, state))
 
 
 def _carry(prev: DecodeState, fresh: DecodeState, carried):
