@@ -215,7 +215,7 @@ def test_pool_budget_flash_numbers():
     assert pb.n_pages == (100 * GiB - pb.fixed_bytes) // pb.per_page_bytes // 8 * 8
 
 
-@pytest.mark.parametrize("budget", [None, 3_000_000])
+@pytest.mark.parametrize("budget", [None, pytest.param(3_000_000, marks=pytest.mark.slow)])  # budget case: -m slow
 def test_pools_hold_whole_tpu_tiles(budget):
     """Pages come in multiples of page_multiple, so every compressed pool is whole TPU tiles of rows (16 bf16
     rows) and the TPU kernels never pad (copy) a pool; the budget arithmetic mirrors the engine's."""
