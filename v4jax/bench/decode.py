@@ -487,7 +487,7 @@ def decode_main(argv=None) -> int:
                 chunk = a.hf_chunk or (1024 if b == 1 else 256)
                 chunk = min(chunk, c)
                 if time.perf_counter() > deadline - 20:
-                    res.add_hf({"batch": b, "context": c, "chunk": chunk, "error": "skipped: time budget"})
+                    res.add_hf({"batch": b, "context": c, "chunk": chunk, "error": "skipped: past --deadline-s"})
                     continue
                 try:
                     row = hf_decode(hf, b, c, chunk, 2 if a.small else 3, hf_iters, device, deadline - 10, a.seed)
@@ -505,7 +505,7 @@ def decode_main(argv=None) -> int:
         if hf is None:
             return
         if time.perf_counter() > deadline - 40:
-            res.note("HF/JAX logits check skipped: time budget")
+            res.note("HF/JAX logits check skipped: past --deadline-s")
             return
         try:
             res.data["hf_check"] = hf_check(cfg, model, hf, "cuda" if on_gpu else "cpu", seed=a.seed)
@@ -524,7 +524,7 @@ def decode_main(argv=None) -> int:
                 check_hf(hf_model)
         row_base = {"batch": b, "context": c}
         if time.perf_counter() + max(30.0, 1.2 * last_row_s) > deadline:
-            res.add_row(dict(row_base, error="skipped: time budget"))
+            res.add_row(dict(row_base, error="skipped: past --deadline-s"))
             continue
         t_row = time.perf_counter()
         try:

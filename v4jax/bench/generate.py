@@ -133,7 +133,7 @@ def generate_main(argv=None) -> int:
     plan = [(b, c) for b in batches for c in contexts] + [(1, c) for c in prefills]
     for b, c in plan:
         if time.perf_counter() > deadline:
-            data["rows"].append({"batch": b, "context": c, "error": "skipped: time budget"})
+            data["rows"].append({"batch": b, "context": c, "error": "skipped: past --deadline-s"})
             write()
             continue
         try:

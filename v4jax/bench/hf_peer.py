@@ -148,7 +148,7 @@ def hf_decode(hf, batch: int, context: int, chunk: int, n_warm: int, n_iter: int
             if time.perf_counter() > deadline:
                 sync()
                 row["error"] = (f"too slow: prefill reached {a + chunk} of {context} tokens in "
-                                f"{time.perf_counter() - t0:.0f} s (time budget)")
+                                f"{time.perf_counter() - t0:.0f} s (past --deadline-s)")
                 return row
         sync()
         row["prefill_s"] = time.perf_counter() - t0
