@@ -126,23 +126,9 @@ def time_trace(fn: Callable, args: tuple, *, repeats: int) -> tuple[float, dict[
 
 
 def _device_events(xplane_path: str) -> list[tuple[str, float]]:
-  """(kernel name, duration ns) of every kernel and memset on the GPU planes' stream lines, once each (a kernel
-  can be listed on a per-stream line and on an aggregate line)."""
-  from jax.profiler import ProfileData
-  seen, out = set(), []
-  for plane in ProfileData.from_file(xplane_path).planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if not line.name.startswith("Stream"):
-        continue
-      for ev in line.events:
-        key = (ev.name, ev.start_ns, ev.duration_ns)
-        if key in seen or "memcpy" in ev.name.lower():
-          continue
-        seen.add(key)
-        out.append((ev.name, float(ev.duration_ns)))
-  return out
+  """(kernel name, duration ns) of every kernel and memset on the GPU's stream lines, once each (no memcpy)."""
+  from v4jax.bench.profile import device_events
+  return [(name, ns) for name, ns in device_events(xplane_path) if "memcpy" not in name.lower()]
 
 
 def _time_single(fn, args, repeats):

@@ -56,3 +56,20 @@ def _bounded_compiled_code():
         import gc
         gc.collect()
         jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The tiny preset's weights (seed 0, float32) as an HF-format directory."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from checkpoints import write_official_checkpoint
+    from v4jax.config import preset
+    from v4jax.model import Transformer
+    from v4jax.weights import model_to_official
+    cfg = preset("tiny")
+    d = tmp_path_factory.mktemp("tiny-ckpt")
+    write_official_checkpoint(d, cfg, model_to_official(Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)),
+                              fp8=False, fp4_experts=False, bf16=False)
+    return str(d)

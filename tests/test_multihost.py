@@ -6,9 +6,7 @@ import socket
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import pytest
-from flax import nnx
 
 from sharding import multihost
 
@@ -27,19 +25,6 @@ def test_initialize_without_a_cluster_does_nothing(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     assert multihost.initialize() is False
     assert multihost.agree(7) == 7
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    from checkpoints import write_official_checkpoint
-    from v4jax.config import preset
-    from v4jax.model import Transformer
-    from v4jax.weights import model_to_official
-    cfg = preset("tiny")
-    d = tmp_path_factory.mktemp("tiny-ckpt")
-    write_official_checkpoint(d, cfg, model_to_official(Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)),
-                              fp8=False, fp4_experts=False, bf16=False)
-    return str(d)
 
 
 @pytest.mark.filterwarnings("ignore:no tokenizer.json")

@@ -75,18 +75,6 @@ def test_spec_rules():
     assert MeshRules.make(None) is None and MeshRules.make("") is None
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """The tiny preset's weights (seed 0, float32) as an HF-format directory."""
-    from checkpoints import write_official_checkpoint
-    from v4jax.weights import model_to_official
-    cfg = preset("tiny")
-    d = tmp_path_factory.mktemp("tiny-ckpt")
-    write_official_checkpoint(d, cfg, model_to_official(Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)),
-                              fp8=False, fp4_experts=False, bf16=False)
-    return str(d)
-
-
 @pytest.mark.filterwarnings("ignore:no tokenizer.json")
 def test_checkpoint_loads_into_its_shards(tiny_checkpoint, tmp_path):
     """Read straight into the shards of tensor=4,expert=2: the same values, at most 30% of the parameter bytes on

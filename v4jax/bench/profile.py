@@ -8,8 +8,9 @@ import re
 import tempfile
 
 
-def _events(xplane_path: str) -> list[tuple[str, float]]:
-    """(name, duration ns) of every event on the GPU planes' stream lines, once each."""
+def device_events(xplane_path: str) -> list[tuple[str, float]]:
+    """(name, duration ns) of every event on the GPU planes' stream lines, once each (a kernel can be listed on a
+    per-stream line and on an aggregate line)."""
     from jax.profiler import ProfileData
     seen, out = set(), []
     for plane in ProfileData.from_file(xplane_path).planes:
@@ -43,7 +44,7 @@ def summarize(call, repeats: int = 2, top: int = 20) -> dict:
             for _ in range(repeats):
                 call()
         paths = [os.path.join(r, n) for r, _, ns in os.walk(d) for n in ns if n.endswith(".xplane.pb")]
-        events = _events(paths[0]) if paths else []
+        events = device_events(paths[0]) if paths else []
     if not events:
         return {"error": "no GPU events in the trace"}
     kern, copies = {}, {"n": 0, "ns": 0.0}
