@@ -10,12 +10,11 @@ time do not grow with depth. The forward runs as a pure function: `nnx.split` on
 Pieces of each layer (projections, compressor, indexer, output) are separate methods so that the engine's
 cached steps reuse exactly the same maths.
 
-How the layers are run was chosen by measurement (`RunOptions.layer_loop`; scripts/layer_loop_compare.py, CPU,
-2 cores, JAX 0.10.2, `tiny` widths at 24 layers of the Flash pattern, batch 4): "periods" (scans over repeating
-periods, irregular head / tail unrolled) compiled the cached decode step in 3.5 s and ran it in 7.6 ms; "switch"
+How the layers are run was chosen by measurement (CPU, 2 cores, JAX 0.10.2, `tiny` widths at 24 layers of the
+Flash pattern, batch 4): "periods" (scans over repeating periods, irregular head / tail unrolled) compiled the cached decode step in 3.5 s and ran it in 7.6 ms; "switch"
 (one scan over every layer, a `lax.switch` on its stack) compiled in 3.2 s but ran in 35 ms (every stack's pools
 go through the conditional each layer); the full forward was 16.7 vs 17.5 ms. A GPU `lax.switch` also reads its
-branch index on the host. So "periods" is the default; "switch" is kept only to repeat the comparison.
+branch index on the host. So the layers run as periods.
 """
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ class RunOptions:
     """Static numerics switches of a forward pass."""
     quant_sim: bool = False  # the official FP8 KV / FP4 indexer / FP8 activation rounding (reference §9.1)
     attention_impl: str = "xla"  # "xla" | "pallas": the ops table of the cached path (v4jax.ops)
-    layer_loop: str = "periods"  # "periods" | "switch": how the layer stack runs (see the module doc)
     # sharding.MeshRules (mesh + logical-axis table) when the model runs on a mesh: the MoE runs its routed
     # experts per shard (shard_map) and the steps replicate what the host reads; None = one device
     mesh_rules: Any = None
@@ -599,12 +597,6 @@ class Transformer(nnx.Module):
             graphdef, state = split[g]
             return layer(nnx.merge(graphdef, jax.tree.map(lambda a: _index(a, li), state)), g, li, x, pool)
 
-        if opts.layer_loop == "switch":
-            if collect:
-                raise ValueError("layer_loop='switch' collects no auxiliary outputs")
-            return self._run_switch(run, x, pools)
-        if opts.layer_loop != "periods":
-            raise ValueError(f"layer_loop must be 'periods' or 'switch', got {opts.layer_loop!r}")
         auxs: dict[int, list] = {}
         for seg in layer_stacks(self.cfg).segments:
             if seg.repeats == 1:  # unrolled
@@ -640,29 +632,6 @@ class Transformer(nnx.Module):
                         auxs.setdefault(g, []).append(
                             (seg.base[j] + i * seg.step[j], jax.tree.map(lambda a: a[i], ys[j])))
         return x, pools, auxs
-
-    def _run_switch(self, run, x, pools):
-        """The alternative loop (kept to repeat the measurement): one scan over all layers, a `lax.switch` on
-        the layer's stack, the pools of every stack in the carry."""
-        plan = layer_stacks(self.cfg)
-        n_stacks = len(plan.stacks)
-
-        def branch(g):
-            def f(x, ps, li):
-                x, pool, _ = run(g, li, x, None if ps is None else ps[g])
-                if ps is not None:
-                    ps = ps[:g] + (pool,) + ps[g + 1:]
-                return x, ps
-            return f
-
-        def body(carry, xs):
-            x, ps = carry
-            g, li = xs
-            return jax.lax.switch(g, [branch(k) for k in range(n_stacks)], x, ps, li), None
-
-        xs = (jnp.asarray([g for g, _ in plan.where], jnp.int32), jnp.asarray([i for _, i in plan.where], jnp.int32))
-        (x, ps), _ = jax.lax.scan(body, (x, None if pools is None else tuple(pools)), xs)
-        return x, None if ps is None else list(ps), {}
 
     def __call__(self, token_ids, opts: RunOptions = RunOptions(), return_streams: bool = False):
         """Full-sequence forward from position 0, no cache. token_ids [B, T] -> logits [B, T, V] f32.
