@@ -10,11 +10,11 @@ time do not grow with depth. The forward runs as a pure function: `nnx.split` on
 Pieces of each layer (projections, compressor, indexer, output) are separate methods so that the engine's
 cached steps reuse exactly the same maths.
 
-How the layers are run was chosen by measurement (CPU, 2 cores, JAX 0.10.2, `tiny` widths at 24 layers of the
-Flash pattern, batch 4): "periods" (scans over repeating periods, irregular head / tail unrolled) compiled the cached decode step in 3.5 s and ran it in 7.6 ms; "switch"
-(one scan over every layer, a `lax.switch` on its stack) compiled in 3.2 s but ran in 35 ms (every stack's pools
-go through the conditional each layer); the full forward was 16.7 vs 17.5 ms. A GPU `lax.switch` also reads its
-branch index on the host. So the layers run as periods.
+How the layers are run was chosen by measurement (CPU, 2 cores, JAX 0.10.2, `tiny` widths at 24 layers of the Flash
+pattern, batch 4): "periods" (scans over repeating periods, irregular head / tail unrolled) compiled the cached
+decode step in 3.5 s and ran it in 7.6 ms; "switch" (one scan over every layer, a `lax.switch` on its stack)
+compiled in 3.2 s but ran in 35 ms (every stack's pools go through the conditional each layer); the full forward
+was 16.7 vs 17.5 ms. A GPU `lax.switch` also reads its branch index on the host. So the layers run as periods.
 """
 from __future__ import annotations
 
