@@ -56,6 +56,7 @@ def test_roofline_by_hand(batch, ctx):
     assert rl["total"] == pytest.approx(hand_weights(batch) + batch * hand_kv_per_seq(ctx), rel=1e-12)
 
 
+@pytest.mark.slow  # ~35 s: the decode bench end to end on CPU
 def test_small_runs_end_to_end(tmp_path):
     out = str(tmp_path / "bench")
     rc = bench.decode_main(["--small", "--batches", "1,2", "--contexts", "256", "--long-b1", "", "--iters", "2",

@@ -28,6 +28,7 @@ def test_initialize_without_a_cluster_does_nothing(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:no tokenizer.json")
+@pytest.mark.slow  # ~50 s: two processes compiling one 8-device mesh
 def test_two_processes_one_mesh_equal_single_device(tiny_checkpoint):
     port, n = _free_port(), 2
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
