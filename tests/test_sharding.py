@@ -79,7 +79,7 @@ def test_spec_rules():
 def test_checkpoint_loads_into_its_shards(tiny_checkpoint, tmp_path):
     """Read straight into the shards of tensor=4,expert=2: the same values, at most 30% of the parameter bytes on
     any device. An orbax checkpoint converted on one device restores onto that mesh with the same values and
-    logits. (Greedy tokens on a mesh by default: tests/test_multihost.py, two processes, one 8-device mesh.)"""
+    logits. (Greedy tokens on a mesh: tests/test_multihost.py, two processes, one 8-device mesh, -m slow.)"""
     from checkpoints.orbax_io import is_orbax_dir
     from v4jax.cli import main
     orbax_dir = str(tmp_path / "orbax")
