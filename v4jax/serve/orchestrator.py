@@ -289,15 +289,17 @@ class Orchestrator:
 
     def _refused(self, rid: str, msg: str) -> None:
         with self._lock:
-            seq = self._seqs.pop(rid, None)
-            if seq is None:
-                return
-            self._in_flight -= 1
+            seq = self._seqs.get(rid)
+        if seq is None:
+            return
         if seq.client_reason is None:
             seq.client_reason = "error"
             seq.stream.put(SeqOutput(seq.index, "", [], [], "error", error=msg))
-        if self.metrics is not None:
+        if self.metrics is not None:  # counted before in_flight drops (see _advance)
             self.metrics.finished.labels(finish_reason="error").inc()
+        with self._lock:
+            if self._seqs.pop(rid, None) is not None:
+                self._in_flight -= 1
 
     def _advance(self, d, t: float) -> None:
         with self._lock:
@@ -325,11 +327,12 @@ class Orchestrator:
                     self._commands.put(("abort", seq.rid))
             seq.stream.put(SeqOutput(seq.index, pushed.text, pushed.token_ids, pushed.logprobs, reason))
         if d.finish_reason is not None:  # the engine has let go: its pages are free
+            # Counted before in_flight drops, so whoever sees in_flight == 0 also sees every finish counted.
+            if m is not None:
+                m.finished.labels(finish_reason=seq.client_reason or "abort").inc()
             with self._lock:
                 self._seqs.pop(seq.rid, None)
                 self._in_flight -= 1
-            if m is not None:
-                m.finished.labels(finish_reason=seq.client_reason or "abort").inc()
 
     def _observe_finished(self, seq: _Seq, t: float) -> None:
         m = self.metrics
