@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The speed tables of BENCHMARKS.md ("Decode and prefill at depth"), one device call per stage (each inside the
-# 10-minute limit):
-#   bash scripts/h200_speed.sh main    flash-slice decode (Pallas and XLA ops, profiled), flash-1gpu generate and decode
-#   bash scripts/h200_speed.sh slice   GPU tests; flash-slice: decode (jitted call and engine loop, XLA and Pallas
-#                                      ops, kernels per step from a profile), HF at 4K, generate rows, 128K prefill
-#   bash scripts/h200_speed.sh 1gpu    flash-1gpu (43 layers): first generate (compile), decode rows, 32K prefill
-#   bash scripts/h200_speed.sh hf      HF peer of flash-slice at 32K and 128K, and the 1M row at batch 1
+# 10-minute limit), Pallas ops:
+#   bash scripts/h200_speed.sh slice   flash-slice: decode at batch 1 / 32 and 4K / 32K / 128K (jitted call, engine
+#                                      loop, kernels per step from a profile) with HF at 4K; batch 1 at 32K / 128K /
+#                                      1M with HF at 32K / 128K; generate rows and the 128K prefill; the engine GPU test
+#   bash scripts/h200_speed.sh 1gpu    flash-1gpu (43 layers): first generate (compile), generate rows, 32K prefill,
+#                                      decode at batch 1 / 32 and 4K / 32K / 128K
 # Everything lands under $OUT.
 set -u
 out=${OUT:-./h200_out}
@@ -30,60 +30,35 @@ for h in d.get("hf", []):
 EOF
 }
 case "${1:-slice}" in
-main)
-  stamp "flash-slice decode pallas"
-  timeout 110 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,128K \
-    --long-b1 "" --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 90 \
-    --out "$out/slice_pallas" 2>&1 | quiet | grep "^|" | tail -6
-  summary "$out/slice_pallas/decode.json"
-  stamp "flash-slice generate"
-  timeout 150 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
-    --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 120 --out "$out/gen_slice" \
-    2>&1 | quiet | tail -7
-  stamp "flash-1gpu decode"
-  timeout 130 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
-    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 100 \
-    --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
-  summary "$out/d_1gpu/decode.json"
-  stamp "flash-1gpu generate"
-  timeout 150 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
-    --prefill 32K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 110 --out "$out/gen_1gpu" \
-    2>&1 | quiet | tail -8
-  ;;
 slice)
-  stamp "gpu tests"
-  timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
-    > "$out/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/pytest_gpu.log"
-  for impl in xla pallas; do
-    stamp "flash-slice decode $impl"
-    hf=off; [ $impl = xla ] && hf=on
-    timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,128K \
-      --long-b1 "" --hf $hf --hf-contexts 4K --iters 5 --gen-iters 3 --profile --attention-impl $impl \
-      --deadline-s 120 --out "$out/slice_$impl" 2>&1 | quiet | grep "^|" | tail -8
-    summary "$out/slice_$impl/decode.json"
-  done
-  stamp "flash-slice generate (pallas)"
-  timeout 170 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
-    --prefill 128K --new 32 --prefill-chunk 8192 --attention-impl pallas --deadline-s 150 --out "$out/gen_slice" \
-    2>&1 | quiet | tail -10
+  stamp "flash-slice decode"
+  timeout 230 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,32K,128K \
+    --long-b1 "" --hf on --hf-contexts 4K --iters 5 --gen-iters 3 --profile --attention-impl pallas \
+    --deadline-s 200 --out "$out/slice_decode" 2>&1 | quiet | grep "^|" | tail -8
+  summary "$out/slice_decode/decode.json"
+  stamp "flash-slice batch 1 with HF at 32K and 128K, and 1M"
+  timeout 170 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1 --contexts 32K,128K \
+    --long-b1 1M --hf on --hf-contexts 32K,128K --iters 5 --gen-iters 2 --attention-impl pallas \
+    --deadline-s 140 --out "$out/slice_hf" 2>&1 | quiet | grep "^|" | tail -6
+  summary "$out/slice_hf/decode.json"
+  stamp "flash-slice generate"
+  timeout 130 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 110 --out "$out/gen_slice" \
+    2>&1 | quiet | tail -8
+  stamp "engine GPU test"
+  timeout 90 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1
+  echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
   ;;
 1gpu)
   stamp "flash-1gpu generate"
-  timeout 260 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
-    --prefill 32K --new 32 --prefill-chunk 8192 --attention-impl pallas --deadline-s 240 --out "$out/gen_1gpu" \
+  timeout 230 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
+    --prefill 32K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 200 --out "$out/gen_1gpu" \
     2>&1 | quiet | tail -12
   stamp "flash-1gpu decode"
-  timeout 300 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
-    --long-b1 "" --hf off --iters 5 --gen-iters 2 --profile --attention-impl pallas --deadline-s 260 \
+  timeout 320 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 280 \
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
   summary "$out/d_1gpu/decode.json"
-  ;;
-hf)
-  stamp "flash-slice HF at long contexts, and 1M"
-  timeout 540 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1 --contexts 32K,128K \
-    --long-b1 1M --hf on --hf-contexts 32K,128K --iters 5 --gen-iters 2 --attention-impl pallas \
-    --deadline-s 500 --out "$out/slice_hf" 2>&1 | quiet | grep "^|" | tail -8
-  summary "$out/slice_hf/decode.json"
   ;;
 esac
 stamp done

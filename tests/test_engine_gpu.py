@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_compat.backend() != "gpu", re
 SA = importlib.import_module("pallas_kernels.sparse_attention")
 IX = importlib.import_module("pallas_kernels.indexer")
 TK = importlib.import_module("pallas_kernels.topk")
+EX = importlib.import_module("pallas_kernels.experts")
 
 
 def _counting(monkeypatch, module, name, counts):
@@ -40,7 +41,8 @@ def test_pallas_engine_equals_xla_on_gpu(tmp_path, monkeypatch):
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (1, 300, 700, 1100)]
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True)
     counts = {}
-    for module, name in ((SA, "_sparse_attention_gpu"), (IX, "_indexer_scores_gpu"), (TK, "_rank_scatter")):
+    for module, name in ((SA, "_sparse_attention_gpu"), (IX, "_indexer_scores_gpu"), (TK, "_rank_scatter"),
+                         (EX, "routed_experts")):
         _counting(monkeypatch, module, name, counts)
     outs = {}
     for impl in ("xla", "pallas"):
@@ -49,8 +51,8 @@ def test_pallas_engine_equals_xla_on_gpu(tmp_path, monkeypatch):
         outs[impl] = llm.generate(prompts, sp)
         if impl == "xla":
             assert not counts, counts
-    assert all(counts.get(n, 0) > 0 for n in ("_sparse_attention_gpu", "_indexer_scores_gpu", "_rank_scatter")), \
-        counts
+    assert all(counts.get(n, 0) > 0 for n in ("_sparse_attention_gpu", "_indexer_scores_gpu", "_rank_scatter",
+                                              "routed_experts")), counts
     for p, a, b in zip(prompts, outs["xla"], outs["pallas"]):
         assert a.token_ids == b.token_ids, f"prompt of {len(p)} tokens"
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -175,6 +175,11 @@ def swiglu(h1, h3, limit):
 DENSE_EXPERTS_RATIO = 4  # with at most this many experts per active one, compute every expert densely
 
 
+def experts_form(m: int, k: int, n_exp: int) -> str:
+    """The form `routed_experts` takes for M tokens, k active of E experts (see there)."""
+    return "gather" if m * k < n_exp else "dense" if n_exp <= DENSE_EXPERTS_RATIO * k else "grouped"
+
+
 def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = None):
     """The routed experts' sum_k w_k FFN_{e_k}(x). x [M, D]; weights/experts [M, k]; w1/w3 [E, I, D]; w2 [E, D, I].
     Three forms, by measurement on the H200 (flash-slice, 16 experts, 6 active):
@@ -189,8 +194,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = No
     m, k = experts.shape
     n_exp = w1.shape[0]
     dt = x.dtype
-    if form is None:
-        form = "gather" if m * k < n_exp else "dense" if n_exp <= DENSE_EXPERTS_RATIO * k else "grouped"
+    form = form or experts_form(m, k, n_exp)
     if form == "gather":
         g1, g3, g2 = w1[experts].astype(dt), w3[experts].astype(dt), w2[experts].astype(dt)  # [M, k, ...]
         h = swiglu(jnp.einsum("md,mkid->mki", x, g1, preferred_element_type=F32),

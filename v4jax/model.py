@@ -29,7 +29,7 @@ from v4jax import layers as L
 from v4jax import quant
 from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
 from v4jax.layers import index_scores  # noqa: F401  (re-exported: the indexer's scores)
-from v4jax.ops import Ops, ops_for
+from v4jax.ops import OPS, Ops, ops_for
 
 F32 = jnp.float32
 
@@ -96,6 +96,14 @@ class Linear(nnx.Module):
 def _index(a, i):
     """a[i] along the leading (stack) axis; i a Python int or a traced scalar."""
     return a[i] if isinstance(i, int) else jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
+_EXPERT_WEIGHTS = {("ffn", "experts", w) for w in ("w1", "w2", "w3")}
+
+
+def _is_expert_weight(path) -> bool:
+    """A Block state's key path (..., "ffn", "experts", "w1" | "w2" | "w3", .value): a routed expert weight."""
+    return tuple(getattr(k, "key", None) for k in path[-4:-1]) in _EXPERT_WEIGHTS
 
 
 def _rows_of(state, li, meta):
@@ -388,13 +396,16 @@ def _mesh_axes(entry) -> tuple[str, ...]:
 DENSE_ROWS_PER_EXPERT = 8
 
 
-def routed_experts(x, weights, experts, w1, w2, w3, limit, mesh_rules=None):
+def routed_experts(x, weights, experts, w1, w2, w3, limit, mesh_rules=None, single_device=None, layer=None):
     """L.routed_experts, on a mesh run per shard (shard_map): a shard holds some experts (expert parallel) and a
     slice of each one's width (tensor), runs its experts on every token routed to them, and the partial outputs
     add up over those mesh axes. Tokens are not dispatched: every shard sees the step's (few) tokens, so the only
-    collective is the sum of [M, D]."""
+    collective is the sum of [M, D]. `single_device`: the ops table's experts (used off a mesh; default the XLA
+    forms). `layer`: w1/w2/w3 are a layer stack and this is the layer's index in it."""
     if mesh_rules is None:
-        return L.routed_experts(x, weights, experts, w1, w2, w3, limit)
+        return (single_device or OPS["xla"].experts)(x, weights, experts, w1, w2, w3, limit, layer)
+    if layer is not None:
+        w1, w2, w3 = (_index(w, layer) for w in (w1, w2, w3))
     from jax.sharding import PartitionSpec as P
     up, down = mesh_rules.spec(EXPERT_UP_AXES, w1.shape), mesh_rules.spec(EXPERT_DOWN_AXES, w2.shape)
     e_axes, sum_axes = _mesh_axes(up[0]), _mesh_axes(up[0]) + _mesh_axes(up[1])
@@ -442,8 +453,9 @@ class MoE(nnx.Module):
     def hashed(self) -> bool:
         return self.gate.tid2eid is not None
 
-    def __call__(self, x, token_ids, opts: RunOptions):
-        """Returns (y like x, the chosen experts [B*T, k] int32)."""
+    def __call__(self, x, token_ids, opts: RunOptions, experts_fn=None, layer=None):
+        """Returns (y like x, the chosen experts [B*T, k] int32). experts_fn: the ops table's `experts`; layer: the
+        index of this layer in its stack when the expert weights are the whole stack (see Transformer._run_layers)."""
         cfg = self.cfg
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -452,7 +464,7 @@ class MoE(nnx.Module):
         w, idx = L.route(flat, self.gate.weight[...], bias, tid2eid, token_ids.reshape(-1), cfg)
         xin = quant.fp8_roundtrip(flat, 128) if opts.quant_sim else flat
         y = routed_experts(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...],
-                           cfg.swiglu_limit, opts.mesh_rules)
+                           cfg.swiglu_limit, opts.mesh_rules, experts_fn, layer)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, cfg.swiglu_limit, opts).astype(F32)
         return y.astype(x.dtype).reshape(shape), idx
@@ -482,24 +494,25 @@ class Block(nnx.Module):
     def hc_ffn(self, x, sinkhorn=None):
         return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg, sinkhorn)
 
-    def ffn_part(self, x, token_ids, opts, sinkhorn=None):
-        u, post, comb = self.hc_ffn(x, sinkhorn)
-        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts)
+    def ffn_part(self, x, token_ids, opts, ops: Ops | None = None, layer=None):
+        """ops: the cached path's ops table (None: the reference maths of the uncached forward); layer: see MoE."""
+        u, post, comb = self.hc_ffn(x, None if ops is None else ops.sinkhorn)
+        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, None if ops is None else ops.experts, layer)
         return L.hc_post(y, x, post, comb), experts
 
     def cached(self, x, meta, token_ids, pool, li, ops: Ops, opts: RunOptions):
         u, post, comb = self.hc_attn(x, ops.sinkhorn)
         a, pool = self.attn.cached(self.attn_norm(u), meta, pool, li, ops, opts)
         x = L.hc_post(a, x, post, comb)
-        return self.ffn_part(x, token_ids, opts, ops.sinkhorn)[0], pool
+        return self.ffn_part(x, token_ids, opts, ops, li)[0], pool
 
-    def __call__(self, x, positions, token_ids, opts: RunOptions):
+    def __call__(self, x, positions, token_ids, opts: RunOptions, layer=None):
         """Returns (streams, aux): aux["indexer"] (CSA, opts.indexer_aux), aux["routing"] (top-k routed layers,
-        opts.routing_aux)."""
+        opts.routing_aux). layer: see MoE."""
         u, post, comb = self.hc_attn(x)
         a, idx_aux = self.attn(self.attn_norm(u), positions, opts)
         x = L.hc_post(a, x, post, comb)
-        x, experts = self.ffn_part(x, token_ids, opts)
+        x, experts = self.ffn_part(x, token_ids, opts, layer=layer)
         aux = {}
         if idx_aux is not None:
             aux["indexer"] = idx_aux
@@ -595,7 +608,11 @@ class Transformer(nnx.Module):
 
         def run(g, li, x, pool):
             graphdef, state = split[g]
-            return layer(nnx.merge(graphdef, jax.tree.map(lambda a: _index(a, li), state)), g, li, x, pool)
+            # The routed experts' weights stay whole: the MoE reads layer li's own (a sliced copy fed to a
+            # kernel or a matmul that cannot fuse the slice is a copy of every expert each step: 2.1 ms of a
+            # 4.8 ms flash-slice step at batch 32 on the H200).
+            sliced = jax.tree_util.tree_map_with_path(lambda p, a: a if _is_expert_weight(p) else _index(a, li), state)
+            return layer(nnx.merge(graphdef, sliced), g, li, x, pool)
 
         auxs: dict[int, list] = {}
         for seg in layer_stacks(self.cfg).segments:
@@ -642,7 +659,7 @@ class Transformer(nnx.Module):
         collect = opts.indexer_aux or opts.routing_aux
 
         def layer(block, g, li, x, pool):
-            x, aux = block(x, positions, token_ids, opts)
+            x, aux = block(x, positions, token_ids, opts, li)
             return x, pool, aux
 
         x, _, auxs = self._run_layers(layer, x, None, opts, collect)

@@ -15,6 +15,9 @@ arrays ([rows, K], all layers of a stack one after another) through row ids (-1 
       the chunk's window union) and either all ready entries of hca_rows [B, S] (HCA) or its selected rows
       sel_rows [B, T, k] (CSA); kv is None on sliding layers.
   sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
+  experts(x, weights, experts, w1, w2, w3, limit, layer) -> [M, D] f32: the routed experts' weighted sum
+      (v4jax.layers.routed_experts); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the
+      layer's experts are used, else [E, ...].
 Kernels are looked up in their modules at call time (tests patch them to count calls).
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Ops:
     select: Callable
     attend: Callable
     sinkhorn: Callable
+    experts: Callable
 
 
 def _broadcast_rows(rows, t):
@@ -132,9 +136,30 @@ def _sinkhorn_pallas(comb, iters, eps):
     return importlib.import_module("pallas_kernels.sinkhorn").sinkhorn(comb, iters, eps)
 
 
+def _layer_experts(w1, w2, w3, layer):
+    if layer is None:
+        return w1, w2, w3
+    return tuple(w[layer] if isinstance(layer, int) else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+                 for w in (w1, w2, w3))
+
+
+def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None):
+    return L.routed_experts(x, weights, experts, *_layer_experts(w1, w2, w3, layer), limit)
+
+
+def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None):
+    """pallas_kernels.experts for a decode step's few tokens (each chosen expert's weights read once, from the
+    layer stack in place) on GPU and, interpreted, on CPU; the XLA forms otherwise (prefill). On TPU the kernels'
+    whole-array weight refs do not fit VMEM, so the XLA forms run there."""
+    kernels = importlib.import_module("pallas_kernels.experts")
+    if kernels.supported(x, w1) and jax.default_backend() != "tpu":
+        return kernels.routed_experts(x, weights, experts, w1, w2, w3, limit, layer=layer)
+    return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer)
+
+
 OPS = {
-    "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn),
-    "pallas": Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas),
+    "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla),
+    "pallas": Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas, _experts_pallas),
 }
 
 

@@ -1,0 +1,164 @@
+"""The routed experts of a decode step: each expert's weights read once, in place, for all its tokens.
+
+Two costs of the XLA forms, measured on the H200 (flash-slice, 16 experts of 3 x 2048 x 4096, 6 active):
+* inside the layer `lax.scan` the layer's expert weights are a dynamic slice of the stack; a matmul that cannot
+  fuse the slice gets a copy of all of them every step (batch 32: 2.1 ms of a 4.8 ms step; batch 1, with the
+  weights handed to a custom call: 1.6 ms);
+* at batch 1 the gather form writes the selected experts' weights to a new buffer and reads it again (0.20 ms
+  per layer against 0.08 ms here).
+Here the kernels read the stack itself at the layer's offset, and only the experts some token chose.
+
+Pairs (token, expert) are sorted by expert; expert e's pairs are rows offs[e] .. offs[e+1] of the sorted list
+(at most TB of them: a token picks distinct experts, so TB >= M suffices).
+  up   grid (E, I/bi): program (e, j) multiplies its <= TB tokens [TB, D] by rows j*bi .. of w1 and w3 of expert e
+       (in chunks of D), applies the clamped SwiGLU, writes h [E, TB, I] (rounded to x's dtype).
+  down grid (E, D/bd): program (e, j) multiplies h[e] [TB, I] by rows j*bd .. of w2 of expert e: y [E, TB, D].
+Experts nobody chose are skipped (their outputs are never read). The combine (weights, sum over the k experts of
+each token) runs in XLA, in the reference's order.
+
+  x [M, D]; weights, experts [M, k]; w1, w3 [E, I, D] or a layer stack [n, E, I, D] with `layer`; w2 likewise
+  [E, D, I] / [n, E, D, I].
+`routed_experts_ref` is the jnp reference (the gather form of v4jax.layers.routed_experts, same maths).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._common import mm_nt, next_pow2
+from ._compat import TritonCompilerParams, backend, pltriton
+
+F32 = jnp.float32
+
+MAX_TOKENS = 64  # tokens per step the kernels take (one [TB, .] tile per expert); more: XLA's grouped forms
+# Block sizes (rows per program, columns per loop step), from an H200 sweep (scripts/bench_experts.py).
+UP_ROWS, UP_COLS = 16, 512
+DOWN_ROWS, DOWN_COLS = 16, 512
+
+
+def swiglu(h1, h3, limit):
+    """Clamped SwiGLU in f32 (the model's): silu(min(h1, limit)) * clip(h3, -limit, limit)."""
+    return jax.nn.silu(jnp.minimum(h1, limit)) * jnp.clip(h3, -limit, limit)
+
+
+def routed_experts_ref(x, weights, experts, w1, w2, w3, limit):
+    """sum_k weights[m, k] * FFN_{experts[m, k]}(x[m]) in f32 [M, D]; the hidden activation rounded to x's dtype."""
+    dt = x.dtype
+    g1, g3, g2 = w1[experts].astype(dt), w3[experts].astype(dt), w2[experts].astype(dt)  # [M, k, ...]
+    h = swiglu(jnp.einsum("md,mkid->mki", x, g1, preferred_element_type=F32),
+               jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit).astype(dt)
+    y = jnp.einsum("mki,mkdi->mkd", h, g2, preferred_element_type=F32)
+    return jnp.einsum("mkd,mk->md", y, weights)
+
+
+def _pow2_block(n: int, want: int) -> int | None:
+    """The largest power of two <= want that divides n (and is >= 16, Triton's smallest tile), or None."""
+    b = want
+    while b >= 16:
+        if n % b == 0:
+            return b
+        b //= 2
+    return None
+
+
+MAX_ELEMENTS = 2 ** 31 - 1  # element offsets into the weights are 32-bit in the kernels' pointer arithmetic
+
+
+def supported(x, w1) -> bool:
+    """What the kernels take: at most MAX_TOKENS tokens; D and I divisible by power-of-two blocks of >= 16; a
+    weight array (the whole layer stack) of fewer than 2**31 elements. On the H200 a 256-expert Flash layer
+    (exactly 2**31 elements) gave wrong results; larger stacks go to XLA's forms until offsets are 64-bit."""
+    i, d = w1.shape[-2:]
+    return x.shape[0] <= MAX_TOKENS and w1.size <= MAX_ELEMENTS and all(
+        b is not None for b in (_pow2_block(i, UP_ROWS), _pow2_block(d, UP_COLS),
+                                _pow2_block(d, DOWN_ROWS), _pow2_block(i, DOWN_COLS)))
+
+
+def _up_kernel(layer_ref, offs_ref, tok_ref, x_ref, w1_ref, w3_ref, h_ref, *, n_exp, n_inner, rows, cols, tb,
+               limit):
+    e, j = pl.program_id(0), pl.program_id(1)
+    start, count = offs_ref[e], offs_ref[e + 1] - offs_ref[e]
+
+    @pl.when(count > 0)
+    def _():
+        slot = lax.broadcasted_iota(jnp.int32, (tb,), 0)
+        valid = slot < count
+        tok = pltriton.load(tok_ref.at[jnp.where(valid, start + slot, 0)], mask=valid, other=0)  # [TB]
+        row0 = (layer_ref[0] * n_exp + e) * n_inner + j * rows  # this block's first row of w [n*E*I, D]
+        cdt = x_ref.dtype
+
+        def body(c, acc):
+            a1, a3 = acc
+            cid = c * cols + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+            xb = pltriton.load(x_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)  # [TB, cols]
+            a1 += mm_nt(xb, w1_ref[pl.ds(row0, rows), pl.ds(c * cols, cols)].astype(cdt))
+            a3 += mm_nt(xb, w3_ref[pl.ds(row0, rows), pl.ds(c * cols, cols)].astype(cdt))
+            return a1, a3
+
+        zero = jnp.zeros((tb, rows), F32)
+        a1, a3 = lax.fori_loop(0, x_ref.shape[1] // cols, body, (zero, zero))
+        h_ref[...] = swiglu(a1, a3, limit).astype(h_ref.dtype)
+
+
+def _down_kernel(layer_ref, offs_ref, h_ref, w2_ref, y_ref, *, n_exp, n_out, rows, cols, tb):
+    e, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(offs_ref[e + 1] > offs_ref[e])
+    def _():
+        row0 = (layer_ref[0] * n_exp + e) * n_out + j * rows  # first row of this block in w2 [n*E*D, I]
+
+        def body(c, acc):
+            hb = h_ref[:, pl.ds(c * cols, cols)]  # [TB, cols]
+            return acc + mm_nt(hb, w2_ref[pl.ds(row0, rows), pl.ds(c * cols, cols)].astype(hb.dtype))
+
+        y_ref[...] = lax.fori_loop(0, h_ref.shape[1] // cols, body, jnp.zeros((tb, rows), F32))
+
+
+def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interpret=None, num_warps: int = 4,
+                   num_stages: int = 2, up=(UP_ROWS, UP_COLS), down=(DOWN_ROWS, DOWN_COLS)):
+    """`routed_experts_ref` as two Pallas kernels (Triton on GPU; interpret=None: the HLO interpreter on CPU).
+    With `layer` (an int32 scalar), w1/w2/w3 are layer stacks and layer `layer`'s experts are read in place.
+    Shapes must pass `supported`."""
+    if interpret is None:
+        interpret = backend() == "cpu"
+    m, k = experts.shape
+    n_exp, n_inner, d = w1.shape[-3:]
+    if not supported(x, w1):
+        raise ValueError(f"{m} tokens (at most {MAX_TOKENS}), expert weights {w1.shape} (power-of-two blocks of "
+                         f"at least 16, fewer than 2**31 elements): not for these kernels")
+    ur, uc = _pow2_block(n_inner, up[0]), _pow2_block(d, up[1])
+    dr, dc = _pow2_block(d, down[0]), _pow2_block(n_inner, down[1])
+    tb = max(16, next_pow2(m))
+    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    w1f, w3f, w2f = w1.reshape(-1, d), w3.reshape(-1, d), w2.reshape(-1, n_inner)
+
+    flat_e = experts.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat_e, stable=True)  # pairs sorted by expert
+    sorted_e = flat_e[order]
+    offs = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                            jnp.cumsum(jnp.bincount(flat_e, length=n_exp)).astype(jnp.int32)])
+    sorted_tok = (order // k).astype(jnp.int32)
+
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    kw = dict(interpret=True) if interpret else dict(
+        compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
+    h = pl.pallas_call(
+        functools.partial(_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=ur, cols=uc, tb=tb, limit=limit),
+        out_shape=jax.ShapeDtypeStruct((n_exp, tb, n_inner), x.dtype), grid=(n_exp, n_inner // ur),
+        in_specs=[full(layer), full(offs), full(sorted_tok), full(x), full(w1f), full(w3f)],
+        out_specs=pl.BlockSpec((None, tb, ur), lambda e, j: (e, 0, j)), name="v4_experts_up", **kw,
+    )(layer, offs, sorted_tok, x, w1f, w3f)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, n_exp=n_exp, n_out=d, rows=dr, cols=dc, tb=tb),
+        out_shape=jax.ShapeDtypeStruct((n_exp, tb, d), F32), grid=(n_exp, d // dr),
+        in_specs=[full(layer), full(offs), pl.BlockSpec((None, tb, n_inner), lambda e, j: (e, 0, 0)), full(w2f)],
+        out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down", **kw,
+    )(layer, offs, h, w2f)
+    # Pair r of the sorted list is row r - offs[e] of expert e's tile; back to (token, k) order for the combine.
+    y_sorted = y[sorted_e, jnp.arange(m * k) - offs[sorted_e]]  # [M*k, D]
+    y_pairs = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, d)
+    return jnp.einsum("mkd,mk->md", y_pairs, weights)

@@ -1,0 +1,86 @@
+"""The few-token routed-experts kernels (pallas_kernels.experts) against their jnp reference and the model's
+gather form, their Triton lowering from this CPU machine, and their use by the engine's Pallas ops table."""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _compat
+from v4jax import LLM, SamplingParams
+from v4jax import layers as L
+
+X = importlib.import_module("pallas_kernels.experts")
+
+
+def _case(M, k, E, I, D, dtype, seed=0, stack=()):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(ks[0], (M, D), dtype)
+    w1, w3 = (0.2 * jax.random.normal(kk, (*stack, E, I, D), dtype) for kk in ks[1:3])
+    w2 = 0.2 * jax.random.normal(ks[3], (*stack, E, D, I), dtype)
+    ex = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:k])(jax.random.split(ks[4], M))  # distinct per token
+    return x, jax.random.uniform(ks[5], (M, k)), ex.astype(jnp.int32), w1, w2, w3
+
+
+@pytest.mark.parametrize("M,k,E,I,D,blocks", [(1, 2, 8, 32, 64, None), (3, 2, 5, 64, 128, ((16, 32), (32, 16))),
+                                              (2, 6, 16, 48, 96, None),
+                                              (40, 3, 4, 32, 64, None)])  # 40 tokens: tiles of 64, full experts
+def test_matches_reference_f32(M, k, E, I, D, blocks):
+    args = _case(M, k, E, I, D, jnp.float32)
+    kw = {} if blocks is None else dict(up=blocks[0], down=blocks[1])
+    out = np.asarray(X.routed_experts(*args, 1.5, interpret=True, **kw))  # limit 1.5: the clamp is active
+    ref = np.asarray(L.routed_experts(*args, 1.5, form="gather"))
+    np.testing.assert_array_equal(np.asarray(X.routed_experts_ref(*args, 1.5)), ref)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_reads_one_layer_of_a_stack():
+    x, wt, ex, w1, w2, w3 = _case(3, 2, 5, 32, 64, jnp.float32, stack=(3,))
+    for layer in (0, 2):
+        out = np.asarray(jax.jit(lambda i: X.routed_experts(x, wt, ex, w1, w2, w3, 1.5, layer=i, interpret=True))(
+            jnp.int32(layer)))
+        ref = np.asarray(L.routed_experts(x, wt, ex, w1[layer], w2[layer], w3[layer], 1.5, form="gather"))
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_reference_bf16():
+    args = _case(2, 3, 8, 64, 128, jnp.bfloat16)
+    out = np.asarray(X.routed_experts(*args, 7.0, interpret=True))
+    np.testing.assert_allclose(out, np.asarray(X.routed_experts_ref(*args, 7.0)), rtol=2e-2, atol=2e-2)
+
+
+def test_unsupported_shapes_are_refused():
+    args = _case(1, 2, 4, 24, 64, jnp.float32)  # I = 24: no power-of-two block of >= 16 divides it
+    assert not X.supported(args[0], args[3])
+    with pytest.raises(ValueError, match="power-of-two"):
+        X.routed_experts(*args, 7.0, interpret=True)
+    assert not X.supported(jnp.zeros((X.MAX_TOKENS + 1, 64)), jnp.zeros((4, 32, 64)))  # prefill: XLA's forms
+    one_token = jnp.zeros((1, 4096))
+    stack = lambda n: jax.ShapeDtypeStruct((n, 16, 2048, 4096), jnp.bfloat16)
+    assert X.supported(one_token, stack(2))  # flash-slice's stacks
+    assert not X.supported(one_token, stack(20))  # flash-1gpu's: past 2**31 elements (32-bit offsets)
+
+
+def test_lowers_for_gpu():
+    M, k, E, I, D = 1, 6, 16, 2048, 4096
+    args = (jnp.zeros((M, D), jnp.bfloat16), jnp.zeros((M, k)), jnp.zeros((M, k), jnp.int32),
+            jnp.zeros((E, I, D), jnp.bfloat16), jnp.zeros((E, D, I), jnp.bfloat16), jnp.zeros((E, I, D), jnp.bfloat16))
+    txt = _compat.lower_for_cuda(lambda *a: X.routed_experts(*a, 10.0, interpret=False), *args)
+    assert txt.count("triton") >= 2  # the up and the down kernel
+
+
+def test_engine_pallas_ops_call_the_kernel(monkeypatch):
+    """The Pallas table runs the kernels for tiny's decode steps and prefill chunks (<= 64 tokens; counted at
+    trace time, by tokens), and greedy tokens equal the XLA table's."""
+    calls = []
+    real = X.routed_experts
+    monkeypatch.setattr(X, "routed_experts", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = [[3, 4, 5, 6, 7], [9] * 9]
+    outs = {impl: LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=64, prefill_chunk=16,
+                      decode_steps=2, attention_impl=impl).generate(prompts, sp) for impl in ("xla", "pallas")}
+    assert 2 in calls  # the decode step's two slots
+    for a, b in zip(outs["xla"], outs["pallas"]):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
