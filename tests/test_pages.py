@@ -7,7 +7,7 @@ import pytest
 from v4jax.cache import PageAllocator, PageTables, PoolLayout
 from v4jax.cache.prefix import PrefixCache
 from v4jax.config import preset
-from v4jax.engine.scheduler import PREFILLING, RUNNING, Scheduler
+from v4jax.engine.scheduler import RUNNING, Scheduler
 from v4jax.sampling import SamplingParams
 
 CFG = preset("tiny")  # window 8, ratios 4 and 16
@@ -76,10 +76,10 @@ def test_a_slot_takes_pages_of_its_shard_blocks_and_frees_them_there(data, conte
         assert [pg // (16 // blocks) for pg in full] == [d * context + j % context for j in range(3)], (slot, full)
         assert all(pg // (16 // data) == d for pg in t.held[slot].swa.values())
         assert t.full[slot, :3].tolist() == full
-    used = t.full_alloc.free_per_block.copy()
+    free_before = t.full_alloc.free_per_block.copy()
     t.release(1)
     d1 = 1 // (4 // data)
-    freed = t.full_alloc.free_per_block - used
+    freed = t.full_alloc.free_per_block - free_before
     assert freed.sum() == 3 and set(np.flatnonzero(freed) // context) == {d1}
     assert (t.full[1] == -1).all() and (t.swa[1] == -1).all()
 
@@ -175,7 +175,6 @@ def test_a_prefix_is_shared_only_within_its_shard():
     for d in (0, 1):
         path = sch.prefix.lookup(shared + [9], 2, d)
         assert len(path) == 2 and all(n.page // t.full_alloc.block_size == d for n in path)
-    assert third.status in (PREFILLING, RUNNING)
 
 
 def test_eviction_frees_pages_of_the_short_shard():
