@@ -116,7 +116,7 @@ class PageTables:
             j = np.arange(layout.max_pages_per_seq)
             per_slot = -(-layout.max_pages_per_seq // self.n_context)
             for slot in range(s):
-                d, i = divmod(slot, self.slots_per_shard)
+                i = slot % self.slots_per_shard
                 self.full[slot] = (self.full_block(slot, j) * self.full_alloc.block_size + i * per_slot
                                    + j // self.n_context)
             self.swa[:] = np.arange(s * layout.max_swa_pages_per_seq, dtype=np.int32).reshape(s, -1)
