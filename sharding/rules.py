@@ -4,7 +4,7 @@ Every parameter dimension carries a logical name where the model creates it (`lo
 nnx.Param, the leading axis of a layer stack named "layers"); every pool dimension has one in
 v4jax.cache.LOGICAL_AXES. This table alone says which mesh axis, if any, each name is split over.
 
-Mesh axes by role: `data` (decode slots and their per-slot state), `context` (pages of a long sequence),
+Mesh axes by role: `data` (decode slots, their per-slot state and their pages), `context` (pages of a long sequence),
 `tensor` (heads, q/o low-rank, MLP width, vocab), `expert` (routed experts).
 
 Two rules make any table valid for any shape: a dimension the mesh axis does not divide stays whole, and a
@@ -43,14 +43,17 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "hc_embed": "tensor",  # mHC's flattened streams (N x D): the mixing weights' columns
     "hc_scale": None,
     # pools (v4jax.cache.LOGICAL_AXES)
+    # Attention data parallelism: slots and their pages are split over `data` (full pages also over `context`),
+    # one page allocator per block, so a device holds only its shard's pages (v4jax.cache.pages.PageTables).
     "slots": "data",  # per-slot compressor state (and the decode batch)
-    "pool_rows": None,  # rows of the paged pools: pages are shared by slots through the page tables
-    "pages": None,
+    "pool_rows": ("data", "context"),  # rows of the full-page pools (C4 KV, C4 indexer keys, C128 KV)
+    "pages": ("data", "context"),  # the token pool's full pages
+    "swa_rows": "data",  # rows of the SWA pool
+    "boundary_rows": "data",  # boundary-state rows: one per SWA page, beside it
     "page_tokens": None,
     "index_head_dim": None,
     "window": None,
     "state_dim": None,
-    "boundary_rows": None,
 }
 
 

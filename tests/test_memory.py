@@ -237,3 +237,23 @@ def test_pools_hold_whole_tpu_tiles(budget):
         assert pb.n_pages == eng.layout.n_pages and pb.pool_bytes == sum(C.pool_bytes(eng.pools).values()) <= budget
     out = llm.generate([[3, 4, 5] * 9], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].token_ids) == 4
+
+
+def test_pools_per_device_divide_over_data_and_context():
+    """Over a mesh the engine's pools are split: SWA pages, boundary rows and compressor state over `data`, full
+    pages over `data` x `context` (whose counts are rounded up to equal blocks); `tensor` and `expert` hold
+    copies. tests/test_sharding.py checks the arrays of real engines on data meshes."""
+    cfg = preset("tiny")
+    kw = dict(max_num_seqs=8, prefill_chunk=64, decode_steps=4, dtype="float32")
+    one = M.engine_pool_bytes(cfg, 1024, **kw)
+    assert one["per_device"] == one["total"] == M.engine_pool_bytes(cfg, 1024, mesh="tensor=4,expert=2", **kw)["total"]
+    for mesh, data, blocks in (("data=2,tensor=2", 2, 2), ("data=4", 4, 4), ("data=2,context=2", 2, 4)):
+        got = M.engine_pool_bytes(cfg, 1024, mesh=mesh, **kw)
+        assert got["n_pages"] % blocks == 0
+        assert got["per_device"] == (got["swa"] + got["state"]) // data + got["pages"] // blocks, mesh
+        assert got["per_device"] < one["per_device"] / data * 1.5, mesh  # SWA per shard: one prefill chunk each
+    # with data shards every shard has its own SWA pages for its slots and one prefill chunk
+    p, ps, n_swa = M.engine_layout(cfg, None, 8, 64, 4)
+    assert M.engine_layout(cfg, None, 8, 64, 4, 2)[2] == 2 * M.engine_layout(cfg, None, 4, 64, 4)[2] > n_swa
+    pb = M.pool_budget(cfg, 3_000_000, max_num_seqs=8, dtype="float32", data_shards=2, context_shards=3)
+    assert pb.n_pages % 6 == 0 and pb.pool_bytes <= 3_000_000

@@ -33,13 +33,23 @@ def _run_worker(args, timeout=1500) -> dict:
 
 
 def _check_meshes(results, meshes):
+    assert results[("reference", None)]["hit_tokens"] >= 16  # the workload has a prefix hit
     for mesh in meshes:
         row = results[("mesh", mesh)]
         assert row["tokens_equal"], row
         assert row["logprob_err"] <= 1e-4, row
-        if "data=" in mesh:
+        axes = parse_mesh_spec(mesh)
+        if "data" in axes and "context" not in axes:
             # per-slot compressor state split over `data`, and still as the table says after the steps ran
             assert row["state_spec"] == ["None", "data", "None", "None"], row
+            # the paged pools too: a device holds only its data shard's pages (and slots, and boundary rows)
+            assert row["kv_spec"] == ["None", "data", "None"] and row["swa_spec"] == ["None", "data", "None"], row
+            assert row["tokens_spec"] == ["data", "None"], row
+            assert row["pool_device_fraction"] == pytest.approx(1 / axes["data"], rel=1e-9), row
+            # and the memory report's per-device figure is what a device holds (within its 10%)
+            assert 0.9 <= row["pool_device_estimate"] / row["pool_device_bytes"] <= 1.1, row
+            # a prefix hit within a shard, and requests in more than one shard
+            assert row["hit_tokens"] >= 16 and len(row["data_shards"]) >= 2, row
 
 
 def test_every_parameter_and_pool_dimension_has_a_logical_name():
@@ -64,6 +74,15 @@ def test_spec_rules():
     assert tuple(spec_for(("experts", "mlp", "embed"), (3, 32, 64), m)) == (None, "tensor", None)
     assert tuple(spec_for(("heads", "q_lora"), (256, 32), m)) == ("tensor", None)
     assert tuple(spec_for(("layers", "slots", "window", "state_dim"), (2, 4, 8, 8), m)) == (None, "data", None, None)
+    # full-page pools over data x context (context has size 1 here), SWA rows over data
+    assert tuple(spec_for(("layers", "pool_rows", "head_dim"), (2, 64, 8), m)) == (None, "data", None)
+    assert tuple(spec_for(("layers", "swa_rows", "head_dim"), (2, 64, 8), m)) == (None, "data", None)
+
+    class DataContextMesh:
+        shape = {"data": 2, "context": 2, "tensor": 2, "expert": 1}
+    dc = DataContextMesh()
+    assert tuple(spec_for(("pages", "page_tokens"), (8, 16), dc)) == (("data", "context"), None)
+    assert tuple(spec_for(("layers", "swa_rows", "head_dim"), (2, 64, 8), dc)) == (None, "data", None)
     custom = dict(LOGICAL_RULES, vocab=("tensor", "expert"))  # a strategy is a table
     assert tuple(spec_for(("vocab", "embed"), (512, 64), m, custom)) == (("tensor", "expert"), None)
     with pytest.raises(KeyError, match="not in the sharding rules"):

@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "Bytes of the KV pools per kind, per token and per request (bf16 and the FP8 / FP4 "
                            "layouts), the weights, and what one device of a mesh holds. Per-device figures are an "
                            "estimate: routed experts are split over the mesh's `expert` axis, their width and the "
-                           "vocabulary over `tensor`, per-slot compressor state over `data`; everything else is "
-                           "counted on every device."))
+                           "vocabulary over `tensor`, slots with their compressor state and SWA pages over "
+                           "`data`, full pages of the KV pools over `data` x `context`; everything else is counted "
+                           "on every device."))
     m.add_argument("--model", default="flash", help="preset name or HF-format directory (its config.json)")
     m.add_argument("--context", type=_tokens, default=1 << 20, help="tokens per request (e.g. 4096, 64K, 1M)")
     m.add_argument("--requests", type=_positive_int, default=1, help="requests held at once")

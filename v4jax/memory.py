@@ -264,26 +264,32 @@ def page_multiple(cfg: ModelConfig, page_size: int, dtype=None) -> int:
 
 
 def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: int = 8, prefill_chunk: int = 256,
-                  decode_steps: int = 8) -> tuple[int, int, int]:
-    """(P, Ps, SWA pages) of the engine's paged layout (Engine.__init__ calls this)."""
+                  decode_steps: int = 8, data_shards: int = 1) -> tuple[int, int, int]:
+    """(P, Ps, SWA pages) of the engine's paged layout (Engine.__init__ calls this). Over `data_shards` shards
+    (the mesh's `data` axis) each shard holds max_num_seqs / data_shards slots and its own SWA pages for them."""
     p = full_page_size(cfg, page_size)
     ps = math.gcd(p, 64)
     # Per decoding slot a window plus 2k tokens (the scheduler dispatches the next k-step call before the host
-    # has read how far the current one got), plus one prefill chunk for the one request prefilling.
-    n_swa = max_num_seqs * (-(-(cfg.window_size + 2 * decode_steps) // ps) + 1) + -(-prefill_chunk // ps) + 1
-    return p, ps, n_swa
+    # has read how far the current one got), plus one prefill chunk for the one request prefilling (per shard:
+    # each shard's SWA pages serve its own slots only).
+    slots = -(-max_num_seqs // data_shards)
+    n_swa = slots * (-(-(cfg.window_size + 2 * decode_steps) // ps) + 1) + -(-prefill_chunk // ps) + 1
+    return p, ps, data_shards * n_swa
 
 
 def pool_budget(cfg: ModelConfig, budget_bytes: int, *, page_size: int | None = None, max_num_seqs: int = 8,
-                prefill_chunk: int = 256, decode_steps: int = 8, dtype="bf16") -> PoolBudget:
+                prefill_chunk: int = 256, decode_steps: int = 8, dtype="bf16", data_shards: int = 1,
+                context_shards: int = 1) -> PoolBudget:
     """How many full pages (and tokens) the engine's pools hold in `budget_bytes` (pools only: weights and
     activations are not in the budget). Same arithmetic as Engine._pages_for_budget, from the formulas above:
     per page = P * (KV bytes per token + 4 B of token id); fixed = SWA pages of every main layer + every slot's
     compressor state. The engine allocates no MTP pool (it does not run MTP), so none is counted. This is the
     engine with enable_prefix_caching=False; the prefix cache's window tails and boundary rows come on top
-    (engine_pool_bytes counts them)."""
+    (engine_pool_bytes counts them). The budget is the pools' bytes over the whole mesh; over a mesh's `data`
+    (and `context`) axes the full pages come in data_shards x context_shards equal blocks (one per device of a
+    (data, context) pair) and every shard has its own SWA pages (engine_layout)."""
     f = _dtype_fmt(dtype)
-    p, ps, n_swa = engine_layout(cfg, page_size, max_num_seqs, prefill_chunk, decode_steps)
+    p, ps, n_swa = engine_layout(cfg, page_size, max_num_seqs, prefill_chunk, decode_steps, data_shards)
     main, idx = main_entry_bytes(cfg, f), index_key_bytes(cfg, f)
     per_page = p * TOKEN_ID_BYTES
     fixed = 0
@@ -295,9 +301,10 @@ def pool_budget(cfg: ModelConfig, budget_bytes: int, *, page_size: int | None = 
             per_page += (p // m) * main
         fixed += max_num_seqs * sum(compressor_state_bytes(cfg, kind, m).values())
     n_pages = int((budget_bytes - fixed) // per_page)
-    mult = page_multiple(cfg, p, dtype)
-    if n_pages >= mult:
-        n_pages -= n_pages % mult
+    blocks = data_shards * context_shards
+    mult = math.lcm(page_multiple(cfg, p, dtype), blocks)
+    if n_pages > 0:
+        n_pages -= n_pages % (mult if n_pages >= mult else blocks)
     return PoolBudget(page_size=p, swa_page_size=ps, n_swa_pages=n_swa, per_page_bytes=per_page, fixed_bytes=fixed,
                       n_pages=n_pages, tokens=n_pages * p)
 
@@ -596,21 +603,27 @@ def engine_pool_bytes(cfg: ModelConfig, max_model_len: int, *, max_num_seqs: int
                       mesh=None) -> dict[str, int]:
     """The engine's pool bytes for these LLM options (an estimate from the same arithmetic as pool_budget, plus
     what the prefix cache keeps: four window tails per slot and the CSA compressors' boundary rows beside the
-    window pages): {"swa", "state", "pages", "total", "per_device", "n_pages", "page_size"}. Per device (a simple
-    estimate): the per-slot compressor state is split over the mesh's `data` axis where it divides max_num_seqs;
-    the page pools are replicated."""
+    window pages): {"swa", "state", "pages", "total", "per_device", "n_pages", "page_size"}. Per device: the
+    per-slot compressor state, the SWA pages and the boundary rows are split over the mesh's `data` axis, the full
+    pages (token ids and every compressed pool) over `data` x `context` (v4jax.cache.pages.PageTables); `tensor`
+    and `expert` hold copies."""
     f = _dtype_fmt(dtype)
+    axes = parse_mesh(mesh)
+    data, ctx = axes.get("data", 1), axes.get("context", 1)
+    if max_num_seqs % data:
+        data = 1  # the engine refuses this mesh; estimate the pools unsplit
     pb = pool_budget(cfg, 0, page_size=page_size, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
-                     decode_steps=decode_steps, dtype=f)
+                     decode_steps=decode_steps, dtype=f, data_shards=data, context_shards=ctx)
     p, ps = pb.page_size, pb.swa_page_size
     main = main_entry_bytes(cfg, f)
     n_layers = len(_layers(cfg))
     state = pb.fixed_bytes - pb.n_swa_pages * ps * main * n_layers
     max_pages = -(-max_model_len // p)
+    blocks = data * ctx
     if kv_layout == "dense":
-        n_swa, n_pages = max_num_seqs * -(-max_model_len // ps), max_num_seqs * max_pages
+        n_swa, n_pages = max_num_seqs * -(-max_model_len // ps), blocks * (max_num_seqs // data) * -(-max_pages // ctx)
     else:
-        n_swa, mult = pb.n_swa_pages, page_multiple(cfg, p, f)
+        n_swa, mult = pb.n_swa_pages, math.lcm(page_multiple(cfg, p, f), blocks)
         n_pages = -(-max_num_seqs * max_pages // mult) * mult
     boundary = 0
     if enable_prefix_caching and kv_layout != "dense":
@@ -622,13 +635,10 @@ def engine_pool_bytes(cfg: ModelConfig, max_model_len: int, *, max_num_seqs: int
     swa = n_swa * ps * main * n_layers + boundary
     if memory_budget_bytes and kv_layout != "dense":  # the pages that fit once the fixed pools are paid for
         n_pages = max(int((memory_budget_bytes - swa - state) // pb.per_page_bytes), 0)
-        if n_pages >= mult:
-            n_pages -= n_pages % mult
+        n_pages -= n_pages % (mult if n_pages >= mult else blocks)
     pages = n_pages * pb.per_page_bytes
-    data = parse_mesh(mesh).get("data", 1)
-    state_dev = state // data if data > 1 and max_num_seqs % data == 0 else state
     return {"swa": swa, "state": state, "pages": pages, "n_pages": n_pages, "page_size": p,
-            "total": swa + state + pages, "per_device": swa + state_dev + pages}
+            "total": swa + state + pages, "per_device": (swa + state) // data + pages // blocks}
 
 
 def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int) -> str:
@@ -695,7 +705,8 @@ def check_engine_fits(cfg: ModelConfig, options, max_model_len: int, dtype="bf16
         return
     budget = None
     if not opt.get("memory_budget_bytes") and opt.get("kv_layout", "paged") == "paged":
-        budget = max(int(0.8 * free), 0)
+        # memory_budget_bytes counts the pools over the whole mesh; 80% of one device's free memory per device
+        budget = max(int(0.8 * free * pools["total"] / max(pools["per_device"], 1)), 0)
     check_pools_fit(pools["per_device"], free=free, source=source, max_model_len=max_model_len,
                     max_num_seqs=opt.get("max_num_seqs", 8), budget_hint=budget)
 

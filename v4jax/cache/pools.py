@@ -29,7 +29,7 @@ F32 = jnp.float32
 LOGICAL_AXES = {
     # pool field -> logical axis names of its dims (sharding/ maps names to mesh axes)
     "tokens": ("pages", "page_tokens"),
-    "swa": ("layers", "pool_rows", "head_dim"),
+    "swa": ("layers", "swa_rows", "head_dim"),
     "kv": ("layers", "pool_rows", "head_dim"),
     "idx": ("layers", "pool_rows", "index_head_dim"),
     "state_kv": ("layers", "slots", "window", "state_dim"),
@@ -103,6 +103,10 @@ class PoolLayout:
     max_slots: int
     max_pages_per_seq: int
     max_swa_pages_per_seq: int
+    # The mesh's `data` and `context` sizes: full pages form data_shards x context_shards blocks, SWA pages and
+    # slots data_shards blocks (the contract: v4jax.cache.pages.PageTables)
+    data_shards: int = 1
+    context_shards: int = 1
 
     @staticmethod
     def default_page_size(cfg: ModelConfig, requested: int | None = None) -> int:

@@ -13,11 +13,17 @@ of SWA KV per layer plus 4 positions of f32 compressor state per CSA layer, and 
 ("tombstone"): the node keeps its compressed pages, so deeper nodes that still keep their tails go on hitting.
 
 Eviction: LRU per pool. SWA pressure tombstones the least recently used tails that no slot maps; full-page
-pressure removes the least recently used leaves that no slot maps (with their tails)."""
+pressure removes the least recently used leaves that no slot maps (with their tails).
+
+On a mesh with a `data` axis there is one tree per data shard (`roots`), over that shard's pages only: a page
+never moves between shards (v4jax.cache.pages.PageTables), so a request can reuse a prefix only in the shard
+that computed it, and pressure in one shard evicts only from that shard's tree."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
+
+import numpy as np
 
 from v4jax.cache.pages import PageAllocator
 
@@ -35,21 +41,27 @@ class Node:
 
 
 class PrefixCache:
-    def __init__(self, full_alloc: PageAllocator, swa_alloc: PageAllocator, page_size: int):
+    def __init__(self, full_alloc: PageAllocator, swa_alloc: PageAllocator, page_size: int, n_shards: int = 1):
         self.full_alloc, self.swa_alloc, self.page_size = full_alloc, swa_alloc, page_size
-        self.root = Node(tokens=(), page=-1, parent=None, depth=0)
+        self.roots = [Node(tokens=(), page=-1, parent=None, depth=0) for _ in range(n_shards)]
+        self._blocks_per_shard = full_alloc.n_blocks // n_shards  # full-page blocks of one data shard
         self._clock = itertools.count(1)
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evicted_pages = 0
         self.tombstoned = 0
 
+    @property
+    def root(self) -> Node:
+        """The tree of data shard 0 (the only one without a `data` axis)."""
+        return self.roots[0]
+
     # ---- lookup ----
-    def match(self, tokens, max_pages: int) -> list[Node]:
-        """The longest path of nodes matching `tokens` page by page (at most `max_pages` pages) that ends at a
-        node keeping its tail; [] when no resumable prefix is cached. Touches the path (LRU)."""
+    def lookup(self, tokens, max_pages: int, shard: int = 0) -> list[Node]:
+        """The longest path of nodes of `shard`'s tree matching `tokens` page by page (at most `max_pages` pages)
+        that ends at a node keeping its tail; [] when no resumable prefix is cached there. Touches nothing."""
         p = self.page_size
-        node, path = self.root, []
+        node, path = self.roots[shard], []
         for i in range(max_pages):
             child = node.children.get(tuple(tokens[i * p:(i + 1) * p]))
             if child is None:
@@ -58,6 +70,11 @@ class PrefixCache:
             node = child
         while path and path[-1].tail is None:
             path.pop()  # a tombstone (or a node that never had a tail): back off to the last resumable point
+        return path
+
+    def match(self, tokens, max_pages: int, shard: int = 0) -> list[Node]:
+        """lookup(), and the path is touched (LRU)."""
+        path = self.lookup(tokens, max_pages, shard)
         stamp = next(self._clock)
         for n in path:
             n.stamp = stamp
@@ -88,8 +105,8 @@ class PrefixCache:
         return node
 
     # ---- eviction ----
-    def _nodes(self):
-        stack = list(self.root.children.values())
+    def _nodes(self, shards=None):
+        stack = [c for i, r in enumerate(self.roots) if shards is None or i in shards for c in r.children.values()]
         while stack:
             n = stack.pop()
             yield n
@@ -98,22 +115,25 @@ class PrefixCache:
     def _tail_unmapped(self, n: Node) -> bool:
         return all(self.swa_alloc.refs[pg] == 1 for pg in n.tail.values())
 
-    def evictable(self) -> tuple[int, int]:
-        """(full, SWA) pages that eviction could free now (pages no slot maps)."""
-        full = swa = 0
+    def evictable(self) -> tuple[np.ndarray, np.ndarray]:
+        """([full-page blocks], [SWA blocks]) pages per block that eviction could free now (pages no slot maps)."""
+        full = np.zeros(self.full_alloc.n_blocks, np.int64)
+        swa = np.zeros(self.swa_alloc.n_blocks, np.int64)
         for n in self._nodes():
             if n.tail is not None and self._tail_unmapped(n):
-                swa += len(n.tail)
+                for pg in n.tail.values():
+                    swa[self.swa_alloc.block_of(pg)] += 1
+
         # A node's page is freeable once its whole subtree is: count nodes whose subtree no slot maps.
         def walk(n: Node) -> bool:
-            nonlocal full
             free_below = all([walk(c) for c in n.children.values()])
             free = free_below and self.full_alloc.refs[n.page] == 1
             if free:
-                full += 1
+                full[self.full_alloc.block_of(n.page)] += 1
             return free
-        for c in self.root.children.values():
-            walk(c)
+        for r in self.roots:
+            for c in r.children.values():
+                walk(c)
         return full, swa
 
     def drop_tail(self, n: Node) -> None:
@@ -121,29 +141,39 @@ class PrefixCache:
         n.tail = None
         self.tombstoned += 1
 
-    def evict_swa(self, n_pages: int) -> int:
-        """Tombstone least recently used tails that no slot maps until `n_pages` SWA pages are free (or none
-        are left to drop). Returns the SWA pages freed."""
+    def evict_swa(self, n_pages) -> int:
+        """Tombstone least recently used tails that no slot maps until `n_pages` SWA pages are free in every block
+        (an int, or one figure per block; or none are left to drop). Returns the SWA pages freed."""
         freed = 0
-        for n in sorted((n for n in self._nodes() if n.tail is not None and self._tail_unmapped(n)),
+        alloc = self.swa_alloc
+        short = lambda: alloc.free_per_block < n_pages  # noqa: E731
+        # a shard's tails hold pages of its own SWA block only: look where pages are short
+        shards = set(np.flatnonzero(short()).tolist())
+        for n in sorted((n for n in self._nodes(shards) if n.tail is not None and self._tail_unmapped(n)),
                         key=lambda n: n.tail_stamp):
-            if self.swa_alloc.n_free >= n_pages:
+            if not short().any():
                 break
             freed += len(n.tail)
             self.drop_tail(n)
         return freed
 
-    def evict_full(self, n_pages: int) -> int:
+    def evict_full(self, n_pages) -> int:
         """Remove least recently used leaves that no slot maps (and their tails) until `n_pages` full pages are
-        free (or nothing is left to remove). Returns the full pages freed."""
+        free in every block (an int, or one figure per block; or nothing is left to remove). Returns the full
+        pages freed. Leaves in the blocks that are short go first; others of the same shard go after them, since
+        removing a leaf can make its parent (in another block under `context`) a leaf."""
         freed = 0
-        while self.full_alloc.n_free < n_pages:
-            leaves = [n for n in self._nodes() if not n.children and self.full_alloc.refs[n.page] == 1]
+        alloc = self.full_alloc
+        short = lambda: alloc.free_per_block < n_pages  # noqa: E731
+        while short().any():
+            need = short()
+            shards = set((np.flatnonzero(need) // self._blocks_per_shard).tolist())
+            leaves = [n for n in self._nodes(shards) if not n.children and alloc.refs[n.page] == 1]
             if not leaves:
                 break
-            leaves.sort(key=lambda n: n.stamp)
+            leaves.sort(key=lambda n: (not need[alloc.block_of(n.page)], n.stamp))
             for n in leaves:
-                if self.full_alloc.n_free >= n_pages:
+                if not short().any():
                     break
                 self._remove(n)
                 freed += 1
@@ -159,7 +189,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every node (pages mapped by slots stay theirs)."""
-        while self.root.children:
+        while any(r.children for r in self.roots):
             for n in [n for n in self._nodes() if not n.children]:
                 self._remove(n)
 

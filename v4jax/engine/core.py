@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import warnings
 from typing import Sequence
 
@@ -70,30 +71,40 @@ class EngineCore:
         dense = options.kv_layout == "dense"
         caching = options.enable_prefix_caching and not dense
         slots = options.max_num_seqs
-        p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, self.k)
+        if run_options.mesh_rules is None and options.mesh:
+            from sharding import MeshRules
+            run_options = self.run_options = dataclasses.replace(run_options, mesh_rules=MeshRules.make(options.mesh))
+        mesh_shape = {} if run_options.mesh_rules is None else dict(run_options.mesh_rules.mesh.shape)
+        n_data, n_ctx = mesh_shape.get("data", 1), mesh_shape.get("context", 1)
+        if slots % n_data:
+            raise ValueError(f"max_num_seqs={slots} does not split over the mesh's data={n_data} (each data shard "
+                             f"holds max_num_seqs / {n_data} slots): use a multiple of {n_data}")
+        p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, self.k, n_data)
         if caching:
             # window tails the prefix cache may keep (LRU beyond that): four per slot
             n_swa += 4 * slots * (-(-cfg.window_size // ps) + 1)
         max_pages = -(-max_model_len // p)
         max_swa = -(-max_model_len // ps)
+        n_blocks = n_data * n_ctx  # full pages per block: what one device of a (data, context) pair holds
         if dense:
-            n_pages, n_swa = slots * max_pages, slots * max_swa
+            n_pages, n_swa = n_blocks * (slots // n_data) * -(-max_pages // n_ctx), slots * max_swa
         else:
-            mult = page_multiple(cfg, p, self.dtype)  # whole TPU tiles in every pool
+            mult = math.lcm(page_multiple(cfg, p, self.dtype), n_blocks)  # whole TPU tiles in every block
             n_pages = -(-slots * max_pages // mult) * mult
             if options.memory_budget_bytes:
                 n_pages = self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots, caching)
-                if n_pages >= mult:
-                    n_pages -= n_pages % mult
+                if n_pages < n_blocks:
+                    raise ValueError(f"memory_budget_bytes={options.memory_budget_bytes} holds {n_pages} full "
+                                     f"pages: fewer than one per block of the mesh's data x context "
+                                     f"({n_blocks})")
+                n_pages -= n_pages % (mult if n_pages >= mult else n_blocks)
         self.layout = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa,
-                                   max_slots=slots, max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa)
+                                   max_slots=slots, max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa,
+                                   data_shards=n_data, context_shards=n_ctx)
         self.tables = PageTables(cfg, self.layout, dense)
-        self.prefix = PrefixCache(self.tables.full_alloc, self.tables.swa_alloc, p) if caching else None
+        self.prefix = PrefixCache(self.tables.full_alloc, self.tables.swa_alloc, p, n_data) if caching else None
         self.scheduler = Scheduler(self.tables, self.prefix, max_num_seqs=slots, prefill_chunk=options.prefill_chunk,
                                    decode_steps=self.k, max_model_len=max_model_len)
-        if run_options.mesh_rules is None and options.mesh:
-            from sharding import MeshRules
-            run_options = self.run_options = dataclasses.replace(run_options, mesh_rules=MeshRules.make(options.mesh))
         self.pools, self.store = self._create_pools(n_swa if caching else 0, caching)
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
@@ -154,11 +165,14 @@ class EngineCore:
             raise ValueError(f"prompt of {n} tokens + max_tokens={sp.max_tokens} exceeds max_model_len="
                              f"{self.max_model_len}")
         if not self.tables.dense:
-            need = -(-(n + sp.max_tokens) // self.layout.page_size)
-            if need > self.layout.n_pages:
+            lay = self.layout
+            need = -(-(n + sp.max_tokens) // lay.page_size)
+            # a request takes the pages of its data shard only, spread over the shard's context blocks
+            if -(-need // lay.context_shards) > self.tables.full_alloc.block_size:
                 self.counts["rejected"] += 1
-                raise ValueError(f"request needs {need} pages of {self.layout.page_size} tokens "
-                                 f"({n} prompt + {sp.max_tokens} max_tokens); the pool holds {self.layout.n_pages} "
+                shard = "" if lay.data_shards == 1 else f" ({lay.n_pages // lay.data_shards} per data shard)"
+                raise ValueError(f"request needs {need} pages of {lay.page_size} tokens "
+                                 f"({n} prompt + {sp.max_tokens} max_tokens); the pool holds {lay.n_pages}{shard} "
                                  "(raise memory_budget_bytes or lower max_tokens)")
         stop_ids = tuple(sp.stop_token_ids)
         if not sp.ignore_eos and self.cfg.eos_token_id is not None:

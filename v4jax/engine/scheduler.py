@@ -8,13 +8,20 @@ many short prompts share one call. Admission takes a waiting request into a free
 compressor-state slots can hold it, counting pages the prefix cache could give back. When a pool runs dry
 mid-run the newest request is preempted (its pages freed; the prefix cache keeps its full pages) and recomputed
 later from its tokens. Prefill chunks end on full-page boundaries so that the compressor state is saved there
-and a later request can resume from it."""
+and a later request can resume from it.
+
+On a mesh with a `data` axis the slots, their pages and the prefix tree are split into data shards
+(v4jax.cache.pages.PageTables): a request is admitted into a shard that has a free slot and the pages it needs
+(its prefix hit's shard first, else the least loaded), and a dry pool preempts only within the shard that is
+short, since another shard's pages could not be used there."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 import itertools
 from typing import Sequence
+
+import numpy as np
 
 from v4jax.cache.pages import PageTables
 from v4jax.cache.prefix import Node, PrefixCache
@@ -98,19 +105,20 @@ class Scheduler:
         req.slot = None
 
     # ---- pages ----
-    def _page_need(self, req: Request, hit_pages: int = 0) -> int:
-        p = self.layout.page_size
-        return max(0, -(-min(len(req.tokens) + self.k, req.limit) // p) - hit_pages)
+    def _pages_upto(self, req: Request) -> int:
+        """Full pages the request holds once admitted and past its first decode call."""
+        return -(-min(len(req.tokens) + self.k, req.limit) // self.layout.page_size)
 
-    def _room(self, n_full: int, n_swa: int) -> bool:
-        """Free (evicting from the prefix cache if needed) n_full full and n_swa SWA pages; whether it worked."""
+    def _room(self, n_full: np.ndarray, n_swa: np.ndarray) -> bool:
+        """Free (evicting from the prefix cache if needed) n_full full and n_swa SWA pages per block; whether it
+        worked."""
         t = self.tables
         if self.prefix is not None:
-            if t.full_alloc.n_free < n_full:
+            if (t.full_alloc.free_per_block < n_full).any():
                 self.prefix.evict_full(n_full)
-            if t.swa_alloc.n_free < n_swa:
+            if (t.swa_alloc.free_per_block < n_swa).any():
                 self.prefix.evict_swa(n_swa)
-        return t.full_alloc.n_free >= n_full and t.swa_alloc.n_free >= n_swa
+        return (t.full_alloc.free_per_block >= n_full).all() and (t.swa_alloc.free_per_block >= n_swa).all()
 
     def reserve(self, req: Request, lo: int, upto: int) -> bool:
         """Pages for positions [lo, upto) of `req`, preempting newer requests if a pool is dry. False if `req`
@@ -118,11 +126,15 @@ class Scheduler:
         while True:
             n_full, n_swa = self.tables.needs(req.slot, lo, upto)
             refs = self.tables.swa_alloc.refs
-            n_swa = max(0, n_swa - sum(1 for pg in self.tables.dead_swa(req.slot, lo) if refs[pg] == 1))
+            dead = sum(1 for pg in self.tables.dead_swa(req.slot, lo) if refs[pg] == 1)  # reserve frees them
+            n_swa = np.maximum(0, n_swa - self.tables.swa_need(self.tables.shard_of(req.slot), dead))
             if self._room(n_full, n_swa):
                 self.tables.reserve(req.slot, lo, upto)
                 return True
-            victim = max((r for r in self.slots if r is not None), key=lambda r: r.arrival)
+            # only a request of the same shard holds pages that this one could use
+            shard = self.tables.shard_of(req.slot)
+            victim = max((r for r in self.slots if r is not None and self.tables.shard_of(r.slot) == shard),
+                         key=lambda r: r.arrival)
             self.preempt(victim)
             if victim is req:
                 return False
@@ -143,23 +155,46 @@ class Scheduler:
         while self.waiting:
             if self.prefix is not None and self._may_share(self.waiting[0]):
                 break  # it may reuse pages a prefilling request has yet to cache: match it once they are cached
-            slot = next((i for i, s in enumerate(self.slots) if s is None), None)
-            if slot is None:
-                break
             req = self.waiting[0]
-            nodes = self._match(req)
-            pending = sum(self._page_need(r, len(r.nodes)) - max(0, len(self.tables.held[r.slot].full)
-                                                                 - len(r.nodes)) for r in self.prefilling())
-            n_full = self._page_need(req, len(nodes)) + max(0, pending)
-            n_swa = self._swa_need(req)
-            if not self._room_if_evicted(n_full, n_swa, nodes):
+            placed = self._place(req)
+            if placed is None:
                 break
+            slot, nodes = placed
             self.waiting.popleft()
             req.slot, req.status = slot, PREFILLING
             self.slots[slot] = req
             self._map_prefix(req, nodes)
             admitted.append(req)
         return admitted
+
+    def _place(self, req: Request) -> tuple[int, list[Node]] | None:
+        """(free slot, prefix path to map) for `req`, or None if no shard can take it now.
+
+        Shards are tried by their cached prefix of the request (longest first), then by free slots (most first):
+        the hit saves its prefill, and an even spread keeps every shard's decode batch full. A shard with no
+        free slot or too few pages is skipped even if it holds the longest prefix: the request goes cold to
+        another shard rather than wait, as vLLM's data-parallel ranks balance by load and never hold a request
+        back for a cache hit (an idle slot costs more than a recomputed prefix; the prefix is then cached in
+        that shard too, for the requests after it)."""
+        t = self.tables
+        free = [[i for i in range(d * t.slots_per_shard, (d + 1) * t.slots_per_shard) if self.slots[i] is None]
+                for d in range(t.n_data)]
+        candidates = []
+        for d in range(t.n_data):
+            if free[d]:
+                nodes = self._match(req, d)
+                candidates.append((-len(nodes), -len(free[d]), d, nodes))
+        for _, _, d, nodes in sorted(candidates, key=lambda c: c[:3]):
+            if nodes:
+                self.prefix.match(req.tokens, len(nodes), d)  # the path it is about to map is used (LRU)
+            # pages the shard's prefilling requests will still take, then this request's own
+            n_full = self.tables.full_need(d, len(nodes), self._pages_upto(req))
+            for r in self.prefilling():
+                if t.shard_of(r.slot) == d:
+                    n_full += t.full_need(d, max(len(r.nodes), len(t.held[r.slot].full)), self._pages_upto(r))
+            if self._room_if_evicted(n_full, t.swa_need(d, self._swa_need(req)), nodes):
+                return free[d][0], nodes
+        return None
 
     def _may_share(self, req: Request) -> bool:
         """Whether `req` could match full pages that a request still prefilling will cache: their first pages
@@ -175,24 +210,32 @@ class Scheduler:
         span = min(self.chunk, len(req.tokens)) + w + 2 * self.k
         return -(-span // ps) + 1
 
-    def _room_if_evicted(self, n_full: int, n_swa: int, keep: list[Node]) -> bool:
+    def _room_if_evicted(self, n_full: np.ndarray, n_swa: np.ndarray, keep: list[Node]) -> bool:
+        """Whether n_full full and n_swa SWA pages per block are free, or would be once the prefix cache evicted
+        what no slot maps (except the path `keep`, about to be mapped)."""
         t = self.tables
-        free_full, free_swa = t.full_alloc.n_free, t.swa_alloc.n_free
-        if free_full >= n_full and free_swa >= n_swa:
+        free_full, free_swa = t.full_alloc.free_per_block, t.swa_alloc.free_per_block
+        if (free_full >= n_full).all() and (free_swa >= n_swa).all():
             return True
         if self.prefix is None:
             return False
         ev_full, ev_swa = self.prefix.evictable()
         # the matched path stays (it is about to be mapped): do not count it as evictable
-        ev_full -= sum(1 for n in keep if t.full_alloc.refs[n.page] == 1)
-        ev_swa -= sum(len(n.tail) for n in keep[-1:] if all(t.swa_alloc.refs[pg] == 1 for pg in n.tail.values()))
-        return free_full + ev_full >= n_full and free_swa + ev_swa >= n_swa
+        for n in keep:
+            if t.full_alloc.refs[n.page] == 1:
+                ev_full[t.full_alloc.block_of(n.page)] -= 1
+        for n in keep[-1:]:
+            if all(t.swa_alloc.refs[pg] == 1 for pg in n.tail.values()):
+                for pg in n.tail.values():
+                    ev_swa[t.swa_alloc.block_of(pg)] -= 1
+        return (free_full + ev_full >= n_full).all() and (free_swa + ev_swa >= n_swa).all()
 
-    def _match(self, req: Request) -> list[Node]:
+    def _match(self, req: Request, shard: int) -> list[Node]:
+        """The cached prefix of `req` in `shard`'s tree (not touched: admission may pick another shard)."""
         if self.prefix is None:
             return []
         # at least one token is computed, so the last position's logits exist
-        return self.prefix.match(req.tokens, (len(req.tokens) - 1) // self.layout.page_size)
+        return self.prefix.lookup(req.tokens, (len(req.tokens) - 1) // self.layout.page_size, shard)
 
     def _map_prefix(self, req: Request, nodes: list[Node]) -> None:
         if self.prefix is not None:
@@ -249,7 +292,7 @@ class Scheduler:
                 if all(j in held.swa for j in js):
                     tail = {j: held.swa[j] for j in js}
             toks = req.tokens if toks is None else toks
-            parent = req.nodes[-1] if req.nodes else self.prefix.root
+            parent = req.nodes[-1] if req.nodes else self.prefix.roots[self.tables.shard_of(req.slot)]
             req.nodes.append(self.prefix.insert(parent, toks[i * p:b], held.full[i], tail))
 
 

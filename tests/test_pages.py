@@ -1,0 +1,194 @@
+"""Page allocators split into data (x context) shards, host only: a slot's pages come from its shard's blocks and
+go back there, admission and preemption look at the slot's own shard, and a prefix is shared only within the
+shard that holds it. With one shard the allocator hands out the same ids as a single free list."""
+import numpy as np
+import pytest
+
+from v4jax.cache import PageAllocator, PageTables, PoolLayout
+from v4jax.cache.prefix import PrefixCache
+from v4jax.config import preset
+from v4jax.engine.scheduler import RUNNING, Scheduler
+from v4jax.sampling import SamplingParams
+
+CFG = preset("tiny")  # window 8, ratios 4 and 16
+P = 16
+
+
+def _tables(n_pages=16, n_swa=16, slots=4, data=2, context=1, max_pages=8, dense=False):
+    lay = PoolLayout(page_size=P, swa_page_size=P, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
+                     max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_pages, data_shards=data,
+                     context_shards=context)
+    return PageTables(CFG, lay, dense)
+
+
+def _scheduler(tables, caching=True, chunk=64):
+    lay = tables.layout
+    prefix = PrefixCache(tables.full_alloc, tables.swa_alloc, P, lay.data_shards) if caching else None
+    return Scheduler(tables, prefix, max_num_seqs=lay.max_slots, prefill_chunk=chunk, decode_steps=2,
+                     max_model_len=lay.max_pages_per_seq * P)
+
+
+def _add(sch, rid, prompt, max_tokens=2):
+    return sch.add(rid, prompt, SamplingParams(max_tokens=max_tokens), 0, 0, ())
+
+
+def _prefill(sch):
+    """What EngineCore does with a prefill step's plans, without the device: the chunks count as computed and
+    their full pages go into the prefix tree; a finished prompt starts decoding."""
+    for req, s, e in sch.next_chunks():
+        req.computed = e
+        if e % P == 0:
+            req.saved.add(e)
+        sch.cache_pages(req)
+        if e == len(req.tokens):
+            req.output.append(1)
+            req.status = RUNNING
+
+
+def test_one_block_hands_out_the_ids_of_one_free_list():
+    a = PageAllocator(6)
+    assert a.alloc(3) == [0, 1, 2]
+    a.decref([1])
+    assert a.alloc(2) == [1, 3] and a.alloc(2) == [4, 5]  # a freed page is the next one handed out
+
+
+def test_blocks_alloc_and_free_in_their_own_range():
+    a = PageAllocator(8, 2)
+    assert a.block_size == 4 and a.alloc(2, 1) == [4, 5] and a.alloc(1, 0) == [0]
+    assert a.free_per_block.tolist() == [3, 2]
+    with pytest.raises(MemoryError):
+        a.alloc(3, 1)  # block 1 has 2 left, though block 0 has 3
+    a.decref([4, 0])
+    assert a.free_per_block.tolist() == [4, 3] and a.alloc(1, 1) == [4]  # back to its own block's list
+    assert a.n_free == 6 and a.n_used == 2
+    with pytest.raises(ValueError, match="equal blocks"):
+        PageAllocator(7, 2)
+
+
+@pytest.mark.parametrize("data,context", [(2, 1), (2, 2), (4, 1)])
+def test_a_slot_takes_pages_of_its_shard_blocks_and_frees_them_there(data, context):
+    t = _tables(n_pages=16, n_swa=16, slots=4, data=data, context=context)
+    blocks = data * context
+    for slot in range(4):
+        d = slot // (4 // data)
+        t.reserve(slot, 0, 3 * P)  # pages 0, 1, 2 of the sequence
+        full = t.held[slot].full
+        assert [pg // (16 // blocks) for pg in full] == [d * context + j % context for j in range(3)], (slot, full)
+        assert all(pg // (16 // data) == d for pg in t.held[slot].swa.values())
+        assert t.full[slot, :3].tolist() == full
+    free_before = t.full_alloc.free_per_block.copy()
+    t.release(1)
+    d1 = 1 // (4 // data)
+    freed = t.full_alloc.free_per_block - free_before
+    assert freed.sum() == 3 and set(np.flatnonzero(freed) // context) == {d1}
+    assert (t.full[1] == -1).all() and (t.swa[1] == -1).all()
+
+
+def test_reserve_refuses_when_the_slots_shard_is_full():
+    t = _tables(n_pages=8, n_swa=16, slots=4, data=2)  # 4 full pages per shard
+    t.reserve(0, 0, 4 * P)  # slot 0 (shard 0) takes all of shard 0's pages
+    assert t.needs(2, 0, P)[0].tolist() == [0, 1]  # slot 2 is in shard 1
+    with pytest.raises(MemoryError, match="data shard 0"):
+        t.reserve(1, 0, P)
+    t.reserve(2, 0, P)  # shard 1 still has room
+    assert t.full_alloc.free_per_block.tolist() == [0, 3]
+
+
+def test_adopt_refuses_pages_of_another_shard():
+    t = _tables(n_pages=8, n_swa=16, slots=4, data=2)
+    t.reserve(0, 0, 2 * P)
+    pages = list(t.held[0].full)
+    with pytest.raises(ValueError, match="another shard"):
+        t.adopt(2, pages, {})
+    t.adopt(1, pages, {})  # slot 1 is in shard 0 too
+    assert t.full_alloc.refs[pages].tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_dense_spans_follow_the_blocks(context):
+    t = _tables(n_pages=2 * context * 2 * -(-4 // context), n_swa=16, slots=4, data=2, context=context, max_pages=4,
+                dense=True)
+    bs = t.full_alloc.block_size
+    for slot in range(4):
+        assert [pg // bs for pg in t.full[slot]] == [(slot // 2) * context + j % context for j in range(4)]
+    assert len(set(t.full.ravel().tolist())) == t.full.size  # every page of one slot only
+
+
+def test_one_shard_dense_is_the_identity_span():
+    t = _tables(n_pages=12, n_swa=12, slots=3, data=1, max_pages=4, dense=True)
+    assert t.full.tolist() == np.arange(12).reshape(3, 4).tolist()
+
+
+def test_admission_counts_the_pages_of_a_free_slots_shard_only():
+    t = _tables(n_pages=8, n_swa=32, slots=4, data=2)  # 4 full pages per shard, 2 slots per shard
+    sch = _scheduler(t, caching=False)
+    big = _add(sch, "big", list(range(2, 2 + 3 * P)))  # 3 pages + 1 for its decode steps: a whole shard
+    assert sch.admit() == [big] and t.shard_of(big.slot) == 0
+    small = [_add(sch, f"s{i}", [5] * 4) for i in range(2)]
+    assert sch.admit() == small and {t.shard_of(r.slot) for r in small} == {1}  # shard 0 has no page left
+    late = _add(sch, "late", [6] * 4)
+    # a free slot in shard 0 but no page for it there; shard 1 has pages but no free slot
+    assert sch.admit() == [] and late.status == "waiting"
+    sch.remove(big)
+    assert sch.admit() == [late] and t.shard_of(late.slot) == 0
+
+
+def test_a_dry_shard_preempts_within_itself():
+    t = _tables(n_pages=8, n_swa=32, slots=4, data=2)
+    sch = _scheduler(t, caching=False, chunk=16)
+    a = _add(sch, "a", [3] * (2 * P), max_tokens=2 * P)
+    b = _add(sch, "b", [4] * (2 * P), max_tokens=2 * P)  # shard 1 (the emptier one)
+    c = _add(sch, "c", [5] * (P - 4))  # shard 0, beside a: its one page is the last of shard 0's four
+    assert sch.admit() == [a, b, c]
+    assert [t.shard_of(r.slot) for r in (a, b, c)] == [0, 1, 0]
+    for _ in range(5):  # one 16-token row per step
+        _prefill(sch)
+    assert all(r.status == RUNNING for r in (a, b, c))
+    # a grows past its shard's pages: c (newer, same shard) is preempted, not b (newest overall, other shard)
+    assert sch.reserve(a, a.fed, 4 * P)
+    assert c.status == "waiting" and c in sch.waiting and b.status == RUNNING and sch.n_preempted == 1
+
+
+def test_a_prefix_is_shared_only_within_its_shard():
+    t = _tables(n_pages=16, n_swa=32, slots=4, data=2)
+    sch = _scheduler(t, chunk=64)
+    shared = list(range(2, 2 + 2 * P))
+    first = _add(sch, "first", shared + [7, 7])
+    assert sch.admit() == [first]
+    d0 = t.shard_of(first.slot)
+    _prefill(sch)  # its two full pages (and the tail of the second) are cached in d0's tree
+    assert sch.prefix.lookup(shared + [9], 2, d0) and not sch.prefix.lookup(shared + [9], 2, 1 - d0)
+    _prefill(sch)  # the rest of its prompt (a request sharing its first page waits until then)
+    # the second request goes to the shard that holds its prefix, though the other has more free slots
+    second = _add(sch, "second", shared + [8, 8])
+    assert sch.admit() == [second] and t.shard_of(second.slot) == d0
+    assert t.held[second.slot].full == t.held[first.slot].full[:2] and second.computed == 2 * P
+    _prefill(sch)
+    # the hit's shard is now full: the third runs cold in the other shard (no page of d0 there)
+    third = _add(sch, "third", shared + [9, 9])
+    assert sch.admit() == [third] and t.shard_of(third.slot) == 1 - d0
+    assert third.computed == 0 and not third.nodes and t.held[third.slot].full == []
+    _prefill(sch)
+    d1_pages = t.held[third.slot].full
+    assert all(pg // t.full_alloc.block_size == 1 - d0 for pg in d1_pages)
+    # each shard now caches the prefix on its own pages
+    for d in (0, 1):
+        path = sch.prefix.lookup(shared + [9], 2, d)
+        assert len(path) == 2 and all(n.page // t.full_alloc.block_size == d for n in path)
+
+
+def test_eviction_frees_pages_of_the_short_shard():
+    t = _tables(n_pages=8, n_swa=32, slots=4, data=2)
+    sch = _scheduler(t, chunk=64)
+    rs = []
+    for i in range(2):
+        rs.append(_add(sch, f"r{i}", [10 + i] * (2 * P) + [1]))
+        sch.admit()
+    assert [t.shard_of(r.slot) for r in rs] == [0, 1]
+    _prefill(sch)
+    for r in rs:
+        sch.remove(r)  # its pages stay in its shard's tree
+    assert sch.prefix.n_nodes() == 4 and t.full_alloc.free_per_block.tolist() == [2, 2]
+    sch.prefix.evict_full(np.array([4, 0]))
+    assert t.full_alloc.free_per_block.tolist() == [4, 2] and sch.prefix.n_nodes() == 2
+    assert len(sch.prefix.lookup([11] * (2 * P) + [1], 2, 1)) == 2  # shard 1's prefix untouched
