@@ -65,3 +65,39 @@ def agree(value: int) -> int:
         return int(value)
     from jax.experimental import multihost_utils
     return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
+
+
+class Channel:
+    """Process 0's messages to every other process, in order: message n is key `name/n` of the jax.distributed
+    coordination service's key-value store. Host memory only, no device collective, so a process may wait for
+    the next message for as long as process 0 has nothing to say (an idle server). Processes step the same
+    programs in lockstep, so none lags by more than a few messages: process 0 deletes message n - KEEP when it
+    publishes message n."""
+
+    KEEP = 256
+
+    def __init__(self, name: str):
+        from jax._src import distributed  # the runtime's client; jax has no public handle on its store
+        self.name = name
+        self._client = distributed.global_state.client
+        if self._client is None:
+            raise RuntimeError("a Channel needs jax.distributed (sharding.multihost.initialize)")
+        self._n = 0
+
+    def publish(self, message: str) -> None:
+        self._client.key_value_set(f"{self.name}/{self._n}", message)
+        if self._n >= self.KEEP:
+            self._client.key_value_delete(f"{self.name}/{self._n - self.KEEP}")
+        self._n += 1
+
+    def receive(self, poll_s: float = 5.0) -> str:
+        """The next message; waits for it however long it takes."""
+        while True:
+            try:
+                message = self._client.blocking_key_value_get(f"{self.name}/{self._n}", int(poll_s * 1000))
+            except Exception as e:  # the store says DEADLINE_EXCEEDED when the wait times out: wait again
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+                continue
+            self._n += 1
+            return message

@@ -155,17 +155,33 @@ class Server(uvicorn.Server):
 
 
 def serve(llm, options: ServerOptions, *, warmup: bool = False) -> int:
-    """Run `v4jax serve` until SIGINT / SIGTERM; the engine is stopped after the last stream has ended."""
+    """Run `v4jax serve` until SIGINT / SIGTERM; the engine is stopped after the last stream has ended.
+    One process of several (jax.distributed): process 0 answers HTTP and schedules, the others take the same
+    engine steps (`v4jax.serve.engine.follow`) until process 0 stops."""
+    import jax
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s: %(message)s")
-    state = ServerState(llm, options)
     if warmup:
         t = time.perf_counter()
         n = llm.engine.warmup()
         log.info("warm-up: %d compiled variants in %.1f s", n, time.perf_counter() - t)
+    leader = None
+    if jax.process_count() > 1:
+        from sharding.multihost import Channel
+        from v4jax.serve.engine import LeaderEngine, follow
+        channel = Channel("v4jax/serve/steps")
+        if jax.process_index() != 0:
+            log.info("process %d of %d: following process 0's engine steps", jax.process_index(),
+                     jax.process_count())
+            follow(llm.engine, channel)
+            return 0
+        leader = LeaderEngine(llm.engine, channel)
+    state = ServerState(llm, options, engine=leader)
     state.start()
     server = Server(state)
     try:
         server.run()
     finally:
         state.orchestrator.stop()
+        if leader is not None:
+            leader.close()
     return 0

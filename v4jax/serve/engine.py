@@ -6,6 +6,8 @@ composite whose `step()` runs prefill chunks on one engine, moves finished prefi
 decodes there, returning the same per-request deltas."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Protocol, Sequence
 
 from v4jax.engine.core import EngineCore, RequestDelta
@@ -74,3 +76,64 @@ class LocalEngine:
 
     def stats(self):
         return self.core.stats()
+
+
+class LeaderEngine:
+    """Process 0 of several (one process per host, one mesh over all of them): the orchestrator drives it as it
+    drives a `LocalEngine`, and each step it first publishes what changed since the last one (the requests added
+    and aborted, fresh seeds already drawn) to the other processes, which replay it into their own `EngineCore`
+    (`follow`) and take the same step: the scheduler is deterministic, so every process then calls the same
+    jitted steps on the same batch. HTTP, tokenizing and detokenizing stay on process 0."""
+
+    def __init__(self, core: EngineCore, channel):
+        self.core, self.local = core, LocalEngine(core)
+        self.max_model_len, self.max_num_seqs = self.local.max_model_len, self.local.max_num_seqs
+        self.channel = channel
+        self._pending: list = []
+
+    def check(self, prompt_len: int, params: SamplingParams) -> None:
+        self.local.check(prompt_len, params)
+
+    def add_request(self, request_id, prompt_ids, params, sample_index):
+        # A fresh seed is drawn here, so every process samples with it (no collective on the engine thread).
+        params = dataclasses.replace(params, seed=params.resolved_seed())
+        self.local.add_request(request_id, prompt_ids, params, sample_index)  # a refused one is not published
+        self._pending.append(["add", request_id, [int(t) for t in prompt_ids], dataclasses.asdict(params),
+                              sample_index])
+
+    def abort(self, request_id):
+        self._pending.append(["abort", request_id])
+        return self.local.abort(request_id)
+
+    def step(self):
+        self.channel.publish(json.dumps({"commands": self._pending}))
+        self._pending = []
+        return self.local.step()
+
+    def has_unfinished_requests(self):
+        return self.local.has_unfinished_requests()
+
+    def stats(self):
+        return self.local.stats()
+
+    def close(self) -> None:
+        """The other processes leave `follow` (call it once the engine thread has stopped)."""
+        self.channel.publish(json.dumps({"stop": True}))
+
+
+def follow(core: EngineCore, channel) -> int:
+    """Processes other than 0: replay process 0's engine commands and take the same steps until it stops.
+    Returns the number of steps taken."""
+    steps = 0
+    while True:
+        message = json.loads(channel.receive())
+        if message.get("stop"):
+            return steps
+        for command in message["commands"]:
+            if command[0] == "add":
+                _, request_id, prompt, params, sample_index = command
+                core.add_request(request_id, prompt, SamplingParams(**params), sample_index=sample_index)
+            else:
+                core.abort(command[1])
+        core.step()
+        steps += 1
