@@ -43,7 +43,7 @@ slice)
   summary "$out/slice_hf/decode.json"
   stamp "flash-slice generate"
   timeout 130 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
-    --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 110 --out "$out/gen_slice" \
+    --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 110 --out "$out/gen_slice" \
     2>&1 | quiet | tail -8
   stamp "engine GPU test"
   timeout 90 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1
@@ -52,7 +52,7 @@ slice)
 1gpu)
   stamp "flash-1gpu generate"
   timeout 230 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
-    --prefill 32K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 200 --out "$out/gen_1gpu" \
+    --prefill 32K --new 32 --prefill-chunk 8192 --attention-impl pallas --deadline-s 200 --out "$out/gen_1gpu" \
     2>&1 | quiet | tail -12
   stamp "flash-1gpu decode"
   timeout 320 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \

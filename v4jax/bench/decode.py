@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -179,19 +180,37 @@ def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
 
 
 def _fill_pools(engine, seed: int):
-    """Overwrite every pool array with random values (floats ~ N(0, 1); token ids uniform)."""
+    """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2), token ids uniform), one
+    array at a time, in place: the values are a hash of each element's coordinates, computed inside the output's
+    fusion, so no temporary exists (jax.random made 32 bits per element of the whole pools at once: a 21 GiB
+    temporary for flash-1gpu at batch 32 on the H200, out of memory)."""
     import jax
     import jax.numpy as jnp
+    from jax import lax
     vocab = engine.cfg.vocab_size
 
-    def fill(pools, key):
-        leaves, tdef = jax.tree.flatten(pools)
-        keys = jax.random.split(key, len(leaves))
-        new = [jax.random.randint(k, a.shape, 0, vocab, a.dtype) if jnp.issubdtype(a.dtype, jnp.integer)
-               else jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]  # no f32 temporary
-        return jax.tree.unflatten(tdef, new)
+    def hashed(shape, salt):
+        h = jnp.full(shape, salt, jnp.uint32)
+        for d in range(len(shape)):
+            h = h * jnp.uint32(0x9E3779B1) + lax.broadcasted_iota(jnp.uint32, shape, d)
+        for mult in (0x85EBCA6B, 0xC2B2AE35):
+            h = (h ^ (h >> 16)) * jnp.uint32(mult)
+        return h ^ (h >> 16)
 
-    engine.pools = jax.jit(fill, donate_argnums=0)(engine.pools, jax.random.key(seed))
+    @functools.partial(jax.jit, donate_argnums=0, static_argnums=1)
+    def fill(a, salt):
+        h = hashed(a.shape, salt)
+        if jnp.issubdtype(a.dtype, jnp.integer):
+            return (h % jnp.uint32(vocab)).astype(a.dtype)
+        return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(a.dtype)
+
+    leaves, tdef = jax.tree.flatten(engine.pools)
+    engine.pools = None
+    new = []
+    for i in range(len(leaves)):
+        new.append(fill(leaves[i], seed * 1000003 + i))
+        leaves[i] = None  # donated
+    engine.pools = jax.tree.unflatten(tdef, new)
     jax.block_until_ready(engine.pools)
 
 
