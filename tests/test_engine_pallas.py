@@ -5,20 +5,27 @@ import numpy as np
 import pytest
 
 from pallas_kernels import compressor as pallas_compressor
+from pallas_kernels import experts as pallas_experts
 from v4jax import LLM, SamplingParams
 from v4jax import layers
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 
 
-def test_pallas_engine_equals_xla():
+def test_pallas_engine_equals_xla(monkeypatch):
     prompts = [[3, 4, 5] * 7, [9] * 40]  # crosses CSA (4) and HCA (16) windows in prefill and decode
     sp = SamplingParams(max_tokens=10, **GREEDY)
+    experts_calls = []  # tokens of each routed-experts kernel call, at trace time
+    real = pallas_experts.routed_experts
+    monkeypatch.setattr(pallas_experts, "routed_experts",
+                        lambda x, *a, **kw: experts_calls.append(x.shape[0]) or real(x, *a, **kw))
     outs = {}
     for impl in ("xla", "pallas"):
         llm = LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=128, prefill_chunk=32, decode_steps=4,
                   attention_impl=impl)
         outs[impl] = llm.generate(prompts, sp)
+        assert bool(experts_calls) == (impl == "pallas")
+    assert 2 in experts_calls  # the decode step's two slots
     for a, b in zip(outs["xla"], outs["pallas"]):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
