@@ -2,7 +2,10 @@
 
 o[b,t,h] = sum_j exp(s_j - M) k_j / (sum_j exp(s_j - M) + exp(sink_h - M)),  s_j = scale * q[b,t,h] . k_j (f32),
 over the valid rows j (id >= 0) of both sets; K = V (MQA: one kv row shared by all heads). The sink is a virtual
-key with zero value that only enters the denominator. If nothing is valid, o = 0.
+key with zero value that only enters the denominator (sink = -inf: none). If nothing is valid, o = 0.
+With return_lse=True every implementation also returns lse[b,t,h] = log(sum_j exp(s_j) + exp(sink_h)) (-inf when
+nothing is valid and there is no sink) and o in f32: the partial softmax that shards holding disjoint rows merge
+(sharding/context.py).
 
 Implementations behind `sparse_attention`:
   * `sparse_attention_ref`: jnp (the model's XLA path).
@@ -36,7 +39,7 @@ _REF_BYTES_LIMIT = 1 << 28  # chunk the reference over T when the gathered rows 
 
 
 def _ref_block(q, sets, sink, scale):
-  """q [B, t, H, D]; sets: list of (pool, rows [B, t, J]). Returns o [B, t, H, D] f32."""
+  """q [B, t, H, D]; sets: list of (pool, rows [B, t, J]). Returns (o [B, t, H, D] f32, lse [B, t, H] f32)."""
   hi = lax.Precision.HIGHEST
   scores, keys = [], []
   for pool, rows in sets:
@@ -54,7 +57,7 @@ def _ref_block(q, sets, sink, scale):
   p = jnp.exp(s - m[..., None])
   den = jnp.sum(p, axis=-1) + jnp.exp(sink - m)
   num = jnp.einsum("bthj,btjd->bthd", p, k.astype(F32), precision=hi)
-  return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+  return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0), m + jnp.log(den)
 
 
 def _sets(swa_pool, swa_rows, cmp_pool, cmp_rows):
@@ -64,7 +67,7 @@ def _sets(swa_pool, swa_rows, cmp_pool, cmp_rows):
   return sets
 
 
-def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale):
+def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, return_lse=False):
   """jnp reference. q [B, T, H, D]; pools [R, D]; rows [B, T, J] int32 (-1 = none); sink [H] f32."""
   B, T, H, D = q.shape
   sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
@@ -76,7 +79,14 @@ def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sca
     while T % tc:
       tc -= 1
   if tc == T:
-    return _ref_block(q, sets, sink, scale).astype(q.dtype)
+    o, lse = _ref_block(q, sets, sink, scale)
+  else:
+    o, lse = _ref_chunked(q, sets, sink, scale, tc)
+  return (o, lse) if return_lse else o.astype(q.dtype)
+
+
+def _ref_chunked(q, sets, sink, scale, tc):
+  B, T, H, D = q.shape
   n = T // tc
 
   def split(x):  # [B, T, ...] -> [n, B, tc, ...]
@@ -85,8 +95,8 @@ def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sca
   qs = split(q)
   rows = [split(r) for _, r in sets]
   pools = [p for p, _ in sets]
-  out = lax.map(lambda a: _ref_block(a[0], list(zip(pools, a[1])), sink, scale), (qs, rows))
-  return jnp.moveaxis(out, 0, 1).reshape(B, T, H, D).astype(q.dtype)
+  o, lse = lax.map(lambda a: _ref_block(a[0], list(zip(pools, a[1])), sink, scale), (qs, rows))
+  return jnp.moveaxis(o, 0, 1).reshape(B, T, H, D), jnp.moveaxis(lse, 0, 1).reshape(B, T, H)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -96,7 +106,7 @@ def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sca
 _TPU_CHUNK = 128   # rows per online-softmax step (lane-dense scores [H, 128])
 
 
-def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa_hbm, cmp_hbm, o_ref,
+def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa_hbm, cmp_hbm, o_ref, lse_ref,
                 buf, stage, sem, m_ref, l_ref, acc_ref, *, n_swa_chunks, n_chunks, scale, chunk):
   def copy(i, slot, wait):
     args = (rows_smem, flag_smem, tile_smem, i * chunk, buf.at[slot], stage.at[slot], sem.at[slot])
@@ -147,9 +157,11 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
   lax.fori_loop(0, n_chunks, body, 0)
   l = l_ref[...]
   o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+  lse_ref[...] = m_ref[...] + jnp.log(l)
 
 
-def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False):
+def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
+                          return_lse=False):
   B, T, H, D = q.shape
   C = _TPU_CHUNK
   G = tile_rows(swa_pool.dtype)
@@ -184,12 +196,14 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
       pl.BlockSpec(memory_space=_compat.ANY),
       pl.BlockSpec(memory_space=_compat.ANY),
   ]
-  out = pl.pallas_call(
+  o, lse = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
+      out_shape=(jax.ShapeDtypeStruct((B, T, H, D), F32 if return_lse else q.dtype),
+                 jax.ShapeDtypeStruct((B, T, H, 1), F32)),
       grid=(B, T),
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, None, H, D), lambda b, t: (b, t, 0, 0)),
+      out_specs=(pl.BlockSpec((None, None, H, D), lambda b, t: (b, t, 0, 0)),
+                 pl.BlockSpec((None, None, H, 1), lambda b, t: (b, t, 0, 0))),
       scratch_shapes=[
           pltpu.VMEM((2, C, D), swa_pool.dtype),
           pltpu.VMEM((2, C, G, D), swa_pool.dtype),     # the tiles of rows that are not in whole-tile runs
@@ -203,7 +217,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
       name="v4_sparse_attention",
   )(rows.reshape(B * T, 1, n_rows), flag.reshape(B * T, 1, -1), tile.reshape(B * T, 1, -1), q,
     sink.astype(F32).reshape(H, 1), rows.reshape(B, T, 1, n_rows), swa_pool, cmp_arg)
-  return out
+  return (o, lse[..., 0]) if return_lse else o
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -286,7 +300,8 @@ def _gpu_supported(q, swa_pool, cmp_pool):
 
 
 def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
-                          n_split=None, block=_GPU_BLOCK, heads=_GPU_HEADS, num_warps=4, num_stages=2):
+                          n_split=None, block=_GPU_BLOCK, heads=_GPU_HEADS, num_warps=4, num_stages=2,
+                          return_lse=False):
   B, T, H, D = q.shape
   C = block
   hb = heads
@@ -311,7 +326,7 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     # an f32 [H, D] write + read per split
     n_sm = getattr(jax.devices()[0], "core_count", None) or _GPU_SMS
     n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
-  final = n_split == 1
+  final = n_split == 1 and not return_lse  # the partial states carry what lse needs
   kernel = functools.partial(_gpu_kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
                              n_split=n_split, final=final)
   full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
@@ -340,6 +355,7 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
   )(qf, sinkp, rw, rc, swa_pool, cmp_pool)
   if final:
     o = out
+    lse = None
   else:
     acc, m, l = out                                     # [N, S, Hp, D], [N, S, Hp]
     sink_b = sinkp[None, :]
@@ -347,15 +363,18 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     w = jnp.exp(m - mx[:, None, :])
     den = jnp.sum(w * l, axis=1) + jnp.exp(sink_b - mx)
     num = jnp.sum(w[..., None] * acc, axis=1)
-    o = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0).astype(q.dtype)
-  return o[:, :H].reshape(B, T, H, D)
+    o = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    lse = (jnp.maximum(mx, MASK_FLOOR) + jnp.log(den))[:, :H].reshape(B, T, H)
+  o = o[:, :H].reshape(B, T, H, D)
+  return (o, lse) if return_lse else o.astype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------------------------------
 
-def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False):
+def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
+                     return_lse=False):
   """Pallas sparse attention; same contract as `sparse_attention_ref`.
 
   GPU backend: the Triton kernel. TPU: the Mosaic kernel. interpret=True (or the CPU backend): the TPU-style
@@ -363,8 +382,9 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
   """
   be = _compat.backend()
   if be == "gpu" and not interpret and _gpu_supported(q, swa_pool, cmp_pool):
-    return _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale)
+    return _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
+                                 return_lse=return_lse)
   if be == "gpu" and not interpret:
-    return sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale)
+    return sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale, return_lse=return_lse)
   return _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
-                               interpret=interpret or be != "tpu")
+                               interpret=interpret or be != "tpu", return_lse=return_lse)

@@ -223,7 +223,8 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = No
 def attend(q, shared_keys, shared_valid, pq_keys, pq_valid, sink, scale):
     """One softmax (plus sink) over two key sets: keys shared by a row's queries [B, S1, K] (the chunk's window
     union, HCA entries) and per-query keys [B, T, S2, K] (CSA's selected entries, or None).
-    Valid masks: [B, T, S1] and [B, T, S2]. Returns [B, T, H, K]."""
+    Valid masks: [B, T, S1] and [B, T, S2]; sink [H] (-inf: none). Returns (o [B, T, H, K] f32, lse [B, T, H] f32,
+    the log of the softmax denominator); o = 0 and lse = -inf where nothing is valid and there is no sink."""
     s1 = jnp.einsum("bthk,bsk->bths", q, shared_keys, preferred_element_type=F32) * scale
     s1 = jnp.where(shared_valid[:, :, None, :], s1, -jnp.inf)
     parts = [s1]
@@ -233,6 +234,7 @@ def attend(q, shared_keys, shared_valid, pq_keys, pq_valid, sink, scale):
     s = jnp.concatenate(parts, axis=-1)
     sink_b = jnp.broadcast_to(sink.astype(F32)[None, None, :], s.shape[:3])
     m = jnp.maximum(jnp.max(s, axis=-1), sink_b)
+    m = jnp.where(m > -jnp.inf, m, 0.0)  # nothing valid and no sink: p = 0 rather than nan
     p = jnp.exp(s - m[..., None])
     denom = jnp.sum(p, axis=-1) + jnp.exp(sink_b - m)
     n1 = shared_keys.shape[1]
@@ -240,7 +242,8 @@ def attend(q, shared_keys, shared_valid, pq_keys, pq_valid, sink, scale):
     if pq_keys is not None:
         o = o + jnp.einsum("bths,btsk->bthk", p[..., n1:].astype(pq_keys.dtype), pq_keys,
                            preferred_element_type=F32)
-    return (o / denom[..., None]).astype(q.dtype)
+    o = jnp.where(denom[..., None] > 0, o / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    return o, m + jnp.log(denom)
 
 
 def compress_chunk(state_kv, state_score, a, z, start, n_valid, fresh, ratio: int, overlap: bool):

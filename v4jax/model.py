@@ -19,14 +19,18 @@ was 16.7 vs 17.5 ms. A GPU `lax.switch` also reads its branch index on the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sharding import context
 from v4jax import layers as L
 from v4jax import quant
+from v4jax.cache.pools import LOGICAL_AXES as POOL_AXES
 from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
 from v4jax.layers import index_scores  # noqa: F401  (re-exported: the indexer's scores)
 from v4jax.ops import OPS, Ops, ops_for
@@ -120,9 +124,48 @@ def _flat(pool):
     return pool.reshape(-1, pool.shape[-1])
 
 
-def _offset(rows, off):
-    """Row ids of one layer of a stacked pool -> rows of the flat view (-1 stays -1)."""
-    return jnp.where(rows >= 0, rows + off, -1)
+def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict, li, *, ops: Ops, scale: float,
+                   window: int, topk: int):
+    """One layer's pool writes and attention over the rows this shard holds (all of them on one device).
+
+    blocks: pool name -> context.RowBlock, the rows of `pools[name]` ([n, R, K], the stack's n layers) held here;
+    writes: name -> (rows of layer li [B, E], values [B, E, K]); reads: the window's rows and positions, the
+    query positions, and on compressed layers the entries' rows [B, S] with n_ready (and the indexer's queries
+    and head weights on CSA layers). Rows are global (one layer's ids, -1 = none); each shard keeps those of its
+    block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
+    the result is the single-device one (sharding/context.py). Returns (o [B, T, H, K] f32, pools)."""
+    merge = tuple(dict.fromkeys(a for b in blocks.values() for a in b.axes))
+
+    def local(name, rows):  # global rows of layer li -> rows of this shard's flat view (-1 = elsewhere / none)
+        r = blocks[name].local(rows)
+        return jnp.where(r >= 0, r + li * blocks[name].rows, -1)
+
+    def counted(name, rows):  # the rows this shard adds to the softmax: a pool held whole along a merge axis
+        return jnp.where(context.first_along(tuple(a for a in merge if a not in blocks[name].axes)),
+                         local(name, rows), -1)
+
+    flat = {}
+    for name, pool in pools.items():
+        rows, values = writes[name]
+        dst = _flat(pool)
+        r = local(name, rows).reshape(-1)
+        flat[name] = dst.at[jnp.where(r >= 0, r, dst.shape[0])].set(
+            values.reshape(-1, values.shape[-1]).astype(dst.dtype), mode="drop")
+    kv = flat.get("kv")
+    hca_rows = sel_rows = None
+    if "idx" in flat:
+        rows = reads["rows"]
+        scores, at = ops.select(reads["iq"], reads["w"], flat["idx"], local("idx", rows), reads["n_ready"], topk)
+        _, at = context.merge_topk(scores, at, topk, blocks["idx"].axes)
+        picked = jnp.take_along_axis(jnp.broadcast_to(rows[:, None, :], (*at.shape[:2], rows.shape[1])),
+                                     jnp.maximum(at, 0), axis=2)
+        sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
+    elif kv is not None:
+        hca_rows = counted("kv", reads["rows"])
+    o, lse = ops.attend(q, jnp.where(context.first_along(merge), sink, -jnp.inf), scale, flat["swa"],
+                        counted("swa", reads["win_rows"]), reads["win_pos"], reads["pos"], window, kv, hca_rows,
+                        reads.get("n_ready"), sel_rows)
+    return context.merge_softmax(o, lse, merge), {name: f.reshape(pools[name].shape) for name, f in flat.items()}
 
 
 class RMSNorm(nnx.Module):
@@ -284,48 +327,44 @@ class Attention(nnx.Module):
             if opts.drop_compressed:
                 causal = jnp.zeros_like(causal)
             valid = jnp.concatenate([valid, causal], axis=-1)
-        o = L.attend(q, keys, valid, None, None, self.attn_sink[...], cfg.head_dim ** -0.5)
-        return self.output(o, cos, sin, opts), aux
+        o, _ = L.attend(q, keys, valid, None, None, self.attn_sink[...], cfg.head_dim ** -0.5)
+        return self.output(o.astype(q.dtype), cos, sin, opts), aux
 
     # -- the cached path: read and write the pools through row ids (v4jax.cache) --
     def cached(self, x, meta, pool, li, ops: Ops, opts: RunOptions):
         """x [B, T, D] for the tokens of `meta`; `pool` is this layer's stack of pools (every array [n, ...]) and
         li this layer's index in it. Returns (out [B, T, D], pool with this step's writes)."""
         cfg = self.cfg
-        b, t, _ = x.shape
         pos = meta.positions
         cos, sin = self.rope(pos)
         q, qr = self.queries(x, cos, sin, opts)
         kv = self.window_kv(x, cos, sin, opts)
-        swa, r_swa = _flat(pool.swa), pool.swa.shape[1]
-        write = jnp.where(meta.swa_write < r_swa, meta.swa_write + li * r_swa, swa.shape[0])
-        swa = swa.at[write.reshape(-1)].set(kv.reshape(b * t, -1).astype(swa.dtype), mode="drop")
-        new = {"swa": swa.reshape(pool.swa.shape)}
-        kv_pool = rows = n_ready = hca_rows = sel_rows = None
+        r_swa = pool.swa.shape[1]
+        # pool -> (rows of one layer [B, E] (-1 = none), values [B, E, K]): what the step stores
+        writes = {"swa": (jnp.where(meta.swa_write < r_swa, meta.swa_write, -1), kv)}
+        reads = {"win_rows": meta.win_rows, "win_pos": meta.win_pos, "pos": pos}
+        states = {}
         if self.compressor is not None:
-            rows = _offset(meta.entry_rows[self.ratio], li * pool.kv.shape[1])  # [B, S] rows of the flat pools
+            rows = meta.entry_rows[self.ratio]  # [B, S] rows of entry e in one layer of the ratio's pools
             n_ready = (pos + 1) // self.ratio  # entries query t may see
             if opts.drop_compressed:
                 n_ready = jnp.zeros_like(n_ready)
-            new.update(self._compress_into(self.compressor, x, meta, pool, li, rows, "kv", "state_kv",
-                                           "state_score", ops, opts))
-            kv_pool = _flat(new["kv"])
+            reads.update(rows=rows, n_ready=n_ready)
+            writes["kv"] = self._compress(self.compressor, x, meta, pool, li, rows, "state_kv", "state_score",
+                                          states, ops, opts)
             if self.indexer is not None:
-                new.update(self._compress_into(self.indexer.compressor, x, meta, pool, li, rows, "idx",
-                                               "idx_state_kv", "idx_state_score", ops, opts))
-                iq = self.indexer.queries(qr, cos, sin, opts)
-                sel_rows = ops.select(iq, self.indexer.head_weights(x), _flat(new["idx"]), rows, n_ready,
-                                      cfg.index_topk)
-            else:
-                hca_rows = rows
-        o = ops.attend(q, self.attn_sink[...], cfg.head_dim ** -0.5, swa, _offset(meta.win_rows, li * r_swa),
-                       meta.win_pos, pos, cfg.window_size, kv_pool, hca_rows, n_ready, sel_rows)
-        return self.output(o, cos, sin, opts), dataclasses.replace(pool, **new)
+                writes["idx"] = self._compress(self.indexer.compressor, x, meta, pool, li, rows, "idx_state_kv",
+                                               "idx_state_score", states, ops, opts)
+                reads.update(iq=self.indexer.queries(qr, cos, sin, opts), w=self.indexer.head_weights(x))
+        pools = {name: getattr(pool, name) for name in writes}
+        o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules)
+        return self.output(o.astype(q.dtype), cos, sin, opts), dataclasses.replace(pool, **pools, **states)
 
-    def _compress_into(self, comp: Compressor, x, meta, pool, li, rows, pool_name, st_kv_name, st_sc_name,
-                       ops: Ops, opts: RunOptions) -> dict:
-        """Run a compressor over the step's tokens from the rows' states; store closed windows' entries (rounded
-        as the layer stores them) in their pool rows and the new states in the state pools."""
+    def _compress(self, comp: Compressor, x, meta, pool, li, rows, st_kv_name, st_sc_name, states: dict,
+                  ops: Ops, opts: RunOptions):
+        """Run a compressor over the step's tokens from the rows' states (the new states go into `states`).
+        Returns (pool rows [B, E] of the windows it closed, -1 = none; their entries, rounded as the layer stores
+        them)."""
         st_kv, st_sc = getattr(pool, st_kv_name), getattr(pool, st_sc_name)
         entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, _rows_of(st_kv, li, meta),
                                                   _rows_of(st_sc, li, meta), self.rope)
@@ -333,15 +372,36 @@ class Attention(nnx.Module):
             entries = self.kv_round(entries, opts)
         else:
             entries = self.indexer.round_keys(entries, opts)
-        stacked = getattr(pool, pool_name)
-        target = _flat(stacked)
+        states.update({st_kv_name: _set_rows(st_kv, li, meta, nkv), st_sc_name: _set_rows(st_sc, li, meta, nsc)})
         s = rows.shape[1]
         row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
-        row = jnp.where(ok & (ent < s) & (row >= 0), row, target.shape[0])
-        target = target.at[row.reshape(-1)].set(entries.reshape(-1, entries.shape[-1]).astype(target.dtype),
-                                                mode="drop")
-        return {pool_name: target.reshape(stacked.shape), st_kv_name: _set_rows(st_kv, li, meta, nkv),
-                st_sc_name: _set_rows(st_sc, li, meta, nsc)}
+        return jnp.where(ok & (ent >= 0) & (ent < s), row, -1), entries
+
+    def _attend_pools(self, q, pools, writes, reads, li, ops: Ops, mesh_rules):
+        """Store the step's writes into the pools and attend over them (`attention_core`). On a mesh this runs per
+        shard: jax.shard_map manual over every mesh axis (Mosaic kernels cannot be partitioned automatically), the
+        heads split over `tensor` as the rules table says, every pool's rows in the blocks its sharding gives,
+        the shards' top-k and softmaxes merged (sharding/context.py). Returns (o [B, T, H, K] f32, pools)."""
+        cfg = self.cfg
+        sink = self.attn_sink[...]
+        li = jnp.asarray(li, jnp.int32)
+        static = dict(ops=ops, scale=cfg.head_dim ** -0.5, window=cfg.window_size, topk=cfg.index_topk)
+        if mesh_rules is None:
+            blocks = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
+            return attention_core(blocks, q, sink, pools, writes, reads, li, **static)
+        from jax.sharding import PartitionSpec as P
+        pool_specs = {name: mesh_rules.spec(POOL_AXES[name], a.shape) for name, a in pools.items()}
+        blocks = {}
+        for name, a in pools.items():
+            axes = context.axes_of(pool_specs[name][1])
+            blocks[name] = context.RowBlock(axes, a.shape[1] // math.prod(mesh_rules.mesh.shape[x] for x in axes))
+        heads = mesh_rules.spec(("heads",), sink.shape)
+        q_spec = P(None, None, heads[0], None)
+        rep = lambda tree: jax.tree.map(lambda _: P(), tree)
+        core = functools.partial(attention_core, blocks, **static)
+        return jax.shard_map(core, mesh=mesh_rules.mesh,
+                             in_specs=(q_spec, heads, pool_specs, rep(writes), rep(reads), P()),
+                             out_specs=(q_spec, pool_specs), check_vma=False)(q, sink, pools, writes, reads, li)
 
     def _indexer_aux(self, q, keys, valid_dense, scores, causal):
         """Distillation target for the indexer: each query's attention mass over the compressed entries under

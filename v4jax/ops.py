@@ -3,17 +3,21 @@
 `OPS["xla"]` holds the jnp reference maths, `OPS["pallas"]` the kernels of pallas_kernels (TPU interpret mode on
 CPU, Triton / Mosaic on GPU and TPU); `Transformer.cached` picks one from `RunOptions.attention_impl` once and
 hands it to every layer, so layers hold no `attention_impl` branches. Every entry reads the pools as flat row
-arrays ([rows, K], all layers of a stack one after another) through row ids (-1 = none):
+arrays ([rows, K], all layers of a stack one after another) through row ids (-1 = none). On a mesh the entries run
+per shard (inside jax.shard_map, v4jax.model) on the shard's rows, the others masked to -1: `select` and `attend`
+return what sharding/context.py merges across shards.
 
   compress(comp, x, meta, st_kv, st_sc, rope) -> (entries [B, E, K] in x's dtype, entry index [B, E],
       emitted [B, E] bool, new state_kv, new state_score): the compressor over the step's tokens from the rows'
       states (st_* [B, C*m, C*K] f32), before the layer's storage rounding.
-  select(iq, w, idx_pool, rows, n_ready, k) -> selected rows [B, T, k] (-1 = none): the Lightning Indexer's
-      top-k of each query over the entries of `rows` [B, S] it may see (entry e < n_ready [B, T]).
-  attend(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows) -> [B, T, H, K]:
-      one softmax with the sink over each query's window (win_rows / win_pos [B, U]: the rows and positions of
-      the chunk's window union) and either all ready entries of hca_rows [B, S] (HCA) or its selected rows
-      sel_rows [B, T, k] (CSA); kv is None on sliding layers.
+  select(iq, w, idx_pool, rows, n_ready, k) -> (scores, positions) [B, T, min(k, S)]: the Lightning Indexer's
+      top-k of each query over the entries of `rows` [B, S] it may see (entry e < n_ready [B, T]): positions
+      along S, best first (higher score, then lower position), -1 (score -inf) where fewer are valid.
+  attend(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows) -> (o, lse):
+      one softmax with the sink (-inf: none) over each query's window (win_rows / win_pos [B, U]: the rows and
+      positions of the chunk's window union) and either all ready entries of hca_rows [B, S] (HCA) or its
+      selected rows sel_rows [B, T, k] (CSA); kv is None on sliding layers. o [B, T, H, K] f32, lse [B, T, H]
+      the log of the softmax denominator (-inf where nothing is valid and there is no sink).
   sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
   experts(x, weights, experts, w1, w2, w3, limit, layer) -> [M, D] f32: the routed experts' weighted sum
       (v4jax.layers.routed_experts); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the
@@ -65,10 +69,9 @@ def _compress_xla(comp, x, meta, st_kv, st_sc, rope):
 
 
 def _select_xla(iq, w, idx_pool, rows, n_ready, k):
-    t = iq.shape[1]
     scores = L.index_scores(iq, w, idx_pool[jnp.maximum(rows, 0)])  # [B, T, S]
-    vals, sel = jax.lax.top_k(jnp.where(_ready(rows, n_ready), scores, -jnp.inf), min(k, rows.shape[1]))
-    return jnp.where(jnp.isfinite(vals), jnp.take_along_axis(_broadcast_rows(rows, t), sel, axis=2), -1)
+    vals, at = jax.lax.top_k(jnp.where(_ready(rows, n_ready), scores, -jnp.inf), min(k, rows.shape[1]))
+    return vals, jnp.where(vals > -jnp.inf, at, -1)
 
 
 def _attend_xla(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows):
@@ -110,10 +113,14 @@ def _compress_pallas(comp, x, meta, st_kv, st_sc, rope):
 
 
 def _select_pallas(iq, w, idx_pool, rows, n_ready, k):
+    """pallas_kernels.indexer's scores, then pallas_kernels.topk (the scores of the k are read back for the
+    cross-shard merge)."""
     pallas_indexer = importlib.import_module("pallas_kernels.indexer")
-    sel = pallas_indexer.indexer_topk(iq, w, idx_pool, rows, n_ready, k, impl="pallas")
-    picked = jnp.take_along_axis(_broadcast_rows(rows, iq.shape[1]), jnp.maximum(sel, 0), axis=2)
-    return jnp.where(sel >= 0, picked, -1)
+    pallas_topk = importlib.import_module("pallas_kernels.topk")
+    scores = pallas_indexer.indexer_scores(iq, w, idx_pool, rows, n_ready)
+    at = pallas_topk.topk(scores, min(k, rows.shape[1]))
+    vals = jnp.take_along_axis(scores, jnp.maximum(at, 0), axis=2)
+    return jnp.where(at >= 0, vals, -jnp.inf), at
 
 
 def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows):
@@ -127,8 +134,8 @@ def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_
     if hca_rows is not None:
         e = jnp.arange(hca_rows.shape[1])[None, None, :]
         cmp_rows = jnp.where(e < n_ready[:, :, None], hca_rows[:, None, :], -1)
-    o = pallas_sa.sparse_attention(q, swa, swa_rows, None if cmp_rows is None else kv, cmp_rows, sink, scale=scale)
-    return o.astype(q.dtype)
+    return pallas_sa.sparse_attention(q, swa, swa_rows, None if cmp_rows is None else kv, cmp_rows, sink,
+                                      scale=scale, return_lse=True)
 
 
 def _sinkhorn_pallas(comb, iters, eps):
