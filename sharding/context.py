@@ -72,7 +72,9 @@ def topk_by_rule(scores, positions, k: int):
 
 def merge_topk(scores, positions, k: int, axes: tuple[str, ...]):
     """Each shard's top-k candidates (scores, positions along the entries) [..., k'] -> the top-k over all shards
-    of `axes`, the same on every shard: what one top-k over all entries gives, ties included."""
+    of `axes`, the same on every shard: what one top-k over all entries gives, ties included. Keeps the
+    candidates' count (min(k, k'))."""
+    k = min(k, scores.shape[-1])
     if not axes:
         return scores, positions
     every_s = jax.lax.all_gather(scores, axes, axis=scores.ndim - 1, tiled=True)

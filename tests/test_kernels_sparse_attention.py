@@ -137,3 +137,27 @@ def test_lowers_for_cuda_triton(n_split):
   txt = _compat.lower_for_cuda(functools.partial(sa._sparse_attention_gpu, scale=0.04, n_split=n_split),
                                *_shapes(4, 1, 64, 512, 128, 512, 4096, 65536, jnp.bfloat16))
   assert "triton" in txt
+
+
+@pytest.mark.parametrize("impl", ["ref", "tpu", "gpu"])
+def test_partials_over_disjoint_rows_merge_to_one_softmax(rng, impl):
+  """return_lse: each implementation's partial softmax over a part of the rows (the sink in one part only) merges,
+  by log-sum-exp, into the softmax over all rows: what shards holding disjoint rows do (sharding/context.py)."""
+  q, swa, rw, cmp, rc, sink = _inputs(rng, 2, 2, 16, 128, 20, 40, 64, 300, jnp.float32)
+  fn = {"ref": sa.sparse_attention_ref,
+        "tpu": functools.partial(sa._sparse_attention_tpu, interpret="hlo"),
+        "gpu": functools.partial(sa._sparse_attention_gpu, interpret=True, n_split=1)}[impl]
+  fn = jax.jit(functools.partial(fn, scale=0.09, return_lse=True))
+  ref = sa.sparse_attention_ref(q, swa, rw, cmp, rc, sink, scale=0.09)
+  part_w, part_c = rng.integers(0, 2, rw.shape), rng.integers(0, 2, rc.shape)
+  part_w[0, 1] = 1                                           # part 0: no window rows for one query
+  part_c[0, 1] = 1
+  parts = [fn(q, swa, jnp.where(part_w == i, rw, -1), cmp, jnp.where(part_c == i, rc, -1),
+              sink if i == 0 else jnp.full_like(sink, -jnp.inf)) for i in (0, 1)]
+  (o0, l0), (o1, l1) = [(np.asarray(o, np.float64), np.asarray(lse, np.float64)) for o, lse in parts]
+  assert parts[0][0].dtype == jnp.float32 and np.all(np.isfinite(l0))
+  m = np.maximum(l0, l1)
+  w0, w1 = np.exp(l0 - m), np.where(np.isfinite(l1), np.exp(l1 - m), 0.0)
+  merged = (w0[..., None] * o0 + w1[..., None] * o1) / (w0 + w1)[..., None]
+  _check(merged, ref, 1e-5, 1e-5)
+  assert np.isneginf(l1[1, 0]).all()                         # nothing valid and no sink: lse = -inf

@@ -70,7 +70,9 @@ def _compress_xla(comp, x, meta, st_kv, st_sc, rope):
 
 def _select_xla(iq, w, idx_pool, rows, n_ready, k):
     scores = L.index_scores(iq, w, idx_pool[jnp.maximum(rows, 0)])  # [B, T, S]
-    vals, at = jax.lax.top_k(jnp.where(_ready(rows, n_ready), scores, -jnp.inf), min(k, rows.shape[1]))
+    # -0.0 is the score 0: lax.top_k orders floats totally (-0.0 below 0.0), the tie rule by number
+    scores = jnp.where(_ready(rows, n_ready), jnp.where(scores == 0, 0.0, scores), -jnp.inf)
+    vals, at = jax.lax.top_k(scores, min(k, rows.shape[1]))
     return vals, jnp.where(vals > -jnp.inf, at, -1)
 
 
