@@ -1,9 +1,11 @@
 """Run by tests/test_sharding.py in a subprocess with 8 fake CPU devices (the device count is fixed at JAX start):
 a checkpoint loaded onto a mesh (its values and bytes per device), an orbax checkpoint restored onto it, and one
 single-device reference run, then the same requests on each mesh given (with how the pools were split, the
-prefix-cache hits and the data shards that held slots); prints one JSON line per check.
+prefix-cache hits and the data shards that held slots); context meshes run long prompts over small pages against
+their own single-device reference; prints one JSON line per check.
 
     python tests/mesh_worker.py --meshes data=2,tensor=2,expert=2 tensor=8 [--checkpoint DIR [--memory-mesh M]]
+    python tests/mesh_worker.py --context-meshes context=2,tensor=4 context=4:pallas
 """
 import argparse
 import json
@@ -28,6 +30,12 @@ OPTIONS = dict(dtype="float32", max_num_seqs=4, max_model_len=64, prefill_chunk=
 # has cached that page, then is admitted beside it (its data shard) with a hit; the others spread over the shards.
 MESH_PROMPTS = [[3, 4, 5] * 6, [3, 4, 5] * 5 + [3, 9, 9, 9], [7, 8] * 6, [11, 12, 13]]
 MESH_OPTIONS = dict(OPTIONS, max_num_seqs=8, page_size=16)
+# Context parallelism: prompts over several pages of 16 tokens (C4 pools 4 rows a page, C16 one), prefilled in
+# chunks of 32, so the pages of one request lie in several blocks of the pools' rows (low page ids go first).
+CONTEXT_PROMPTS = [np.random.default_rng(0).integers(2, 500, n).tolist() for n in (90, 37)]
+CONTEXT_SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+CONTEXT_OPTIONS = dict(dtype="float32", max_num_seqs=2, max_model_len=128, prefill_chunk=32, decode_steps=4,
+                       page_size=16)
 
 
 def emit(**kw):
@@ -71,9 +79,156 @@ def record_admissions(llm) -> list:
     return shards
 
 
+def full_spec(x) -> list[str]:
+    return [str(s) for s in tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))]
+
+
+def context_meshes(meshes):
+    """`MESH` or `MESH:pallas` (attention_impl): greedy tokens and log-probs of long prompts against one
+    single-device XLA run, and the specs of the compressed pools after the steps ran."""
+    t0 = time.time()
+    base = LLM("tiny", **CONTEXT_OPTIONS).generate(CONTEXT_PROMPTS, CONTEXT_SAMPLING)
+    emit(check="context_reference", seconds=round(time.time() - t0, 1))
+    for entry in meshes:
+        mesh, _, impl = entry.partition(":")
+        t0 = time.time()
+        llm = LLM("tiny", mesh=mesh, attention_impl=impl or "xla", **CONTEXT_OPTIONS)
+        outs = llm.generate(CONTEXT_PROMPTS, CONTEXT_SAMPLING)
+        err = max(float(np.max(np.abs(np.subtract(x.logprobs, y.logprobs)))) for x, y in zip(base, outs))
+        stacks = llm.engine.pools.stacks
+        csa = next(lp for lp in stacks if lp.idx is not None)
+        hca = next(lp for lp in stacks if lp.kv is not None and lp.idx is None)
+        emit(check="context", mesh=entry, tokens_equal=all(x.token_ids == y.token_ids for x, y in zip(base, outs)),
+             n_tokens=[len(y.token_ids) for y in outs], logprob_err=err, c4_kv_spec=full_spec(csa.kv),
+             c4_index_spec=full_spec(csa.idx), c128_kv_spec=full_spec(hca.kv), swa_spec=full_spec(csa.swa),
+             n_pages=llm.engine.layout.n_pages, seconds=round(time.time() - t0, 1))
+
+
+def paged_by_contract(meshes):
+    """The model's cached steps (prefill in two chunks, then decode) on a 6-layer tiny (its CSA / HCA layers in a
+    scan), with page tables built by hand as the layout contract places pages for D = `data` shards: slot s on
+    data shard s // (slots / D), SWA pages from that shard's block, full pages from its blocks (the first slot of
+    each shard interleaved over `context` as the allocator does, the second anywhere in them): the model's side
+    of the contract alone, whatever the allocator. Logits against one device, each step."""
+    import jax.numpy as jnp
+
+    from sharding import MeshRules
+    from sharding.place import state_shardings
+    from v4jax import cache as C
+    from v4jax.config import CSA, HCA, SLIDING, preset
+    from v4jax.model import RunOptions, Transformer
+
+    kinds = (SLIDING, SLIDING, CSA, HCA, CSA, HCA)
+    cfg = preset("tiny").replace(n_layers=6, layer_types=kinds, compress_ratios=(0, 0, 4, 16, 4, 16))
+    slots, per_seq, n_pages, ps = 4, 8, 32, 8
+    lay = C.PoolLayout(page_size=16, swa_page_size=ps, n_pages=n_pages, n_swa_pages=slots * 16, max_slots=slots,
+                       max_pages_per_seq=per_seq, max_swa_pages_per_seq=16)
+    rng = np.random.default_rng(1)
+    graphdef, weights = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, mtp=False))
+    # (tokens, start, n_valid, fresh, slot): two prefill chunks of every slot, then decode steps (slot None)
+    steps = [(32, [0] * 4, [32, 20, 32, 7], True, True), (32, [32, 20, 32, 7], [32, 0, 25, 0], False, True)]
+    steps += [(1, [64 + i, 20 + i, 57 + i, 7 + i], [1] * 4, False, False) for i in range(5)]
+    tokens = [rng.integers(2, 500, (slots, t)) for t, *_ in steps]
+
+    def tables(d_shards, c_shards):
+        block = n_pages // (d_shards * c_shards)
+        full = np.full((slots, per_seq), -1, np.int32)
+        for d in range(d_shards):
+            mine = [s for s in range(slots) if s // (slots // d_shards) == d]
+            pages = [g * block + i for g in range(d * c_shards, (d + 1) * c_shards) for i in range(block)]
+            first = [(d * c_shards + j % c_shards) * block + j // c_shards for j in range(per_seq)]
+            full[mine[0]] = first
+            rest = rng.permutation([pg for pg in pages if pg not in first])
+            for s in mine[1:]:
+                full[s], rest = rest[:per_seq], rest[per_seq:]
+        swa_block = lay.n_swa_pages // d_shards
+        swa = np.stack([(s // (slots // d_shards)) * swa_block + (s % (slots // d_shards)) * 16 + np.arange(16)
+                        for s in range(slots)]).astype(np.int32)
+        return full, swa
+
+    def run(mr, full, swa):
+        state, pools = weights, C.init_pools(cfg, lay, jnp.float32)
+        if mr is not None:
+            state = jax.device_put(weights, state_shardings(weights, mr))
+            pools = jax.device_put(pools, C.pool_shardings(pools, mr.sharding))
+        opts = RunOptions(mesh_rules=mr)
+
+        @jax.jit
+        def step(state, pools, tokens, start, n_valid, fresh, slot, full, swa):
+            meta = C.make_meta(cfg, lay, start, n_valid, fresh, slot, full, swa, tokens.shape[1])
+            logits, pools = nnx.merge(graphdef, state).cached(tokens, meta, pools, opts)
+            if mr is None:
+                return logits, pools
+            # the pools stay in their shardings (the next step then runs the same program)
+            return mr.replicate(logits), jax.lax.with_sharding_constraint(pools, C.pool_shardings(pools, mr.sharding))
+
+        out = []
+        for (t, start, n_valid, fresh, prefill), tok in zip(steps, tokens):
+            i32 = lambda v: np.asarray(v, np.int32)  # noqa: E731
+            slot = i32(np.arange(slots)) if prefill else None
+            logits, pools = step(state, pools, i32(tok), i32(start), i32(n_valid), np.full(slots, fresh), slot,
+                                 full, swa)
+            out.append(np.where(np.asarray(n_valid)[:, None] > 0, np.asarray(logits), 0.0))
+        return out, pools
+
+    for mesh in meshes:
+        t0 = time.time()
+        mr = MeshRules.make(mesh)
+        full, swa = tables(mr.mesh.shape["data"], mr.mesh.shape["context"])
+        want, _ = run(None, full, swa)
+        got, pools = run(mr, full, swa)
+        csa = next(lp for lp in pools.stacks if lp.idx is not None)
+        emit(check="paged_by_contract", mesh=mesh, logits_err=max(float(np.max(np.abs(a - b))) for a, b in
+                                                                   zip(want, got)),
+             c4_kv_spec=full_spec(csa.kv), swa_spec=full_spec(csa.swa), seconds=round(time.time() - t0, 1))
+
+
+def tpu_export(mesh):
+    """jax.export for TPU of the engine's decode step on a mesh: the XLA form, and the Pallas attention kernels
+    (Mosaic, inside the attention's shard_map) with the XLA compressor and Sinkhorn (those kernels run outside a
+    shard_map, which Mosaic needs on a mesh)."""
+    import dataclasses
+    import functools
+
+    from jax._src.pallas.mosaic import tpu_info
+
+    from pallas_kernels import _compat
+    from v4jax import ops as O
+    from v4jax.engine import steps as S
+
+    def export(impl):
+        eng = LLM("tiny", mesh=mesh, attention_impl=impl, **dict(CONTEXT_OPTIONS, dtype="bfloat16")).engine
+        mr, s = eng.run_options.mesh_rules, eng.layout.max_slots
+        z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
+        state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
+                              S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s)))
+        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                           sharding=getattr(x, "sharding", mr.replicated)),
+                            (eng._leaves, eng.pools, eng.store, state, eng.tables.full, eng.tables.swa))
+        return jax.export.export(jax.jit(functools.partial(S._decode, eng.spec)), platforms=["tpu"])(*args)
+
+    t0 = time.time()
+    xla = export("xla")
+    pallas_ops, backend = O.OPS["pallas"], _compat.backend
+    # On this CPU machine the kernels take their TPU (Mosaic) form, and Mosaic asks the chip (a v6e here).
+    _compat.backend = lambda: "tpu"
+    tpu_info.registry["cpu"] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V6E, 1)
+    O.OPS["pallas"] = dataclasses.replace(pallas_ops, compress=O.OPS["xla"].compress, sinkhorn=O.OPS["xla"].sinkhorn)
+    try:
+        pallas = export("pallas")
+    finally:
+        O.OPS["pallas"], _compat.backend = pallas_ops, backend
+        tpu_info.registry.pop("cpu")
+    emit(check="tpu_export", mesh=mesh, xla_devices=xla.nr_devices, pallas_devices=pallas.nr_devices,
+         mosaic_calls=pallas.mlir_module().count("tpu_custom_call"), seconds=round(time.time() - t0, 1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--meshes", nargs="*", default=[])
+    ap.add_argument("--context-meshes", nargs="*", default=[])
+    ap.add_argument("--paged-meshes", nargs="*", default=[], help="meshes for paged_by_contract")
+    ap.add_argument("--tpu-export", default=None, help="a mesh to export the decode step on for TPU")
     ap.add_argument("--checkpoint", default=None, help="an HF-format directory of the tiny preset's weights: the "
                     "mesh runs load it (else they create the preset's weights in their shards)")
     ap.add_argument("--orbax", default=None, help="an orbax checkpoint of the same weights to restore onto "
@@ -102,6 +257,12 @@ def main():
             w1 = restored.model.stacks[1].ffn.experts.w1[...]
             emit(check="orbax", mesh=a.memory_mesh, same_values=bool(same), logits_err=err,
                  w1_spec=[str(s) for s in w1.sharding.spec], seconds=round(time.time() - t0, 1))
+    if a.context_meshes:
+        context_meshes(a.context_meshes)
+    if a.paged_meshes:
+        paged_by_contract(a.paged_meshes)
+    if a.tpu_export:
+        tpu_export(a.tpu_export)
     if not a.meshes:
         return
     t0 = time.time()

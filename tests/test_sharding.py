@@ -1,7 +1,8 @@
-"""Sharding leaves greedy outputs unchanged, and splits the parameters as the rules table says.
+"""Sharding leaves greedy outputs unchanged, and splits the parameters and pools as the rules table says.
 
 The mesh runs go through tests/mesh_worker.py in a subprocess with 8 fake CPU devices (the device count is fixed
-at JAX start-up); one single-device reference run serves every mesh of that process."""
+at JAX start-up); one single-device reference run serves every mesh of that process. Context parallelism's merges
+and per-shard attention are checked on one device in tests/test_context.py."""
 import json
 import os
 import subprocess
@@ -20,6 +21,8 @@ from v4jax.model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ["tensor=8", "expert=8", "data=2,tensor=2,expert=2", "data=4,tensor=2", "context=2,tensor=4"]
+# long prompts over small pages (mesh_worker.context_meshes); ":pallas" = attention_impl="pallas" (interpret mode)
+CONTEXT_MESHES = ["context=2,tensor=4", "context=4", "context=2,tensor=4:pallas"]
 
 
 def _run_worker(args, timeout=1500) -> dict:
@@ -94,17 +97,25 @@ def test_spec_rules():
     assert MeshRules.make(None) is None and MeshRules.make("") is None
 
 
+@pytest.fixture(scope="module")
+def worker_results(tiny_checkpoint, tmp_path_factory):
+    """One worker process for the default run's mesh checks: the checkpoint and orbax loads, the model's steps
+    with page tables placed by the layout contract (data=2,context=2,tensor=2), the TPU export on a context
+    mesh."""
+    from checkpoints.orbax_io import is_orbax_dir
+    from v4jax.cli import main
+    orbax_dir = str(tmp_path_factory.mktemp("orbax") / "orbax")
+    assert main(["convert", tiny_checkpoint, orbax_dir, "--dtype", "float32"]) == 0 and is_orbax_dir(orbax_dir)
+    return _run_worker(["--checkpoint", tiny_checkpoint, "--orbax", orbax_dir, "--memory-mesh", "tensor=4,expert=2",
+                        "--paged-meshes", "data=2,context=2,tensor=2", "--tpu-export", "context=2,tensor=4"])
+
+
 @pytest.mark.filterwarnings("ignore:no tokenizer.json")
-def test_checkpoint_loads_into_its_shards(tiny_checkpoint, tmp_path):
+def test_checkpoint_loads_into_its_shards(worker_results):
     """Read straight into the shards of tensor=4,expert=2: the same values, at most 30% of the parameter bytes on
     any device. An orbax checkpoint converted on one device restores onto that mesh with the same values and
     logits. (Greedy tokens on a mesh: tests/test_multihost.py, two processes, one 8-device mesh, -m slow.)"""
-    from checkpoints.orbax_io import is_orbax_dir
-    from v4jax.cli import main
-    orbax_dir = str(tmp_path / "orbax")
-    assert main(["convert", tiny_checkpoint, orbax_dir, "--dtype", "float32"]) == 0 and is_orbax_dir(orbax_dir)
-    results = _run_worker(["--checkpoint", tiny_checkpoint, "--orbax", orbax_dir, "--memory-mesh",
-                           "tensor=4,expert=2"])
+    results = worker_results
     ck = results[("checkpoint", "tensor=4,expert=2")]
     assert ck["same_values"], ck
     assert ck["max_device_fraction"] <= 0.30, ck
@@ -114,8 +125,36 @@ def test_checkpoint_loads_into_its_shards(tiny_checkpoint, tmp_path):
     assert ob["w1_spec"][:3] == ["None", "expert", "tensor"], ob
 
 
+def test_context_parallel_steps_with_pages_placed_by_the_layout_contract(worker_results):
+    """data=2,context=2,tensor=2 with the pools' rows over ("data", "context") and the SWA rows over "data": the
+    cached steps (chunked prefill, decode; a scanned layer stack) give the single-device logits, with page tables
+    placed as the host allocators will (a slot's pages in its data shard's blocks, interleaved or not)."""
+    row = worker_results[("paged_by_contract", "data=2,context=2,tensor=2")]
+    assert row["logits_err"] <= 1e-4, row
+    assert row["c4_kv_spec"] == ["None", "('data', 'context')", "None"], row
+    assert row["swa_spec"] == ["None", "data", "None"], row
+
+
+def test_context_mesh_decode_step_exports_for_tpu(worker_results):
+    """The decode step on context=2,tensor=4 lowers for TPU: the XLA form, and the Pallas attention kernels as
+    Mosaic calls inside the attention's shard_map (one indexer and one attention call per compressed layer)."""
+    row = worker_results[("tpu_export", "context=2,tensor=4")]
+    assert row["xla_devices"] == row["pallas_devices"] == 8, row
+    assert row["mosaic_calls"] >= 6, row
+
+
 @pytest.mark.slow
 def test_meshes_equal_single_device():
     """One single-device reference; on every mesh the preset's weights are created in their shards (one jit with
-    out_shardings) and give the same greedy tokens and log-probs."""
-    _check_meshes(_run_worker(["--meshes", *MESHES], timeout=3000), MESHES)
+    out_shardings) and give the same greedy tokens and log-probs. Context meshes: prompts of 90 and 37 tokens
+    over pages of 16 (their pages in several blocks of the pools' rows), prefilled in chunks of 32, 12 decoded
+    tokens, against their own single-device reference; the compressed pools' rows split over `context`."""
+    results = _run_worker(["--meshes", *MESHES, "--context-meshes", *CONTEXT_MESHES], timeout=3000)
+    _check_meshes(results, MESHES)
+    for mesh in CONTEXT_MESHES:
+        row = results[("context", mesh)]
+        assert row["tokens_equal"] and row["n_tokens"] == [12, 12], row
+        assert row["logprob_err"] <= 1e-4, row
+        for pool in ("c4_kv_spec", "c4_index_spec", "c128_kv_spec"):
+            assert row[pool] == ["None", "context", "None"], row
+        assert row["swa_spec"] == ["None", "None", "None"], row
