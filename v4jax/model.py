@@ -8,7 +8,9 @@ routed experts are stacked on a further E axis). Both forwards run the layers as
 of the pattern (Flash: 3 unrolled layers, then one scan of [HCA, CSA] x 20), so a program's size and its compile
 time do not grow with depth. The forward runs as a pure function: `nnx.split` once, then jit over the state.
 Pieces of each layer (projections, compressor, indexer, output) are separate methods so that the engine's
-cached steps reuse exactly the same maths.
+cached steps reuse exactly the same maths. On a mesh the cached path's pool writes and attention run per shard
+(`attention_core` under jax.shard_map): each shard holds a block of the compressed pools' rows (context
+parallelism), and the shards' indexer top-k and partial softmaxes are merged by sharding/context.py.
 
 How the layers are run was chosen by measurement (CPU, 2 cores, JAX 0.10.2, `tiny` widths at 24 layers of the Flash
 pattern, batch 4): "periods" (scans over repeating periods, irregular head / tail unrolled) compiled the cached
@@ -133,7 +135,7 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     query positions, and on compressed layers the entries' rows [B, S] with n_ready (and the indexer's queries
     and head weights on CSA layers). Rows are global (one layer's ids, -1 = none); each shard keeps those of its
     block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
-    the result is the single-device one (sharding/context.py). Returns (o [B, T, H, K] f32, pools)."""
+    the result is the single-device one (sharding/context.py). Returns (o [B, T, H, K], pools)."""
     merge = tuple(dict.fromkeys(a for b in blocks.values() for a in b.axes))
 
     def local(name, rows):  # global rows of layer li -> rows of this shard's flat view (-1 = elsewhere / none)
@@ -162,10 +164,12 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
         sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
     elif kv is not None:
         hca_rows = counted("kv", reads["rows"])
-    o, lse = ops.attend(q, jnp.where(context.first_along(merge), sink, -jnp.inf), scale, flat["swa"],
-                        counted("swa", reads["win_rows"]), reads["win_pos"], reads["pos"], window, kv, hca_rows,
-                        reads.get("n_ready"), sel_rows)
-    return context.merge_softmax(o, lse, merge), {name: f.reshape(pools[name].shape) for name, f in flat.items()}
+    o = ops.attend(q, jnp.where(context.first_along(merge), sink, -jnp.inf), scale, flat["swa"],
+                   counted("swa", reads["win_rows"]), reads["win_pos"], reads["pos"], window, kv, hca_rows,
+                   reads.get("n_ready"), sel_rows, with_lse=bool(merge))
+    if merge:
+        o = context.merge_softmax(*o, merge)
+    return o, {name: f.reshape(pools[name].shape) for name, f in flat.items()}
 
 
 class RMSNorm(nnx.Module):
@@ -381,7 +385,7 @@ class Attention(nnx.Module):
         """Store the step's writes into the pools and attend over them (`attention_core`). On a mesh this runs per
         shard: jax.shard_map manual over every mesh axis (Mosaic kernels cannot be partitioned automatically), the
         heads split over `tensor` as the rules table says, every pool's rows in the blocks its sharding gives,
-        the shards' top-k and softmaxes merged (sharding/context.py). Returns (o [B, T, H, K] f32, pools)."""
+        the shards' top-k and softmaxes merged (sharding/context.py). Returns (o [B, T, H, K], pools)."""
         cfg = self.cfg
         sink = self.attn_sink[...]
         li = jnp.asarray(li, jnp.int32)

@@ -13,11 +13,12 @@ return what sharding/context.py merges across shards.
   select(iq, w, idx_pool, rows, n_ready, k) -> (scores, positions) [B, T, min(k, S)]: the Lightning Indexer's
       top-k of each query over the entries of `rows` [B, S] it may see (entry e < n_ready [B, T]): positions
       along S, best first (higher score, then lower position), -1 (score -inf) where fewer are valid.
-  attend(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows) -> (o, lse):
-      one softmax with the sink (-inf: none) over each query's window (win_rows / win_pos [B, U]: the rows and
-      positions of the chunk's window union) and either all ready entries of hca_rows [B, S] (HCA) or its
-      selected rows sel_rows [B, T, k] (CSA); kv is None on sliding layers. o [B, T, H, K] f32, lse [B, T, H]
-      the log of the softmax denominator (-inf where nothing is valid and there is no sink).
+  attend(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows, with_lse=False)
+      -> o [B, T, H, K]: one softmax with the sink (-inf: none) over each query's window (win_rows / win_pos
+      [B, U]: the rows and positions of the chunk's window union) and either all ready entries of hca_rows [B, S]
+      (HCA) or its selected rows sel_rows [B, T, k] (CSA); kv is None on sliding layers. with_lse: (o in f32,
+      lse [B, T, H] the log of the softmax denominator, -inf where nothing is valid and there is no sink), what
+      shards merge (the kernels' partial states cost a write and a read of o in f32, so only then).
   sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
   experts(x, weights, experts, w1, w2, w3, limit, layer) -> [M, D] f32: the routed experts' weighted sum
       (v4jax.layers.routed_experts); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the
@@ -76,7 +77,8 @@ def _select_xla(iq, w, idx_pool, rows, n_ready, k):
     return vals, jnp.where(vals > -jnp.inf, at, -1)
 
 
-def _attend_xla(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows):
+def _attend_xla(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows,
+                with_lse=False):
     keys = swa[jnp.maximum(win_rows, 0)]  # [B, U, K]: the chunk's window union, shared by its queries
     wp = win_pos[:, None, :]
     valid = (win_rows[:, None, :] >= 0) & (wp <= pos[:, :, None]) & (wp > pos[:, :, None] - window)
@@ -86,7 +88,8 @@ def _attend_xla(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_row
         valid = jnp.concatenate([valid, _ready(hca_rows, n_ready)], axis=-1)
     if sel_rows is not None:
         sel_keys, sel_valid = kv[jnp.maximum(sel_rows, 0)].astype(q.dtype), sel_rows >= 0  # [B, T, k, K]
-    return L.attend(q, keys.astype(q.dtype), valid, sel_keys, sel_valid, sink, scale)
+    o, lse = L.attend(q, keys.astype(q.dtype), valid, sel_keys, sel_valid, sink, scale)
+    return (o, lse) if with_lse else o.astype(q.dtype)
 
 
 # ---- Pallas --------------------------------------------------------------------------------------------
@@ -125,7 +128,8 @@ def _select_pallas(iq, w, idx_pool, rows, n_ready, k):
     return jnp.where(at >= 0, vals, -jnp.inf), at
 
 
-def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows):
+def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows,
+                   with_lse=False):
     """pallas_kernels.sparse_attention over per-query row lists, gathered inside the kernel."""
     pallas_sa = importlib.import_module("pallas_kernels.sparse_attention")  # the package name is the function
     b, t = q.shape[:2]
@@ -137,7 +141,7 @@ def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_
         e = jnp.arange(hca_rows.shape[1])[None, None, :]
         cmp_rows = jnp.where(e < n_ready[:, :, None], hca_rows[:, None, :], -1)
     return pallas_sa.sparse_attention(q, swa, swa_rows, None if cmp_rows is None else kv, cmp_rows, sink,
-                                      scale=scale, return_lse=True)
+                                      scale=scale, return_lse=with_lse)
 
 
 def _sinkhorn_pallas(comb, iters, eps):
