@@ -401,10 +401,13 @@ class Attention(nnx.Module):
             blocks[name] = context.RowBlock(axes, a.shape[1] // math.prod(mesh_rules.mesh.shape[x] for x in axes))
         heads = mesh_rules.spec(("heads",), sink.shape)
         q_spec = P(None, None, heads[0], None)
-        rep = lambda tree: jax.tree.map(lambda _: P(), tree)
+
+        def replicated(tree):
+            return jax.tree.map(lambda _: P(), tree)
+
         core = functools.partial(attention_core, blocks, **static)
         return jax.shard_map(core, mesh=mesh_rules.mesh,
-                             in_specs=(q_spec, heads, pool_specs, rep(writes), rep(reads), P()),
+                             in_specs=(q_spec, heads, pool_specs, replicated(writes), replicated(reads), P()),
                              out_specs=(q_spec, pool_specs), check_vma=False)(q, sink, pools, writes, reads, li)
 
     def _indexer_aux(self, q, keys, valid_dense, scores, causal):
