@@ -185,8 +185,8 @@ def paged_by_contract(meshes):
 
 def tpu_export(mesh):
     """jax.export for TPU of the engine's decode step on a mesh: the XLA form, and the Pallas attention kernels
-    (Mosaic, inside the attention's shard_map) with the XLA compressor and Sinkhorn (those kernels run outside a
-    shard_map, which Mosaic needs on a mesh)."""
+    (Mosaic, inside the attention's shard_map) with the XLA compressor, Sinkhorn and experts (those kernels run
+    outside a shard_map, which Mosaic needs on a mesh)."""
     import dataclasses
     import functools
 
@@ -213,7 +213,8 @@ def tpu_export(mesh):
     # On this CPU machine the kernels take their TPU (Mosaic) form, and Mosaic asks the chip (a v6e here).
     _compat.backend = lambda: "tpu"
     tpu_info.registry["cpu"] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V6E, 1)
-    O.OPS["pallas"] = dataclasses.replace(pallas_ops, compress=O.OPS["xla"].compress, sinkhorn=O.OPS["xla"].sinkhorn)
+    O.OPS["pallas"] = dataclasses.replace(pallas_ops, compress=O.OPS["xla"].compress, sinkhorn=O.OPS["xla"].sinkhorn,
+                                          experts=O.OPS["xla"].experts)
     try:
         pallas = export("pallas")
     finally:

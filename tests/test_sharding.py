@@ -22,7 +22,7 @@ from v4jax.model import Transformer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ["tensor=8", "expert=8", "data=2,tensor=2,expert=2", "data=4,tensor=2", "context=2,tensor=4"]
 # long prompts over small pages (mesh_worker.context_meshes); ":pallas" = attention_impl="pallas" (interpret mode)
-CONTEXT_MESHES = ["context=2,tensor=4", "context=4", "context=2,tensor=4:pallas"]
+CONTEXT_MESHES = ["context=2,tensor=4", "context=4", "data=2,context=2,tensor=2", "context=2,tensor=4:pallas"]
 
 
 def _run_worker(args, timeout=1500) -> dict:
@@ -126,9 +126,10 @@ def test_checkpoint_loads_into_its_shards(worker_results):
 
 
 def test_context_parallel_steps_with_pages_placed_by_the_layout_contract(worker_results):
-    """data=2,context=2,tensor=2 with the pools' rows over ("data", "context") and the SWA rows over "data": the
-    cached steps (chunked prefill, decode; a scanned layer stack) give the single-device logits, with page tables
-    placed as the host allocators will (a slot's pages in its data shard's blocks, interleaved or not)."""
+    """data=2,context=2,tensor=2, the pools' rows over ("data", "context") and the SWA rows over "data": the
+    cached steps (chunked prefill, decode; a scanned layer stack) give the single-device logits with page tables
+    built by hand by the layout contract (a slot's pages anywhere in its data shard's blocks, interleaved over
+    `context` or not: the model side alone, whatever the allocator does)."""
     row = worker_results[("paged_by_contract", "data=2,context=2,tensor=2")]
     assert row["logits_err"] <= 1e-4, row
     assert row["c4_kv_spec"] == ["None", "('data', 'context')", "None"], row
@@ -148,13 +149,15 @@ def test_meshes_equal_single_device():
     """One single-device reference; on every mesh the preset's weights are created in their shards (one jit with
     out_shardings) and give the same greedy tokens and log-probs. Context meshes: prompts of 90 and 37 tokens
     over pages of 16 (their pages in several blocks of the pools' rows), prefilled in chunks of 32, 12 decoded
-    tokens, against their own single-device reference; the compressed pools' rows split over `context`."""
+    tokens, against their own single-device reference; the compressed pools' rows split over `data` x `context`,
+    the SWA rows over `data`."""
     results = _run_worker(["--meshes", *MESHES, "--context-meshes", *CONTEXT_MESHES], timeout=3000)
     _check_meshes(results, MESHES)
     for mesh in CONTEXT_MESHES:
         row = results[("context", mesh)]
         assert row["tokens_equal"] and row["n_tokens"] == [12, 12], row
         assert row["logprob_err"] <= 1e-4, row
+        data = "data" in parse_mesh_spec(mesh.partition(":")[0])
         for pool in ("c4_kv_spec", "c4_index_spec", "c128_kv_spec"):
-            assert row[pool] == ["None", "context", "None"], row
-        assert row["swa_spec"] == ["None", "None", "None"], row
+            assert row[pool] == ["None", "('data', 'context')" if data else "context", "None"], row
+        assert row["swa_spec"] == ["None", "data" if data else "None", "None"], row
