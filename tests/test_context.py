@@ -81,23 +81,31 @@ def test_merge_softmax_equals_one_softmax(rng, how):
     assert np.all(np.isfinite(want_lse))
 
 
-def _layer_inputs(rng, kind, b=2, t=3, h=4, kd=16, ki=8, r_swa=24, r=32, n_layers=2):
-    """Random pools of a 2-layer stack, the step's writes and reads (rows anywhere in the pools)."""
+def _layer_inputs(rng, kind, b=2, t=3, h=4, kd=16, ki=8, r_swa=24, r=64, n_layers=2, d_shards=1):
+    """Random pools of a 2-layer stack, the step's writes and reads: rows anywhere in the pools, or with d_shards
+    the rows of batch rows [i B/d, (i+1) B/d) in the i-th of d blocks of every pool."""
     w = 4
     f32 = jnp.float32
+
+    def draw(n_rows, per_row, replace=False):  # [b, per_row] pool rows, no two batch rows sharing one
+        per_shard = b // d_shards
+        out = [rng.choice(n_rows // d_shards, (per_shard, per_row), replace=replace) + i * (n_rows // d_shards)
+               for i in range(d_shards)]
+        return np.concatenate(out)
+
     pools = {"swa": rng.normal(size=(n_layers, r_swa, kd))}
-    writes = {"swa": (rng.choice(r_swa, (b, t), replace=False), rng.normal(size=(b, t, kd)))}
+    writes = {"swa": (draw(r_swa, t), rng.normal(size=(b, t, kd)))}
     u = w - 1 + t
-    reads = {"win_rows": rng.choice(r_swa, (b, u)), "win_pos": np.broadcast_to(np.arange(u) + 2, (b, u)),
+    reads = {"win_rows": draw(r_swa, u, replace=True), "win_pos": np.broadcast_to(np.arange(u) + 2, (b, u)),
              "pos": np.broadcast_to(np.arange(t) + 2 + w - 1, (b, t))}
     reads["win_rows"][0, :2] = -1
     if kind != "sliding":
         s = 12
-        rows = rng.choice(r, (b, s), replace=False)  # no two rows share a pool row
+        rows = draw(r, s)
         rows[1, -3:] = -1  # no page there
         pools["kv"] = rng.normal(size=(n_layers, r, kd))
         writes["kv"] = (np.where(rng.random((b, 2)) < 0.7, rows[:, :2], -1), rng.normal(size=(b, 2, kd)))
-        reads.update(rows=rows, n_ready=np.stack([np.arange(t) + 6, np.arange(t) + 9]))
+        reads.update(rows=rows, n_ready=np.arange(b)[:, None] * 3 + np.arange(t) + 6)
     if kind == "csa":
         pools["idx"] = rng.normal(size=(n_layers, r, ki))
         writes["idx"] = (writes["kv"][0], rng.normal(size=(b, 2, ki)))
@@ -135,5 +143,36 @@ def test_attention_core_per_shard_equals_one_device(rng, kind, impl):
                               axis_name=AXIS)(sharded)
     for c in range(n):
         np.testing.assert_allclose(got[c], want, rtol=1e-5, atol=1e-6)
+    for name, a in want_pools.items():
+        np.testing.assert_array_equal(got_pools[name], blocks_of(name, a))
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+def test_attention_core_rows_split_over_data(rng, kind):
+    """Decode on a data x context mesh: the batch rows split over `data` with their pages in their data shard's
+    blocks (the layout contract), the compressed pools in data x context blocks, the SWA pool in data blocks;
+    nothing is merged over `data`. The same outputs and pools as one device."""
+    d, c, b = 2, 2, 4
+    q, sink, pools, writes, reads = _layer_inputs(rng, kind, b=b, d_shards=d)
+    static = dict(ops=ops_for("xla"), scale=0.25, window=4, topk=5)
+    li = jnp.int32(0)
+    whole = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
+    want, want_pools = attention_core(whole, q, sink, pools, writes, reads, li, **static)
+    axes = {name: ("data",) if name == "swa" else ("data", "context") for name in pools}
+    n_blocks = {name: d if name == "swa" else d * c for name in pools}
+    split = {name: context.RowBlock(axes[name], a.shape[1] // n_blocks[name]) for name, a in pools.items()}
+
+    def blocks_of(name, a):  # [layers, R, K] -> [d, c, layers, R / blocks, K] (the SWA pool: a copy per c)
+        x = jnp.moveaxis(a.reshape(a.shape[0], n_blocks[name], -1, a.shape[-1]), 1, 0)
+        x = x.reshape(d, -1, *x.shape[1:])
+        return jnp.broadcast_to(x, (d, c) + x.shape[2:]) if name == "swa" else x
+
+    by_shard = lambda tree: jax.tree.map(lambda a: a.reshape(d, b // d, *a.shape[1:]), tree)  # noqa: E731
+    core = lambda q, p, w, r: attention_core(split, q, sink, p, w, r, li, row_axes=("data",), **static)  # noqa
+    got, got_pools = jax.vmap(jax.vmap(core, in_axes=(None, 0, None, None), axis_name="context"),
+                              axis_name="data")(by_shard(q), {n: blocks_of(n, a) for n, a in pools.items()},
+                                                by_shard(writes), by_shard(reads))
+    for j in range(c):
+        np.testing.assert_allclose(got[:, j].reshape(want.shape), want, rtol=1e-5, atol=1e-6)
     for name, a in want_pools.items():
         np.testing.assert_array_equal(got_pools[name], blocks_of(name, a))

@@ -127,7 +127,7 @@ def _flat(pool):
 
 
 def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict, li, *, ops: Ops, scale: float,
-                   window: int, topk: int):
+                   window: int, topk: int, row_axes: tuple[str, ...] = ()):
     """One layer's pool writes and attention over the rows this shard holds (all of them on one device).
 
     blocks: pool name -> context.RowBlock, the rows of `pools[name]` ([n, R, K], the stack's n layers) held here;
@@ -135,8 +135,10 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     query positions, and on compressed layers the entries' rows [B, S] with n_ready (and the indexer's queries
     and head weights on CSA layers). Rows are global (one layer's ids, -1 = none); each shard keeps those of its
     block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
-    the result is the single-device one (sharding/context.py). Returns (o [B, T, H, K], pools)."""
-    merge = tuple(dict.fromkeys(a for b in blocks.values() for a in b.axes))
+    the result is the single-device one (sharding/context.py). row_axes: mesh axes the B rows are split over (a
+    shard has its own rows, whose entries lie in its blocks along those axes: nothing to merge over them).
+    Returns (o [B, T, H, K], pools)."""
+    merge = tuple(dict.fromkeys(a for b in blocks.values() for a in b.axes if a not in row_axes))
 
     def local(name, rows):  # global rows of layer li -> rows of this shard's flat view (-1 = elsewhere / none)
         r = blocks[name].local(rows)
@@ -158,7 +160,7 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     if "idx" in flat:
         rows = reads["rows"]
         scores, at = ops.select(reads["iq"], reads["w"], flat["idx"], local("idx", rows), reads["n_ready"], topk)
-        _, at = context.merge_topk(scores, at, topk, blocks["idx"].axes)
+        _, at = context.merge_topk(scores, at, topk, tuple(a for a in blocks["idx"].axes if a not in row_axes))
         picked = jnp.take_along_axis(jnp.broadcast_to(rows[:, None, :], (*at.shape[:2], rows.shape[1])),
                                      jnp.maximum(at, 0), axis=2)
         sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
@@ -361,7 +363,7 @@ class Attention(nnx.Module):
                                                "idx_state_score", states, ops, opts)
                 reads.update(iq=self.indexer.queries(qr, cos, sin, opts), w=self.indexer.head_weights(x))
         pools = {name: getattr(pool, name) for name in writes}
-        o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules)
+        o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules, meta.slot is None)
         return self.output(o.astype(q.dtype), cos, sin, opts), dataclasses.replace(pool, **pools, **states)
 
     def _compress(self, comp: Compressor, x, meta, pool, li, rows, st_kv_name, st_sc_name, states: dict,
@@ -381,11 +383,13 @@ class Attention(nnx.Module):
         row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
         return jnp.where(ok & (ent >= 0) & (ent < s), row, -1), entries
 
-    def _attend_pools(self, q, pools, writes, reads, li, ops: Ops, mesh_rules):
+    def _attend_pools(self, q, pools, writes, reads, li, ops: Ops, mesh_rules, rows_are_slots: bool):
         """Store the step's writes into the pools and attend over them (`attention_core`). On a mesh this runs per
         shard: jax.shard_map manual over every mesh axis (Mosaic kernels cannot be partitioned automatically), the
         heads split over `tensor` as the rules table says, every pool's rows in the blocks its sharding gives,
-        the shards' top-k and softmaxes merged (sharding/context.py). Returns (o [B, T, H, K], pools)."""
+        the shards' top-k and softmaxes merged (sharding/context.py). When row b is slot b (decode) the rows split
+        as the slots do (over `data`): by the layout contract a slot's pages lie in its data shard's blocks, so a
+        data shard attends for its own slots alone. Returns (o [B, T, H, K], pools)."""
         cfg = self.cfg
         sink = self.attn_sink[...]
         li = jnp.asarray(li, jnp.int32)
@@ -400,14 +404,17 @@ class Attention(nnx.Module):
             axes = context.axes_of(pool_specs[name][1])
             blocks[name] = context.RowBlock(axes, a.shape[1] // math.prod(mesh_rules.mesh.shape[x] for x in axes))
         heads = mesh_rules.spec(("heads",), sink.shape)
-        q_spec = P(None, None, heads[0], None)
+        rows = mesh_rules.spec(("slots",), q.shape[:1])[0] if rows_are_slots else None
+        if not all(set(context.axes_of(rows)) <= set(b.axes) for b in blocks.values()):
+            rows = None  # a pool held whole along the rows' axes: every shard writes every row's entries there
+        q_spec = P(rows, None, heads[0], None)
 
-        def replicated(tree):
-            return jax.tree.map(lambda _: P(), tree)
+        def by_row(tree):  # every read and write is [B, ...]
+            return jax.tree.map(lambda _: P(rows), tree)
 
-        core = functools.partial(attention_core, blocks, **static)
+        core = functools.partial(attention_core, blocks, row_axes=context.axes_of(rows), **static)
         return jax.shard_map(core, mesh=mesh_rules.mesh,
-                             in_specs=(q_spec, heads, pool_specs, replicated(writes), replicated(reads), P()),
+                             in_specs=(q_spec, heads, pool_specs, by_row(writes), by_row(reads), P()),
                              out_specs=(q_spec, pool_specs), check_vma=False)(q, sink, pools, writes, reads, li)
 
     def _indexer_aux(self, q, keys, valid_dense, scores, causal):
