@@ -8,6 +8,7 @@ their own single-device reference; prints one JSON line per check.
     python tests/mesh_worker.py --context-meshes context=2,tensor=4 context=4:pallas
 """
 import argparse
+import gc
 import json
 import time
 
@@ -79,6 +80,13 @@ def record_admissions(llm) -> list:
     return shards
 
 
+def release():
+    """Drop the programs compiled so far: XLA:CPU maps each one's code into memory until the caches are cleared, and
+    one process of many meshes runs past the kernel's map limit (tests/conftest.py says more)."""
+    gc.collect()
+    jax.clear_caches()
+
+
 def full_spec(x) -> list[str]:
     return [str(s) for s in tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))]
 
@@ -102,6 +110,8 @@ def context_meshes(meshes):
              n_tokens=[len(y.token_ids) for y in outs], logprob_err=err, c4_kv_spec=full_spec(csa.kv),
              c4_index_spec=full_spec(csa.idx), c128_kv_spec=full_spec(hca.kv), swa_spec=full_spec(csa.swa),
              n_pages=llm.engine.layout.n_pages, seconds=round(time.time() - t0, 1))
+        del llm
+        release()
 
 
 def paged_by_contract(meshes):
@@ -282,6 +292,8 @@ def main():
              logprob_err=err, max_device_fraction=most / total,
              state_spec=[str(s) for s in tuple(st.sharding.spec) + (None,) * (st.ndim - len(st.sharding.spec))],
              **pool_report(llm, mesh, shards), seconds=round(time.time() - t0, 1))
+        del llm, st
+        release()
 
 
 if __name__ == "__main__":
