@@ -167,6 +167,11 @@ def route(x, gate_w, gate_bias, tid2eid, token_ids, cfg: ModelConfig):
     return w, idx
 
 
+def layer_slice(a, i):
+    """a[i] along the leading (layer stack) axis; i a Python int or a traced scalar."""
+    return a[i] if isinstance(i, int) else jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
 def swiglu(h1, h3, limit):
     """Clamped SwiGLU in f32: silu(min(h1, limit)) * clip(h3, -limit, limit)."""
     return jax.nn.silu(jnp.minimum(h1, limit)) * jnp.clip(h3, -limit, limit)

@@ -99,11 +99,6 @@ class Linear(nnx.Module):
         return L.linear(x, self.weight[...])
 
 
-def _index(a, i):
-    """a[i] along the leading (stack) axis; i a Python int or a traced scalar."""
-    return a[i] if isinstance(i, int) else jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
-
-
 _EXPERT_WEIGHTS = {("ffn", "experts", w) for w in ("w1", "w2", "w3")}
 
 
@@ -114,7 +109,7 @@ def _is_expert_weight(path) -> bool:
 
 def _rows_of(state, li, meta):
     """The step's rows of layer li's per-slot state [n, slots, ...] (meta.slot None: every slot, in order)."""
-    return _index(state, li) if meta.slot is None else state[li, meta.slot]
+    return L.layer_slice(state, li) if meta.slot is None else state[li, meta.slot]
 
 
 def _set_rows(state, li, meta, new):
@@ -479,7 +474,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, mesh_rules=None, sing
     if mesh_rules is None:
         return (single_device or OPS["xla"].experts)(x, weights, experts, w1, w2, w3, limit, layer)
     if layer is not None:
-        w1, w2, w3 = (_index(w, layer) for w in (w1, w2, w3))
+        w1, w2, w3 = (L.layer_slice(w, layer) for w in (w1, w2, w3))
     from jax.sharding import PartitionSpec as P
     up, down = mesh_rules.spec(EXPERT_UP_AXES, w1.shape), mesh_rules.spec(EXPERT_DOWN_AXES, w2.shape)
     e_axes, sum_axes = _mesh_axes(up[0]), _mesh_axes(up[0]) + _mesh_axes(up[1])
@@ -685,7 +680,8 @@ class Transformer(nnx.Module):
             # The routed experts' weights stay whole: the MoE reads layer li's own (a sliced copy fed to a
             # kernel or a matmul that cannot fuse the slice is a copy of every expert each step: 2.1 ms of a
             # 4.8 ms flash-slice step at batch 32 on the H200).
-            sliced = jax.tree_util.tree_map_with_path(lambda p, a: a if _is_expert_weight(p) else _index(a, li), state)
+            sliced = jax.tree_util.tree_map_with_path(
+                lambda p, a: a if _is_expert_weight(p) else L.layer_slice(a, li), state)
             return layer(nnx.merge(graphdef, sliced), g, li, x, pool)
 
         auxs: dict[int, list] = {}

@@ -149,15 +149,10 @@ def _sinkhorn_pallas(comb, iters, eps):
     return importlib.import_module("pallas_kernels.sinkhorn").sinkhorn(comb, iters, eps)
 
 
-def _layer_experts(w1, w2, w3, layer):
-    if layer is None:
-        return w1, w2, w3
-    return tuple(w[layer] if isinstance(layer, int) else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
-                 for w in (w1, w2, w3))
-
-
 def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None):
-    return L.routed_experts(x, weights, experts, *_layer_experts(w1, w2, w3, layer), limit)
+    if layer is not None:
+        w1, w2, w3 = (L.layer_slice(w, layer) for w in (w1, w2, w3))
+    return L.routed_experts(x, weights, experts, w1, w2, w3, limit)
 
 
 def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None):
