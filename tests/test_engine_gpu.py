@@ -4,6 +4,7 @@
 Run on the device machine:  python -m pytest -q -m gpu tests/test_engine_gpu.py
 """
 import importlib
+import time
 
 import numpy as np
 import pytest
@@ -46,9 +47,11 @@ def test_pallas_engine_equals_xla_on_gpu(tmp_path, monkeypatch):
         _counting(monkeypatch, module, name, counts)
     outs = {}
     for impl in ("xla", "pallas"):
+        t0 = time.perf_counter()
         llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, max_model_len=1280, prefill_chunk=256,
                   attention_impl=impl)
         outs[impl] = llm.generate(prompts, sp)
+        print(f"{impl}: engine built and generated in {time.perf_counter() - t0:.0f} s", flush=True)
         if impl == "xla":
             assert not counts, counts
     assert all(counts.get(n, 0) > 0 for n in ("_sparse_attention_gpu", "_indexer_scores_gpu", "_rank_scatter",

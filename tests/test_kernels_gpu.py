@@ -116,8 +116,6 @@ def test_sinkhorn_gpu(shape):
                                        (3, 2, 8, 32, 64)])
 def test_routed_experts_gpu(M, k, E, I, D):
   X = importlib.import_module("pallas_kernels.experts")
-  # 256 Flash experts are 2**31 elements: refused (wrong on the H200 with 32-bit offsets), XLA's forms run
-  assert not X.supported(jnp.zeros((1, 4096)), jax.ShapeDtypeStruct((256, 2048, 4096), jnp.bfloat16))
   ks = jax.random.split(jax.random.key(0), 6)
   x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
   w1, w3 = (0.05 * jax.random.normal(kk, (E, I, D), jnp.bfloat16) for kk in ks[1:3])
@@ -125,5 +123,7 @@ def test_routed_experts_gpu(M, k, E, I, D):
   ex = jax.random.randint(ks[4], (M, k), 0, E).at[0, 1].set(0).at[0, 0].set(0)  # a repeated expert
   wt = jax.random.uniform(ks[5], (M, k))
   out = jax.jit(lambda *a: X.routed_experts(*a, 10.0))(x, wt, ex, w1, w2, w3)
-  # the hidden activation is rounded to bf16 in both; summation order differs
-  _close(out, X.routed_experts_ref(x, wt, ex, w1, w2, w3, 10.0), 2e-2)
+  # the hidden activation is rounded to bf16 in both, from f32 sums taken in different orders: an element of h
+  # that rounds the other way moves outputs by ~1e-3 of their scale, so the bound is relative to the scale
+  ref = np.asarray(X.routed_experts_ref(x, wt, ex, w1, w2, w3, 10.0), np.float64)
+  assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))

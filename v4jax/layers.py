@@ -15,6 +15,7 @@ import numpy as np
 from v4jax.config import SLIDING, ModelConfig
 
 F32 = jnp.float32
+HI = jax.lax.Precision.HIGHEST  # for matmuls of f32 inputs: the default rounds them to TF32 on the H200
 
 
 def rms_norm(x, weight, eps):
@@ -74,7 +75,7 @@ def _hc_mix(x, fn, eps):
     """x [..., N, D] -> mix = (fn @ flat(x)) * rsqrt(mean(flat(x)^2) + eps), f32."""
     flat = x.reshape(*x.shape[:-2], -1).astype(F32)
     inv = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
-    return jnp.einsum("...i,oi->...o", flat, fn.astype(F32)) * inv
+    return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HI) * inv
 
 
 def hc_pre(x, fn, base, scale, cfg: ModelConfig, normalise=None):
@@ -88,7 +89,7 @@ def hc_pre(x, fn, base, scale, cfg: ModelConfig, normalise=None):
     comb = mix[..., 2 * n:].reshape(*mix.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
     comb = jax.nn.softmax(comb, axis=-1) + eps
     comb = (normalise or sinkhorn)(comb, cfg.hc_sinkhorn_iters, eps)
-    u = jnp.einsum("...n,...nd->...d", pre, x.astype(F32)).astype(x.dtype)
+    u = jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
     return u, post, comb
 
 
@@ -120,7 +121,7 @@ def hc_head(x, fn, base, scale, cfg: ModelConfig):
     """Final collapse of the N streams (no Sinkhorn): y = sum_i pre_i X_i."""
     mix = _hc_mix(x, fn, cfg.norm_eps)
     pre = jax.nn.sigmoid(mix * scale[0] + base.astype(F32)) + cfg.hc_eps
-    return jnp.einsum("...n,...nd->...d", pre, x.astype(F32)).astype(x.dtype)
+    return jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
 
 
 # ---- attention core ---------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def compress_windows(a, z, ratio: int, overlap: bool):
 def route(x, gate_w, gate_bias, tid2eid, token_ids, cfg: ModelConfig):
     """Router: sqrtsoftplus scores, bias for selection only (or the hash table), normalised, scaled.
     x [M, D] -> (weights [M, k] f32, experts [M, k] int32)."""
-    logits = jnp.einsum("md,ed->me", x.astype(F32), gate_w.astype(F32))
+    logits = jnp.einsum("md,ed->me", x.astype(F32), gate_w.astype(F32), precision=HI)
     scores = jnp.sqrt(jax.nn.softplus(logits))
     if tid2eid is not None:
         idx = tid2eid[token_ids].astype(jnp.int32)
@@ -165,6 +166,12 @@ def route(x, gate_w, gate_bias, tid2eid, token_ids, cfg: ModelConfig):
     w = jnp.take_along_axis(scores, idx, axis=-1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.route_scale
     return w, idx
+
+
+def combine_pairs(y, weights):
+    """sum_k weights[m, k] * y[m, k] in f32 [M, D]: a fused multiply-add (a matmul of f32 inputs would round them
+    to TF32 on the H200 by default)."""
+    return jnp.sum(y * weights[..., None], axis=1)
 
 
 def layer_slice(a, i):
@@ -205,13 +212,13 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = No
         h = swiglu(jnp.einsum("md,mkid->mki", x, g1, preferred_element_type=F32),
                    jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit).astype(dt)
         y = jnp.einsum("mki,mkdi->mkd", h, g2, preferred_element_type=F32)
-        return jnp.einsum("mkd,mk->md", y, weights)
+        return combine_pairs(y, weights)
     if form == "dense":
         combine = jnp.zeros((m, n_exp), F32).at[jnp.arange(m)[:, None], experts].add(weights)  # [M, E]
         h = swiglu(jnp.einsum("md,eid->emi", x, w1.astype(dt), preferred_element_type=F32),
                    jnp.einsum("md,eid->emi", x, w3.astype(dt), preferred_element_type=F32), limit).astype(dt)
         y = jnp.einsum("emi,edi->emd", h, w2.astype(dt), preferred_element_type=F32)
-        return jnp.einsum("emd,me->md", y, combine)
+        return jnp.einsum("emd,me->md", y, combine, precision=HI)
     flat_e = experts.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tok = order // k

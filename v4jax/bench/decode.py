@@ -181,28 +181,43 @@ def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
 
 def _fill_pools(engine, seed: int):
     """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2), token ids uniform), one
-    array at a time, in place: the values are a hash of each element's coordinates, computed inside the output's
-    fusion, so no temporary exists (jax.random made 32 bits per element of the whole pools at once: a 21 GiB
-    temporary for flash-1gpu at batch 32 on the H200, out of memory)."""
+    array at a time, in place, a block of leading rows at a time: the values are a hash of each element's
+    coordinates, so no temporary is larger than a block (jax.random made 32 bits per element of the whole pools at
+    once: a 21 GiB temporary for flash-1gpu at batch 32 on the H200, out of memory; so did one hash of a whole
+    array)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
     vocab = engine.cfg.vocab_size
+    block_bytes = 1 << 28
 
-    def hashed(shape, salt):
+    def hashed(shape, salt, row0):
         h = jnp.full(shape, salt, jnp.uint32)
         for d in range(len(shape)):
-            h = h * jnp.uint32(0x9E3779B1) + lax.broadcasted_iota(jnp.uint32, shape, d)
+            h = h * jnp.uint32(0x9E3779B1) + lax.broadcasted_iota(jnp.uint32, shape, d) + (
+                row0.astype(jnp.uint32) if d == 0 else jnp.uint32(0))
         for mult in (0x85EBCA6B, 0xC2B2AE35):
             h = (h ^ (h >> 16)) * jnp.uint32(mult)
         return h ^ (h >> 16)
 
+    def values(h, dtype):
+        if jnp.issubdtype(dtype, jnp.integer):
+            return (h % jnp.uint32(vocab)).astype(dtype)
+        return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(dtype)
+
     @functools.partial(jax.jit, donate_argnums=0, static_argnums=1)
     def fill(a, salt):
-        h = hashed(a.shape, salt)
-        if jnp.issubdtype(a.dtype, jnp.integer):
-            return (h % jnp.uint32(vocab)).astype(a.dtype)
-        return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(a.dtype)
+        if a.ndim == 0:
+            return values(hashed((), salt, jnp.int32(0)), a.dtype)
+        rows = a.shape[0]
+        step = max(1, min(rows, block_bytes // max(1, 4 * (a.size // max(rows, 1)))))
+
+        def body(i, a):
+            start = jnp.minimum(i * step, rows - step)  # the last block overlaps the one before: same values
+            blk = values(hashed((step, *a.shape[1:]), salt, start), a.dtype)
+            return lax.dynamic_update_slice_in_dim(a, blk, start, 0)
+
+        return lax.fori_loop(0, -(-rows // step), body, a)
 
     leaves, tdef = jax.tree.flatten(engine.pools)
     engine.pools = None
