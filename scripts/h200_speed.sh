@@ -6,6 +6,8 @@
 #                                      1M with HF at 32K / 128K; generate rows and the 128K prefill; the engine GPU test
 #   bash scripts/h200_speed.sh 1gpu    flash-1gpu (43 layers): first generate (compile), generate rows, 32K prefill,
 #                                      decode at batch 1 / 32 and 4K / 32K / 128K
+#   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
+#                                      step from a profile) and of flash-1gpu
 # Everything lands under $OUT.
 set -u
 out=${OUT:-./h200_out}
@@ -59,6 +61,19 @@ slice)
     --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 280 \
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
   summary "$out/d_1gpu/decode.json"
+  ;;
+4k)
+  stamp "GPU kernel tests"
+  timeout 120 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  stamp "flash-slice decode at 4K"
+  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
+    --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 130 --out "$out/slice_4k" 2>&1 \
+    | quiet | grep "^|" | tail -4
+  summary "$out/slice_4k/decode.json"
+  stamp "flash-1gpu decode at 4K"
+  timeout 220 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K --long-b1 "" \
+    --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 200 --out "$out/1gpu_4k" 2>&1 | quiet \
+    | grep "^|\|Error\|error" | tail -4
   ;;
 esac
 stamp done

@@ -6,6 +6,7 @@ import pytest
 
 from pallas_kernels import compressor as pallas_compressor
 from pallas_kernels import experts as pallas_experts
+from pallas_kernels import layer_linear as pallas_linear
 from v4jax import LLM, SamplingParams
 from v4jax import layers
 
@@ -19,13 +20,19 @@ def test_pallas_engine_equals_xla(monkeypatch):
     real = pallas_experts.routed_experts
     monkeypatch.setattr(pallas_experts, "routed_experts",
                         lambda x, *a, **kw: experts_calls.append(x.shape[0]) or real(x, *a, **kw))
+    linear_calls = []  # (tokens, weight stack shape) of each layer-linear kernel call
+    real_linear = pallas_linear.layer_linear
+    monkeypatch.setattr(pallas_linear, "layer_linear", lambda x, w, *a, **kw: linear_calls.append(
+        (x.size // x.shape[-1], w.shape)) or real_linear(x, w, *a, **kw))
     outs = {}
     for impl in ("xla", "pallas"):
         llm = LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=128, prefill_chunk=32, decode_steps=4,
                   attention_impl=impl)
         outs[impl] = llm.generate(prompts, sp)
-        assert bool(experts_calls) == (impl == "pallas")
+        assert bool(experts_calls) == bool(linear_calls) == (impl == "pallas")
     assert 2 in experts_calls  # the decode step's two slots
+    # the decode step's projections read the weight stacks (prefill chunks of 32 tokens too)
+    assert {m for m, _ in linear_calls} >= {2, 32} and all(len(shape) == 3 for _, shape in linear_calls)
     for a, b in zip(outs["xla"], outs["pallas"]):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -127,3 +127,16 @@ def test_routed_experts_gpu(M, k, E, I, D):
   # that rounds the other way moves outputs by ~1e-3 of their scale, so the bound is relative to the scale
   ref = np.asarray(X.routed_experts_ref(x, wt, ex, w1, w2, w3, 10.0), np.float64)
   assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("M,O,D,G,n", [(1, 1024, 4096, 1, 4), (32, 512, 4096, 1, 4), (1, 32768, 1024, 1, 2),
+                                       (32, 8192, 4096, 8, 3), (5, 48, 64, 1, 1)])
+def test_layer_linear_gpu(M, O, D, G, n):
+  LL = importlib.import_module("pallas_kernels.layer_linear")
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (M, G, D) if G > 1 else (M, D), jnp.bfloat16)
+  w = jax.random.normal(kw, (n, O, D), jnp.bfloat16) * D ** -0.5
+  out = jax.jit(lambda x, w, i: LL.layer_linear(x, w, i, groups=G))(x, w, jnp.int32(n - 1))
+  wl = w[n - 1].reshape(G, O // G, D).astype(jnp.float32)
+  ref = jnp.einsum("mgd,grd->mgr", x.reshape(M, G, D).astype(jnp.float32), wl, precision="highest")
+  _close(out.reshape(ref.shape), ref, 1e-4)  # bf16 products are exact in f32; only the summation order differs

@@ -6,6 +6,7 @@ Einsum letters, used throughout v4jax:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -27,8 +28,12 @@ def rms_norm(x, weight, eps):
     return y.astype(x.dtype)
 
 
-def linear(x, w):
-    """y = x @ w.T with w in checkpoint layout [out, in]; f32 accumulation, output in x's dtype."""
+def linear(x, w, groups: int = 1):
+    """y = x @ w.T with w in checkpoint layout [out, in]; f32 accumulation, output in x's dtype. With G groups,
+    x [..., G, in] and group g's outputs [..., g, out/G] are rows g*out/G .. of w against x[..., g, :]."""
+    if groups > 1:
+        wg = w.reshape(groups, w.shape[0] // groups, w.shape[1]).astype(x.dtype)
+        return jnp.einsum("...gi,gri->...gr", x, wg, preferred_element_type=F32).astype(x.dtype)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=F32).astype(x.dtype)
 
 
@@ -177,6 +182,17 @@ def combine_pairs(y, weights):
 def layer_slice(a, i):
     """a[i] along the leading (layer stack) axis; i a Python int or a traced scalar."""
     return a[i] if isinstance(i, int) else jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOf:
+    """Layer `index` of a weight stack [n, ...], left unsliced inside the layer loop so that a kernel can read it
+    in place (the ops table's `linear`); indexing it (`weight[...]`) gives the layer's array."""
+    stack: jax.Array
+    index: int | jax.Array
+
+    def __getitem__(self, key):
+        return layer_slice(self.stack, self.index)[key]
 
 
 def swiglu(h1, h3, limit):

@@ -93,10 +93,14 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(_normal(rngs, (n_out, n_in), n_in ** -0.5, dtype), logical_axes=tuple(axes))
         self.fp8 = fp8  # an FP8/FP4 linear in the release: quant_sim rounds its input (1x128 blocks)
 
-    def __call__(self, x, opts: RunOptions | None = None):
+    def __call__(self, x, opts: RunOptions | None = None, groups: int = 1):
+        """groups > 1: the grouped form of L.linear (x [..., G, in])."""
         if opts is not None and opts.quant_sim and self.fp8:
             x = quant.fp8_roundtrip(x, 128)
-        return L.linear(x, self.weight[...])
+        w = self.weight.get_value()
+        if isinstance(w, L.LayerOf) and opts is not None and opts.mesh_rules is None:
+            return ops_for(opts.attention_impl).linear(x, w.stack, w.index, groups)
+        return L.linear(x, self.weight[...], groups)
 
 
 _EXPERT_WEIGHTS = {("ffn", "experts", w) for w in ("w1", "w2", "w3")}
@@ -105,6 +109,18 @@ _EXPERT_WEIGHTS = {("ffn", "experts", w) for w in ("w1", "w2", "w3")}
 def _is_expert_weight(path) -> bool:
     """A Block state's key path (..., "ffn", "experts", "w1" | "w2" | "w3", .value): a routed expert weight."""
     return tuple(getattr(k, "key", None) for k in path[-4:-1]) in _EXPERT_WEIGHTS
+
+
+def _layer_of(path, stack, li):
+    """What layer li of a Block state's leaf is inside the layer loop. The routed experts' weights stay whole (the
+    MoE reads layer li's own) and a Linear's weight [n, O, D] becomes L.LayerOf (the ops table's `linear` reads it
+    in place): on the H200 a slice fed to a kernel or a matmul that cannot fuse it is a copy every step (all
+    experts of a layer: 2.1 ms of a 4.8 ms flash-slice step at batch 32). The rest is sliced."""
+    if _is_expert_weight(path):
+        return stack
+    if getattr(path[-2], "key", None) == "weight" and stack.ndim == 3:
+        return L.LayerOf(stack, li)
+    return L.layer_slice(stack, li)
 
 
 def _rows_of(state, li, meta):
@@ -297,8 +313,7 @@ class Attention(nnx.Module):
         o = L.apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
         g = cfg.o_groups
         o = o.reshape(*o.shape[:-2], g, -1)  # [B, T, G, (H/G)*K]
-        wo_a = self.wo_a.weight[...].reshape(g, cfg.o_lora_rank, -1).astype(o.dtype)
-        u = jnp.einsum("btgi,gri->btgr", o, wo_a, preferred_element_type=F32).astype(o.dtype)
+        u = self.wo_a(o, opts, groups=g)  # [B, T, G, R]
         return self.wo_b(u.reshape(*u.shape[:-2], -1), opts)
 
     # -- the full-sequence forward (no cache): dense masks, the reference for every cached path --
@@ -677,11 +692,7 @@ class Transformer(nnx.Module):
 
         def run(g, li, x, pool):
             graphdef, state = split[g]
-            # The routed experts' weights stay whole: the MoE reads layer li's own (a sliced copy fed to a
-            # kernel or a matmul that cannot fuse the slice is a copy of every expert each step: 2.1 ms of a
-            # 4.8 ms flash-slice step at batch 32 on the H200).
-            sliced = jax.tree_util.tree_map_with_path(
-                lambda p, a: a if _is_expert_weight(p) else L.layer_slice(a, li), state)
+            sliced = jax.tree_util.tree_map_with_path(lambda p, a: _layer_of(p, a, li), state)
             return layer(nnx.merge(graphdef, sliced), g, li, x, pool)
 
         auxs: dict[int, list] = {}

@@ -23,6 +23,8 @@ return what sharding/context.py merges across shards.
   experts(x, weights, experts, w1, w2, w3, limit, layer) -> [M, D] f32: the routed experts' weighted sum
       (v4jax.layers.routed_experts); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the
       layer's experts are used, else [E, ...].
+  linear(x, w, layer, groups) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a layer stack
+      w [n, O, D] (v4jax.layers.linear, groups included).
 Kernels are looked up in their modules at call time (tests patch them to count calls).
 """
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Ops:
     attend: Callable
     sinkhorn: Callable
     experts: Callable
+    linear: Callable
 
 
 def _broadcast_rows(rows, t):
@@ -165,9 +168,24 @@ def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None):
     return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer)
 
 
+def _linear_xla(x, w, layer, groups=1):
+    return L.linear(x, L.layer_slice(w, layer), groups)
+
+
+def _linear_pallas(x, w, layer, groups=1):
+    """pallas_kernels.layer_linear for a decode step's few tokens (the layer's weight read from the stack in
+    place) on GPU and, interpreted, on CPU; XLA's matmul otherwise. On TPU the kernel's whole-array weight ref
+    does not fit VMEM."""
+    kernel = importlib.import_module("pallas_kernels.layer_linear")
+    if kernel.supported(x, w, groups) and jax.default_backend() != "tpu":
+        return kernel.layer_linear(x, w, layer, groups).astype(x.dtype)
+    return _linear_xla(x, w, layer, groups)
+
+
 OPS = {
-    "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla),
-    "pallas": Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas, _experts_pallas),
+    "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla, _linear_xla),
+    "pallas": Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas, _experts_pallas,
+                  _linear_pallas),
 }
 
 

@@ -1,0 +1,100 @@
+"""y = x @ w[layer].T for a decode step's few tokens, reading layer `layer` of a weight stack in place.
+
+Inside the layer `lax.scan` a layer's weight is a dynamic slice of its stack; on the H200 XLA copies the slice
+for every consumer that cannot fuse it (cuBLAS GEMMs and GEMVs, custom calls): 30 copies per flash-slice decode
+step at batch 1 (0.36 ms of 2.39), 74 at batch 32 (0.78 of 3.47), and the batch-1 projections that it does fuse
+ran as Triton GEMV fusions below bandwidth. This kernel reads the stack at the layer's offset (the pattern of
+pallas_kernels.experts).
+
+  grid (O/rows, splits): program (j, s) multiplies the tokens [TB, D] (padded to TB >= 16 rows, Triton's smallest
+  tile) by rows j*rows .. of w[layer] over the s-th of `splits` equal parts of D, in chunks of `cols`; the f32
+  partial sums [splits, TB, O] add up in XLA. Small O (a 512-wide projection is 32 row blocks) gets more splits
+  of D so that every SM has programs.
+  With G groups (the grouped low-rank output projection), rows g*O/G .. of w multiply x[..., g, :].
+
+  x [..., D] (groups: [..., G, D]); w [O, D] or a layer stack [n, O, D] with `layer` -> y [..., O] f32
+  (groups: [..., G, O/G]).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._common import mm_nt, next_pow2
+from ._compat import TritonCompilerParams, backend
+
+F32 = jnp.float32
+
+MAX_TOKENS = 64  # rows of x the kernel takes (one [TB, .] tile); more: XLA's matmul
+ROWS, COLS = 16, 512  # the experts kernels' H200 sweep (scripts/bench_experts.py): the same [TB, D] x [rows, D]
+MIN_PROGRAMS = 264  # two per SM of the H200's 132
+
+
+def _pow2_block(n: int, want: int) -> int | None:
+  b = want
+  while b >= 16:
+    if n % b == 0:
+      return b
+    b //= 2
+  return None
+
+
+def supported(x, w, groups: int = 1) -> bool:
+  """At most MAX_TOKENS tokens; O / groups and D divisible by power-of-two blocks of >= 16."""
+  n_out, d = w.shape[-2:]
+  m = x.size // (x.shape[-1] * groups)
+  return (m <= MAX_TOKENS and n_out % groups == 0 and _pow2_block(n_out // groups, ROWS) is not None
+          and _pow2_block(d, COLS) is not None)
+
+
+def _kernel(layer_ref, x_ref, w_ref, y_ref, *, n_out, group_rows, rows, cols, chunks):
+  j, s = pl.program_id(0), pl.program_id(1)
+  row0 = layer_ref[0] * n_out + j * rows  # this block's first row of w [n*O, D]
+  grp = j * rows // group_rows  # the group of x [G, TB, D] these rows multiply
+  cdt = x_ref.dtype
+
+  def body(c, acc):
+    col = (s * chunks + c) * cols
+    return acc + mm_nt(x_ref[grp, :, pl.ds(col, cols)], w_ref[pl.ds(row0, rows), pl.ds(col, cols)].astype(cdt))
+
+  y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros((x_ref.shape[1], rows), F32))
+
+
+def layer_linear(x, w, layer=None, groups: int = 1, *, interpret=None, num_warps: int = 4, num_stages: int = 2,
+                 rows: int = ROWS, cols: int = COLS):
+  """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
+  interpreter on CPU); with `groups`, group by group (see the module doc). Shapes must pass `supported`."""
+  if interpret is None:
+    interpret = backend() == "cpu"
+  if not supported(x, w, groups):
+    raise ValueError(f"x {x.shape}, w {w.shape}, {groups} groups: at most {MAX_TOKENS} tokens and power-of-two "
+                     f"blocks of at least 16")
+  d = x.shape[-1]
+  lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
+  n_out = w.shape[-2]
+  rows, cols = _pow2_block(n_out // groups, rows), _pow2_block(d, cols)
+  m = x.size // (d * groups)
+  tb = max(16, next_pow2(m))
+  x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
+  layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+  wf = w.reshape(-1, d)
+  n_chunks = d // cols
+  splits = 1
+  while (n_out // rows) * splits < MIN_PROGRAMS and n_chunks % (2 * splits) == 0:
+    splits *= 2
+  full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+  kw = dict(interpret=True) if interpret else dict(
+      compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
+  parts = pl.pallas_call(
+      functools.partial(_kernel, n_out=n_out, group_rows=n_out // groups, rows=rows, cols=cols,
+                        chunks=n_chunks // splits),
+      out_shape=jax.ShapeDtypeStruct((splits, tb, n_out), F32), grid=(n_out // rows, splits),
+      in_specs=[full(layer), full(x2), full(wf)],
+      out_specs=pl.BlockSpec((None, tb, rows), lambda j, s: (s, 0, j)), name="v4_layer_linear", **kw,
+  )(layer, x2, wf)
+  y = parts[0] if splits == 1 else jnp.sum(parts, axis=0)
+  return y[:m].reshape(*lead, groups, n_out // groups) if groups > 1 else y[:m].reshape(*lead, n_out)
