@@ -1,12 +1,19 @@
 """EngineCore: every request completes whatever the batch, lengths, chunking and pool budget; the prefix cache is
 exact (tokens identical, log-probs within 1e-5 in float32) at every kind of boundary, after eviction and after
 tombstoning; randomised adds, aborts, preemptions and evictions leave every page free and every refcount zero."""
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hf_reference as H
 from checkpoints import write_official_checkpoint
 from v4jax import LLM, SamplingParams
+from v4jax.api import EngineOptions
+from v4jax.config import preset
+from v4jax.engine.core import pool_layout
+from v4jax.memory import parse_mesh
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 
@@ -79,18 +86,36 @@ def test_every_request_completes_and_equals_alone(chunk):
 def _budget_for_pages(llm, n_pages):
     """The smallest memory_budget_bytes for which the engine sizes its pools to n_pages full pages."""
     core = llm.engine
-    lay = core.layout
-    caching = core.prefix is not None
-    args = (lay.page_size, lay.swa_page_size, lay.n_swa_pages, lay.max_slots, caching)
     lo, hi = 1, 1 << 40
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            got = core._pages_for_budget(mid, *args)
+            got = pool_layout(core.cfg, dataclasses.replace(core.options, memory_budget_bytes=mid), core.dtype,
+                              core.max_model_len).n_pages
         except ValueError:
             got = 0
         lo, hi = (mid + 1, hi) if got < n_pages else (lo, mid)
     return lo
+
+
+@pytest.mark.parametrize("mesh", [None, "data=2", "data=2,context=2,tensor=2"])
+@pytest.mark.parametrize("caching", [False, True])
+def test_budget_for_pages_is_what_the_engine_allocates(mesh, caching):
+    """replay's budget_for_pages inverts the engine's sizing, over data / context shards too (each data shard's
+    own window pages are fixed cost; full pages come in whole tiles of every block)."""
+    from v4jax.replay import budget_for_pages
+    cfg = preset("tiny")
+    opts = EngineOptions(max_num_seqs=4, max_model_len=256, enable_prefix_caching=caching, mesh=mesh)
+    shards = parse_mesh(mesh)
+    n_data, n_ctx = shards.get("data", 1), shards.get("context", 1)
+    for want in (8, 40):
+        budget = budget_for_pages(cfg, opts, 256, jnp.float32, want)
+        lay = pool_layout(cfg, dataclasses.replace(opts, memory_budget_bytes=budget), jnp.float32, 256, n_data,
+                          n_ctx)
+        assert lay.n_pages == want and lay.data_shards == n_data
+        short = pool_layout(cfg, dataclasses.replace(opts, memory_budget_bytes=budget - 1), jnp.float32, 256,
+                            n_data, n_ctx)
+        assert short.n_pages < want
 
 
 @pytest.mark.slow  # ~60 s; the randomised test below also runs budgets that queue and preempt

@@ -84,6 +84,18 @@ def test_a_slot_takes_pages_of_its_shard_blocks_and_frees_them_there(data, conte
     assert (t.full[1] == -1).all() and (t.swa[1] == -1).all()
 
 
+def test_shard_usage_counts_each_shards_own_pages():
+    t = _tables(n_pages=16, n_swa=16, slots=4, data=2, context=2)  # 4 full pages per block, 8 SWA per shard
+    t.reserve(3, 0, 3 * P)  # slot 3 is in shard 1: pages 0, 2 from block 2 (context 0), page 1 from block 3
+    use = t.shard_usage([3])
+    assert use[0] == {"data": 0, "slots": {"used": 0, "total": 2},
+                      "full_pages": [{"used": 0, "total": 4}, {"used": 0, "total": 4}],
+                      "swa_pages": {"used": 0, "total": 8}}
+    assert use[1]["slots"]["used"] == 1 and [b["used"] for b in use[1]["full_pages"]] == [2, 1]
+    assert use[1]["swa_pages"]["used"] == len(t.held[3].swa) > 0
+    assert "full_pages" not in _tables(dense=True).shard_usage([0])[0]
+
+
 def test_reserve_refuses_when_the_slots_shard_is_full():
     t = _tables(n_pages=8, n_swa=16, slots=4, data=2)  # 4 full pages per shard
     t.reserve(0, 0, 4 * P)  # slot 0 (shard 0) takes all of shard 0's pages

@@ -350,7 +350,6 @@ class Attention(nnx.Module):
     def cached(self, x, meta, pool, li, ops: Ops, opts: RunOptions):
         """x [B, T, D] for the tokens of `meta`; `pool` is this layer's stack of pools (every array [n, ...]) and
         li this layer's index in it. Returns (out [B, T, D], pool with this step's writes)."""
-        cfg = self.cfg
         pos = meta.positions
         cos, sin = self.rope(pos)
         q, qr = self.queries(x, cos, sin, opts)

@@ -240,31 +240,24 @@ def unit_bytes(core) -> dict:
 
 
 def budget_for_pages(cfg, options, max_model_len: int, dtype, n_pages: int) -> int:
-    """memory_budget_bytes for which the engine allocates `n_pages` full pages (rounded up to whole TPU tiles,
-    v4jax.memory.page_multiple): the engine's fixed pools (SWA pages, compressor states, boundary store) plus
-    n_pages x bytes per full page, by the engine's own arithmetic (EngineCore._pages_for_budget)."""
-    import jax
+    """memory_budget_bytes for which the engine allocates `n_pages` full pages (rounded up to whole TPU tiles in
+    every block of the mesh's data x context, v4jax.memory.page_multiple): the engine's fixed pools (SWA pages of
+    every data shard, compressor states, boundary store) plus n_pages x bytes per full page, by the engine's own
+    arithmetic (v4jax.engine.core.pool_cost)."""
+    import math
 
-    from v4jax import cache as C
-    from v4jax.cache.boundary import init_boundary_store, store_bytes
-    from v4jax.memory import engine_layout, page_multiple
-    p, ps, n_swa = engine_layout(cfg, options.page_size, options.max_num_seqs, options.prefill_chunk,
-                                 options.decode_steps)
+    from v4jax.engine.core import pool_cost, pool_layout
+    from v4jax.memory import page_multiple, parse_mesh
+    mesh = parse_mesh(options.mesh)
+    n_data, n_ctx = mesh.get("data", 1), mesh.get("context", 1)
+    lay = pool_layout(cfg, dataclasses.replace(options, memory_budget_bytes=None), dtype, max_model_len, n_data,
+                      n_ctx)
     caching = options.enable_prefix_caching and options.kv_layout == "paged"
-    if caching:
-        n_swa += 4 * options.max_num_seqs * (-(-cfg.window_size // ps) + 1)
-    mult = page_multiple(cfg, p, dtype)
+    mult = math.lcm(page_multiple(cfg, lay.page_size, dtype), n_data * n_ctx)
     n_pages = -(-n_pages // mult) * mult
-
-    def total(n):
-        lay = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n, n_swa_pages=n_swa,
-                           max_slots=options.max_num_seqs, max_pages_per_seq=1, max_swa_pages_per_seq=1)
-        pools = jax.eval_shape(lambda: C.init_pools(cfg, lay, dtype))
-        extra = store_bytes(jax.eval_shape(lambda: init_boundary_store(pools, n_swa))) if caching else 0
-        return sum(C.pool_bytes(pools).values()) + extra
-    one, two = total(1), total(2)
-    per_page = two - one
-    return (one - per_page) + n_pages * per_page
+    fixed, per_page = pool_cost(cfg, dtype, lay.page_size, lay.swa_page_size, lay.n_swa_pages, lay.max_slots,
+                                caching)
+    return fixed + n_pages * per_page
 
 
 # ---- the replay loop -------------------------------------------------------------------------------------------

@@ -210,6 +210,22 @@ class PageTables:
             held.swa[j] = pg
             self.swa[slot, j] = pg
 
+    def shard_usage(self, slots_in_use) -> list[dict]:
+        """Per data shard: its slots in use (of `slots_in_use`, slot ids), and (paged) its full pages used per
+        context block and its SWA pages used (pages held only by the prefix cache count as used)."""
+        fa, sa = self.full_alloc, self.swa_alloc
+        full_free, swa_free = fa.free_per_block, sa.free_per_block
+        out = []
+        for d in range(self.n_data):
+            row = {"data": d, "slots": {"used": sum(self.shard_of(s) == d for s in slots_in_use),
+                                        "total": self.slots_per_shard}}
+            if not self.dense:
+                row["full_pages"] = [{"used": fa.block_size - int(full_free[d * self.n_context + c]),
+                                      "total": fa.block_size} for c in range(self.n_context)]
+                row["swa_pages"] = {"used": sa.block_size - int(swa_free[d]), "total": sa.block_size}
+            out.append(row)
+        return out
+
     def release(self, slot: int) -> None:
         held = self.held[slot]
         if not self.dense:

@@ -62,6 +62,55 @@ class _InFlight:
     fed: dict  # slot -> the request's `fed` when the call was dispatched
 
 
+def pool_cost(cfg: ModelConfig, dtype, p: int, ps: int, n_swa: int, slots: int, caching: bool) -> tuple[int, int]:
+    """(fixed bytes, bytes per full page) of the engine's pools over the whole mesh, from the pools' own shapes:
+    the window pages, compressor states and (caching) boundary store are fixed; each full page adds its rows of
+    the token and compressed pools."""
+    def total(n_pages):
+        lay = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
+                           max_pages_per_seq=1, max_swa_pages_per_seq=1)
+        pools = jax.eval_shape(lambda: C.init_pools(cfg, lay, dtype))
+        extra = store_bytes(jax.eval_shape(lambda: init_boundary_store(pools, n_swa))) if caching else 0
+        return sum(C.pool_bytes(pools).values()) + extra
+    one, two = total(1), total(2)
+    return one - (two - one), two - one
+
+
+def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: int = 1, n_ctx: int = 1) -> C.PoolLayout:
+    """The engine's pool layout for these options over a mesh of `n_data` x `n_ctx` (data, context) shards: page
+    sizes, SWA pages per shard, full pages (every slot's whole context, or what memory_budget_bytes holds; in
+    whole TPU tiles in every block)."""
+    slots = options.max_num_seqs
+    dense = options.kv_layout == "dense"
+    caching = options.enable_prefix_caching and not dense
+    p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, options.decode_steps, n_data)
+    if caching:
+        # window tails the prefix cache may keep (LRU beyond that): four per slot
+        n_swa += 4 * slots * (-(-cfg.window_size // ps) + 1)
+    max_pages = -(-max_model_len // p)
+    max_swa = -(-max_model_len // ps)
+    n_blocks = n_data * n_ctx  # full pages per block: what one device of a (data, context) pair holds
+    if dense:
+        n_pages, n_swa = n_blocks * (slots // n_data) * -(-max_pages // n_ctx), slots * max_swa
+    else:
+        mult = math.lcm(page_multiple(cfg, p, dtype), n_blocks)  # whole TPU tiles in every block
+        n_pages = -(-slots * max_pages // mult) * mult
+        budget = options.memory_budget_bytes
+        if budget:
+            fixed, per_page = pool_cost(cfg, dtype, p, ps, n_swa, slots, caching)
+            n_pages = int((budget - fixed) // per_page)
+            if n_pages < 1:
+                raise ValueError(f"memory_budget_bytes={budget} is below the fixed pools ({fixed} bytes: window "
+                                 f"and compressor state for {slots} slots) plus one page ({per_page} bytes)")
+            if n_pages < n_blocks:
+                raise ValueError(f"memory_budget_bytes={budget} holds {n_pages} full pages: fewer than one per "
+                                 f"block of the mesh's data x context ({n_blocks})")
+            n_pages -= n_pages % (mult if n_pages >= mult else n_blocks)
+    return C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
+                        max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa, data_shards=n_data,
+                        context_shards=n_ctx)
+
+
 class EngineCore:
     def __init__(self, cfg: ModelConfig, model: Transformer, options, run_options: RunOptions, max_model_len: int):
         self.cfg, self.options, self.run_options = cfg, options, run_options
@@ -79,33 +128,13 @@ class EngineCore:
         if slots % n_data:
             raise ValueError(f"max_num_seqs={slots} does not split over the mesh's data={n_data} (each data shard "
                              f"holds max_num_seqs / {n_data} slots): use a multiple of {n_data}")
-        p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, self.k, n_data)
-        if caching:
-            # window tails the prefix cache may keep (LRU beyond that): four per slot
-            n_swa += 4 * slots * (-(-cfg.window_size // ps) + 1)
-        max_pages = -(-max_model_len // p)
-        max_swa = -(-max_model_len // ps)
-        n_blocks = n_data * n_ctx  # full pages per block: what one device of a (data, context) pair holds
-        if dense:
-            n_pages, n_swa = n_blocks * (slots // n_data) * -(-max_pages // n_ctx), slots * max_swa
-        else:
-            mult = math.lcm(page_multiple(cfg, p, self.dtype), n_blocks)  # whole TPU tiles in every block
-            n_pages = -(-slots * max_pages // mult) * mult
-            if options.memory_budget_bytes:
-                n_pages = self._pages_for_budget(options.memory_budget_bytes, p, ps, n_swa, slots, caching)
-                if n_pages < n_blocks:
-                    raise ValueError(f"memory_budget_bytes={options.memory_budget_bytes} holds {n_pages} full "
-                                     f"pages: fewer than one per block of the mesh's data x context "
-                                     f"({n_blocks})")
-                n_pages -= n_pages % (mult if n_pages >= mult else n_blocks)
-        self.layout = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa,
-                                   max_slots=slots, max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa,
-                                   data_shards=n_data, context_shards=n_ctx)
+        self.layout = pool_layout(cfg, options, self.dtype, max_model_len, n_data, n_ctx)
         self.tables = PageTables(cfg, self.layout, dense)
-        self.prefix = PrefixCache(self.tables.full_alloc, self.tables.swa_alloc, p, n_data) if caching else None
+        self.prefix = (PrefixCache(self.tables.full_alloc, self.tables.swa_alloc, self.layout.page_size, n_data)
+                       if caching else None)
         self.scheduler = Scheduler(self.tables, self.prefix, max_num_seqs=slots, prefill_chunk=options.prefill_chunk,
                                    decode_steps=self.k, max_model_len=max_model_len)
-        self.pools, self.store = self._create_pools(n_swa if caching else 0, caching)
+        self.pools, self.store = self._create_pools(self.layout.n_swa_pages if caching else 0, caching)
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.spec = S.StepSpec(graphdef, treedef, cfg, self.layout, run_options, self.k, max_model_len, caching)
@@ -132,21 +161,6 @@ class EngineCore:
             return C.pool_shardings(abstract[0], mr.sharding), store_shardings(abstract[1], mr.sharding)
 
         return create_sharded(make, shardings, self.run_options.mesh_rules)
-
-    def _pages_for_budget(self, budget, p, ps, n_swa, slots, caching) -> int:
-        def total(n_pages):
-            lay = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
-                               max_pages_per_seq=1, max_swa_pages_per_seq=1)
-            pools = jax.eval_shape(lambda: C.init_pools(self.cfg, lay, self.dtype))
-            extra = store_bytes(jax.eval_shape(lambda: init_boundary_store(pools, n_swa))) if caching else 0
-            return sum(C.pool_bytes(pools).values()) + extra
-        one, two = total(1), total(2)
-        per_page = two - one
-        n = int((budget - (one - per_page)) // per_page)
-        if n < 1:
-            raise ValueError(f"memory_budget_bytes={budget} is below the fixed pools ({one - per_page} bytes: "
-                             f"window and compressor state for {slots} slots) plus one page ({per_page} bytes)")
-        return n
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -403,8 +417,11 @@ class EngineCore:
         pools["compressor_state"] = {"used": sum(r is not None for r in sch.slots), "total": lay.max_slots,
                                      "unit": "slot"}
         pc = self.prefix
+        in_use = [i for i, r in enumerate(sch.slots) if r is not None]
         return {
             "pools": pools,
+            # on a mesh with data / context axes: each shard's own pages (a request uses only its shard's)
+            "shards": t.shard_usage(in_use) if t.n_data * t.n_context > 1 else [],
             "prefix_cache": {
                 "enabled": pc is not None,
                 "queried_tokens": pc.queried_tokens if pc else 0,
