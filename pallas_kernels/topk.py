@@ -51,30 +51,12 @@ def _order_and_pad(vals, idx, k):
 
 
 def _topk_rows_ref(x, k):
-  """Exact top-k of rows x [N, S] (canonicalised f32) with the tie rule."""
-  N, S = x.shape
-  kk = min(k, S)
-  vals, idx = lax.top_k(x, kk)
-  vk = vals[:, kk - 1:kk]                                              # [N, 1]
-  n_gt = jnp.sum(x > vk, axis=1, keepdims=True)
-  n_eq = jnp.sum(x == vk, axis=1, keepdims=True)
-  # lax.top_k's order among equal values is implementation-defined: if the k-th value is tied beyond the cut,
-  # take the lowest indices among the tied ones explicitly.
-  need_fix = jnp.any((n_eq > kk - n_gt) & (vk > -jnp.inf))
-  iota = lax.broadcasted_iota(I32, (N, S), 1)
-
-  def fix(_):
-    tie_key = jnp.where(x == vk, -iota.astype(F32), -jnp.inf)           # exact for S < 2^24
-    _, tie_idx = lax.top_k(tie_key, kk)                                 # lowest tied indices first
-    rank = lax.broadcasted_iota(I32, (N, kk), 1)
-    # the > vk part sits at the front of `vals` (sorted desc); the lowest tied indices fill ranks [n_gt, kk)
-    shifted = jnp.take_along_axis(tie_idx, jnp.clip(rank - n_gt, 0, kk - 1), axis=1)
-    return jnp.where(rank < n_gt, idx, shifted)
-
-  idx = lax.cond(need_fix, fix, lambda _: idx, None)
-  sel_vals = jnp.take_along_axis(x, jnp.maximum(idx, 0), axis=1)
-  sel_vals = jnp.where(idx >= 0, sel_vals, -jnp.inf)
-  return _order_and_pad(sel_vals, idx, k)
+  """Exact top-k of rows x [N, S] (canonicalised f32) with the tie rule: one sort of each row by (score desc,
+  index asc). Branch-free on purpose: lax.top_k's order among equal scores is implementation-defined, and fixing
+  it up behind a `lax.cond` cost a device-to-host copy of the predicate and a stream sync per call on GPU (every
+  CSA layer of a decode step whose rows are this short)."""
+  iota = lax.broadcasted_iota(I32, x.shape, 1)
+  return _order_and_pad(x, iota, k)
 
 
 def topk_ref(scores, k):

@@ -9,7 +9,7 @@ batch 1 and 32 and contexts 4K, 64K, 256K (1M at batch 1).
   holds `context - 2k` tokens; nothing is prefilled. One jitted decode call then runs k steps, at positions
   context-2k .. context-k-1, so the page bucket (a power of two of full pages) is exactly context / P pages and
   every slot stays active for all k steps (checked).
-* The time is the engine's jitted decode call (`engine.steps.decode_step`, k steps in one `lax.while_loop`,
+* The time is the engine's jitted decode call (`engine.steps.decode_step`, k steps in one `lax.fori_loop`,
   sampling included) with the arguments `EngineCore.step` passes it, median over calls after warm-up, with
   `block_until_ready`; per-step time = call time / k. `EngineCore.step()` (the loop `LLM.generate` runs: host
   bookkeeping, the pipelined dispatch and the transfers included) is timed too, on the same synthetic slots.
@@ -318,7 +318,6 @@ class JaxDecodeBench:
     def run(self, context: int, n_iter: int, n_gen: int, rng, profile: bool = False) -> dict:
         import jax
 
-        from v4jax.engine import steps as S
         k, eng = self.k, self.engine
         held = context - 2 * k
         self._occupy(held, rng)
@@ -326,7 +325,7 @@ class JaxDecodeBench:
             eng.tables.reserve(s, held, held + k)
         state, pt, swa = self._decode_args(held)
         t0 = time.perf_counter()
-        out = eng.steps.decode(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)  # compiles this variant
+        out = eng.steps.decode(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt, swa)  # compiles this variant
         jax.block_until_ready(out)
         compile_s = time.perf_counter() - t0
         eng.pools, eng.store, res, _ = out
@@ -338,7 +337,7 @@ class JaxDecodeBench:
         times = []
         for i in range(n_iter + 1):
             t0 = time.perf_counter()
-            out = eng.steps.decode(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
+            out = eng.steps.decode(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
             jax.block_until_ready(out)
             dt = time.perf_counter() - t0
             eng.pools, eng.store = out[0], out[1]
@@ -350,7 +349,7 @@ class JaxDecodeBench:
             from v4jax.bench.profile import summarize
 
             def call():
-                out = eng.steps.decode(eng.spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
+                out = eng.steps.decode(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
                 jax.block_until_ready(out)
                 eng.pools, eng.store = out[0], out[1]
 

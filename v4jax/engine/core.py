@@ -138,6 +138,7 @@ class EngineCore:
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.spec = S.StepSpec(graphdef, treedef, cfg, self.layout, run_options, self.k, max_model_len, caching)
+        self.greedy_spec = dataclasses.replace(self.spec, any_sampled=False)  # decode calls where nobody samples
         self.steps = S.JittedSteps.make(run_options.mesh_rules)
         self._flight: _InFlight | None = None
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
@@ -280,7 +281,8 @@ class EngineCore:
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
         pt = self.tables.full[:, :self._page_bucket(upto)]
-        self.pools, self.store, out, state = self.steps.decode(self.spec, self._leaves, self.pools, self.store, state,
+        spec = self.spec if (temp > 0).any() else self.greedy_spec
+        self.pools, self.store, out, state = self.steps.decode(spec, self._leaves, self.pools, self.store, state,
                                                            _snapshot(pt), _snapshot(self.tables.swa))
         return _InFlight(out, state, [(r.slot, r) for r in running], {r.slot: r.fed for r in running})
 
@@ -367,8 +369,8 @@ class EngineCore:
 
     # ---- compile and report ----
     def warmup(self) -> int:
-        """Compile every bucket the engine will use (prefill chunk x pages, decode x pages, the prefix restore)
-        with no-op calls (no valid tokens). Returns the number of compiled variants; afterwards nothing
+        """Compile every bucket the engine will use (prefill chunk x pages, decode x pages in its sampling and
+        greedy-only forms, the prefix restore) with no-op calls (no valid tokens). Returns the number of compiled variants; afterwards nothing
         recompiles."""
         s = self.layout.max_slots
         page_buckets = sorted({self._page_bucket(n * self.layout.page_size)
@@ -394,8 +396,9 @@ class EngineCore:
             st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
                                S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))
             st = self.steps.carry(st, st, n(bool))
-            self.pools, self.store, *_ = self.steps.decode(self.spec, self._leaves, self.pools, self.store, st, pt,
-                                                       _snapshot(self.tables.swa))
+            for spec in (self.spec, self.greedy_spec):
+                self.pools, self.store, *_ = self.steps.decode(spec, self._leaves, self.pools, self.store, st, pt,
+                                                               _snapshot(self.tables.swa))
         return self.compiled_variants()
 
     def compiled_variants(self) -> int:

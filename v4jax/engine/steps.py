@@ -1,7 +1,7 @@
 """The jitted steps: module-level functions of (params, pools, inputs), pools donated, shapes bucketed.
 
     prefill   B rows of T tokens (chunks of prompts) -> one sampled token per row
-    decode    k tokens for every slot in one `lax.while_loop` (sampling, stop and length checks on device)
+    decode    k tokens for every slot in one loop of k steps (sampling, stop and length checks on device)
     restore   a slot's compressor state set to a cached boundary's (a prefix hit)
 
 Everything static about a step lives in one `StepSpec` (hashed by identity: jit looks it up on every call, and
@@ -37,6 +37,9 @@ class StepSpec:
     decode_steps: int  # k
     max_model_len: int
     save_boundaries: bool  # the prefix cache is on
+    # decode: whether some slot samples (temperature > 0); False compiles a greedy-only call (the host knows the
+    # call's requests, so the device never branches on it)
+    any_sampled: bool = True
 
     def model(self, leaves):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
@@ -143,8 +146,8 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
     s, k = state.tokens.shape[0], spec.decode_steps
     rows = C.entry_rows(spec.cfg, spec.layout, page_table)  # the page tables are fixed for the whole call
 
-    def body(carry):
-        i, pools, store, st, out = carry
+    def body(i, carry):
+        pools, store, st, out = carry
         # slot None: row b is slot b, so the compressor states are read and updated in place (an index array
         # would make XLA gather and scatter every slot's state each step)
         meta = C.make_meta(spec.cfg, spec.layout, st.pos, st.active.astype(jnp.int32), jnp.zeros((s,), bool), None,
@@ -154,7 +157,8 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         if spec.save_boundaries:
             store = save_boundary_states(store, pools, None, _boundary_rows(spec, st.pos + 1, st.active, swa_table))
         sm = st.sampling
-        nxt, lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.seed, sm.sample_index, sm.token_index)
+        nxt, lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.seed, sm.sample_index, sm.token_index,
+                         spec.any_sampled)
         out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
                            logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
                            stopped=out.stopped | (st.active & jnp.any(nxt[:, None] == st.stop_ids, axis=-1)))
@@ -164,14 +168,14 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         st = DecodeState(tokens=jnp.where(st.active, nxt, st.tokens), pos=st.pos + adv,
                          active=st.active & ~is_stop & ~full, remaining=st.remaining - adv, stop_ids=st.stop_ids,
                          sampling=dataclasses.replace(sm, token_index=sm.token_index + adv))
-        return i + 1, pools, store, st, out
-
-    def cond(carry):
-        return (carry[0] < k) & jnp.any(carry[3].active)
+        return pools, store, st, out
 
     out = DecodeOutput(tokens=jnp.zeros((s, k), jnp.int32), logprobs=jnp.zeros((s, k), jnp.float32),
                        n_out=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool))
-    _, pools, store, state, out = jax.lax.while_loop(cond, body, (0, pools, store, state, out))
+    # A fixed trip count, no early exit once every slot has stopped (those steps change nothing: every write is
+    # masked by `active`): XLA:GPU then runs the loop without reading a predicate on the host each step, so the
+    # call is enqueued whole and the host's next call overlaps it. Every branch inside is device-side too.
+    pools, store, state, out = jax.lax.fori_loop(0, k, body, (pools, store, state, out))
     return *_placed(spec, pools, store), *_host_readable(spec, (out, state))
 
 
