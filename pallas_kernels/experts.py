@@ -9,15 +9,16 @@ Two costs of the XLA forms, measured on the H200 (flash-slice, 16 experts of 3 x
 Here the kernels read the stack itself at the layer's offset, and only the experts some token chose.
 
 Pairs (token, expert) are sorted by expert; expert e's pairs are rows offs[e] .. offs[e+1] of the sorted list
-(at most TB of them: a token picks distinct experts, so TB >= M suffices).
+(at most TB of them: a token picks distinct experts, so TB >= M suffices). A pair of no expert (an id outside
+[0, E), e.g. -1 for another shard's expert on a mesh) sorts last, in no expert's rows, and adds nothing.
   up   grid (E, I/bi): program (e, j) multiplies its <= TB tokens [TB, D] by rows j*bi .. of w1 and w3 of expert e
        (in chunks of D), applies the clamped SwiGLU, writes h [E, TB, I] (rounded to x's dtype).
   down grid (E, D/bd): program (e, j) multiplies h[e] [TB, I] by rows j*bd .. of w2 of expert e: y [E, TB, D].
 Experts nobody chose are skipped (their outputs are never read). The combine (weights, sum over the k experts of
 each token) runs in XLA, in the reference's order.
 
-  x [M, D]; weights, experts [M, k]; w1, w3 [E, I, D] or a layer stack [n, E, I, D] with `layer`; w2 likewise
-  [E, D, I] / [n, E, D, I].
+  x [M, D]; weights, experts [M, k] (-1 = none); w1, w3 [E, I, D] or a layer stack [n, E, I, D] with `layer`;
+  w2 likewise [E, D, I] / [n, E, D, I].
 `routed_experts_ref` is the jnp reference (the gather form of v4jax.layers.routed_experts, same maths).
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._common import mm_nt, next_pow2
-from ._compat import TritonCompilerParams, backend, pltriton
+from . import _compat
+from ._compat import TritonCompilerParams, pltriton
 
 F32 = jnp.float32
 
@@ -46,8 +48,11 @@ def swiglu(h1, h3, limit):
 
 
 def routed_experts_ref(x, weights, experts, w1, w2, w3, limit):
-    """sum_k weights[m, k] * FFN_{experts[m, k]}(x[m]) in f32 [M, D]; the hidden activation rounded to x's dtype."""
+    """sum_k weights[m, k] * FFN_{experts[m, k]}(x[m]) in f32 [M, D] over the pairs of an expert (ids in [0, E));
+    the hidden activation rounded to x's dtype."""
     dt = x.dtype
+    chosen = (experts >= 0) & (experts < w1.shape[0])
+    weights, experts = jnp.where(chosen, weights, 0.0), jnp.where(chosen, experts, 0)
     g1, g3, g2 = w1[experts].astype(dt), w3[experts].astype(dt), w2[experts].astype(dt)  # [M, k, ...]
     h = swiglu(jnp.einsum("md,mkid->mki", x, g1, preferred_element_type=F32),
                jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit).astype(dt)
@@ -122,7 +127,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
     With `layer` (an int32 scalar), w1/w2/w3 are layer stacks and layer `layer`'s experts are read in place.
     Shapes must pass `supported`."""
     if interpret is None:
-        interpret = backend() == "cpu"
+        interpret = _compat.backend() == "cpu"
     m, k = experts.shape
     n_exp, n_inner, d = w1.shape[-3:]
     if not supported(x, w1):
@@ -135,10 +140,11 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
     w1f, w3f, w2f = w1.reshape(-1, d), w3.reshape(-1, d), w2.reshape(-1, n_inner)
 
     flat_e = experts.reshape(-1).astype(jnp.int32)
+    flat_e = jnp.where((flat_e >= 0) & (flat_e < n_exp), flat_e, n_exp)  # no expert: sorted last
     order = jnp.argsort(flat_e, stable=True)  # pairs sorted by expert
     sorted_e = flat_e[order]
     offs = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                            jnp.cumsum(jnp.bincount(flat_e, length=n_exp)).astype(jnp.int32)])
+                            jnp.cumsum(jnp.bincount(flat_e, length=n_exp + 1)).astype(jnp.int32)])
     sorted_tok = (order // k).astype(jnp.int32)
 
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
@@ -157,6 +163,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
         out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down", **kw,
     )(layer, offs, h, w2f)
     # Pair r of the sorted list is row r - offs[e] of expert e's tile; back to (token, k) order for the combine.
-    y_sorted = y[sorted_e, jnp.arange(m * k) - offs[sorted_e]]  # [M*k, D]
+    y_sorted = y[jnp.minimum(sorted_e, n_exp - 1), jnp.arange(m * k) - offs[sorted_e]]  # [M*k, D]
+    y_sorted = jnp.where((sorted_e < n_exp)[:, None], y_sorted, 0.0)  # rows of no expert were never written
     y_pairs = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, d)
     return jnp.sum(y_pairs * weights[..., None], axis=1)  # f32 multiply-add (a matmul would round to TF32)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._compat import TritonCompilerParams, backend, interpret_arg
+from . import _compat
+from ._compat import TritonCompilerParams, interpret_arg
 
 BLOCK = 128  # tokens per program: a power of two (Triton) and one TPU lane row
 
@@ -56,9 +57,9 @@ def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None =
     """The Pallas version of `sinkhorn_ref` (same signature). interpret=None: interpret on CPU; gpu=None: a
     Triton kernel when this process runs on a GPU (set it to lower for another platform)."""
     if interpret is None:
-        interpret = backend() == "cpu"
+        interpret = _compat.backend() == "cpu"
     if gpu is None:
-        gpu = backend() == "gpu"
+        gpu = _compat.backend() == "gpu"
     *lead, n, _ = comb.shape
     m = 1
     for d in lead:
@@ -73,5 +74,5 @@ def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None =
         kw["compiler_params"] = TritonCompilerParams(num_warps=1, num_stages=1)
     out = pl.pallas_call(functools.partial(_kernel, n=n, iters=iters, eps=eps),
                          out_shape=jax.ShapeDtypeStruct((n * n, mp), jnp.float32),
-                         grid=(mp // BLOCK,), in_specs=[spec], out_specs=spec, **kw)(x)
+                         grid=(mp // BLOCK,), in_specs=[spec], out_specs=spec, name="v4_sinkhorn", **kw)(x)
     return out[:, :m].T.reshape(comb.shape)

@@ -2,10 +2,14 @@
 a checkpoint loaded onto a mesh (its values and bytes per device), an orbax checkpoint restored onto it, and one
 single-device reference run, then the same requests on each mesh given (with how the pools were split, the
 prefix-cache hits and the data shards that held slots); context meshes run long prompts over small pages against
-their own single-device reference; prints one JSON line per check.
+their own single-device reference; the steps exported for TPU and the experts kernel per shard on meshes; prints
+one JSON line per check.
 
-    python tests/mesh_worker.py --meshes data=2,tensor=2,expert=2 tensor=8 [--checkpoint DIR [--memory-mesh M]]
+    python tests/mesh_worker.py --meshes data=2,tensor=2,expert=2 tensor=8:pallas [--checkpoint DIR [--memory-mesh M]]
     python tests/mesh_worker.py --context-meshes context=2,tensor=4 context=4:pallas
+    python tests/mesh_worker.py --tpu-export data=2,tensor=4 --experts-meshes expert=4,tensor=2
+
+`MESH:pallas` runs attention_impl="pallas" (kernels in interpret mode).
 """
 import argparse
 import gc
@@ -193,45 +197,102 @@ def paged_by_contract(meshes):
              c4_kv_spec=full_spec(csa.kv), swa_spec=full_spec(csa.swa), seconds=round(time.time() - t0, 1))
 
 
-def tpu_export(mesh):
-    """jax.export for TPU of the engine's decode step on a mesh: the XLA form, and the Pallas attention kernels
-    (Mosaic, inside the attention's shard_map) with the XLA compressor, Sinkhorn and experts (those kernels run
-    outside a shard_map, which Mosaic needs on a mesh)."""
-    import dataclasses
+def tpu_export(meshes):
+    """jax.export for TPU of the engine's decode and prefill steps on each mesh: the XLA form of the decode step,
+    and both steps with the Pallas kernels as Mosaic calls, every one inside a shard_map (attention's, and those
+    of the compressor and Sinkhorn: Mosaic cannot be partitioned automatically). The Mosaic kernels by name,
+    per step."""
+    import collections
     import functools
+    import re
 
     from jax._src.pallas.mosaic import tpu_info
 
     from pallas_kernels import _compat
-    from v4jax import ops as O
     from v4jax.engine import steps as S
 
-    def export(impl):
-        eng = LLM("tiny", mesh=mesh, attention_impl=impl, **dict(CONTEXT_OPTIONS, dtype="bfloat16")).engine
-        mr, s = eng.run_options.mesh_rules, eng.layout.max_slots
+    def export(mesh, impl):
+        options = dict(CONTEXT_OPTIONS, dtype="bfloat16", max_num_seqs=8)  # 8 slots: any data axis splits them
+        eng = LLM("tiny", mesh=mesh, attention_impl=impl, **options).engine
+        mr, s, b, t = eng.run_options.mesh_rules, eng.layout.max_slots, 2, CONTEXT_OPTIONS["prefill_chunk"]
         z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
         state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
                               S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s)))
-        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                                           sharding=getattr(x, "sharding", mr.replicated)),
-                            (eng._leaves, eng.pools, eng.store, state, eng.tables.full, eng.tables.swa))
-        return jax.export.export(jax.jit(functools.partial(S._decode, eng.spec)), platforms=["tpu"])(*args)
+        batch = S.PrefillBatch(np.zeros((b, t), np.int32), z(b), np.full((b,), t, np.int32), np.ones((b,), bool),
+                               np.arange(b, dtype=np.int32))
+        samp = S.SamplingState(z(b, np.float32), np.ones((b,), np.float32), z(b), z(b), z(b), z(b))
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", mr.replicated)), tree)
+        common = (eng._leaves, eng.pools, eng.store)
+        decode = jax.export.export(jax.jit(functools.partial(S._decode, eng.spec)), platforms=["tpu"])(
+            *abstract(common + (state, eng.tables.full, eng.tables.swa)))
+        if impl == "xla":
+            return decode, None
+        prefill = jax.export.export(jax.jit(functools.partial(S._prefill, eng.spec)), platforms=["tpu"])(
+            *abstract(common + (batch, eng.tables.full[:b], eng.tables.swa[:b], samp)))
+        return decode, prefill
 
-    t0 = time.time()
-    xla = export("xla")
-    pallas_ops, backend = O.OPS["pallas"], _compat.backend
-    # On this CPU machine the kernels take their TPU (Mosaic) form, and Mosaic asks the chip (a v6e here).
-    _compat.backend = lambda: "tpu"
-    tpu_info.registry["cpu"] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V6E, 1)
-    O.OPS["pallas"] = dataclasses.replace(pallas_ops, compress=O.OPS["xla"].compress, sinkhorn=O.OPS["xla"].sinkhorn,
-                                          experts=O.OPS["xla"].experts)
+    def kernels(exported):
+        return dict(collections.Counter(re.findall(r'kernel_name = "(\w+)"', exported.mlir_module())))
+
+    backend = _compat.backend
+    for mesh in meshes:
+        t0 = time.time()
+        xla, _ = export(mesh, "xla")
+        # On this CPU machine the kernels take their TPU (Mosaic) form, and Mosaic asks the chip (a v6e here).
+        _compat.backend = lambda: "tpu"
+        tpu_info.registry["cpu"] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V6E, 1)
+        try:
+            decode, prefill = export(mesh, "pallas")
+        finally:
+            _compat.backend = backend
+            tpu_info.registry.pop("cpu")
+        emit(check="tpu_export", mesh=mesh, xla_devices=xla.nr_devices, pallas_devices=decode.nr_devices,
+             prefill_devices=prefill.nr_devices, decode_kernels=kernels(decode), prefill_kernels=kernels(prefill),
+             seconds=round(time.time() - t0, 1))
+        release()
+
+
+def experts_per_shard(meshes):
+    """v4jax.model.routed_experts with the Pallas table on each mesh, from a layer stack as a scanned layer reads
+    it: the kernel runs per shard on the shard's experts (its calls counted at trace time, with the experts each
+    saw), and the sum over the shards equals the single-device XLA forms. Six tokens of two experts of eight."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import experts as pallas_experts
+    from sharding import MeshRules
+    from v4jax import model as M
+    from v4jax.ops import OPS
+
+    rng = np.random.default_rng(0)
+    n, e, i, d, m, k = 2, 8, 32, 64, 6, 2
+    w1, w3 = (jnp.asarray(rng.normal(size=(n, e, i, d)) / 8, jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(n, e, d, i)) / 6, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(m)]), jnp.int32)
+    weights = jnp.asarray(rng.random((m, k)) + 0.5, jnp.float32)
+    layer = jnp.int32(1)
+    want = np.asarray(M.routed_experts(x, weights, experts, w1, w2, w3, 7.0, 1))
+    real, seen = pallas_experts.routed_experts, []
+
+    def counted(x, weights, experts, w1, *args, **kwargs):
+        seen.append(w1.shape[-3])
+        return real(x, weights, experts, w1, *args, **kwargs)
+
+    pallas_experts.routed_experts = counted
     try:
-        pallas = export("pallas")
+        for mesh in meshes:
+            seen.clear()
+            mr = MeshRules.make(mesh)
+            up, down = (mr.sharding(("layers",) + axes, w.shape)
+                        for axes, w in ((M.EXPERT_UP_AXES, w1), (M.EXPERT_DOWN_AXES, w2)))
+            args = jax.device_put((w1, w2, w3), (up, down, up))
+            got = jax.jit(lambda x, wt, ex, w1, w2, w3, li: M.routed_experts(
+                x, wt, ex, w1, w2, w3, 7.0, li, ops=OPS["pallas"], mesh_rules=mr))(x, weights, experts, *args, layer)
+            emit(check="experts", mesh=mesh, err=float(np.max(np.abs(np.asarray(got) - want))),
+                 kernel_local_experts=list(seen))
     finally:
-        O.OPS["pallas"], _compat.backend = pallas_ops, backend
-        tpu_info.registry.pop("cpu")
-    emit(check="tpu_export", mesh=mesh, xla_devices=xla.nr_devices, pallas_devices=pallas.nr_devices,
-         mosaic_calls=pallas.mlir_module().count("tpu_custom_call"), seconds=round(time.time() - t0, 1))
+        pallas_experts.routed_experts = real
 
 
 def main():
@@ -239,7 +300,9 @@ def main():
     ap.add_argument("--meshes", nargs="*", default=[])
     ap.add_argument("--context-meshes", nargs="*", default=[])
     ap.add_argument("--paged-meshes", nargs="*", default=[], help="meshes for paged_by_contract")
-    ap.add_argument("--tpu-export", default=None, help="a mesh to export the decode step on for TPU")
+    ap.add_argument("--tpu-export", nargs="*", default=[], help="meshes to export the decode and prefill steps on "
+                    "for TPU")
+    ap.add_argument("--experts-meshes", nargs="*", default=[], help="meshes for experts_per_shard")
     ap.add_argument("--checkpoint", default=None, help="an HF-format directory of the tiny preset's weights: the "
                     "mesh runs load it (else they create the preset's weights in their shards)")
     ap.add_argument("--orbax", default=None, help="an orbax checkpoint of the same weights to restore onto "
@@ -274,27 +337,35 @@ def main():
         paged_by_contract(a.paged_meshes)
     if a.tpu_export:
         tpu_export(a.tpu_export)
+    if a.experts_meshes:
+        experts_per_shard(a.experts_meshes)
     if not a.meshes:
         return
     t0 = time.time()
     ref = LLM("tiny", **MESH_OPTIONS)
     base = ref.generate(MESH_PROMPTS, SAMPLING)  # one reference for every mesh
     emit(check="reference", hit_tokens=ref.stats()["prefix_cache"]["hit_tokens"], seconds=round(time.time() - t0, 1))
-    for mesh in a.meshes:
+    from pallas_kernels import experts as pallas_experts
+    real, experts_calls = pallas_experts.routed_experts, []
+    # the routed-experts kernel's calls, at trace time (attention_impl="pallas" runs it per shard)
+    pallas_experts.routed_experts = lambda x, *args, **kw: experts_calls.append(x.shape[0]) or real(x, *args, **kw)
+    for entry in a.meshes:
+        mesh, _, impl = entry.partition(":")
         t0 = time.time()
-        llm = LLM(a.checkpoint or "tiny", mesh=mesh, **MESH_OPTIONS)
+        experts_calls.clear()
+        llm = LLM(a.checkpoint or "tiny", mesh=mesh, attention_impl=impl or "xla", **MESH_OPTIONS)
         shards = record_admissions(llm)
         outs = llm.generate(MESH_PROMPTS, SAMPLING)
         most, total = param_bytes(llm.model)
         err = max(float(np.max(np.abs(np.subtract(x.logprobs, y.logprobs)))) for x, y in zip(base, outs))
         st = llm.engine.pools.stacks[1].state_kv  # [layers of the stack, slots, ...] after the steps ran
-        emit(check="mesh", mesh=mesh, tokens_equal=all(x.token_ids == y.token_ids for x, y in zip(base, outs)),
+        emit(check="mesh", mesh=entry, tokens_equal=all(x.token_ids == y.token_ids for x, y in zip(base, outs)),
              logprob_err=err, max_device_fraction=most / total,
              state_spec=[str(s) for s in tuple(st.sharding.spec) + (None,) * (st.ndim - len(st.sharding.spec))],
-             **pool_report(llm, mesh, shards), seconds=round(time.time() - t0, 1))
+             experts_kernel_calls=len(experts_calls), **pool_report(llm, mesh, shards),
+             seconds=round(time.time() - t0, 1))
         del llm, st
         release()
-
 
 if __name__ == "__main__":
     main()

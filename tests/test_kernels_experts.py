@@ -44,6 +44,18 @@ def test_reads_one_layer_of_a_stack():
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_pairs_of_no_expert_add_nothing():
+    """-1 = no expert (on a mesh, another shard's expert): those pairs add nothing and fill no expert's tile (24 of
+    the 40 pairs here: more than a tile of 32 rows holds, were they one expert's)."""
+    x, wt, ex, w1, w2, w3 = _case(20, 2, 4, 32, 64, jnp.float32, seed=1)
+    ex = ex.at[:16, 1].set(-1).at[:8, 0].set(-1)
+    out = np.asarray(X.routed_experts(x, wt, ex, w1, w2, w3, 1.5, interpret=True))
+    ref = np.asarray(L.routed_experts(x, jnp.where(ex >= 0, wt, 0.0), jnp.maximum(ex, 0), w1, w2, w3, 1.5,
+                                      form="gather"))
+    np.testing.assert_array_equal(np.asarray(X.routed_experts_ref(x, wt, ex, w1, w2, w3, 1.5)), ref)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_matches_reference_bf16():
     args = _case(2, 3, 8, 64, 128, jnp.bfloat16)
     out = np.asarray(X.routed_experts(*args, 7.0, interpret=True))

@@ -20,9 +20,16 @@ from v4jax.config import preset
 from v4jax.model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESHES = ["tensor=8", "expert=8", "data=2,tensor=2,expert=2", "data=4,tensor=2", "context=2,tensor=4"]
-# long prompts over small pages (mesh_worker.context_meshes); ":pallas" = attention_impl="pallas" (interpret mode)
+# ":pallas" = attention_impl="pallas" (interpret mode)
+MESHES = ["tensor=8", "expert=8", "data=2,tensor=2,expert=2", "data=4,tensor=2", "context=2,tensor=4",
+          "data=2,tensor=2,expert=2:pallas"]
+# long prompts over small pages (mesh_worker.context_meshes)
 CONTEXT_MESHES = ["context=2,tensor=4", "context=4", "data=2,context=2,tensor=2", "context=2,tensor=4:pallas"]
+# the TPU export: one mesh of every attention axis in the default run, the others -m slow
+TPU_EXPORT_MESH = "data=2,context=2,tensor=2"
+MORE_TPU_EXPORT_MESHES = ["tensor=8", "data=8", "expert=8", "context=2,tensor=4", "data=2,tensor=4"]
+# mesh -> the local experts of each experts-kernel call (tiny's 8 experts; [] = the XLA forms ran)
+EXPERTS_MESHES = {"expert=4,tensor=2": [2], "data=2,expert=2": [4], "data=8": [8], "tensor=8": []}
 
 
 def _run_worker(args, timeout=1500) -> dict:
@@ -41,6 +48,9 @@ def _check_meshes(results, meshes):
         row = results[("mesh", mesh)]
         assert row["tokens_equal"], row
         assert row["logprob_err"] <= 1e-4, row
+        mesh, _, impl = mesh.partition(":")
+        # the Pallas table runs the experts kernel per shard (tiny's experts are 32 wide: 16 a shard at tensor=2)
+        assert (row["experts_kernel_calls"] > 0) == (impl == "pallas"), row
         axes = parse_mesh_spec(mesh)
         if "data" in axes and "context" not in axes:
             # per-slot compressor state split over `data`, and still as the table says after the steps ran
@@ -100,14 +110,15 @@ def test_spec_rules():
 @pytest.fixture(scope="module")
 def worker_results(tiny_checkpoint, tmp_path_factory):
     """One worker process for the default run's mesh checks: the checkpoint and orbax loads, the model's steps
-    with page tables placed by the layout contract (data=2,context=2,tensor=2), the TPU export on a context
-    mesh."""
+    with page tables placed by the layout contract (data=2,context=2,tensor=2), the TPU export of the steps on
+    that mesh, the experts kernel per shard."""
     from checkpoints.orbax_io import is_orbax_dir
     from v4jax.cli import main
     orbax_dir = str(tmp_path_factory.mktemp("orbax") / "orbax")
     assert main(["convert", tiny_checkpoint, orbax_dir, "--dtype", "float32"]) == 0 and is_orbax_dir(orbax_dir)
     return _run_worker(["--checkpoint", tiny_checkpoint, "--orbax", orbax_dir, "--memory-mesh", "tensor=4,expert=2",
-                        "--paged-meshes", "data=2,context=2,tensor=2", "--tpu-export", "context=2,tensor=4"])
+                        "--paged-meshes", "data=2,context=2,tensor=2", "--tpu-export", TPU_EXPORT_MESH,
+                        "--experts-meshes", *EXPERTS_MESHES])
 
 
 @pytest.mark.filterwarnings("ignore:no tokenizer.json")
@@ -136,12 +147,37 @@ def test_context_parallel_steps_with_pages_placed_by_the_layout_contract(worker_
     assert row["swa_spec"] == ["None", "data", "None"], row
 
 
-def test_context_mesh_decode_step_exports_for_tpu(worker_results):
-    """The decode step on context=2,tensor=4 lowers for TPU: the XLA form, and the Pallas attention kernels as
-    Mosaic calls inside the attention's shard_map (one indexer and one attention call per compressed layer)."""
-    row = worker_results[("tpu_export", "context=2,tensor=4")]
-    assert row["xla_devices"] == row["pallas_devices"] == 8, row
-    assert row["mosaic_calls"] >= 6, row
+def _check_tpu_export(row):
+    assert row["xla_devices"] == row["pallas_devices"] == row["prefill_devices"] == 8, row
+    # tiny: CSA, HCA, CSA layers (two compressors each on CSA, one on HCA), mHC twice a layer, 4 layers; the
+    # routed experts take the XLA forms on TPU (the kernels' weight refs do not fit VMEM)
+    cached = {"v4_sparse_attention": 4, "v4_indexer_scores": 2, "v4_sinkhorn": 8}
+    assert row["decode_kernels"] == dict(cached, v4_compressor_decode=5), row
+    assert row["prefill_kernels"] == dict(cached, v4_compressor_prefill=5), row
+
+
+def test_mesh_steps_export_for_tpu(worker_results):
+    """The decode and prefill steps on data=2,context=2,tensor=2 lower for TPU: the XLA form, and the Pallas one
+    with every kernel a Mosaic call inside a shard_map (attention's, the compressors', Sinkhorn's)."""
+    _check_tpu_export(worker_results[("tpu_export", TPU_EXPORT_MESH)])
+
+
+def test_experts_kernel_runs_per_shard(worker_results):
+    """On a mesh the Pallas table runs the experts kernel per shard, on the shard's experts read from the layer
+    stack (the tokens of other shards' experts add nothing), the shards' sum the single-device XLA forms; where
+    the shard's slice of the width does not fit the kernel (tensor=8: 4 wide), the XLA forms per shard."""
+    for mesh, local in EXPERTS_MESHES.items():
+        row = worker_results[("experts", mesh)]
+        assert row["err"] <= 1e-5, row
+        assert row["kernel_local_experts"] == local, row
+
+
+@pytest.mark.slow
+def test_more_meshes_export_for_tpu():
+    """The same lowering for TPU on a tensor, a data, an expert mesh and two more."""
+    results = _run_worker(["--tpu-export", *MORE_TPU_EXPORT_MESHES])
+    for mesh in MORE_TPU_EXPORT_MESHES:
+        _check_tpu_export(results[("tpu_export", mesh)])
 
 
 @pytest.mark.slow

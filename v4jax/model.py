@@ -10,7 +10,8 @@ time do not grow with depth. The forward runs as a pure function: `nnx.split` on
 Pieces of each layer (projections, compressor, indexer, output) are separate methods so that the engine's
 cached steps reuse exactly the same maths. On a mesh the cached path's pool writes and attention run per shard
 (`attention_core` under jax.shard_map): each shard holds a block of the compressed pools' rows (context
-parallelism), and the shards' indexer top-k and partial softmaxes are merged by sharding/context.py.
+parallelism), and the shards' indexer top-k and partial softmaxes are merged by sharding/context.py. The routed
+experts run per shard too, and so do the other entries of a Pallas ops table (`mesh_ops`).
 
 How the layers are run was chosen by measurement (CPU, 2 cores, JAX 0.10.2, `tiny` widths at 24 layers of the Flash
 pattern, batch 4): "periods" (scans over repeating periods, irregular head / tail unrolled) compiled the cached
@@ -59,8 +60,8 @@ class RunOptions:
     """Static numerics switches of a forward pass."""
     quant_sim: bool = False  # the official FP8 KV / FP4 indexer / FP8 activation rounding (reference §9.1)
     attention_impl: str = "xla"  # "xla" | "pallas": the ops table of the cached path (v4jax.ops)
-    # sharding.MeshRules (mesh + logical-axis table) when the model runs on a mesh: the MoE runs its routed
-    # experts per shard (shard_map) and the steps replicate what the host reads; None = one device
+    # sharding.MeshRules (mesh + logical-axis table) when the model runs on a mesh: the MoE's routed experts and
+    # the Pallas calls run per shard (shard_map) and the steps replicate what the host reads; None = one device
     mesh_rules: Any = None
     # Training / evaluation only (full-sequence forward):
     indexer_aux: bool = False  # sow IndexerAux (indexer log-probs and the attention-mass target) per CSA stack
@@ -98,8 +99,8 @@ class Linear(nnx.Module):
         if opts is not None and opts.quant_sim and self.fp8:
             x = quant.fp8_roundtrip(x, 128)
         w = self.weight.get_value()
-        if isinstance(w, L.LayerOf) and opts is not None and opts.mesh_rules is None:
-            return ops_for(opts.attention_impl).linear(x, w.stack, w.index, groups)
+        if isinstance(w, L.LayerOf):  # inside the layer loop, off a mesh
+            return ops_for((opts or RunOptions()).attention_impl).linear(x, w.stack, w.index, groups)
         return L.linear(x, self.weight[...], groups)
 
 
@@ -111,14 +112,15 @@ def _is_expert_weight(path) -> bool:
     return tuple(getattr(k, "key", None) for k in path[-4:-1]) in _EXPERT_WEIGHTS
 
 
-def _layer_of(path, stack, li):
+def _layer_of(path, stack, li, on_mesh: bool):
     """What layer li of a Block state's leaf is inside the layer loop. The routed experts' weights stay whole (the
-    MoE reads layer li's own) and a Linear's weight [n, O, D] becomes L.LayerOf (the ops table's `linear` reads it
-    in place): on the H200 a slice fed to a kernel or a matmul that cannot fuse it is a copy every step (all
-    experts of a layer: 2.1 ms of a 4.8 ms flash-slice step at batch 32). The rest is sliced."""
+    MoE reads layer li's own) and, off a mesh, a Linear's weight [n, O, D] becomes L.LayerOf (the ops table's
+    `linear` reads it in place): on the H200 a slice fed to a kernel or a matmul that cannot fuse it is a copy
+    every step (all experts of a layer: 2.1 ms of a 4.8 ms flash-slice step at batch 32). The rest is sliced (on a
+    mesh the projections are XLA's, partitioned by the rules, and the weights enter shard_maps as arrays)."""
     if _is_expert_weight(path):
         return stack
-    if getattr(path[-2], "key", None) == "weight" and stack.ndim == 3:
+    if not on_mesh and getattr(path[-2], "key", None) == "weight" and stack.ndim == 3:
         return L.LayerOf(stack, li)
     return L.layer_slice(stack, li)
 
@@ -135,6 +137,45 @@ def _set_rows(state, li, meta, new):
 def _flat(pool):
     """A stacked pool [n, R, K] as the flat rows [n * R, K] of all its layers (a free reshape)."""
     return pool.reshape(-1, pool.shape[-1])
+
+
+def on_shards(fn, mesh_rules, in_specs, out_specs):
+    """fn over each shard's blocks of its arguments (in_specs, out_specs: PartitionSpecs, pytree prefixes):
+    jax.shard_map manual over every mesh axis, as Pallas calls run on a mesh (Mosaic cannot be partitioned
+    automatically)."""
+    return jax.shard_map(fn, mesh=mesh_rules.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
+    """The ops table of a step on a mesh. The experts run per shard on the shard's experts (routed_experts); a
+    table of Pallas calls (ops.per_shard) also runs compress and sinkhorn per shard, on the step's rows: split as
+    the slots are (over `data`) when row b is slot b, whole on every shard otherwise. select and attend run
+    inside attention_core's shard_map (Attention._attend_pools)."""
+    from jax.sharding import PartitionSpec as P
+    experts = functools.partial(routed_experts, ops=ops, mesh_rules=mesh_rules)
+    if not ops.per_shard:
+        return dataclasses.replace(ops, experts=experts)
+
+    def by_row(b):  # every argument and result of compress and sinkhorn is [B, ...]
+        return P(mesh_rules.spec(("slots",), (b,))[0] if rows_are_slots else None)
+
+    def compress(comp, x, meta, st_kv, st_sc, rope):
+        # The compressor's weights are gathered whole onto every shard (wkv, wgate [coff*K, D] are split over
+        # `tensor`; Flash, bf16: 21 MB a CSA layer, 8 MB an HCA layer): the kernels pool channels c and K + c
+        # together, and the norm takes all K.
+        graphdef, weights = nnx.split(comp)
+        rows = by_row(x.shape[0])
+
+        def local(weights, x, meta, st_kv, st_sc):
+            return ops.compress(nnx.merge(graphdef, weights), x, meta, st_kv, st_sc, rope)
+
+        return on_shards(local, mesh_rules, (P(), rows, rows, rows, rows), rows)(weights, x, meta, st_kv, st_sc)
+
+    def sinkhorn(comb, iters, eps):
+        rows = by_row(comb.shape[0])
+        return on_shards(lambda c: ops.sinkhorn(c, iters, eps), mesh_rules, rows, rows)(comb)
+
+    return dataclasses.replace(ops, compress=compress, sinkhorn=sinkhorn, experts=experts)
 
 
 def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict, li, *, ops: Ops, scale: float,
@@ -422,9 +463,8 @@ class Attention(nnx.Module):
             return jax.tree.map(lambda _: P(rows), tree)
 
         core = functools.partial(attention_core, blocks, row_axes=context.axes_of(rows), **static)
-        return jax.shard_map(core, mesh=mesh_rules.mesh,
-                             in_specs=(q_spec, heads, pool_specs, by_row(writes), by_row(reads), P()),
-                             out_specs=(q_spec, pool_specs), check_vma=False)(q, sink, pools, writes, reads, li)
+        return on_shards(core, mesh_rules, (q_spec, heads, pool_specs, by_row(writes), by_row(reads), P()),
+                         (q_spec, pool_specs))(q, sink, pools, writes, reads, li)
 
     def _indexer_aux(self, q, keys, valid_dense, scores, causal):
         """Distillation target for the indexer: each query's attention mass over the compressed entries under
@@ -479,24 +519,23 @@ def _mesh_axes(entry) -> tuple[str, ...]:
 DENSE_ROWS_PER_EXPERT = 8
 
 
-def routed_experts(x, weights, experts, w1, w2, w3, limit, mesh_rules=None, single_device=None, layer=None):
-    """L.routed_experts, on a mesh run per shard (shard_map): a shard holds some experts (expert parallel) and a
-    slice of each one's width (tensor), runs its experts on every token routed to them, and the partial outputs
-    add up over those mesh axes. Tokens are not dispatched: every shard sees the step's (few) tokens, so the only
-    collective is the sum of [M, D]. `single_device`: the ops table's experts (used off a mesh; default the XLA
-    forms). `layer`: w1/w2/w3 are a layer stack and this is the layer's index in it."""
+def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, ops: Ops = OPS["xla"], mesh_rules=None):
+    """The ops table's experts (default the XLA forms), on a mesh run per shard (shard_map): a shard holds some
+    experts (expert parallel) and a slice of each one's width (tensor), runs its experts on every token routed to
+    them, and the partial outputs add up over those mesh axes. Tokens are not dispatched: every shard sees the
+    step's (few) tokens, so the only collective is the sum of [M, D]. `layer`: w1/w2/w3 are a layer stack and this
+    is the layer's index in it (a kernel reads the shard's stack in place)."""
     if mesh_rules is None:
-        return (single_device or OPS["xla"].experts)(x, weights, experts, w1, w2, w3, limit, layer)
-    if layer is not None:
-        w1, w2, w3 = (L.layer_slice(w, layer) for w in (w1, w2, w3))
+        return ops.experts(x, weights, experts, w1, w2, w3, limit, layer)
     from jax.sharding import PartitionSpec as P
-    up, down = mesh_rules.spec(EXPERT_UP_AXES, w1.shape), mesh_rules.spec(EXPERT_DOWN_AXES, w2.shape)
-    e_axes, sum_axes = _mesh_axes(up[0]), _mesh_axes(up[0]) + _mesh_axes(up[1])
-    if not sum_axes:
-        return L.routed_experts(x, weights, experts, w1, w2, w3, limit)
+    stack = () if layer is None else ("layers",)
+    up, down = mesh_rules.spec(stack + EXPERT_UP_AXES, w1.shape), mesh_rules.spec(stack + EXPERT_DOWN_AXES, w2.shape)
+    e_axes, sum_axes = _mesh_axes(up[-3]), _mesh_axes(up[-3]) + _mesh_axes(up[-2])
+    if not sum_axes and not ops.per_shard:
+        return ops.experts(x, weights, experts, w1, w2, w3, limit, layer)
 
-    def local(x, weights, experts, w1, w2, w3):
-        n_local = w1.shape[0]
+    def local(x, weights, experts, w1, w2, w3, layer):
+        n_local = w1.shape[-3]
         first = jax.lax.axis_index(e_axes) * n_local if e_axes else 0
         mine = (experts >= first) & (experts < first + n_local)
         # Up to DENSE_ROWS_PER_EXPERT routed rows per local expert: every local expert densely. The grouped
@@ -504,13 +543,14 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, mesh_rules=None, sing
         # v5p-16, tensor=4,expert=2, batch 32: 136 GB of temporaries; dense: 0.65 GB; BENCHMARKS "TPU pod plan").
         m, k = experts.shape
         form = "gather" if m * k < n_local else "dense" if m * k <= DENSE_ROWS_PER_EXPERT * n_local else "grouped"
-        # Another shard's experts: weight 0 on a local expert (the grouped matmul then needs no ragged tail).
-        y = L.routed_experts(x, jnp.where(mine, weights, 0.0), jnp.clip(experts - first, 0, n_local - 1), w1, w2, w3,
-                             limit, form)
-        return jax.lax.psum(y, sum_axes)
+        # Another shard's experts: no expert, weight 0 (the XLA forms give it a local one: no ragged tail).
+        y = ops.experts(x, jnp.where(mine, weights, 0.0), jnp.where(mine, experts - first, -1), w1, w2, w3, limit,
+                        layer, form)
+        return jax.lax.psum(y, sum_axes) if sum_axes else y
 
-    return jax.shard_map(local, mesh=mesh_rules.mesh, in_specs=(P(), P(), P(), up, down, up), out_specs=P(),
-                         check_vma=False)(x, weights, experts, w1, w2, w3)
+    layer = None if layer is None else jnp.asarray(layer, jnp.int32)
+    return on_shards(local, mesh_rules, (P(), P(), P(), up, down, up, P()), P())(x, weights, experts, w1, w2, w3,
+                                                                                  layer)
 
 
 class SharedExpert(nnx.Module):
@@ -537,8 +577,9 @@ class MoE(nnx.Module):
         return self.gate.tid2eid is not None
 
     def __call__(self, x, token_ids, opts: RunOptions, experts_fn=None, layer=None):
-        """Returns (y like x, the chosen experts [B*T, k] int32). experts_fn: the ops table's `experts`; layer: the
-        index of this layer in its stack when the expert weights are the whole stack (see Transformer._run_layers)."""
+        """Returns (y like x, the chosen experts [B*T, k] int32). experts_fn: the ops table's `experts` (on a mesh
+        already per shard, mesh_ops; None: the XLA forms, per shard on a mesh); layer: the index of this layer in
+        its stack when the expert weights are the whole stack (see Transformer._run_layers)."""
         cfg = self.cfg
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -546,8 +587,9 @@ class MoE(nnx.Module):
         bias = None if self.gate.bias is None else self.gate.bias[...]
         w, idx = L.route(flat, self.gate.weight[...], bias, tid2eid, token_ids.reshape(-1), cfg)
         xin = quant.fp8_roundtrip(flat, 128) if opts.quant_sim else flat
-        y = routed_experts(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...],
-                           cfg.swiglu_limit, opts.mesh_rules, experts_fn, layer)
+        experts_fn = experts_fn or functools.partial(routed_experts, mesh_rules=opts.mesh_rules)
+        y = experts_fn(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], cfg.swiglu_limit,
+                       layer)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, cfg.swiglu_limit, opts).astype(F32)
         return y.astype(x.dtype).reshape(shape), idx
@@ -688,10 +730,11 @@ class Transformer(nnx.Module):
         full-sequence forward). Returns (x, pools, per-stack aux: stack -> list of (li, aux) when collect)."""
         split = [nnx.split(s) for s in self.stacks]
         pools = None if pools is None else list(pools)
+        on_mesh = opts.mesh_rules is not None
 
         def run(g, li, x, pool):
             graphdef, state = split[g]
-            sliced = jax.tree_util.tree_map_with_path(lambda p, a: _layer_of(p, a, li), state)
+            sliced = jax.tree_util.tree_map_with_path(lambda p, a: _layer_of(p, a, li, on_mesh), state)
             return layer(nnx.merge(graphdef, sliced), g, li, x, pool)
 
         auxs: dict[int, list] = {}
@@ -760,6 +803,8 @@ class Transformer(nnx.Module):
         """One step over the pools: token_ids [B, T] at meta's positions. Returns (logits [B, V] f32 of each
         row's last valid token, pools with the step's writes)."""
         ops = ops_for(opts.attention_impl)
+        if opts.mesh_rules is not None:
+            ops = mesh_ops(ops, opts.mesh_rules, rows_are_slots=meta.slot is None)
         x = self.embed_streams(token_ids)
 
         def layer(block, g, li, x, pool):

@@ -5,7 +5,9 @@ CPU, Triton / Mosaic on GPU and TPU); `Transformer.cached` picks one from `RunOp
 hands it to every layer, so layers hold no `attention_impl` branches. Every entry reads the pools as flat row
 arrays ([rows, K], all layers of a stack one after another) through row ids (-1 = none). On a mesh the entries run
 per shard (inside jax.shard_map, v4jax.model) on the shard's rows, the others masked to -1: `select` and `attend`
-return what sharding/context.py merges across shards.
+return what sharding/context.py merges across shards. On a mesh a table of Pallas calls (`per_shard`) runs all its
+entries per shard (v4jax.model.mesh_ops: a Mosaic call cannot be partitioned automatically); XLA partitions the jnp
+forms itself.
 
   compress(comp, x, meta, st_kv, st_sc, rope) -> (entries [B, E, K] in x's dtype, entry index [B, E],
       emitted [B, E] bool, new state_kv, new state_score): the compressor over the step's tokens from the rows'
@@ -20,11 +22,13 @@ return what sharding/context.py merges across shards.
       lse [B, T, H] the log of the softmax denominator, -inf where nothing is valid and there is no sink), what
       shards merge (the kernels' partial states cost a write and a read of o in f32, so only then).
   sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
-  experts(x, weights, experts, w1, w2, w3, limit, layer) -> [M, D] f32: the routed experts' weighted sum
-      (v4jax.layers.routed_experts); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the
-      layer's experts are used, else [E, ...].
+  experts(x, weights, experts, w1, w2, w3, limit, layer=None, form=None) -> [M, D] f32: the routed experts'
+      weighted sum (v4jax.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of another shard's
+      expert, weight 0); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the layer's experts are
+      used, else [E, ...]; form: the XLA form where the XLA forms run (None: by size).
   linear(x, w, layer, groups) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a layer stack
-      w [n, O, D] (v4jax.layers.linear, groups included).
+      w [n, O, D] (v4jax.layers.linear, groups included); off a mesh only (on one the projections are XLA's,
+      partitioned by the rules).
 Kernels are looked up in their modules at call time (tests patch them to count calls).
 """
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Ops:
     sinkhorn: Callable
     experts: Callable
     linear: Callable
+    per_shard: bool = False  # Pallas calls: on a mesh every entry runs per shard
 
 
 def _broadcast_rows(rows, t):
@@ -147,25 +152,30 @@ def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_
                                       scale=scale, return_lse=with_lse)
 
 
+def _backend() -> str:
+    return importlib.import_module("pallas_kernels._compat").backend()
+
+
 def _sinkhorn_pallas(comb, iters, eps):
     """pallas_kernels.sinkhorn: the whole loop in one launch (XLA runs it as ~80 small kernels per layer)."""
     return importlib.import_module("pallas_kernels.sinkhorn").sinkhorn(comb, iters, eps)
 
 
-def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None):
+def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
     if layer is not None:
         w1, w2, w3 = (L.layer_slice(w, layer) for w in (w1, w2, w3))
-    return L.routed_experts(x, weights, experts, w1, w2, w3, limit)
+    # a pair of no expert has weight 0: any expert's output will do
+    return L.routed_experts(x, weights, jnp.maximum(experts, 0), w1, w2, w3, limit, form)
 
 
-def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None):
+def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
     """pallas_kernels.experts for a decode step's few tokens (each chosen expert's weights read once, from the
     layer stack in place) on GPU and, interpreted, on CPU; the XLA forms otherwise (prefill). On TPU the kernels'
     whole-array weight refs do not fit VMEM, so the XLA forms run there."""
     kernels = importlib.import_module("pallas_kernels.experts")
-    if kernels.supported(x, w1) and jax.default_backend() != "tpu":
+    if kernels.supported(x, w1) and _backend() != "tpu":
         return kernels.routed_experts(x, weights, experts, w1, w2, w3, limit, layer=layer)
-    return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer)
+    return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form)
 
 
 def _linear_xla(x, w, layer, groups=1):
@@ -177,7 +187,7 @@ def _linear_pallas(x, w, layer, groups=1):
     place) on GPU and, interpreted, on CPU; XLA's matmul otherwise. On TPU the kernel's whole-array weight ref
     does not fit VMEM."""
     kernel = importlib.import_module("pallas_kernels.layer_linear")
-    if kernel.supported(x, w, groups) and jax.default_backend() != "tpu":
+    if kernel.supported(x, w, groups) and _backend() != "tpu":
         return kernel.layer_linear(x, w, layer, groups).astype(x.dtype)
     return _linear_xla(x, w, layer, groups)
 
@@ -185,7 +195,7 @@ def _linear_pallas(x, w, layer, groups=1):
 OPS = {
     "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla, _linear_xla),
     "pallas": Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas, _experts_pallas,
-                  _linear_pallas),
+                  _linear_pallas, per_shard=True),
 }
 
 
