@@ -1,4 +1,4 @@
-"""The engine (issue 3): cached greedy decoding equals the teacher-forced forward; chunking, layouts,
+"""The engine: cached greedy decoding equals the teacher-forced forward; chunking, layouts,
 recompilation, page accounting, sampling and the API's error handling."""
 import itertools
 
@@ -48,12 +48,13 @@ def _prompts(lens, vocab, seed=0):
 
 
 def test_greedy_equals_teacher_forced_real_ratios(real_ckpt):
-    """Prompts of 1, 127, 128, 129, 255, 256, 257 and 1000 tokens decode 300 tokens together in one batch."""
-    llm = LLM(real_ckpt, dtype="float32", max_num_seqs=8, max_model_len=1400, prefill_chunk=256)
+    """Prompts of 1, 127, 128, 129, 255, 256, 257 and 1000 tokens decode 120 tokens together in one batch (HCA
+    windows close in decode at 128, 256 and 1024, CSA windows every 4 tokens)."""
+    llm = LLM(real_ckpt, dtype="float32", max_num_seqs=8, max_model_len=1200, prefill_chunk=256)
     prompts = _prompts((1, 127, 128, 129, 255, 256, 257, 1000), llm.config.vocab_size)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=300, **GREEDY))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=120, **GREEDY))
     for p, o in zip(prompts, outs):
-        assert len(o.token_ids) == 300 and o.finish_reason == "length"
+        assert len(o.token_ids) == 120 and o.finish_reason == "length"
         _assert_teacher_forced(llm, p, o)
 
 
@@ -162,6 +163,25 @@ def test_pipelined_scheduler_equals_synchronous_steps(tiny_llm, monkeypatch):
     assert got == want
     assert {r for _, r in want} == {"stop", "length"}
     assert _all_pages_free(eng)
+
+
+def test_fixed_length_decode_calls_equal_early_exit(monkeypatch):
+    """The GPU form of the decode call (k steps always, no early exit once every slot stopped: the extra steps
+    must change nothing) gives the early-exit form's tokens, log-probs and finish reasons, greedy and sampled,
+    with stop tokens and budgets shorter than a call."""
+    from v4jax.engine import steps
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, 500, int(rng.integers(1, 40))).tolist() for _ in range(6)]
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 11)), temperature=float(rng.choice([0.0, 0.8])), seed=i,
+                             logprobs=True, stop_token_ids=[int(t) for t in rng.integers(2, 500, 7)]) for i in range(6)]
+    outs = {}
+    for early in (True, False):
+        monkeypatch.setattr(steps, "early_exit", lambda early=early: early)
+        llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=128, prefill_chunk=16, decode_steps=4)
+        outs[early] = llm.generate(prompts, params)
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
 
 
 def test_seeded_sampling_independent_of_batch(tiny_llm):

@@ -1,4 +1,4 @@
-"""The model equals the HF transformers reference on randomised tiny configs (issue 2, "Done when")."""
+"""The model equals the HF transformers reference on randomised tiny configs."""
 import numpy as np
 import pytest
 import torch
