@@ -64,7 +64,7 @@ slice)
   ;;
 4k)
   stamp "GPU kernel tests"
-  timeout 120 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  timeout 240 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -3
   stamp "flash-slice decode at 4K"
   timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
     --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 130 --out "$out/slice_4k" 2>&1 \
