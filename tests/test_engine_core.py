@@ -286,7 +286,10 @@ def test_prefix_cache_exact_with_decoded_pages_and_small_budget(real_ckpt):
 
 
 # ---- randomised bookkeeping ------------------------------------------------------------------------------
-@pytest.mark.parametrize("n_requests", [100, pytest.param(3000, marks=pytest.mark.slow)])
+# ~100 s each on a 2-core CPU: -m slow (the default run's bookkeeping checks: tests/test_pages.py, the small-budget
+# prefix-cache test above, tests/test_engine.py's randomised freeing)
+@pytest.mark.slow
+@pytest.mark.parametrize("n_requests", [100, 3000])
 def test_randomised_adds_aborts_preemptions_evictions(n_requests):
     """Random adds (prompts from a few shared stems, so the tree shares and evicts), aborts and steps under a
     budget of a few requests: refcounts stay exact after every step, every request ends, and at the end every

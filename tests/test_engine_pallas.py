@@ -71,6 +71,7 @@ def window_crossing_runs():
     return outs, counts
 
 
+@pytest.mark.slow  # with the next test ~70 s; the kernels across windows: tests/test_kernels_compressor.py
 def test_pallas_engine_calls_compressor_kernels(window_crossing_runs):
     _, counts = window_crossing_runs
     xla, pallas = counts["xla"], counts["pallas"]
@@ -82,6 +83,7 @@ def test_pallas_engine_calls_compressor_kernels(window_crossing_runs):
     assert not any(name == "compress_chunk" for name, _ in pallas), pallas  # no XLA compressor left
 
 
+@pytest.mark.slow
 def test_pallas_engine_equals_xla_across_windows(window_crossing_runs):
     outs, _ = window_crossing_runs
     for a, b in zip(outs["xla"], outs["pallas"]):
