@@ -22,6 +22,16 @@ def next_pow2(x: int) -> int:
   return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+def pow2_block(n: int, want: int) -> int | None:
+  """The largest power of two <= want that divides n (and is >= 16, Triton's smallest tile), or None."""
+  b = want
+  while b >= 16:
+    if n % b == 0:
+      return b
+    b //= 2
+  return None
+
+
 def pad_last(x: jax.Array, size: int, value) -> jax.Array:
   """Pads the last axis of x up to `size` with `value` (no-op when already that size)."""
   n = x.shape[-1]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import mm_nt, next_pow2
+from ._common import mm_nt, next_pow2, pow2_block as _pow2_block
 from . import _compat
 from ._compat import TritonCompilerParams, pltriton
 
@@ -58,16 +58,6 @@ def routed_experts_ref(x, weights, experts, w1, w2, w3, limit):
                jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit).astype(dt)
     y = jnp.einsum("mki,mkdi->mkd", h, g2, preferred_element_type=F32)
     return jnp.sum(y * weights[..., None], axis=1)
-
-
-def _pow2_block(n: int, want: int) -> int | None:
-    """The largest power of two <= want that divides n (and is >= 16, Triton's smallest tile), or None."""
-    b = want
-    while b >= 16:
-        if n % b == 0:
-            return b
-        b //= 2
-    return None
 
 
 def supported(x, w1) -> bool:

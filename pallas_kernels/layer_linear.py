@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import mm_nt, next_pow2
+from ._common import mm_nt, next_pow2, pow2_block as _pow2_block
 from ._compat import TritonCompilerParams, backend
 
 F32 = jnp.float32
@@ -32,15 +32,6 @@ F32 = jnp.float32
 MAX_TOKENS = 64  # rows of x the kernel takes (one [TB, .] tile); more: XLA's matmul
 ROWS, COLS = 16, 512  # the experts kernels' H200 sweep (scripts/bench_experts.py): the same [TB, D] x [rows, D]
 MIN_PROGRAMS = 264  # two per SM of the H200's 132
-
-
-def _pow2_block(n: int, want: int) -> int | None:
-  b = want
-  while b >= 16:
-    if n % b == 0:
-      return b
-    b //= 2
-  return None
 
 
 def supported(x, w, groups: int = 1) -> bool:
