@@ -128,7 +128,7 @@ def time_trace(fn: Callable, args: tuple, *, repeats: int) -> tuple[float, dict[
 def _device_events(xplane_path: str) -> list[tuple[str, float]]:
   """(kernel name, duration ns) of every kernel and memset on the GPU's stream lines, once each (no memcpy)."""
   from v4jax.bench.profile import device_events
-  return [(name, ns) for name, ns in device_events(xplane_path) if "memcpy" not in name.lower()]
+  return [(name, ns) for name, ns, _ in device_events(xplane_path) if "memcpy" not in name.lower()]
 
 
 def _time_single(fn, args, repeats):

@@ -6,10 +6,12 @@ step at batch 1 (0.36 ms of 2.39), 74 at batch 32 (0.78 of 3.47), and the batch-
 ran as Triton GEMV fusions below bandwidth. This kernel reads the stack at the layer's offset (the pattern of
 pallas_kernels.experts).
 
-  grid (O/rows, splits): program (j, s) multiplies the tokens [TB, D] (padded to TB >= 16 rows, Triton's smallest
-  tile) by rows j*rows .. of w[layer] over the s-th of `splits` equal parts of D, in chunks of `cols`; the f32
-  partial sums [splits, TB, O] add up in XLA. Small O (a 512-wide projection is 32 row blocks) gets more splits
-  of D so that every SM has programs.
+  grid (O/rows, splits): program (j, s) multiplies the tokens [TB, D] by rows j*rows .. of w[layer] over the s-th
+  of `splits` equal parts of D, in chunks of `cols`; the f32 partial sums [splits, TB, O] add up in XLA. Small O
+  (a 512-wide projection is 8 row blocks) gets more splits of D so that every SM has programs. One token is a
+  multiply-and-sum against the rows (no padded copy of x, no slice of y: at batch 1 those were 44 pad and 22 slice
+  launches per flash-slice step, 0.09 ms of 1.8); more tokens are padded to TB >= 16 rows (Triton's smallest dot
+  tile) for the tensor cores.
   With G groups (the grouped low-rank output projection), rows g*O/G .. of w multiply x[..., g, :].
 
   x [..., D] (groups: [..., G, D]); w [O, D] or a layer stack [n, O, D] with `layer` -> y [..., O] f32
@@ -30,7 +32,9 @@ from ._compat import TritonCompilerParams, backend
 F32 = jnp.float32
 
 MAX_TOKENS = 64  # rows of x the kernel takes (one [TB, .] tile); more: XLA's matmul
-ROWS, COLS = 16, 512  # the experts kernels' H200 sweep (scripts/bench_experts.py): the same [TB, D] x [rows, D]
+# H200 sweep (scripts/bench_layer_linear.py) over the Flash projections at 1 and 32 tokens: 64 x 256 blocks read
+# 2.9 TB/s on the 64 MB weights (16 x 512, the experts' blocks: 2.3-2.5) and are within 5 % of the best on the rest
+ROWS, COLS = 64, 256
 MIN_PROGRAMS = 264  # two per SM of the H200's 132
 
 
@@ -48,15 +52,20 @@ def _kernel(layer_ref, x_ref, w_ref, y_ref, *, n_out, group_rows, rows, cols, ch
   grp = j * rows // group_rows  # the group of x [G, TB, D] these rows multiply
   cdt = x_ref.dtype
 
+  gemv = x_ref.shape[1] == 1
+
   def body(c, acc):
     col = (s * chunks + c) * cols
-    return acc + mm_nt(x_ref[grp, :, pl.ds(col, cols)], w_ref[pl.ds(row0, rows), pl.ds(col, cols)].astype(cdt))
+    w = w_ref[pl.ds(row0, rows), pl.ds(col, cols)]
+    if gemv:  # y_ref is [rows]
+      return acc + jnp.sum(x_ref[grp, 0, pl.ds(col, cols)].astype(F32)[None, :] * w.astype(F32), axis=1)
+    return acc + mm_nt(x_ref[grp, :, pl.ds(col, cols)], w.astype(cdt))
 
-  y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros((x_ref.shape[1], rows), F32))
+  y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))
 
 
 def layer_linear(x, w, layer=None, groups: int = 1, *, interpret=None, num_warps: int = 4, num_stages: int = 2,
-                 rows: int = ROWS, cols: int = COLS):
+                 rows: int = ROWS, cols: int = COLS, min_programs: int = MIN_PROGRAMS):
   """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
   interpreter on CPU); with `groups`, group by group (see the module doc). Shapes must pass `supported`."""
   if interpret is None:
@@ -69,13 +78,13 @@ def layer_linear(x, w, layer=None, groups: int = 1, *, interpret=None, num_warps
   n_out = w.shape[-2]
   rows, cols = _pow2_block(n_out // groups, rows), _pow2_block(d, cols)
   m = x.size // (d * groups)
-  tb = max(16, next_pow2(m))
+  tb = 1 if m == 1 else max(16, next_pow2(m))
   x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
   layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
   wf = w.reshape(-1, d)
   n_chunks = d // cols
   splits = 1
-  while (n_out // rows) * splits < MIN_PROGRAMS and n_chunks % (2 * splits) == 0:
+  while (n_out // rows) * splits < min_programs and n_chunks % (2 * splits) == 0:
     splits *= 2
   full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   kw = dict(interpret=True) if interpret else dict(
@@ -85,7 +94,8 @@ def layer_linear(x, w, layer=None, groups: int = 1, *, interpret=None, num_warps
                         chunks=n_chunks // splits),
       out_shape=jax.ShapeDtypeStruct((splits, tb, n_out), F32), grid=(n_out // rows, splits),
       in_specs=[full(layer), full(x2), full(wf)],
-      out_specs=pl.BlockSpec((None, tb, rows), lambda j, s: (s, 0, j)), name="v4_layer_linear", **kw,
+      out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)), name="v4_layer_linear", **kw,
   )(layer, x2, wf)
   y = parts[0] if splits == 1 else jnp.sum(parts, axis=0)
-  return y[:m].reshape(*lead, groups, n_out // groups) if groups > 1 else y[:m].reshape(*lead, n_out)
+  y = y if tb == m else y[:m]
+  return y.reshape(*lead, groups, n_out // groups) if groups > 1 else y.reshape(*lead, n_out)

@@ -53,9 +53,11 @@ def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float):
         o_ref[k, :] = out[k]
 
 
-def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None = None):
+def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None = None, block: int = BLOCK,
+             num_warps: int = 1):
     """The Pallas version of `sinkhorn_ref` (same signature). interpret=None: interpret on CPU; gpu=None: a
-    Triton kernel when this process runs on a GPU (set it to lower for another platform)."""
+    Triton kernel when this process runs on a GPU (set it to lower for another platform). block: tokens per
+    program (a power of two)."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     if gpu is None:
@@ -64,15 +66,15 @@ def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None =
     m = 1
     for d in lead:
         m *= d
-    mp = -(-m // BLOCK) * BLOCK
+    mp = -(-m // block) * block
     x = jnp.pad(comb.reshape(m, n * n).astype(jnp.float32).T, ((0, 0), (0, mp - m)), constant_values=1.0)
-    spec = pl.BlockSpec((n * n, BLOCK), lambda i: (0, i))
+    spec = pl.BlockSpec((n * n, block), lambda i: (0, i))
     kw = {}
     if interpret:
         kw["interpret"] = interpret_arg(interpret, "hlo")
     elif gpu:
-        kw["compiler_params"] = TritonCompilerParams(num_warps=1, num_stages=1)
+        kw["compiler_params"] = TritonCompilerParams(num_warps=num_warps, num_stages=1)
     out = pl.pallas_call(functools.partial(_kernel, n=n, iters=iters, eps=eps),
                          out_shape=jax.ShapeDtypeStruct((n * n, mp), jnp.float32),
-                         grid=(mp // BLOCK,), in_specs=[spec], out_specs=spec, name="v4_sinkhorn", **kw)(x)
+                         grid=(mp // block,), in_specs=[spec], out_specs=spec, name="v4_sinkhorn", **kw)(x)
     return out[:, :m].T.reshape(comb.shape)

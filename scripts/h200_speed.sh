@@ -8,6 +8,9 @@
 #                                      decode at batch 1 / 32 and 4K / 32K / 128K
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
 #                                      step from a profile) and of flash-1gpu
+#   bash scripts/h200_speed.sh tune    the projection kernel's sweep (scripts/bench_layer_linear.py; SWEEP=0
+#                                      skips it) and the Sinkhorn kernel's, their and the top-k GPU tests, batch 1 /
+#                                      32 at 4K of flash-slice with each kernel's time per line of the model
 # Everything lands under $OUT.
 set -u
 out=${OUT:-./h200_out}
@@ -17,7 +20,7 @@ quiet() { grep -v "Warn\|^[EW][0-9]\{4\} \|slow_operation\|^\*\*\*\|Very slow\|^
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 summary() {
-  python3 - "$1" <<'EOF' 2>&1 | tail -20
+  python3 - "$1" <<'EOF' 2>&1 | tail -80
 import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
@@ -27,6 +30,8 @@ for r in d["rows"]:
           p.get("kernels_per_layer_step"), "copies", p.get("copies"), "copy_ms", p.get("copy_ms"))
     for name, n, ms in (p.get("top") or [])[:5]:
         print("   ", name, n, round(ms, 3))
+    for name, n, ms in (p.get("by_source") or [])[:30]:
+        print("    src", round(ms, 4), n, name)
 for h in d.get("hf", []):
     print("hf", h)
 EOF
@@ -61,6 +66,23 @@ slice)
     --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 280 \
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
   summary "$out/d_1gpu/decode.json"
+  ;;
+tune)
+  stamp "GPU tests of the projection and top-k kernels"
+  timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "layer_linear or topk or sinkhorn" -p no:cacheprovider \
+    2>&1 | tail -3
+  if [ "${SWEEP:-1}" = 1 ]; then
+    stamp "projection kernel sweep"
+    timeout 240 python3 -W ignore scripts/bench_layer_linear.py --out "$out/ll" 2>&1 | quiet | tail -14
+  fi
+  stamp "Sinkhorn sweep"
+  timeout 120 python3 -W ignore scripts/tune_kernels.py --only sinkhorn --harness trace --repeats 3 \
+    --out "$out/sinkhorn" 2>&1 | quiet | grep "sinkhorn M"
+  stamp "flash-slice decode at 4K"
+  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
+    --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 130 --out "$out/slice_4k" 2>&1 \
+    | quiet | grep "^|" | tail -4
+  summary "$out/slice_4k/decode.json"
   ;;
 4k)
   stamp "GPU kernel tests"

@@ -131,11 +131,29 @@ def attention_sweep(a, interp):
   return rows
 
 
+def sinkhorn_sweep(a, interp):
+  """mHC Sinkhorn at decode sizes: tokens per program and warps (one token is a thread's 20 serial iterations)."""
+  SK = importlib.import_module("pallas_kernels.sinkhorn")
+  rows = []
+  grid = [(128, 1)] if a.small else list(itertools.product((32, 64, 128), (1, 2, 4)))
+  for m in ((2,) if a.small else (1, 32, 256)):
+    comb = jnp.exp(jax.random.normal(jax.random.key(m), (m, 4, 4), jnp.float32))
+    for block, nw in grid:
+      if nw * 32 > block and not a.small:
+        continue
+      fn = functools.partial(SK.sinkhorn, iters=20, eps=1e-6, block=block, num_warps=nw, interpret=interp or None)
+      us = _time(fn, (comb,), a)
+      rows.append(dict(kernel="sinkhorn", shape=f"M={m}", config=dict(block=block, num_warps=nw), us=us))
+      print(f"sinkhorn M={m:4d} block={block:3d} w={nw}: {us if isinstance(us, str) else f'{us:8.1f} us'}",
+            flush=True)
+  return rows
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--small", action="store_true")
   p.add_argument("--out", default=os.environ.get("OUT", "."))
-  p.add_argument("--only", nargs="*", choices=("topk", "indexer", "attention"), default=None)
+  p.add_argument("--only", nargs="*", choices=("topk", "indexer", "attention", "sinkhorn"), default=None)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--harness", choices=("unrolled", "loop", "trace"), default="unrolled",
@@ -150,7 +168,8 @@ def main(argv=None):
   bw = KB.measure_bandwidth((64 << 20) if a.small else (4 << 30), repeats=5)
   print(f"device={jax.devices()[0].device_kind} jax={jax.__version__} copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
   rows = []
-  for name, f in (("topk", topk_stages), ("indexer", indexer_sweep), ("attention", attention_sweep)):
+  for name, f in (("topk", topk_stages), ("indexer", indexer_sweep), ("attention", attention_sweep),
+                  ("sinkhorn", sinkhorn_sweep)):
     if a.only is None or name in a.only:
       rows += f(a, interp)
   os.makedirs(a.out, exist_ok=True)

@@ -130,7 +130,8 @@ def test_routed_experts_gpu(M, k, E, I, D):
 
 
 @pytest.mark.parametrize("M,O,D,G,n", [(1, 1024, 4096, 1, 4), (32, 512, 4096, 1, 4), (1, 32768, 1024, 1, 2),
-                                       (32, 8192, 4096, 8, 3), (5, 48, 64, 1, 1)])
+                                       (32, 8192, 4096, 8, 3), (1, 8192, 4096, 8, 3),
+                                       (5, 48, 64, 1, 1)])
 def test_layer_linear_gpu(M, O, D, G, n):
   LL = importlib.import_module("pallas_kernels.layer_linear")
   kx, kw = jax.random.split(jax.random.key(0))

@@ -353,7 +353,10 @@ class JaxDecodeBench:
                 jax.block_until_ready(out)
                 eng.pools, eng.store = out[0], out[1]
 
-            prof = summarize(call)
+            # the compiled program's text maps each kernel to the line of the model it comes from (a second compile)
+            hlo = eng.steps.decode.lower(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
+                                         swa).compile().as_text()
+            prof = summarize(call, top=40, hlo_text=hlo)
             if "kernels" in prof:
                 prof["kernels_per_layer_step"] = prof["kernels"] / (self.cfg.n_layers * k)
         # the engine loop (what LLM.generate drives): dispatch call n+1, then read call n
