@@ -22,7 +22,10 @@ from jax.experimental import pallas as pl
 from . import _compat
 from ._compat import TritonCompilerParams, interpret_arg
 
-BLOCK = 128  # tokens per program: a power of two (Triton) and one TPU lane row
+BLOCK = 128  # tokens per program on TPU: one lane row
+# on GPU a thread runs one token's serial iterations: 32 tokens per one-warp program (H200, scripts/tune_kernels.py
+# --only sinkhorn: 4.6-4.9 us at 1, 32 and 256 tokens; 128 tokens per one-warp program took 10.6-14.9 us)
+GPU_BLOCK = 32
 
 
 def sinkhorn_ref(comb, iters: int, eps: float):
@@ -53,15 +56,16 @@ def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float):
         o_ref[k, :] = out[k]
 
 
-def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None = None, block: int = BLOCK,
+def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None = None, block: int | None = None,
              num_warps: int = 1):
     """The Pallas version of `sinkhorn_ref` (same signature). interpret=None: interpret on CPU; gpu=None: a
     Triton kernel when this process runs on a GPU (set it to lower for another platform). block: tokens per
-    program (a power of two)."""
+    program (a power of two; default GPU_BLOCK on GPU, BLOCK otherwise)."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     if gpu is None:
         gpu = _compat.backend() == "gpu"
+    block = block or (GPU_BLOCK if gpu and not interpret else BLOCK)
     *lead, n, _ = comb.shape
     m = 1
     for d in lead:

@@ -11,6 +11,8 @@
 #   bash scripts/h200_speed.sh tune    the projection kernel's sweep (scripts/bench_layer_linear.py; SWEEP=0
 #                                      skips it) and the Sinkhorn kernel's, their and the top-k GPU tests, batch 1 /
 #                                      32 at 4K of flash-slice with each kernel's time per line of the model
+#   bash scripts/h200_speed.sh table   in one call: flash-slice decode (4K profiled, 32K, 128K, 1M at batch 1) and
+#                                      generate rows with the 128K prefill, flash-1gpu decode at 4K and 128K
 # Everything lands under $OUT.
 set -u
 out=${OUT:-./h200_out}
@@ -66,6 +68,28 @@ slice)
     --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 280 \
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
   summary "$out/d_1gpu/decode.json"
+  ;;
+table)
+  # one call: the flash-slice decode and generate rows and flash-1gpu decode at 4K / 128K (HF columns: the slice
+  # stage; HF's code does not change with this tree)
+  timeout 40 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k sinkhorn -p no:cacheprovider 2>&1 | tail -1
+  stamp "flash-slice decode at 4K, profiled"
+  timeout 90 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
+    --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 75 --out "$out/slice_4k" 2>&1 \
+    | quiet | grep "^|" | tail -4
+  summary "$out/slice_4k/decode.json"
+  stamp "flash-slice decode at 32K / 128K, and 1M at batch 1"
+  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 32K,128K \
+    --long-b1 1M --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 130 --out "$out/slice_long" \
+    2>&1 | quiet | grep "^|" | tail -7
+  stamp "flash-slice generate"
+  timeout 140 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 120 --out "$out/gen_slice" \
+    2>&1 | quiet | tail -8
+  stamp "flash-1gpu decode at 4K / 128K"
+  timeout 190 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 150 \
+    --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
   ;;
 tune)
   stamp "GPU tests of the projection and top-k kernels"

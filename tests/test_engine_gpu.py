@@ -20,6 +20,8 @@ SA = importlib.import_module("pallas_kernels.sparse_attention")
 IX = importlib.import_module("pallas_kernels.indexer")
 TK = importlib.import_module("pallas_kernels.topk")
 EX = importlib.import_module("pallas_kernels.experts")
+CG = importlib.import_module("pallas_kernels.compressor_gpu")
+LL = importlib.import_module("pallas_kernels.layer_linear")
 
 
 def _counting(monkeypatch, module, name, counts):
@@ -42,8 +44,9 @@ def test_pallas_engine_equals_xla_on_gpu(tmp_path, monkeypatch):
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (1, 300, 700, 1100)]
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True)
     counts = {}
-    for module, name in ((SA, "_sparse_attention_gpu"), (IX, "_indexer_scores_gpu"), (TK, "_rank_scatter"),
-                         (EX, "routed_experts")):
+    used = ("_sparse_attention_gpu", "_indexer_scores_gpu", "_rank_scatter", "routed_experts", "_state_update",
+            "layer_linear")
+    for module, name in zip((SA, IX, TK, EX, CG, LL), used):
         _counting(monkeypatch, module, name, counts)
     outs = {}
     for impl in ("xla", "pallas"):
@@ -54,8 +57,7 @@ def test_pallas_engine_equals_xla_on_gpu(tmp_path, monkeypatch):
         print(f"{impl}: engine built and generated in {time.perf_counter() - t0:.0f} s", flush=True)
         if impl == "xla":
             assert not counts, counts
-    assert all(counts.get(n, 0) > 0 for n in ("_sparse_attention_gpu", "_indexer_scores_gpu", "_rank_scatter",
-                                              "routed_experts")), counts
+    assert all(counts.get(n, 0) > 0 for n in used), counts
     for p, a, b in zip(prompts, outs["xla"], outs["pallas"]):
         assert a.token_ids == b.token_ids, f"prompt of {len(p)} tokens"
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

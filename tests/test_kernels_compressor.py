@@ -258,6 +258,33 @@ def test_decode_gpu_kernel_interpret(rng, m, overlap, wdtype):
     kv, sc = _decode_step_matches(rng, kernel, ref, W, kv, sc, pos, B, Dm, rd, m, wdtype)
 
 
+@pytest.mark.parametrize("m,overlap", [(4, True), (16, False)])
+def test_decode_gpu_kernel_on_a_layer_stack_interpret(rng, m, overlap):
+  # states of 3 layers [3, B, ...]: layer 1 is updated in place (as the one-layer call does), 0 and 2 untouched
+  d, Dm, rd, B = 64, 48, 16, 19
+  W = _weights(rng, m, overlap, d, Dm, jnp.bfloat16)
+  coff = 2 if overlap else 1
+  kv = jnp.asarray(rng.standard_normal((3, B, coff * m, coff * d)), jnp.float32)
+  sc = jnp.asarray(rng.standard_normal((3, B, coff * m, coff * d)), jnp.float32)
+  pos = rng.integers(0, 3 * m, B)
+  pos[4] = -1
+  pos[0] = m - 1  # closes a window
+  x = jnp.asarray(rng.standard_normal((B, Dm)), jnp.bfloat16)
+  cs = _rope(np.maximum(pos + 1 - m, 0), rd)
+  p = jnp.asarray(pos, jnp.int32)
+  one = functools.partial(CG.compressor_decode_gpu, ratio=m, overlap=overlap, eps=EPS, interpret=True)
+  e_r, em_r, kv_r, sc_r = jax.jit(one)(x, p, kv[1], sc[1], W["wkv"], W["wgate"], W["ape"], W["norm_w"], cs)
+  e_k, em_k, kv_k, sc_k = jax.jit(functools.partial(one, layer=jnp.int32(1)))(
+      x, p, kv, sc, W["wkv"], W["wgate"], W["ape"], W["norm_w"], cs)
+  np.testing.assert_array_equal(np.asarray(em_k), np.asarray(em_r))
+  assert np.asarray(em_r).any()
+  np.testing.assert_array_equal(np.asarray(e_k), np.asarray(e_r))
+  for got, one_layer, before in ((kv_k, kv_r, kv), (sc_k, sc_r, sc)):
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(one_layer))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(before[0]))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(before[2]))
+
+
 def test_public_entries_on_cpu(rng):
   m, overlap, d, Dm, rd, B, T = 4, True, 128, 32, 16, 2, 8
   W = _weights(rng, m, overlap, d, Dm)

@@ -103,6 +103,13 @@ def test_compressor_decode_gpu(m, ov, d, Dm, B):
     np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
     for o, r in zip((out[0], out[2], out[3]), (ref[0], ref[2], ref[3])):
       _close(o, r, 1e-4)
+  # on a stack of two layers' states, updated in place at layer 1 (the engine's decode form)
+  kv2, sc2 = jnp.stack([sc, kv]), jnp.stack([kv, sc])
+  out = jax.jit(functools.partial(CG.compressor_decode_gpu, layer=jnp.int32(1), **kw))(
+      x, pos, kv2, sc2, wkv, wg, ape, norm_w, cs)
+  np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
+  for o, r in zip((out[0], out[2][1], out[3][1], out[2][0], out[3][0]), (ref[0], ref[2], ref[3], sc, kv)):
+    _close(o, r, 1e-4)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (32, 1), (3, 300)])

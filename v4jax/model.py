@@ -422,13 +422,18 @@ class Attention(nnx.Module):
         Returns (pool rows [B, E] of the windows it closed, -1 = none; their entries, rounded as the layer stores
         them)."""
         st_kv, st_sc = getattr(pool, st_kv_name), getattr(pool, st_sc_name)
-        entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, _rows_of(st_kv, li, meta),
-                                                  _rows_of(st_sc, li, meta), self.rope)
+        if meta.slot is None and opts.mesh_rules is None:  # every slot: the ops read the layer's in the stack
+            entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, L.LayerOf(st_kv, li), L.LayerOf(st_sc, li),
+                                                      self.rope)
+        else:
+            entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, _rows_of(st_kv, li, meta),
+                                                      _rows_of(st_sc, li, meta), self.rope)
+            nkv, nsc = _set_rows(st_kv, li, meta, nkv), _set_rows(st_sc, li, meta, nsc)
         if comp is self.compressor:
             entries = self.kv_round(entries, opts)
         else:
             entries = self.indexer.round_keys(entries, opts)
-        states.update({st_kv_name: _set_rows(st_kv, li, meta, nkv), st_sc_name: _set_rows(st_sc, li, meta, nsc)})
+        states.update({st_kv_name: nkv, st_sc_name: nsc})
         s = rows.shape[1]
         row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
         return jnp.where(ok & (ent >= 0) & (ent < s), row, -1), entries

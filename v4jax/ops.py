@@ -11,7 +11,9 @@ forms itself.
 
   compress(comp, x, meta, st_kv, st_sc, rope) -> (entries [B, E, K] in x's dtype, entry index [B, E],
       emitted [B, E] bool, new state_kv, new state_score): the compressor over the step's tokens from the rows'
-      states (st_* [B, C*m, C*K] f32), before the layer's storage rounding.
+      states (st_* [B, C*m, C*K] f32), before the layer's storage rounding. When row b is slot b (decode, off a
+      mesh) st_* may be L.LayerOf(stack [n, slots, ...], layer): the new states then come back as the whole stack
+      (the GPU kernel updates it in place).
   select(iq, w, idx_pool, rows, n_ready, k) -> (scores, positions) [B, T, min(k, S)]: the Lightning Indexer's
       top-k of each query over the entries of `rows` [B, S] it may see (entry e < n_ready [B, T]): positions
       along S, best first (higher score, then lower position), -1 (score -inf) where fewer are valid.
@@ -68,13 +70,23 @@ def _ready(rows, n_ready):
 
 
 # ---- XLA (jnp) ----------------------------------------------------------------------------------------
+def _state_rows(st):
+    """A compressor state as compress receives it: the rows' states, or L.LayerOf(stack, layer) (every slot)."""
+    return st[...] if isinstance(st, L.LayerOf) else st
+
+
+def _state_put(st, new):
+    """The new rows' states in the form compress received them (a LayerOf: the whole stack, that layer updated)."""
+    return st.stack.at[st.index].set(new) if isinstance(st, L.LayerOf) else new
+
+
 def _compress_xla(comp, x, meta, st_kv, st_sc, rope):
     a, z = comp.project(x, meta.positions)
-    pooled, ent, ok, nkv, nsc = L.compress_chunk(st_kv, st_sc, a, z, meta.start, meta.n_valid, meta.fresh,
-                                                 comp.ratio, comp.overlap)
+    pooled, ent, ok, nkv, nsc = L.compress_chunk(_state_rows(st_kv), _state_rows(st_sc), a, z, meta.start,
+                                                 meta.n_valid, meta.fresh, comp.ratio, comp.overlap)
     cos, sin = rope(ent * comp.ratio)
     pooled = jnp.where(ok[..., None], pooled, 0.0)
-    return comp.finish(pooled, cos, sin, x.dtype), ent, ok, nkv, nsc
+    return comp.finish(pooled, cos, sin, x.dtype), ent, ok, _state_put(st_kv, nkv), _state_put(st_sc, nsc)
 
 
 def _select_xla(iq, w, idx_pool, rows, n_ready, k):
@@ -105,12 +117,17 @@ def _compress_pallas(comp, x, meta, st_kv, st_sc, rope):
     """pallas_kernels.compressor: the decode kernel for one token per row, the prefill kernel for a chunk."""
     pallas_compressor = importlib.import_module("pallas_kernels.compressor")
     t, m = x.shape[1], comp.ratio
+    static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps, entry_dtype=x.dtype)
+    wkv, wgate = comp.wkv.weight.get_value(), comp.wgate.weight.get_value()
+    if t == 1 and isinstance(st_kv, L.LayerOf) and _backend() == "gpu":
+        return _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static)
+    st_kv_in, st_sc_in = st_kv, st_sc
+    st_kv, st_sc = _state_rows(st_kv), _state_rows(st_sc)
     # The kernels resume from the state they are given; a row that starts a new request starts empty.
     fresh = meta.fresh[:, None, None]
     kv0 = jnp.where(fresh, 0.0, st_kv)
     sc0 = jnp.where(fresh, -jnp.inf, st_sc)
-    weights = (comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])
-    static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps, entry_dtype=x.dtype)
+    weights = (wkv[...], wgate[...], comp.ape[...], comp.norm.weight[...])
     if t == 1:
         pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding row, its state is left alone
         entry, emitted, nkv, nsc = pallas_compressor.compressor_decode(
@@ -122,7 +139,30 @@ def _compress_pallas(comp, x, meta, st_kv, st_sc, rope):
             x, meta.start, meta.n_valid, kv0, sc0, *weights, cos, sin, **static)
         i = jnp.arange(entries.shape[1])[None, :]
         ent, ok = first[:, None] + i, i < n_emitted[:, None]
-    return entries.astype(x.dtype), ent, ok, nkv, nsc
+    return entries.astype(x.dtype), ent, ok, _state_put(st_kv_in, nkv), _state_put(st_sc_in, nsc)
+
+
+def _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static):
+    """GPU decode on the stacks of every slot's states, updated in place at the layer (no slice and write-back
+    copies), the projections read from the weight stacks in place where they are LayerOf too."""
+    compressor_gpu = importlib.import_module("pallas_kernels.compressor_gpu")
+    pallas_compressor = importlib.import_module("pallas_kernels.compressor")
+    layer_linear = importlib.import_module("pallas_kernels.layer_linear")
+    m = comp.ratio
+    fresh = meta.fresh[None, :, None, None]  # decode passes constant False: folded away
+    kv0 = jnp.where(fresh, 0.0, st_kv.stack)
+    sc0 = jnp.where(fresh, -jnp.inf, st_sc.stack)
+
+    def project(x, w):
+        if isinstance(w, L.LayerOf) and layer_linear.supported(x, w.stack):
+            return layer_linear.layer_linear(x, w.stack, w.index)  # bf16 products exact in f32, f32 sums
+        return pallas_compressor.project_f32(x, w[...])
+
+    pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding row, its state is left alone
+    entry, emitted, nkv, nsc = compressor_gpu.compressor_decode_gpu(
+        x[:, 0], pos, kv0, sc0, wkv, wgate, comp.ape[...], comp.norm.weight[...], rope(pos + 1 - m), **static,
+        layer=st_kv.index, project=project)
+    return entry.astype(x.dtype)[:, None], (pos // m)[:, None], emitted[:, None], nkv, nsc
 
 
 def _select_pallas(iq, w, idx_pool, rows, n_ready, k):
