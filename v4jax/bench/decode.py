@@ -182,7 +182,7 @@ def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
 def _fill_pools(engine, seed: int):
     """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2), token ids uniform), one
     array at a time, in place, a block of leading rows at a time: the values are a hash of each element's
-    coordinates, so no temporary is larger than a block (jax.random made 32 bits per element of the whole pools at
+    coordinates, so no temporary is larger than a block of rows of its [-1, last axis] view (jax.random made 32 bits per element of the whole pools at
     once: a 21 GiB temporary for flash-1gpu at batch 32 on the H200, out of memory; so did one hash of a whole
     array)."""
     import jax
@@ -209,15 +209,18 @@ def _fill_pools(engine, seed: int):
     def fill(a, salt):
         if a.ndim == 0:
             return values(hashed((), salt, jnp.int32(0)), a.dtype)
+        # blocks of rows of the [-1, last axis] view: a layer stack's leading axis alone can be a 21 GiB block
+        shape = a.shape
+        a = a.reshape(-1, shape[-1])
         rows = a.shape[0]
-        step = max(1, min(rows, block_bytes // max(1, 4 * (a.size // max(rows, 1)))))
+        step = max(1, min(rows, block_bytes // (4 * shape[-1])))
 
         def body(i, a):
             start = jnp.minimum(i * step, rows - step)  # the last block overlaps the one before: same values
-            blk = values(hashed((step, *a.shape[1:]), salt, start), a.dtype)
+            blk = values(hashed((step, shape[-1]), salt, start), a.dtype)
             return lax.dynamic_update_slice_in_dim(a, blk, start, 0)
 
-        return lax.fori_loop(0, -(-rows // step), body, a)
+        return lax.fori_loop(0, -(-rows // step), body, a).reshape(shape)
 
     leaves, tdef = jax.tree.flatten(engine.pools)
     engine.pools = None
