@@ -87,3 +87,20 @@ def test_memory_main(capsys):
     assert bench.memory_main(["--model", "flash", "--context", "1M", "--budget-gib", "64"]) == 0
     text = capsys.readouterr().out
     assert "6880" in text and "3850.25" in text and "full pages" in text
+
+
+def test_profile_attributes_kernels_to_model_lines():
+    # the compiled program's stack-frame table maps each fused instruction to the innermost lines of our code
+    import jax
+    import jax.numpy as jnp
+
+    from v4jax import layers as L
+    from v4jax.bench.profile import hlo_sources
+
+    def f(x, w):
+        return L.swiglu(L.rms_norm(x, w, 1e-6), x, 10.0)
+
+    text = jax.jit(f).lower(jnp.ones((4, 256)), jnp.ones((256,))).compile().as_text()
+    where = set(hlo_sources(text).values())
+    assert any("v4jax/layers.py" in w and "(rms_norm)" in w for w in where), where
+    assert any("v4jax/layers.py" in w and "(swiglu)" in w for w in where), where
