@@ -83,8 +83,9 @@ table)
     --long-b1 1M --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 130 --out "$out/slice_long" \
     2>&1 | quiet | grep "^|" | tail -7
   stamp "flash-slice generate"
-  timeout 140 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
-    --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 120 --out "$out/gen_slice" \
+  # (each row's first pass compiles its shapes, ~25 s: the 128K prefill row needs ~170 s from the start)
+  timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 180 --out "$out/gen_slice" \
     2>&1 | quiet | tail -8
   stamp "flash-1gpu decode at 4K / 128K"
   timeout 190 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
