@@ -70,8 +70,8 @@ slice)
   summary "$out/d_1gpu/decode.json"
   ;;
 table)
-  # one call: the flash-slice decode and generate rows and flash-1gpu decode at 4K / 128K (HF columns: the slice
-  # stage; HF's code does not change with this tree)
+  # one call (timeouts add up to 560 s): the flash-slice decode and generate rows and flash-1gpu decode at 4K /
+  # 128K (HF columns: the slice stage; HF's code does not change with this tree)
   timeout 40 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k sinkhorn -p no:cacheprovider 2>&1 | tail -1
   stamp "flash-slice decode at 4K, profiled"
   timeout 90 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
@@ -79,8 +79,8 @@ table)
     | quiet | grep "^|" | tail -4
   summary "$out/slice_4k/decode.json"
   stamp "flash-slice decode at 32K / 128K, and 1M at batch 1"
-  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 32K,128K \
-    --long-b1 1M --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 130 --out "$out/slice_long" \
+  timeout 100 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 32K,128K \
+    --long-b1 1M --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 85 --out "$out/slice_long" \
     2>&1 | quiet | grep "^|" | tail -7
   stamp "flash-slice generate"
   # (each row's first pass compiles its shapes, ~25 s: the 128K prefill row needs ~170 s from the start)
@@ -88,8 +88,8 @@ table)
     --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 180 --out "$out/gen_slice" \
     2>&1 | quiet | tail -8
   stamp "flash-1gpu decode at 4K / 128K"
-  timeout 190 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
-    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 150 \
+  timeout 130 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 110 \
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
   ;;
 tune)
