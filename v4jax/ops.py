@@ -120,7 +120,7 @@ def _compress_pallas(comp, x, meta, st_kv, st_sc, rope):
     static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps, entry_dtype=x.dtype)
     wkv, wgate = comp.wkv.weight.get_value(), comp.wgate.weight.get_value()
     if t == 1 and isinstance(st_kv, L.LayerOf) and _backend() == "gpu" and importlib.import_module(
-            "pallas_kernels.compressor_gpu").decode_supported(x, st_kv.stack, comp.norm.weight, m, comp.overlap):
+            "pallas_kernels.compressor_gpu").decode_supported(x, st_kv.stack, comp.norm.weight[...], m, comp.overlap):
         return _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static)
     st_kv_in, st_sc_in = st_kv, st_sc
     st_kv, st_sc = _state_rows(st_kv), _state_rows(st_sc)
