@@ -197,11 +197,12 @@ def paged_by_contract(meshes):
              c4_kv_spec=full_spec(csa.kv), swa_spec=full_spec(csa.swa), seconds=round(time.time() - t0, 1))
 
 
-def tpu_export(meshes):
+def tpu_export(meshes, source="tiny"):
     """jax.export for TPU of the engine's decode and prefill steps on each mesh: the XLA form of the decode step,
     and both steps with the Pallas kernels as Mosaic calls, every one inside a shard_map (attention's, and those
     of the compressor and Sinkhorn: Mosaic cannot be partitioned automatically). The Mosaic kernels by name,
-    per step."""
+    per step. `source`: the tiny preset's checkpoint directory, or the preset itself (its weights created in their
+    shards: one jit, ~13 s to compile on 2 CPU cores; reading the checkpoint into them takes a few)."""
     import collections
     import functools
     import re
@@ -213,7 +214,7 @@ def tpu_export(meshes):
 
     def export(mesh, impl):
         options = dict(CONTEXT_OPTIONS, dtype="bfloat16", max_num_seqs=8)  # 8 slots: any data axis splits them
-        eng = LLM("tiny", mesh=mesh, attention_impl=impl, **options).engine
+        eng = LLM(source, mesh=mesh, attention_impl=impl, **options).engine
         mr, s, b, t = eng.run_options.mesh_rules, eng.layout.max_slots, 2, CONTEXT_OPTIONS["prefill_chunk"]
         z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
         state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
@@ -304,7 +305,7 @@ def main():
                     "for TPU")
     ap.add_argument("--experts-meshes", nargs="*", default=[], help="meshes for experts_per_shard")
     ap.add_argument("--checkpoint", default=None, help="an HF-format directory of the tiny preset's weights: the "
-                    "mesh runs load it (else they create the preset's weights in their shards)")
+                    "mesh runs and the TPU export load it (else they create the preset's weights in their shards)")
     ap.add_argument("--orbax", default=None, help="an orbax checkpoint of the same weights to restore onto "
                     "--memory-mesh")
     ap.add_argument("--memory-mesh", default=None, help="load the checkpoint onto this mesh and report its bytes")
@@ -314,7 +315,8 @@ def main():
         # Loaded straight into the shards of a mesh: the preset's values, spread over the devices.
         t0 = time.time()
         llm = LLM(a.checkpoint, mesh=a.memory_mesh, **OPTIONS)
-        want = dict(nnx.to_flat_state(nnx.state(LLM("tiny", **OPTIONS).model)))
+        one = LLM("tiny", **OPTIONS)  # on one device
+        want = dict(nnx.to_flat_state(nnx.state(one.model)))
         same = all(np.array_equal(np.asarray(v.get_value()), np.asarray(want[p].get_value()))
                    for p, v in nnx.to_flat_state(nnx.state(llm.model)))
         most, total = param_bytes(llm.model)
@@ -327,7 +329,7 @@ def main():
             restored = LLM(a.orbax, mesh=a.memory_mesh, **OPTIONS)
             same = all(np.array_equal(np.asarray(v.get_value()), np.asarray(want[p].get_value()))
                        for p, v in nnx.to_flat_state(nnx.state(restored.model)))
-            err = float(np.max(np.abs(restored.logits(PROMPTS[0]) - LLM("tiny", **OPTIONS).logits(PROMPTS[0]))))
+            err = float(np.max(np.abs(restored.logits(PROMPTS[0]) - one.logits(PROMPTS[0]))))
             w1 = restored.model.stacks[1].ffn.experts.w1[...]
             emit(check="orbax", mesh=a.memory_mesh, same_values=bool(same), logits_err=err,
                  w1_spec=[str(s) for s in w1.sharding.spec], seconds=round(time.time() - t0, 1))
@@ -336,7 +338,7 @@ def main():
     if a.paged_meshes:
         paged_by_contract(a.paged_meshes)
     if a.tpu_export:
-        tpu_export(a.tpu_export)
+        tpu_export(a.tpu_export, a.checkpoint or "tiny")
     if a.experts_meshes:
         experts_per_shard(a.experts_meshes)
     if not a.meshes:

@@ -129,7 +129,8 @@ def test_attention_core_per_shard_equals_one_device(rng, kind, impl):
     static = dict(ops=ops_for(impl), scale=0.25, window=4, topk=5)
     li = jnp.int32(1)
     whole = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
-    want, want_pools = attention_core(whole, q, sink, pools, writes, reads, li, **static)
+    # jitted, both sides (as the model's steps run it): run op by op, each case took seconds more on CPU
+    want, want_pools = jax.jit(lambda p: attention_core(whole, q, sink, p, writes, reads, li, **static))(pools)
     split = {name: context.RowBlock(() if name == "swa" else (AXIS,), a.shape[1] // (1 if name == "swa" else n))
              for name, a in pools.items()}
 
@@ -139,8 +140,8 @@ def test_attention_core_per_shard_equals_one_device(rng, kind, impl):
         return jnp.moveaxis(a.reshape(a.shape[0], n, -1, a.shape[-1]), 1, 0)
 
     sharded = {name: blocks_of(name, a) for name, a in pools.items()}
-    got, got_pools = jax.vmap(lambda p: attention_core(split, q, sink, p, writes, reads, li, **static),
-                              axis_name=AXIS)(sharded)
+    got, got_pools = jax.jit(jax.vmap(lambda p: attention_core(split, q, sink, p, writes, reads, li, **static),
+                                      axis_name=AXIS))(sharded)
     for c in range(n):
         np.testing.assert_allclose(got[c], want, rtol=1e-5, atol=1e-6)
     for name, a in want_pools.items():
@@ -157,7 +158,7 @@ def test_attention_core_rows_split_over_data(rng, kind):
     static = dict(ops=ops_for("xla"), scale=0.25, window=4, topk=5)
     li = jnp.int32(0)
     whole = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
-    want, want_pools = attention_core(whole, q, sink, pools, writes, reads, li, **static)
+    want, want_pools = jax.jit(lambda p: attention_core(whole, q, sink, p, writes, reads, li, **static))(pools)
     axes = {name: ("data",) if name == "swa" else ("data", "context") for name in pools}
     n_blocks = {name: d if name == "swa" else d * c for name in pools}
     split = {name: context.RowBlock(axes[name], a.shape[1] // n_blocks[name]) for name, a in pools.items()}
@@ -169,9 +170,10 @@ def test_attention_core_rows_split_over_data(rng, kind):
 
     by_shard = lambda tree: jax.tree.map(lambda a: a.reshape(d, b // d, *a.shape[1:]), tree)  # noqa: E731
     core = lambda q, p, w, r: attention_core(split, q, sink, p, w, r, li, row_axes=("data",), **static)  # noqa
-    got, got_pools = jax.vmap(jax.vmap(core, in_axes=(None, 0, None, None), axis_name="context"),
-                              axis_name="data")(by_shard(q), {n: blocks_of(n, a) for n, a in pools.items()},
-                                                by_shard(writes), by_shard(reads))
+    per_shard = jax.jit(jax.vmap(jax.vmap(core, in_axes=(None, 0, None, None), axis_name="context"),
+                                 axis_name="data"))
+    got, got_pools = per_shard(by_shard(q), {n: blocks_of(n, a) for n, a in pools.items()}, by_shard(writes),
+                               by_shard(reads))
     for j in range(c):
         np.testing.assert_allclose(got[:, j].reshape(want.shape), want, rtol=1e-5, atol=1e-6)
     for name, a in want_pools.items():

@@ -47,11 +47,19 @@ def _prompts(lens, vocab, seed=0):
     return [rng.integers(2, vocab, n).tolist() for n in lens]
 
 
-def test_greedy_equals_teacher_forced_real_ratios(real_ckpt):
+@pytest.fixture(scope="module")
+def real_llm(real_ckpt):
+    """One engine for the teacher-forced decode and the chunked-prefill reference (prefill chunks of 256 tokens on
+    1, 2 and 4 pages of table, decode calls on 1, 2, 4 and 5: compiling them is most of the cost on CPU).
+    tests/test_engine_core.py's prefix-cache test runs an engine with the same options."""
+    return LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=1200, prefill_chunk=256)
+
+
+def test_greedy_equals_teacher_forced_real_ratios(real_llm):
     """Prompts of 1, 128, 255 and 1000 tokens decode 120 tokens together in one batch (HCA windows close in
     decode at 128, 256 and 1024, CSA windows every 4 tokens; the prompt lengths around the window edges are in
     the chunked-prefill tests below)."""
-    llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=1200, prefill_chunk=256)
+    llm = real_llm
     prompts = _prompts((1, 128, 255, 1000), llm.config.vocab_size)
     outs = llm.generate(prompts, SamplingParams(max_tokens=120, **GREEDY))
     for p, o in zip(prompts, outs):
@@ -60,14 +68,18 @@ def test_greedy_equals_teacher_forced_real_ratios(real_ckpt):
 
 
 @pytest.fixture(scope="module")
-def chunk_reference(real_ckpt):
-    llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=512, prefill_chunk=256)
-    prompts = _prompts((129, 300, 257, 5), llm.config.vocab_size, seed=1)
-    return prompts, llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+def chunk_reference(real_llm):
+    """Prompts of 129, 400, 257 and 5 tokens in prefill chunks of 256 (the second pages of 400 and 257 tokens are
+    chunks of 144 and 1), 24 decoded tokens each."""
+    prompts = _prompts((129, 400, 257, 5), real_llm.config.vocab_size, seed=1)
+    return prompts, real_llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
 
 
-# chunk 1 (a token per step, ~40 s) runs with -m slow; chunks of 1 and 7 are also in the engine-core sweep
-@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7, 64])
+# chunk 7 (many chunks a prompt, none a multiple of 4, windows closing inside chunks and at their edges) by
+# default; chunk 1 (a token per step, ~40 s) and 64 (~20 s) with -m slow; chunks of 1 and 7 are also in the
+# engine-core sweep
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7,
+                                   pytest.param(64, marks=pytest.mark.slow)])
 def test_chunked_prefill_same_outputs(real_ckpt, chunk_reference, chunk):
     prompts, ref = chunk_reference
     llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=512, prefill_chunk=chunk)
@@ -77,6 +89,9 @@ def test_chunked_prefill_same_outputs(real_ckpt, chunk_reference, chunk):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+# ~35 s (five more programs to compile) with -m slow; by default the dense layout gives the paged one's tokens on
+# the replay traces (tests/test_replay.py::test_outputs_identical_between_layouts: many pages a slot, slots reused)
+@pytest.mark.slow
 def test_paged_and_dense_layouts_agree(real_ckpt, chunk_reference):
     prompts, ref = chunk_reference
     llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=512, prefill_chunk=256, kv_layout="dense")
@@ -178,7 +193,9 @@ def test_fixed_length_decode_calls_equal_early_exit(monkeypatch):
     outs = {}
     for early in (True, False):
         monkeypatch.setattr(steps, "early_exit", lambda early=early: early)
-        llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=128, prefill_chunk=16, decode_steps=4)
+        # tiny_llm's options: the early-exit engine's programs are tiny_llm's (warmed up above), from the
+        # persistent compilation cache
+        llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=256, prefill_chunk=16, decode_steps=4)
         outs[early] = llm.generate(prompts, params)
     for a, b in zip(outs[True], outs[False]):
         assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)

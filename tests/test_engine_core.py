@@ -164,20 +164,26 @@ def test_request_that_cannot_fit_alone_is_refused_others_go_on():
 
 
 def test_abort_returns_pages_and_reports():
-    llm = LLM("tiny", dtype="float32", max_num_seqs=2, max_model_len=1024, prefill_chunk=64)
+    """A running request aborted while its decode call is in flight and a waiting one: both report "abort", the
+    others run to their length, and every page is free. (tests/test_engine.py's tiny engine options: in one run
+    its programs come from the persistent compilation cache.)"""
+    llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=256, prefill_chunk=16, decode_steps=4)
     core = llm.engine
-    sp = SamplingParams(max_tokens=200, **GREEDY)
-    for i, p in enumerate(_prompts((300, 40, 700), llm.config.vocab_size)):
+    sp = SamplingParams(max_tokens=100, **GREEDY)
+    for i, p in enumerate(_prompts((100, 40, 20, 10, 150), llm.config.vocab_size)):
         core.add_request(f"r{i}", p, sp)
-    for _ in range(6):
+    for _ in range(8):  # r0's 7 prefill chunks, then its first decode call (dispatched, not yet read)
         core.step()
-    assert core.abort("r0") and core.abort("r2") and not core.abort("nope")
+    sch = core.scheduler
+    assert sch.requests["r0"].status == "running" and core._flight is not None
+    assert [r.request_id for r in sch.waiting] == ["r4"]  # four slots
+    assert core.abort("r0") and core.abort("r4") and not core.abort("nope")
     reasons = {}
     while core.has_unfinished_requests():
         for d in core.step():
             if d.finish_reason:
                 reasons[d.request_id] = d.finish_reason
-    assert reasons == {"r0": "abort", "r1": "length", "r2": "abort"}
+    assert reasons == {"r0": "abort", "r1": "length", "r2": "length", "r3": "length", "r4": "abort"}
     assert llm.stats()["requests"]["aborted"] == 2
     assert _all_free(core)
 
@@ -196,11 +202,15 @@ def real_ckpt(tmp_path_factory):
 # shared-prefix lengths: on a page boundary (256, 512) and inside a page, every residue mod 4, residues
 # 0, 1, 2, 3, 64, 127 mod 128
 SHARED = (256, 257, 258, 259, 320, 383, 512, 515)
+# Each variant adds 129 new tokens after its shared prefix: whatever its hit (256 or 512), the rest of its prompt
+# (129 to 256 tokens) is one prefill chunk of the full 256-token length, so every prefill compiles a 256-token
+# chunk (about 6 s a program on CPU; 1, 2 and 4 pages of table) and the decode calls 2 and 4 pages of table.
+NEW_TOKENS = 129
 
 
 def _variants(base, vocab, seed=3):
     rng = np.random.default_rng(seed)
-    return [base[:n] + rng.integers(2, vocab, 37 + i).tolist() for i, n in enumerate(SHARED)]
+    return [base[:n] + rng.integers(2, vocab, NEW_TOKENS).tolist() for n in SHARED]
 
 
 def _same(a, b):
@@ -210,7 +220,9 @@ def _same(a, b):
 
 
 def test_prefix_cache_exact(real_ckpt):
-    opts = dict(dtype="float32", max_num_seqs=4, max_model_len=800, prefill_chunk=256)
+    # the options of tests/test_engine.py's real-ratio engine: in one run the warm engine's programs (the same
+    # shapes, caching on) come from the persistent compilation cache
+    opts = dict(dtype="float32", max_num_seqs=4, max_model_len=1200, prefill_chunk=256)
     cold = LLM(real_ckpt, enable_prefix_caching=False, **opts)
     warm = LLM(real_ckpt, **opts)
     vocab = cold.config.vocab_size

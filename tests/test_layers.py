@@ -76,6 +76,8 @@ def test_compressor_resumes_across_window_boundaries(ratio, overlap):
     z = jnp.asarray(_rand((1, t, coff * k), 2))
     full = np.asarray(L.compress_windows(a, z, ratio, overlap))[0]
     rng = np.random.default_rng(ratio)
+    # jitted as the engine's steps run it: one program per chunk width instead of every op compiled on its own
+    compress_chunk = jax.jit(L.compress_chunk, static_argnums=(7, 8))
     for trial in range(6):
         cuts = sorted(set(rng.integers(1, t, 4).tolist()) | {ratio, ratio - 1, ratio + 1}) if trial else list(range(1, t))
         bounds = [0] + [c for c in cuts if 0 < c < t] + [t]
@@ -85,7 +87,7 @@ def test_compressor_resumes_across_window_boundaries(ratio, overlap):
         for s, e in zip(bounds[:-1], bounds[1:]):
             width = 1 << (e - s - 1).bit_length()  # padded like the engine's buckets
             pad = lambda v: jnp.pad(v[:, s:e], ((0, 0), (0, width - (e - s)), (0, 0)))
-            pooled, ent, ok, st_kv, st_sc = L.compress_chunk(
+            pooled, ent, ok, st_kv, st_sc = compress_chunk(
                 st_kv, st_sc, pad(a), pad(z), jnp.asarray([s]), jnp.asarray([e - s]), jnp.asarray([s == 0]),
                 ratio, overlap)
             for j in np.flatnonzero(np.asarray(ok)[0]):

@@ -235,7 +235,8 @@ def test_pools_hold_whole_tpu_tiles(budget):
     if budget:
         pb = M.pool_budget(cfg, budget, page_size=16, max_num_seqs=3, dtype="bfloat16")
         assert pb.n_pages == eng.layout.n_pages and pb.pool_bytes == sum(C.pool_bytes(eng.pools).values()) <= budget
-    out = llm.generate([[3, 4, 5] * 9], SamplingParams(max_tokens=4, temperature=0.0))
+    # 15 prompt tokens (one prefill chunk on one page) and 4 decoded ones, across the first 16-token page's end
+    out = llm.generate([[3, 4, 5] * 5], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].token_ids) == 4
 
 
