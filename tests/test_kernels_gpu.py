@@ -148,3 +148,21 @@ def test_layer_linear_gpu(M, O, D, G, n):
   wl = w[n - 1].reshape(G, O // G, D).astype(jnp.float32)
   ref = jnp.einsum("mgd,grd->mgr", x.reshape(M, G, D).astype(jnp.float32), wl, precision="highest")
   _close(out.reshape(ref.shape), ref, 1e-4)  # bf16 products are exact in f32; only the summation order differs
+
+
+@pytest.mark.parametrize("M,k,E,I,D", [(1024, 6, 16, 512, 1024), (2000, 6, 16, 2048, 4096)])
+def test_grouped_experts_gpu(M, k, E, I, D):
+  XG = importlib.import_module("pallas_kernels.experts_grouped")
+  ks = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
+  w1, w3 = (0.05 * jax.random.normal(kk, (2, E, I, D), jnp.bfloat16) for kk in ks[1:3])
+  w2 = 0.05 * jax.random.normal(ks[3], (2, E, D, I), jnp.bfloat16)
+  # skewed routing (some experts get many rows, some none): group boundaries inside the kernel's row tiles
+  wt, ex = jax.lax.top_k(jax.random.normal(ks[4], (M, E)) + 3.0 * jax.random.normal(ks[5], (E,)), k)
+  wt = jax.nn.softmax(wt)
+  assert XG.supported(x, w1)
+  out = jax.jit(lambda *a: XG.routed_experts(*a, 10.0, layer=1))(x, wt, ex, w1, w2, w3)
+  X = importlib.import_module("pallas_kernels.experts")
+  ref = np.asarray(X.routed_experts_ref(x, wt, ex, w1[1], w2[1], w3[1], 10.0), np.float64)
+  # the kernel rounds its matmul outputs to bf16 (h1, h3 and each expert's output): ~1e-2 of the scale
+  assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))

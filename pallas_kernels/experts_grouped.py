@@ -1,0 +1,88 @@
+"""The routed experts of a prefill chunk on Hopper GPUs: (token, expert) pairs sorted by expert, each expert's
+rows multiplied by its own weights in one grouped matmul (JAX's Mosaic-GPU ragged matmul,
+jax.experimental.pallas.ops.gpu.ragged_dot_mgpu: wgmma tiles, TMA loads, a persistent grid over the SMs).
+
+Why: XLA:GPU has no grouped matmul. Its `lax.ragged_dot` runs every sorted row against every expert, so the
+model's prefill used the dense form instead (every expert over every token, weighted by the mostly-zero combine
+weights): E / k = 16 / 6 times the FLOPs the routing asks for (flash-slice, 8192-token chunk: see
+scripts/bench_prefill_experts.py and BENCHMARKS "Prefill").
+
+  x [M, D]; weights, experts [M, k] (an id outside [0, E), e.g. -1, is no expert: weight 0); w1, w3 [E, I, D];
+  w2 [E, D, I]; with `layer`, layer stacks [n, E, ...] (the layer's experts are sliced out: a copy of ~0.8 GB,
+  small against the chunk's matmuls). Returns sum_k weights * FFN(x) in f32 [M, D]; the matmuls' outputs are
+  rounded to x's dtype (the kernel writes x's dtype), the SwiGLU and the combine run in f32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+
+F32 = jnp.float32
+MIN_TOKENS = 512  # below this a chunk's experts are few rows each: the other forms (measured: bench script)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The ragged matmul's tiles: rows and columns per output tile, the contraction step, pipeline depth, and how
+    many column tiles one SM walks before the next rows (L2 reuse of the rows)."""
+    m: int = 128
+    n: int = 128
+    k: int = 64
+    steps: int = 4
+    grid_n: int = 1
+
+
+BLOCKS = Blocks()
+
+
+def _ragged_dot_mgpu():
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    return ragged_dot_mgpu.ragged_dot
+
+
+def supported(x, w1) -> bool:
+    """On a Hopper GPU (wgmma), for a chunk of at least MIN_TOKENS tokens, bf16 weights, widths in whole k-steps."""
+    if _compat.backend() != "gpu" or x.ndim != 2 or x.shape[0] < MIN_TOKENS:
+        return False
+    if not str(jax.devices()[0].compute_capability).startswith("9."):
+        return False
+    d, i = x.shape[-1], w1.shape[-2]
+    return (x.dtype == w1.dtype == jnp.bfloat16 and d % BLOCKS.k == 0 and i % BLOCKS.k == 0
+            and d % BLOCKS.n == 0 and i % BLOCKS.n == 0)
+
+
+def grouped_matmul(rows, w, sizes, blocks: Blocks = BLOCKS):
+    """rows [R, K] sorted by group, sizes [G] (sum = R), w [G, N, K] -> [R, N] in rows' dtype: row r of group g
+    times w[g]^T."""
+    fn = _ragged_dot_mgpu()
+    return fn(rows, w, group_sizes=sizes, block_m=blocks.m, block_n=blocks.n, block_k=blocks.k,
+              max_concurrent_steps=blocks.steps, grid_block_n=blocks.grid_n, transpose_rhs=True)
+
+
+def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, blocks: Blocks = BLOCKS,
+                   matmul=None):
+    """See the module docstring. `matmul(rows, w, sizes)`: the grouped matmul (default the Mosaic-GPU kernel;
+    tests on CPU pass an XLA one)."""
+    matmul = matmul or functools.partial(grouped_matmul, blocks=blocks)
+    if layer is not None:
+        w1, w2, w3 = (jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False) for w in (w1, w2, w3))
+    m, k = experts.shape
+    n_exp = w1.shape[0]
+    dt = x.dtype
+    chosen = (experts >= 0) & (experts < n_exp)
+    # a pair of no expert goes to expert 0 with weight 0 (the sizes must cover every row)
+    flat_e = jnp.where(chosen, experts, 0).reshape(-1)
+    flat_w = jnp.where(chosen, weights, 0.0).reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat_e, length=n_exp).astype(jnp.int32)
+    xs = x[tok]                                                              # [M*k, D]
+    h = jax.nn.silu(jnp.minimum(matmul(xs, w1, sizes).astype(F32), limit)) * jnp.clip(
+        matmul(xs, w3, sizes).astype(F32), -limit, limit)
+    y = matmul(h.astype(dt), w2, sizes).astype(F32) * flat_w[order][:, None]  # [M*k, D]
+    return jnp.zeros((m, x.shape[-1]), F32).at[tok].add(y)

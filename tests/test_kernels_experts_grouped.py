@@ -1,0 +1,32 @@
+"""The prefill experts' grouped form (pallas_kernels.experts_grouped) around its matmul: sort, gather, SwiGLU,
+combine, the layer stack and pairs of no expert, against the model's dense form. On CPU the grouped matmul is
+XLA's ragged dot; the Mosaic-GPU kernel itself: tests/test_kernels_gpu.py (-m gpu)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import experts_grouped as G
+from v4jax import layers as L
+
+
+def xla_grouped(rows, w, sizes):
+    return jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), sizes).astype(rows.dtype)
+
+
+def test_grouped_experts_match_the_dense_form_on_a_layer_stack():
+    M, k, E, I, D, n = 96, 3, 8, 32, 64, 3
+    ks = jax.random.split(jax.random.key(1), 6)
+    x = jax.random.normal(ks[0], (M, D), jnp.float32)
+    w1, w3 = (0.2 * jax.random.normal(kk, (n, E, I, D)) for kk in ks[1:3])
+    w2 = 0.2 * jax.random.normal(ks[3], (n, E, D, I))
+    w, ex = jax.lax.top_k(jax.random.normal(ks[4], (M, E)) + 3.0 * jax.random.normal(ks[5], (E,)), k)
+    w = jax.nn.softmax(w)
+    ex = ex.at[::7, 1].set(-1)  # pairs of no expert (another shard's) add nothing
+    got = jax.jit(lambda *a: G.routed_experts(*a, 1.5, layer=2, matmul=xla_grouped))(x, w, ex, w1, w2, w3)
+    ref = L.routed_experts(x, jnp.where(ex >= 0, w, 0.0), jnp.maximum(ex, 0), w1[2], w2[2], w3[2], 1.5, "dense")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_grouped_experts_are_not_chosen_off_hopper():
+    x, w1 = jnp.zeros((1024, 4096), jnp.bfloat16), jnp.zeros((16, 2048, 4096), jnp.bfloat16)
+    assert not G.supported(x, w1)  # the CPU backend
