@@ -34,7 +34,7 @@ class Blocks:
     n: int = 128
     k: int = 64
     steps: int = 4
-    grid_n: int = 1
+    grid_n: int = 4
 
 
 BLOCKS = Blocks()
@@ -80,9 +80,12 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, blocks
     flat_w = jnp.where(chosen, weights, 0.0).reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tok = order // k
-    sizes = jnp.bincount(flat_e, length=n_exp).astype(jnp.int32)
-    xs = x[tok]                                                              # [M*k, D]
+    # rows padded to whole row tiles, the padding in the last expert's group (zero rows, weight 0): a total that
+    # is not a multiple of the tile gave wrong rows on the H200 (12000 rows of 128-row tiles)
+    pad = -(m * k) % blocks.m
+    sizes = jnp.bincount(flat_e, length=n_exp).astype(jnp.int32).at[-1].add(pad)
+    xs = jnp.pad(x[tok], ((0, pad), (0, 0)))                                 # [M*k + pad, D]
     h = jax.nn.silu(jnp.minimum(matmul(xs, w1, sizes).astype(F32), limit)) * jnp.clip(
         matmul(xs, w3, sizes).astype(F32), -limit, limit)
-    y = matmul(h.astype(dt), w2, sizes).astype(F32) * flat_w[order][:, None]  # [M*k, D]
+    y = matmul(h.astype(dt), w2, sizes)[:m * k].astype(F32) * flat_w[order][:, None]  # [M*k, D]
     return jnp.zeros((m, x.shape[-1]), F32).at[tok].add(y)

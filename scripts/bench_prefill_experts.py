@@ -39,8 +39,8 @@ def main():
         ref = jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="dense"))(*args)
         forms = {"xla_dense": jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="dense")),
                  "xla_grouped": jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="grouped"))}
-        for bm, bn, steps, gbn in [(128, 128, 4, 1), (128, 256, 4, 1), (128, 128, 4, 4), (64, 128, 4, 1),
-                                   (128, 256, 4, 4), (128, 128, 6, 1)]:
+        for bm, bn, steps, gbn in [(128, 128, 4, 4), (128, 128, 4, 8), (128, 128, 4, 16), (128, 128, 6, 4),
+                                   (128, 128, 3, 8), (128, 64, 4, 8), (64, 128, 4, 8)]:
             cfg = G.Blocks(bm, bn, 64, steps, gbn)
             forms[f"mgpu m{bm} n{bn} s{steps} g{gbn}"] = jax.jit(
                 lambda *a, cfg=cfg: G.routed_experts(*a, 10.0, blocks=cfg))

@@ -211,11 +211,15 @@ def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
 
 def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
     """pallas_kernels.experts for a decode step's few tokens (each chosen expert's weights read once, from the
-    layer stack in place) on GPU and, interpreted, on CPU; the XLA forms otherwise (prefill). On TPU the kernels'
+    layer stack in place) on GPU and, interpreted, on CPU; a prefill chunk's on Hopper GPUs as one grouped matmul
+    per weight (pallas_kernels.experts_grouped); the XLA forms otherwise. On TPU the kernels'
     whole-array weight refs do not fit VMEM, so the XLA forms run there."""
     kernels = importlib.import_module("pallas_kernels.experts")
     if kernels.supported(x, w1) and _backend() != "tpu":
         return kernels.routed_experts(x, weights, experts, w1, w2, w3, limit, layer=layer)
+    grouped = importlib.import_module("pallas_kernels.experts_grouped")
+    if form in (None, "grouped") and grouped.supported(x, w1):
+        return grouped.routed_experts(x, weights, experts, w1, w2, w3, limit, layer)
     return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form)
 
 
