@@ -157,7 +157,30 @@ def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, t
   cols = lax.broadcasted_iota(jnp.int32, (1, Di), 1)
   cdt = common_compute_dtype(q_ref.dtype, pool_ref.dtype)
 
+  # keys past every query's n_valid are -inf without a load or a matmul: a prefill chunk's causal triangle and
+  # the page-bucket padding of the rows (the chunks of a 128K prompt computed ~1.5x the keys they need)
+  # (row by row: a block of tq rows need not be a power of two, which Triton's tensors must be)
+  nv_max = lax.fori_loop(0, tq, lambda t, m: jnp.maximum(m, nv_ref[t]), jnp.int32(0))
+
+  def masked(i):
+    def row(t, carry):
+      o_ref[t, pl.ds(i * sb, sb)] = jnp.full((sb,), -jnp.inf, F32)
+      return carry
+    lax.fori_loop(0, tq, row, 0)
+
   def block(i, carry):   # n_inner consecutive key blocks per program: the queries stay on chip across them
+    s0 = (s_blk * n_inner + i) * sb
+
+    @pl.when(s0 >= nv_max)
+    def _():
+      masked(i)
+
+    @pl.when(s0 < nv_max)
+    def _():
+      scores(i)
+    return carry
+
+  def scores(i):
     ids = rows_ref[pl.ds(i * sb, sb)]                                      # [sb]
     valid = ids >= 0
     keys = _compat.pltriton.load(pool_ref.at[jnp.where(valid, ids, 0)[:, None], cols], mask=valid[:, None],
@@ -173,7 +196,7 @@ def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, t
       o_ref[t, pl.ds(i * sb, sb)] = jnp.where(ok, sc, -jnp.inf)
       return carry
 
-    return lax.fori_loop(0, tq, body, carry)
+    lax.fori_loop(0, tq, body, 0)
 
   lax.fori_loop(0, n_inner, block, 0)
 

@@ -13,7 +13,7 @@
 #                                      32 at 4K of flash-slice with each kernel's time per line of the model
 #   bash scripts/h200_speed.sh table   in one call: flash-slice decode (4K profiled, 32K, 128K, 1M at batch 1) and
 #                                      generate rows with the 128K prefill, flash-1gpu decode at 4K and 128K
-#   bash scripts/h200_speed.sh prefill the grouped prefill experts' GPU test and bench (scripts/bench_prefill_experts.py),
+#   bash scripts/h200_speed.sh prefill the prefill kernels' GPU tests, the experts bench (scripts/bench_prefill_experts.py; SWEEP=0 skips),
 #                                      then a profile of a 128K flash-slice prompt (scripts/profile_prefill.py)
 # Everything lands under $OUT.
 set -u
@@ -95,18 +95,20 @@ table)
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
   ;;
 prefill)
-  stamp "grouped experts GPU test"
-  timeout 100 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k grouped -p no:cacheprovider --tb=short 2>&1 \
-    | grep -v "^  \|^$" | tail -25
+  stamp "GPU tests of the grouped experts, sparse attention and indexer kernels"
+  timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "grouped or sparse or indexer" \
+    -p no:cacheprovider --tb=short 2>&1 | grep -v "^  \|^$" | tail -15
   stamp "prefill experts bench"
-  timeout 150 python3 -W ignore scripts/bench_prefill_experts.py 8192 2>&1 | quiet | grep "^M=" | cut -c1-220
+  [ "${SWEEP:-1}" = 1 ] && timeout 150 python3 -W ignore scripts/bench_prefill_experts.py 8192 2>&1 | quiet \
+    | grep "^M=" | cut -c1-220
   stamp "128K flash-slice prefill profile"
   timeout 240 python3 -W ignore scripts/profile_prefill.py flash-slice 131072 8192 pallas 2>&1 | quiet \
-    | tee "$out/profile_prefill.txt" | tail -95
+    | tee "$out/profile_prefill.txt" | head -50
   stamp "128K flash-slice prefill through generate"
-  timeout 150 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1 --contexts 4K \
-    --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 140 --out "$out/gen_slice" \
-    2>&1 | quiet | tail -8
+  timeout 170 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1 --contexts 4K \
+    --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 160 --out "$out/gen_slice" \
+    > "$out/gen_slice.log" 2>&1
+  echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
   ;;
 tune)
   stamp "GPU tests of the projection and top-k kernels"

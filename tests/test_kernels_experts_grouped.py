@@ -30,3 +30,25 @@ def test_grouped_experts_match_the_dense_form_on_a_layer_stack():
 def test_grouped_experts_are_not_chosen_off_hopper():
     x, w1 = jnp.zeros((1024, 4096), jnp.bfloat16), jnp.zeros((16, 2048, 4096), jnp.bfloat16)
     assert not G.supported(x, w1)  # the CPU backend
+
+
+def test_the_pallas_ops_take_the_grouped_form_for_a_prefill_chunk(monkeypatch):
+    from v4jax import ops
+    calls = []
+
+    def matmul(rows, w, sizes, blocks=G.BLOCKS):
+        calls.append(rows.shape)
+        return xla_grouped(rows, w, sizes)
+
+    monkeypatch.setattr(G, "supported", lambda x, w1: x.shape[0] >= 64)
+    monkeypatch.setattr(G, "grouped_matmul", matmul)
+    M, k, E, I, D, n = 96, 2, 4, 16, 32, 2  # past the decode kernel's 64 tokens
+    ks = jax.random.split(jax.random.key(2), 5)
+    x = jax.random.normal(ks[0], (M, D))
+    w1, w3 = (0.3 * jax.random.normal(kk, (n, E, I, D)) for kk in ks[1:3])
+    w2 = 0.3 * jax.random.normal(ks[3], (n, E, D, I))
+    w, ex = jax.lax.top_k(jax.random.normal(ks[4], (M, E)), k)
+    got = ops.OPS["pallas"].experts(x, w, ex, w1, w2, w3, 2.0, 1)
+    ref = ops.OPS["xla"].experts(x, w, ex, w1, w2, w3, 2.0, 1)
+    assert len(calls) == 3  # up, gate, down
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
