@@ -110,6 +110,14 @@ prefill)
     > "$out/gen_slice.log" 2>&1
   echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
   ;;
+repeat)
+  stamp "repeated generate calls: what the second one traces or compiles"
+  timeout 100 python3 -W ignore scripts/check_repeat_generate.py flash-slice pallas > "$out/repeat.log" 2>&1
+  grep "^====\|cache miss\|CACHE MISS\|because\|Compiling\|Finished" "$out/repeat.log" | cut -c1-300 | tail -60
+  stamp "engine GPU test"
+  timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1
+  echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
+  ;;
 tune)
   stamp "GPU tests of the projection and top-k kernels"
   timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "layer_linear or topk or sinkhorn" -p no:cacheprovider \
