@@ -259,8 +259,10 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, swa_ref, cmp_ref, *out_
     lo = sp * n_blocks // n_split
     hi = (sp + 1) * n_blocks // n_split
 
-    def update(carry, ids, valid):
+    def body(j, carry):
       m, l, acc = carry
+      ids = rows_ref[pl.ds(j * block, block)]           # [C]
+      valid = ids >= 0
       k = _gpu_gather_rows(pool_ref, ids, valid)        # [C, D]
       s = mm_nt(q, k.astype(cdt)) * scale               # [hb, C]
       s = jnp.where(valid[None, :], s, -jnp.inf)
@@ -270,12 +272,6 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, swa_ref, cmp_ref, *out_
       l = alpha * l + jnp.sum(p, axis=1)
       acc = alpha[:, None] * acc + pv_matmul(p, k)
       return m_new, l, acc
-
-    def body(j, carry):
-      # a block of no valid row is skipped: the HCA entries past n_ready and the rows' bucket padding (a 128K
-      # prompt's chunks carry ~1.3x the HCA entries they can see)
-      ids = rows_ref[pl.ds(j * block, block)]           # [C]
-      return lax.cond(jnp.max(ids) >= 0, lambda c: update(c, ids, ids >= 0), lambda c: c, carry)
 
     return lax.fori_loop(lo, hi, body, carry)
 
