@@ -43,7 +43,7 @@ def test_generate_help_shows_sampling_defaults(capsys):
         i = text.index(f"{flag} {flag[2:].upper().replace('-', '_')} ")
         assert f"(default: {default})" in text[i:i + 200], flag
     assert "fresh random seed" in text and "--stop-token-ids" in text and "--ignore-eos" in text
-    assert "(default: bfloat16)" in text and "(default: xla)" in text
+    assert "(default: bfloat16)" in text and "(default: pallas on a GPU, else xla)" in text
 
 
 def test_bench_subcommands_get_their_own_help(capsys):

@@ -2,6 +2,7 @@
 recompilation, page accounting, sampling and the API's error handling."""
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -271,7 +272,11 @@ def test_bad_inputs_are_clear_errors(tiny_llm):
         tiny_llm.generate("hello")
     with pytest.raises(TypeError, match="unknown LLM option"):
         LLM("tiny", no_such_option=1)
+    with pytest.raises(ValueError, match="attention_impl must be"):
+        LLM("tiny", attention_impl="triton")
     assert _all_pages_free(tiny_llm.engine)
+    # no attention_impl: the Pallas kernels on a GPU, the XLA references elsewhere (here: the CPU)
+    assert tiny_llm.run_options.attention_impl == ("pallas" if jax.default_backend() == "gpu" else "xla")
 
 
 def test_page_table_snapshot_is_private():

@@ -44,7 +44,8 @@ class _Event:
 class EngineOptions:
     """Options of `LLM(..., **options)`; unknown names are an error."""
     quant_sim: bool = False
-    attention_impl: str = "xla"
+    attention_impl: str | None = None  # "xla" | "pallas"; default: "pallas" on a GPU (its kernels are the fast path
+    # there: BENCHMARKS.md), "xla" elsewhere (on CPU the kernels run interpreted; on TPU only their lowering is checked)
     seed: int = 0  # weights of a random preset
     max_model_len: int | None = None  # context limit (prompt + generated); default: the config's
     max_num_seqs: int = 8  # decode slots
@@ -58,7 +59,7 @@ class EngineOptions:
     # every process's devices once jax.distributed runs (sharding.multihost.initialize, called by LLM)
 
     def __post_init__(self):
-        if self.attention_impl not in ("xla", "pallas"):
+        if self.attention_impl not in (None, "xla", "pallas"):
             raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
         if self.kv_layout not in ("paged", "dense"):
             raise ValueError(f"kv_layout must be 'paged' or 'dense', got {self.kv_layout!r}")
@@ -210,8 +211,8 @@ class LLM:
         compile_cache.watch_first_compile()  # the model's steps compile at the first generate
         self.dtype = dtype
         self.max_model_len = min(self.options.max_model_len or self.config.max_seq_len, self.config.max_seq_len)
-        self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=self.options.attention_impl,
-                                      mesh_rules=self.mesh_rules)
+        impl = self.options.attention_impl or ("pallas" if jax.default_backend() == "gpu" else "xla")
+        self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=impl, mesh_rules=self.mesh_rules)
         graphdef, state = nnx.split(self.model)
         self._state = state
         opts = self.run_options

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context limit, prompt + generated tokens (default: the model's)")
-    g.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"], help="attention kernels")
+    g.add_argument("--attention-impl", default=None, choices=["xla", "pallas"],
+                   help="kernels: the XLA references or the Pallas kernels (default: pallas on a GPU, else xla)")
     g.add_argument("--mesh", default=None, help="devices per mesh axis over every process's devices, e.g. "
                    "tensor=8 or data=2,tensor=2,expert=2 (default: one device)")
     g.add_argument("--coordinator-address", default=None, help="multi-host: process 0's host:port (default: "

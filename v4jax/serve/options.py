@@ -35,7 +35,7 @@ class ServerOptions:
 
 _LLM_HELP = {
     "quant_sim": "the release's FP8-KV / FP4-indexer / FP8-activation rounding",
-    "attention_impl": "attention kernels",
+    "attention_impl": "kernels: the XLA references or the Pallas kernels (default: pallas on a GPU, else xla)",
     "seed": "weights of a random preset",
     "max_model_len": "context limit, prompt + generated tokens (default: the model's)",
     "max_num_seqs": "decode slots",
