@@ -15,6 +15,8 @@
 #                                      generate rows with the 128K prefill, flash-1gpu decode at 4K and 128K
 #   bash scripts/h200_speed.sh prefill the prefill kernels' GPU tests, the experts bench (scripts/bench_prefill_experts.py; SWEEP=0 skips),
 #                                      then a profile of a 128K flash-slice prompt (scripts/profile_prefill.py)
+#   bash scripts/h200_speed.sh repeat  three generate calls in one process (cache misses and compiles logged), with
+#                                      and without XLA's command buffers, then the engine GPU test
 # Everything lands under $OUT.
 set -u
 out=${OUT:-./h200_out}
@@ -113,7 +115,12 @@ prefill)
 repeat)
   stamp "repeated generate calls: what the second one traces or compiles"
   timeout 100 python3 -W ignore scripts/check_repeat_generate.py flash-slice pallas > "$out/repeat.log" 2>&1
-  grep "^====\|cache miss\|CACHE MISS\|because\|Compiling\|Finished" "$out/repeat.log" | cut -c1-300 | tail -60
+  grep "^====\|Compiling\|Error" "$out/repeat.log" | cut -c1-200 | tail -30
+  # the same with XLA's command buffers (CUDA graphs) off: a graph is recorded on a thunk's second run
+  stamp "again, command buffers off"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 100 python3 -W ignore scripts/check_repeat_generate.py \
+    flash-slice pallas > "$out/repeat_nocb.log" 2>&1
+  grep "^====\|Error" "$out/repeat_nocb.log" | cut -c1-200 | tail -10
   stamp "engine GPU test"
   timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1
   echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
