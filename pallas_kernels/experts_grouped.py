@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +53,8 @@ def supported(x, w1) -> bool:
         return False
     if not str(jax.devices()[0].compute_capability).startswith("9."):
         return False
-    d, i = x.shape[-1], w1.shape[-2]
-    return (x.dtype == w1.dtype == jnp.bfloat16 and d % BLOCKS.k == 0 and i % BLOCKS.k == 0
-            and d % BLOCKS.n == 0 and i % BLOCKS.n == 0)
+    whole = math.lcm(BLOCKS.n, BLOCKS.k)  # D and I are each a matmul's output width in one, contraction in another
+    return x.dtype == w1.dtype == jnp.bfloat16 and x.shape[-1] % whole == 0 and w1.shape[-2] % whole == 0
 
 
 def grouped_matmul(rows, w, sizes, blocks: Blocks = BLOCKS):

@@ -10,21 +10,19 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import experts_grouped as G  # noqa: E402
 from v4jax import layers as L  # noqa: E402
 from v4jax.bench.profile import summarize  # noqa: E402
+from bench_experts import case as uniform_case  # noqa: E402  (scripts/ is this script's directory)
 
 
 def case(M, k, E, I, D):
-    ks = jax.random.split(jax.random.key(0), 6)
-    x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
-    w1, w3 = (0.05 * jax.random.normal(kk, (E, I, D), jnp.bfloat16) for kk in ks[1:3])
-    w2 = 0.05 * jax.random.normal(ks[3], (E, D, I), jnp.bfloat16)
-    # skewed routing (as a router gives): expert popularity ~ a random Dirichlet draw
-    logits = jax.random.normal(ks[4], (M, E)) + 2.0 * jax.random.normal(ks[5], (E,))
+    """The decode bench's weights and tokens, with skewed routing (as a router gives): expert popularity varies."""
+    x, _, _, w1, w2, w3 = uniform_case(M, k, E, I, D)
+    ks = jax.random.split(jax.random.key(1), 2)
+    logits = jax.random.normal(ks[0], (M, E)) + 2.0 * jax.random.normal(ks[1], (E,))
     w, ex = jax.lax.top_k(jax.nn.softmax(logits), k)
     return x, w, ex.astype(jnp.int32), w1, w2, w3
 
@@ -62,7 +60,6 @@ def main():
     if out:
         with open(os.path.join(out, "prefill_experts.json"), "w") as f:
             json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, f, indent=1)
-    np.set_printoptions(precision=3)
 
 
 if __name__ == "__main__":
