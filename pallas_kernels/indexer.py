@@ -151,7 +151,7 @@ _GPU_SB = 128     # keys per program
 _GPU_TQ = 16      # queries per program (looped)
 
 
-def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq, n_inner):
+def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq, n_inner, keys_rows):
   s_blk = pl.program_id(2)   # grid (query block, b, key block): query blocks sharing keys run side by side
   Di = pool_ref.shape[-1]
   cols = lax.broadcasted_iota(jnp.int32, (1, Di), 1)
@@ -189,9 +189,13 @@ def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, t
 
     def body(t, carry):
       q = q_ref[t].astype(cdt)                                             # [Hi, Di]
-      logits = mm_nt(q, keys)                                              # [Hi, sb]
       wt = w_ref[t].astype(F32)                                            # [Hi]
-      sc = jnp.sum(wt[:, None] * jnp.maximum(logits, 0.0), axis=0)        # [sb]
+      if keys_rows:
+        logits = mm_nt(keys, q)                                            # [sb, Hi]
+        sc = jnp.sum(jnp.maximum(logits, 0.0) * wt[None, :], axis=1)      # [sb]
+      else:
+        logits = mm_nt(q, keys)                                            # [Hi, sb]
+        sc = jnp.sum(wt[:, None] * jnp.maximum(logits, 0.0), axis=0)      # [sb]
       ok = valid & (s_idx < nv_ref[t])
       o_ref[t, pl.ds(i * sb, sb)] = jnp.where(ok, sc, -jnp.inf)
       return carry
@@ -207,14 +211,14 @@ def _gpu_scores_supported(q, key_pool):
 
 
 def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_GPU_SB, num_warps=4,
-                        num_stages=2, n_inner=1):
+                        num_stages=2, n_inner=1, keys_rows=False, tq=_GPU_TQ):
   B, T, Hi, Di = q.shape
   S = rows.shape[-1]
   Hp = max(16, next_pow2(Hi))
   if Hp != Hi:   # zero-weight padded heads contribute exactly 0
     q = jnp.pad(q, ((0, 0), (0, 0), (0, Hp - Hi), (0, 0)))
     w = jnp.pad(w, ((0, 0), (0, 0), (0, Hp - Hi)))
-  tq = min(T, _GPU_TQ)
+  tq = min(T, tq)
   Tp = round_up(T, tq)
   if Tp != T:
     q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
@@ -224,7 +228,7 @@ def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_G
   sbp = sb * n_inner                                                       # keys per program
   Sp = round_up(S, sbp)
   rows_p = pad_last(rows.astype(jnp.int32), Sp, -1)
-  kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq, n_inner=n_inner)
+  kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq, n_inner=n_inner, keys_rows=keys_rows)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((B, Tp, Sp), F32),

@@ -1,6 +1,6 @@
 """Times four identical `LLM.generate` calls (a 16-token prompt, 16 new tokens), logs every compile, and prints
-how the arguments of each call's first prefill differ from the first call's (type, weak type, sharding,
-committed, layout): a difference there is what makes a later call compile again. (JAX's explain-cache-misses is
+how the arguments and the trace context (JAX's config states that key its caches) of each call's first prefill
+differ from the first call's: a difference there is what makes a later call compile again. (JAX's explain-cache-misses is
 left off: on JAX 0.11.2 with it on, lowering a Pallas Triton kernel's reduction fails.)
 
     python scripts/check_repeat_generate.py [MODEL] [IMPL]      (defaults: flash-slice pallas)
@@ -12,6 +12,7 @@ import time
 
 import jax
 import numpy as np
+from jax._src import config as jax_config
 
 jax.config.update("jax_log_compiles", True)
 logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
@@ -34,7 +35,8 @@ def describe(leaf):
 
 def recording(spec, *args):
     paths, _ = jax.tree_util.tree_flatten_with_path(args)
-    signatures.append({"spec": hash(spec), **{jax.tree_util.keystr(p): describe(x) for p, x in paths}})
+    context = {f"config {n}": str(c) for n, c in zip(jax_config.trace_context_names(), jax_config.trace_context())}
+    signatures.append({"spec": (hash(spec), id(spec)), **context, **{jax.tree_util.keystr(p): describe(x) for p, x in paths}})
     return jitted(spec, *args)
 
 
@@ -47,7 +49,8 @@ for i in range(4):
     firsts.append(len(signatures))
     t0 = time.perf_counter()
     llm.generate([rng.integers(2, llm.config.vocab_size, 16).tolist()], sp)
-    print(f"==== generate call {i}: {time.perf_counter() - t0:.2f} s", flush=True)
+    print(f"==== generate call {i}: {time.perf_counter() - t0:.2f} s; prefill variants {jitted._cache_size()}",
+          flush=True)
 for i in range(1, 4):
     a, b = signatures[firsts[0]], signatures[firsts[i]]
     diff = [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
