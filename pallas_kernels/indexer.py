@@ -148,10 +148,10 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
 # --------------------------------------------------------------------------------------------------------------
 
 _GPU_SB = 128     # keys per program
-_GPU_TQ = 16      # queries per program (looped)
+_GPU_TQ = 32      # queries per program (looped; 16: 11.9 ms for the chunk above's 10.5)
 
 
-def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq, n_inner, keys_rows):
+def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq, n_inner):
   s_blk = pl.program_id(2)   # grid (query block, b, key block): query blocks sharing keys run side by side
   Di = pool_ref.shape[-1]
   cols = lax.broadcasted_iota(jnp.int32, (1, Di), 1)
@@ -190,12 +190,11 @@ def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, t
     def body(t, carry):
       q = q_ref[t].astype(cdt)                                             # [Hi, Di]
       wt = w_ref[t].astype(F32)                                            # [Hi]
-      if keys_rows:
-        logits = mm_nt(keys, q)                                            # [sb, Hi]
-        sc = jnp.sum(jnp.maximum(logits, 0.0) * wt[None, :], axis=1)      # [sb]
-      else:
-        logits = mm_nt(q, keys)                                            # [Hi, sb]
-        sc = jnp.sum(wt[:, None] * jnp.maximum(logits, 0.0), axis=0)      # [sb]
+      # keys as the matmul's rows: the sum over heads runs along a row, within a warp; with heads as the rows
+      # it crossed warps (H200, a 128K prompt's last chunk: 17.1 -> 10.5 ms, 249 -> 407 TFLOP/s;
+      # scripts/bench_indexer_prefill.py)
+      logits = mm_nt(keys, q)                                              # [sb, Hi]
+      sc = jnp.sum(jnp.maximum(logits, 0.0) * wt[None, :], axis=1)        # [sb]
       ok = valid & (s_idx < nv_ref[t])
       o_ref[t, pl.ds(i * sb, sb)] = jnp.where(ok, sc, -jnp.inf)
       return carry
@@ -211,7 +210,7 @@ def _gpu_scores_supported(q, key_pool):
 
 
 def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_GPU_SB, num_warps=4,
-                        num_stages=2, n_inner=1, keys_rows=False, tq=_GPU_TQ):
+                        num_stages=2, n_inner=1, tq=_GPU_TQ):
   B, T, Hi, Di = q.shape
   S = rows.shape[-1]
   Hp = max(16, next_pow2(Hi))
@@ -228,7 +227,7 @@ def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_G
   sbp = sb * n_inner                                                       # keys per program
   Sp = round_up(S, sbp)
   rows_p = pad_last(rows.astype(jnp.int32), Sp, -1)
-  kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq, n_inner=n_inner, keys_rows=keys_rows)
+  kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq, n_inner=n_inner)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((B, Tp, Sp), F32),

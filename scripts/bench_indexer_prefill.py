@@ -1,5 +1,5 @@
 """The GPU indexer-scores kernel on a prefill chunk: the last 8192-token chunk of a 128K prompt (T=8192 queries,
-S=32768 compressed keys, 64 heads x 128, each query's keys up to its causal n_valid), per kernel form and tile,
+S=32768 compressed keys, 64 heads x 128, each query's keys up to its causal n_valid), per tile,
 against the XLA reference's outputs. Device time from a profiler trace; TFLOP/s counts valid (query, key) pairs.
 
     python scripts/bench_indexer_prefill.py [T] [S]      (GPU)
@@ -32,8 +32,7 @@ ref = np.concatenate([np.asarray(ref_fn(q[:, i:i + 512], w[:, i:i + 512], pool, 
                       for i in range(0, T, 512)], axis=1)
 ok = np.isfinite(ref)
 print(f"T={T} S={S} valid pairs {pairs / 1e6:.1f} M, {flops / 1e12:.3f} TFLOP", flush=True)
-grid = [dict(keys_rows=kr, tq=tq, num_warps=nw, num_stages=ns)
-        for kr in (False, True) for tq in (16, 32) for nw in (4, 8) for ns in (2,)]
+grid = [dict(tq=tq, num_warps=nw, num_stages=ns) for tq in (16, 32, 64) for nw in (4, 8) for ns in (2, 3)]
 for cfg in grid:
   fn = functools.partial(IX._indexer_scores_gpu, **cfg)
   try:

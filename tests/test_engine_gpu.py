@@ -61,3 +61,17 @@ def test_pallas_engine_equals_xla_on_gpu(tmp_path, monkeypatch):
     for p, a, b in zip(prompts, outs["xla"], outs["pallas"]):
         assert a.token_ids == b.token_ids, f"prompt of {len(p)} tokens"
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_second_generate_compiles_nothing():
+    # JAX 0.11's Pallas fuser changed a thread-local state in jit's cache key after its first use, so a process's
+    # second generate traced and compiled its prefill again (v4jax.engine.steps.pin_trace_context)
+    llm = LLM("tiny", max_num_seqs=1, max_model_len=512, attention_impl="pallas")
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = llm.generate([[5, 6, 7, 8]], sp)
+    variants = llm.engine.compiled_variants()
+    t0 = time.perf_counter()
+    again = llm.generate([[5, 6, 7, 8]], sp)
+    assert llm.engine.compiled_variants() == variants, "the second generate compiled a step again"
+    assert again[0].token_ids == first[0].token_ids
+    print(f"second generate: {time.perf_counter() - t0:.3f} s")

@@ -220,6 +220,7 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """Admit, dispatch a decode call for every running slot, run one prefill chunk, then read the previous
         decode call. Returns what each request gained since the last step."""
+        S.pin_trace_context()
         deltas, self._finished = self._finished, []
         sch = self.scheduler
         for req in sch.admit():
@@ -372,6 +373,7 @@ class EngineCore:
         """Compile every bucket the engine will use (prefill chunk x pages, decode x pages in its sampling and
         greedy-only forms, the prefix restore) with no-op calls (no valid tokens). Returns the number of compiled variants; afterwards nothing
         recompiles."""
+        S.pin_trace_context()
         s = self.layout.max_slots
         page_buckets = sorted({self._page_bucket(n * self.layout.page_size)
                                for n in range(1, self.layout.max_pages_per_seq + 1)})

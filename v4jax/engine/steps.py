@@ -11,6 +11,7 @@ a row reaches (v4jax.cache.boundary) when the prefix cache is on."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
 import jax
@@ -24,6 +25,19 @@ from v4jax.model import RunOptions
 from v4jax.sampling import sample
 
 MAX_STOP = 8  # stop token ids per request held on device (EOS included)
+
+# JAX 0.11's Pallas fuser keeps a thread-local state ("disable nested fuse") in jit's cache key, and its first use
+# in a thread turns the state from unset to an explicit False: every program traced before that misses the cache
+# once afterwards. On the H200 the second `LLM.generate` of a process traced and compiled its prefill again
+# (6 s for a 16-token prompt, 18 s for a 128K one). Setting the state before a step runs keeps the key stable.
+# JAX 0.10 has no such state.
+_NESTED_FUSE = getattr(importlib.import_module("jax._src.pallas.fuser.jaxpr_fusion"), "_disable_nested_fuse", None)
+
+
+def pin_trace_context() -> None:
+    """Call in each thread before it runs a step (cheap: one thread-local write)."""
+    if _NESTED_FUSE is not None:
+        _NESTED_FUSE.set_local(False)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
