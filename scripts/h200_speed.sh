@@ -15,6 +15,8 @@
 #                                      generate rows with the 128K prefill, flash-1gpu decode at 4K and 128K
 #   bash scripts/h200_speed.sh prefill the prefill kernels' GPU tests, the experts bench (scripts/bench_prefill_experts.py; SWEEP=0 skips),
 #                                      then a profile of a 128K flash-slice prompt (scripts/profile_prefill.py)
+#   bash scripts/h200_speed.sh sweep   the prefill chunk's indexer and sparse-attention kernels per tile
+#                                      (scripts/bench_indexer_prefill.py, scripts/bench_attention_prefill.py)
 #   bash scripts/h200_speed.sh repeat  four generate calls in one process (compiles logged), with and without XLA's
 #                                      command buffers, then the engine GPU test (TEST_S=0 skips it)
 # Everything lands under $OUT.
@@ -111,6 +113,13 @@ prefill)
     --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 160 --out "$out/gen_slice" \
     > "$out/gen_slice.log" 2>&1
   echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
+  ;;
+sweep)
+  stamp "indexer scores on a prefill chunk"
+  timeout 200 python3 -W ignore scripts/bench_indexer_prefill.py 2>&1 | quiet | tee "$out/indexer_prefill.txt" | tail -14
+  stamp "sparse attention on a prefill chunk"
+  timeout 380 python3 -W ignore scripts/bench_attention_prefill.py 2>&1 | quiet | tee "$out/attention_prefill.txt" \
+    | tail -40
   ;;
 repeat)
   stamp "repeated generate calls: what the second one traces or compiles"
