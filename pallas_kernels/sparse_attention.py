@@ -238,8 +238,8 @@ def _gpu_gather_rows(pool_ref, ids, valid):
   return _compat.pltriton.load(pool_ref.at[safe, cols], mask=valid[:, None], other=0.0)
 
 
-def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, swa_ref, cmp_ref, *out_refs, scale, block,
-                n_w_blocks, n_c_blocks, n_split, final):
+def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref, *out_refs, scale, block,
+                n_w_blocks, n_c_blocks, n_split, final, skip_tail):
   sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
   q = q_ref[...]                                       # [hb, D]
   cdt = common_compute_dtype(q.dtype, swa_ref.dtype)
@@ -255,9 +255,11 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, swa_ref, cmp_ref, *out_
     l0 = jnp.zeros((hb,), F32)
   acc0 = jnp.zeros((hb, D), F32)
 
-  def run(rows_ref, pool_ref, n_blocks, carry):
+  def run(rows_ref, pool_ref, n_blocks, carry, used=None):
     lo = sp * n_blocks // n_split
     hi = (sp + 1) * n_blocks // n_split
+    if used is not None:   # the blocks after the query's last valid row hold none: not visited
+      hi = jnp.minimum(hi, used)
 
     def body(j, carry):
       m, l, acc = carry
@@ -278,7 +280,7 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, swa_ref, cmp_ref, *out_
   carry = (m0, l0, acc0)
   carry = run(rows_w_ref, swa_ref, n_w_blocks, carry)
   if n_c_blocks:
-    carry = run(rows_c_ref, cmp_ref, n_c_blocks, carry)
+    carry = run(rows_c_ref, cmp_ref, n_c_blocks, carry, used_c_ref[...] if skip_tail else None)
   m, l, acc = carry
   if final:
     (o_ref,) = out_refs
@@ -301,7 +303,7 @@ def _gpu_supported(q, swa_pool, cmp_pool):
 
 def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                           n_split=None, block=_GPU_BLOCK, heads=_GPU_HEADS, num_warps=4, num_stages=2,
-                          return_lse=False):
+                          return_lse=False, skip_tail=False):
   B, T, H, D = q.shape
   C = block
   hb = heads
@@ -320,6 +322,9 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
   else:
     cmp_pool, rc = swa_pool, jnp.full((B * T, C), -1, jnp.int32)
   n_w, n_c = rw.shape[-1] // C, (rc.shape[-1] // C if has_cmp else 0)
+  # per query, the compressed blocks up to its last valid row (an HCA prefill chunk's rows end at n_ready)
+  last = jnp.max(jnp.where(rc >= 0, jnp.arange(1, rc.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
+  used_c = (last + C - 1) // C if skip_tail else jnp.zeros((B * T,), jnp.int32)  # [B*T]
   n_hb = Hp // hb
   if n_split is None:
     # split the entries only when the (head block, query) programs leave SMs idle: the partial states cost
@@ -328,13 +333,14 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
   final = n_split == 1 and not return_lse  # the partial states carry what lse needs
   kernel = functools.partial(_gpu_kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
-                             n_split=n_split, final=final)
+                             n_split=n_split, final=final, skip_tail=skip_tail)
   full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
   in_specs = [
       pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0)),
       pl.BlockSpec((hb,), lambda h, i, s: (h,)),
       pl.BlockSpec((None, rw.shape[-1]), lambda h, i, s: (i, 0)),
       pl.BlockSpec((None, rc.shape[-1]), lambda h, i, s: (i, 0)),
+      pl.BlockSpec((None,), lambda h, i, s: (i,)),
       full(swa_pool),
       full(cmp_pool),
   ]
@@ -352,7 +358,7 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
       kernel, out_shape=out_shape, grid=(n_hb, B * T, n_split), in_specs=in_specs, out_specs=out_specs,
       compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=bool(interpret), name="v4_sparse_attention_gpu",
-  )(qf, sinkp, rw, rc, swa_pool, cmp_pool)
+  )(qf, sinkp, rw, rc, used_c, swa_pool, cmp_pool)
   if final:
     o = out
     lse = None

@@ -1,10 +1,11 @@
 """The GPU sparse-attention kernel on a prefill chunk: the last 8192-token chunk of a 128K prompt, 64 heads x 512,
 per tile (heads per program, warps, rows per step, pipeline stages), against the XLA reference's outputs. Two
 cases: a CSA layer (each query's 128-token window + 512 selected entries of 32768) and an HCA layer (the window +
-every entry closed before the query: 960-1024 of them). Device time from a profiler trace; TFLOP/s counts the
+every entry closed before the query: 960-1024 of them), and an HCA chunk ending at 72K with rows as wide as the
+128K bucket's (where skipping the blocks past a query's last valid row, skip_tail, pays). Device time from a profiler trace; TFLOP/s counts the
 valid rows (QK and PV).
 
-    python scripts/bench_attention_prefill.py [T] [CONFIG ...]     (GPU; CONFIG = heads:warps:block:stages)
+    python scripts/bench_attention_prefill.py [T] [CONFIG ...]     (GPU; CONFIG = heads:warps:block:stages:skip_tail)
 """
 import functools
 import importlib
@@ -21,7 +22,8 @@ SA = importlib.import_module("pallas_kernels.sparse_attention")  # the package's
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 configs = [tuple(int(v) for v in c.split(":")) for c in sys.argv[2:]] or \
-    list(itertools.product((16, 32, 64), (4, 8), (64,), (2,))) + [(16, 4, 32, 2), (32, 8, 32, 2), (16, 4, 64, 3)]
+    [(*c, 0) for c in itertools.product((16, 32, 64), (4, 8), (64,), (2,))] + \
+    [(16, 4, 32, 2, 0), (32, 8, 32, 2, 0), (16, 4, 64, 3, 0), (16, 4, 64, 2, 1), (32, 8, 64, 2, 1), (64, 8, 64, 2, 1)]
 H, D, W, B, ctx = 64, 512, 128, 1, 131072
 ks = jax.random.split(jax.random.key(0), 6)
 q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
@@ -41,6 +43,12 @@ hca = jax.random.normal(ks[5], (n_hca, D), jnp.bfloat16)
 e = jnp.arange(n_hca)[None, :]
 cases["hca"] = (q, swa, swa_rows, hca, jnp.where(e < ((pos + 1) // 128)[:, None], e, -1).astype(jnp.int32)[None],
                 sink)
+# a chunk in the middle of the prompt (ending at 72K) whose rows are as wide as the 128K page bucket's: only the
+# first ~560 of 1024 entries are valid
+mid = 73728 - T + jnp.arange(T)
+cases["hca-mid"] = (q, swa, jnp.where(mid[:, None] - W + 1 + jnp.arange(W)[None, :] >= 0,
+                                      mid[:, None] - W + 1 + jnp.arange(W)[None, :], -1).astype(jnp.int32)[None],
+                    hca, jnp.where(e < ((mid + 1) // 128)[:, None], e, -1).astype(jnp.int32)[None], sink)
 scale = D ** -0.5
 for name, args in cases.items():
   rows = int(np.asarray((args[2] >= 0).sum() + (args[4] >= 0).sum()))
@@ -50,14 +58,15 @@ for name, args in cases.items():
   ref = np.concatenate([np.asarray(ref_fn(sl(args[0], i), args[1], sl(args[2], i), args[3], sl(args[4], i),
                                           args[5]).astype(jnp.float32)) for i in range(0, T, 512)], axis=1)
   print(f"{name}: T={T} valid rows {rows / 1e6:.2f} M, {flops / 1e12:.3f} TFLOP", flush=True)
-  for hb, nw, blk, ns in configs:
-    fn = functools.partial(SA._sparse_attention_gpu, scale=scale, heads=hb, num_warps=nw, block=blk, num_stages=ns)
+  for hb, nw, blk, ns, skip in configs:
+    fn = functools.partial(SA._sparse_attention_gpu, scale=scale, heads=hb, num_warps=nw, block=blk, num_stages=ns,
+                           skip_tail=bool(skip))
     try:
       out = np.asarray(jax.jit(fn)(*args).astype(jnp.float32))
       err = float(np.max(np.abs(out - ref)))
       sec, _ = KB.time_trace(fn, args, repeats=3)
-      print(f"  {name} heads={hb} warps={nw} block={blk} stages={ns}: {sec * 1e3:7.2f} ms "
+      print(f"  {name} heads={hb} warps={nw} block={blk} stages={ns} skip_tail={skip}: {sec * 1e3:7.2f} ms "
             f"{flops / sec / 1e12:6.1f} TFLOP/s  max err {err:.2e}", flush=True)
     except Exception as ex:  # a tile Triton cannot lower or fit is reported, not fatal
-      print(f"  {name} heads={hb} warps={nw} block={blk} stages={ns}: failed {type(ex).__name__}: "
+      print(f"  {name} heads={hb} warps={nw} block={blk} stages={ns} skip_tail={skip}: failed {type(ex).__name__}: "
             f"{str(ex)[:160]}", flush=True)

@@ -117,6 +117,20 @@ def test_gpu_kernel_interpret(rng, n_split, dtype, tol):
   _check(out, ref.astype(jnp.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("n_split", [1, 3])
+def test_gpu_kernel_interpret_skip_tail(rng, n_split):
+  # HCA-style rows: each query's valid entries a prefix of its row (n_ready), the rest -1; prefixes that end inside
+  # a block, on a block's edge, at 0 and at the full width
+  q, swa, rw, cmp, _, sink = _inputs(rng, 2, 3, 16, 64, 40, 1, 64, 300, jnp.float32)
+  K = 150
+  n_ready = np.array([[37, 64, 0], [150, 1, 96]])[..., None]
+  rc = jnp.asarray(np.where(np.arange(K) < n_ready, rng.integers(0, 300, (2, 3, K)), -1), jnp.int32)
+  ref = sa.sparse_attention_ref(q, swa, rw, cmp, rc, sink, scale=0.125)
+  out = jax.jit(functools.partial(sa._sparse_attention_gpu, scale=0.125, interpret=True, n_split=n_split,
+                                  block=32, skip_tail=True))(q, swa, rw, cmp, rc, sink)
+  _check(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def _shapes(B, T, H, D, W, K, R1, R2, dt):
   S = jax.ShapeDtypeStruct
   return (S((B, T, H, D), dt), S((R1, D), dt), S((B, T, W), jnp.int32), S((R2, D), dt), S((B, T, K), jnp.int32),
