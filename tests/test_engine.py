@@ -1,6 +1,8 @@
 """The engine: cached greedy decoding equals the teacher-forced forward; chunking, layouts,
 recompilation, page accounting, sampling and the API's error handling."""
+import dataclasses
 import itertools
+import threading
 
 import jax
 import numpy as np
@@ -118,6 +120,37 @@ def test_no_recompilation_after_warmup(tiny_llm):
     outs = tiny_llm.generate(prompts, params)
     assert [len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params)] == [True] * 50
     assert eng.compiled_variants() == n
+
+
+def test_steps_pin_jax_trace_context_first(tiny_llm, monkeypatch):
+    # every thread that runs steps sets JAX's Pallas-fuser state before its first jitted call
+    # (v4jax.engine.steps.pin_trace_context: on JAX 0.11 that state's first change made a second generate recompile)
+    from v4jax.engine import steps as S
+    pinned = set()
+
+    class State:
+        def set_local(self, value):
+            assert value is False
+            pinned.add(threading.get_ident())
+
+    monkeypatch.setattr(S, "_NESTED_FUSE", State())
+    eng = tiny_llm.engine
+    seen = []
+
+    def checked(fn):
+        def call(*a, **kw):
+            seen.append(threading.get_ident() in pinned)
+            return fn(*a, **kw)
+        return call
+
+    monkeypatch.setattr(eng, "steps", dataclasses.replace(eng.steps, prefill=checked(eng.steps.prefill),
+                                                          decode=checked(eng.steps.decode)))
+    out = []
+    worker = threading.Thread(target=lambda: out.append(tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))))
+    worker.start()
+    worker.join()
+    assert out and len(out[0][0].token_ids) == 3
+    assert seen and all(seen)
 
 
 def _all_pages_free(eng):

@@ -31,7 +31,15 @@ MAX_STOP = 8  # stop token ids per request held on device (EOS included)
 # once afterwards. On the H200 the second `LLM.generate` of a process traced and compiled its prefill again
 # (6 s for a 16-token prompt, 18 s for a 128K one). Setting the state before a step runs keeps the key stable.
 # JAX 0.10 has no such state.
-_NESTED_FUSE = getattr(importlib.import_module("jax._src.pallas.fuser.jaxpr_fusion"), "_disable_nested_fuse", None)
+def _nested_fuse_state():
+    try:
+        module = importlib.import_module("jax._src.pallas.fuser.jaxpr_fusion")
+    except ImportError:  # a JAX without the Pallas fuser
+        return None
+    return getattr(module, "_disable_nested_fuse", None)
+
+
+_NESTED_FUSE = _nested_fuse_state()
 
 
 def pin_trace_context() -> None:
