@@ -204,3 +204,24 @@ def test_eviction_frees_pages_of_the_short_shard():
     sch.prefix.evict_full(np.array([4, 0]))
     assert t.full_alloc.free_per_block.tolist() == [4, 2] and sch.prefix.n_nodes() == 2
     assert len(sch.prefix.lookup([11] * (2 * P) + [1], 2, 1)) == 2  # shard 1's prefix untouched
+
+
+def test_a_long_cached_prefix_is_counted_evicted_and_cleared():
+    # a 128K-token prompt in 64-token pages is a chain of 2048 nodes: deeper than Python's recursion limit (a
+    # recursive walk of the tree raised RecursionError when the next long request needed room)
+    n = 3000
+    full, swa = PageAllocator(n + 10), PageAllocator(4)
+    cache = PrefixCache(full, swa, 1)
+    pages = full.alloc(n)
+    node = cache.root
+    for i, pg in enumerate(pages):
+        node = cache.insert(node, (i,), pg, None)
+    side = cache.insert(cache.root.children[(0,)], (-1,), full.alloc(1)[0], None)  # a branch off the first node
+    full.decref(pages[:-1] + [side.page])  # the slots let go of all but the chain's last page
+    assert cache.evictable()[0].tolist() == [1]  # only the side branch: every chain node is above a mapped page
+    full.decref(pages[-1:])
+    assert cache.evictable()[0].tolist() == [n + 1]
+    assert cache.evict_full(full.n_free + 5) == 5 and cache.n_nodes() == n - 4  # least recently used first
+    assert len(cache.lookup(list(range(n - 5)), n - 5)) == 0  # (no node keeps a tail: nothing resumable)
+    cache.clear()
+    assert cache.n_nodes() == 0 and full.n_free == n + 10

@@ -232,15 +232,21 @@ class LLM:
             ids = ids.tolist()
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise TypeError(f"{what} must be a string or a list of token ids, got {type(ids).__name__}")
-        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_))]
-        if bad:
-            raise TypeError(f"{what}: token ids must be integers, got {bad[:5]!r}")
-        ids = [int(t) for t in ids]
+        # the common case (plain ints) in passes at C speed: the element-wise checks took ~100 ms of a 128K-token
+        # prompt's generate on this project's CPU machine
+        if set(map(type, ids)) <= {int}:
+            ids = list(ids)
+        else:
+            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_))]
+            if bad:
+                raise TypeError(f"{what}: token ids must be integers, got {bad[:5]!r}")
+            ids = [int(t) for t in ids]
         if not ids:
             raise ValueError(f"{what} is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise ValueError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return ids
 
     def encode(self, prompt: str | Sequence[int], what: str = "prompt") -> list[int]:

@@ -21,6 +21,7 @@ that computed it, and pressure in one shard evicts only from that shard's tree."
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 
 import numpy as np
@@ -124,16 +125,13 @@ class PrefixCache:
                 for pg in n.tail.values():
                     swa[self.swa_alloc.block_of(pg)] += 1
 
-        # A node's page is freeable once its whole subtree is: count nodes whose subtree no slot maps.
-        def walk(n: Node) -> bool:
-            free_below = all([walk(c) for c in n.children.values()])
-            free = free_below and self.full_alloc.refs[n.page] == 1
-            if free:
+        # A node's page is freeable once its whole subtree is: count nodes whose subtree no slot maps. Children
+        # before parents (reversed pre-order), without recursion: a 128K-token prefix is a chain of 2048 nodes.
+        free = {}
+        for n in reversed(list(self._nodes())):
+            free[n] = self.full_alloc.refs[n.page] == 1 and all(free[c] for c in n.children.values())
+            if free[n]:
                 full[self.full_alloc.block_of(n.page)] += 1
-            return free
-        for r in self.roots:
-            for c in r.children.values():
-                walk(c)
         return full, swa
 
     def drop_tail(self, n: Node) -> None:
@@ -168,15 +166,21 @@ class PrefixCache:
         while short().any():
             need = short()
             shards = set((np.flatnonzero(need) // self._blocks_per_shard).tolist())
-            leaves = [n for n in self._nodes(shards) if not n.children and alloc.refs[n.page] == 1]
-            if not leaves:
+            order = itertools.count()
+            key = lambda n: (not need[alloc.block_of(n.page)], n.stamp, next(order))  # noqa: E731
+            # a heap of the removable leaves; a parent left childless joins it (a long prefix's chain is removed
+            # in one pass, not one tree walk a node)
+            heap = [(key(n), n) for n in self._nodes(shards) if not n.children and alloc.refs[n.page] == 1]
+            if not heap:
                 break
-            leaves.sort(key=lambda n: (not need[alloc.block_of(n.page)], n.stamp))
-            for n in leaves:
-                if not short().any():
-                    break
+            heapq.heapify(heap)
+            while heap and short().any():
+                _, n = heapq.heappop(heap)
+                parent = n.parent
                 self._remove(n)
                 freed += 1
+                if parent.page >= 0 and not parent.children and alloc.refs[parent.page] == 1:
+                    heapq.heappush(heap, (key(parent), parent))
         return freed
 
     def _remove(self, n: Node) -> None:
@@ -189,9 +193,8 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every node (pages mapped by slots stay theirs)."""
-        while any(r.children for r in self.roots):
-            for n in [n for n in self._nodes() if not n.children]:
-                self._remove(n)
+        for n in reversed(list(self._nodes())):  # children before parents
+            self._remove(n)
 
     def n_nodes(self) -> int:
         return sum(1 for _ in self._nodes())

@@ -170,7 +170,7 @@ class EngineCore:
         pages than the whole pool; everything else is queued, never refused."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = list(map(int, prompt_token_ids))
         sp = sampling_params
         n = len(prompt)
         if n == 0:
@@ -232,7 +232,7 @@ class EngineCore:
             req = sch.waiting[0]
             sch.remove(req)
             self.counts["aborted"] += 1
-            warnings.warn(f"request {req.request_id!r} ({len(req.tokens)} tokens) cannot fit in the pools; aborted")
+            warnings.warn(f"request {req.request_id!r} ({req.n_tokens} tokens) cannot fit in the pools; aborted")
             deltas.append(RequestDelta(req.request_id, [], [], "abort"))
         flight = self._dispatch_decode(self._flight)
         prefilled = self._run_prefill()
@@ -348,7 +348,7 @@ class EngineCore:
             if e0 % self.layout.page_size == 0:
                 req.saved.add(e0)
             self.scheduler.cache_pages(req)
-            if e0 == len(req.tokens):
+            if e0 == req.n_tokens:
                 done.append((req, tok, lp, i))
         return done
 

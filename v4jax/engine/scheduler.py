@@ -54,6 +54,10 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def n_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)  # without the copy `tokens` makes (a 128K prompt's: ~0.3 ms)
+
+    @property
     def fed(self) -> int:
         """Tokens whose KV is written while decoding: all but the last generated one (the next to feed)."""
         return len(self.prompt) + len(self.output) - 1 if self.status == RUNNING else self.computed
@@ -107,7 +111,7 @@ class Scheduler:
     # ---- pages ----
     def _pages_upto(self, req: Request) -> int:
         """Full pages the request holds once admitted and past its first decode call."""
-        return -(-min(len(req.tokens) + self.k, req.limit) // self.layout.page_size)
+        return -(-min(req.n_tokens + self.k, req.limit) // self.layout.page_size)
 
     def _room(self, n_full: np.ndarray, n_swa: np.ndarray) -> bool:
         """Free (evicting from the prefix cache if needed) n_full full and n_swa SWA pages per block; whether it
@@ -200,14 +204,14 @@ class Scheduler:
         """Whether `req` could match full pages that a request still prefilling will cache: their first pages
         are equal (every prefix match starts at page 0)."""
         p = self.layout.page_size
-        if len(req.tokens) <= p:
+        if req.n_tokens <= p:
             return False  # the last position is always computed: no full page of it can be reused
         head = req.tokens[:p]
         return any(r.tokens[:p] == head for r in self.prefilling())
 
     def _swa_need(self, req: Request) -> int:
         ps, w = self.layout.swa_page_size, self.tables.cfg.window_size
-        span = min(self.chunk, len(req.tokens)) + w + 2 * self.k
+        span = min(self.chunk, req.n_tokens) + w + 2 * self.k
         return -(-span // ps) + 1
 
     def _room_if_evicted(self, n_full: np.ndarray, n_swa: np.ndarray, keep: list[Node]) -> bool:
@@ -235,11 +239,11 @@ class Scheduler:
         if self.prefix is None:
             return []
         # at least one token is computed, so the last position's logits exist
-        return self.prefix.lookup(req.tokens, (len(req.tokens) - 1) // self.layout.page_size, shard)
+        return self.prefix.lookup(req.tokens, (req.n_tokens - 1) // self.layout.page_size, shard)
 
     def _map_prefix(self, req: Request, nodes: list[Node]) -> None:
         if self.prefix is not None:
-            self.prefix.count_query(len(req.tokens), len(nodes))
+            self.prefix.count_query(req.n_tokens, len(nodes))
         if not nodes:
             return
         last = nodes[-1]
@@ -260,7 +264,7 @@ class Scheduler:
         for req in self.prefilling():
             if len(plans) == MAX_PREFILL_ROWS:
                 break
-            n, start = len(req.tokens), req.computed
+            n, start = req.n_tokens, req.computed
             end = min(n, start + self.chunk)
             if end % p and end // p * p > start:
                 end = end // p * p
