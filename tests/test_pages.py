@@ -225,3 +225,14 @@ def test_a_long_cached_prefix_is_counted_evicted_and_cleared():
     assert len(cache.lookup(list(range(n - 5)), n - 5)) == 0  # (no node keeps a tail: nothing resumable)
     cache.clear()
     assert cache.n_nodes() == 0 and full.n_free == n + 10
+
+
+def test_a_requests_token_slices_equal_slices_of_its_tokens():
+    t = _tables(n_pages=16, n_swa=32, slots=4)
+    req = _add(_scheduler(t), "r", list(range(10)))
+    req.output.extend([100, 101, 102])
+    whole = req.tokens
+    assert req.n_tokens == len(whole) == 13
+    for a in range(0, 14):
+        for b in range(a, 15):
+            assert req.token_slice(a, b) == whole[a:b], (a, b)

@@ -332,7 +332,7 @@ class EngineCore:
         swa = np.full((n_rows, self.tables.swa.shape[1]), -1, np.int32)
         for i, (req, s0, e0) in enumerate(plans):
             sp = req.params
-            chunk[i, :e0 - s0] = req.tokens[s0:e0]
+            chunk[i, :e0 - s0] = req.token_slice(s0, e0)
             start[i], n_valid[i], slot[i], fresh[i] = s0, e0 - s0, req.slot, s0 == 0
             temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
             seed[i], sidx[i], tidx[i] = req.seed, req.sample_index, len(req.output)
