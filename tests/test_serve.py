@@ -18,7 +18,7 @@ import pytest
 from v4jax import LLM, SamplingParams
 from v4jax.serve.app import Server, ServerState
 from v4jax.serve.chat import DEFAULT_MODEL_TEMPLATE, ChatTemplate, TemplateError
-from v4jax.serve.detokenize import IncrementalDetokenizer, SequenceText
+from v4jax.detokenize import IncrementalDetokenizer, SequenceText
 from v4jax.serve.options import ServerOptions
 
 KEY = "test-key-0123"
@@ -56,12 +56,15 @@ def served():
     llm = LLM(max_model_len=512, prefill_chunk=8, decode_steps=2)
     # references before the server owns the engine (only its thread may drive it afterwards)
     refs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True))
+    streamed = {i: [] for i in range(len(PROMPTS))}
+    for i, _, text in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), stream=True):
+        streamed[i].append(text)
     opts = ServerOptions(api_key=KEY, log_level="warning", access_log=False, max_waiting=64, max_n=4,
                          max_body_bytes=64 << 10, request_timeout_s=120.0)
     state = ServerState(llm, opts).start()
     server, thread, url = _start(state)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-    yield types.SimpleNamespace(llm=llm, refs=refs, state=state, server=server, thread=thread, url=url, http=http)
+    yield types.SimpleNamespace(llm=llm, refs=refs, streamed=streamed, state=state, server=server, thread=thread, url=url, http=http)
     http.close()
     server.shutdown_now()
     thread.join(30)
@@ -122,6 +125,12 @@ def test_incremental_detokenizer_matches_a_full_decode():
     pieces = [d.push(t) for t in ids] + [d.flush()]
     assert "".join(pieces) == decode(ids)
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_generate_streams_the_text_of_the_result(served):
+    # LLM.generate(stream=True) detokenizes incrementally; its pieces make up the non-streamed text
+    assert ["".join(served.streamed[i]) for i in range(len(PROMPTS))] == [r.text for r in served.refs]
+    assert all(len(pieces) > 1 for pieces in served.streamed.values())
 
 
 def test_stop_strings_match_across_tokens_and_are_never_sent():

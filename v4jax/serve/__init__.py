@@ -5,8 +5,8 @@
     from v4jax.serve import ServerOptions, serve
     serve(LLM(), ServerOptions(port=8000))      # blocks until SIGINT / SIGTERM
 
-Modules: engine (the interface the orchestrator drives), orchestrator (threads and queues), detokenize (text
-and stop strings), protocol (request checks), openai / jetstream (routes), metrics, chat (templates), app
+Modules: engine (the interface the orchestrator drives), orchestrator (threads and queues; text and stop strings
+from v4jax.detokenize), protocol (request checks), openai / jetstream (routes), metrics, chat (templates), app
 (FastAPI + uvicorn), options (flags), bench (`v4jax bench serve`, the load generator)."""
 from v4jax.serve.options import ServerOptions
 

@@ -26,7 +26,7 @@ import time
 from typing import Callable, Sequence
 
 from v4jax.sampling import SamplingParams
-from v4jax.serve.detokenize import Decode, SequenceText
+from v4jax.detokenize import Decode, SequenceText
 from v4jax.serve.engine import ServingEngine
 
 log = logging.getLogger("v4jax.serve")
