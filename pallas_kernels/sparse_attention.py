@@ -229,18 +229,21 @@ _GPU_HEADS = 16        # heads per program (>= 16 for tensor-core dots)
 _GPU_SMS = 132         # H100/H200 SM count (used when the device does not say)
 
 
-def _gpu_gather_rows(pool_ref, ids, valid):
-  """Rows ids (masked by valid; other rows read as 0) of pool_ref [R, D] -> [len(ids), D].
-  Both axes use array indexers (a mixed array/slice indexer has no interpret-mode rule)."""
-  D = pool_ref.shape[-1]
-  cols = lax.broadcasted_iota(jnp.int32, (1, D), 1)
+def _gpu_gather_rows(pool_ref, ids, valid, col0=0, width=None):
+  """Rows ids (masked by valid; other rows read as 0) of pool_ref [R, D], columns col0 .. col0 + width (default
+  all) -> [len(ids), width]. Both axes use array indexers (a mixed array/slice indexer has no interpret-mode
+  rule)."""
+  width = width or pool_ref.shape[-1]
+  cols = col0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)
   safe = jnp.where(valid, ids, 0)[:, None]
   return _compat.pltriton.load(pool_ref.at[safe, cols], mask=valid[:, None], other=0.0)
 
 
 def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref, *out_refs, scale, block,
-                n_w_blocks, n_c_blocks, n_split, final, skip_tail):
+                n_w_blocks, n_c_blocks, n_split, final, skip_tail, n_d):
   sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
+  # with n_d > 1 a program accumulates the output's columns d0 .. d0 + D / n_d only (its scores over all of D)
+  d0 = lax.rem(pl.program_id(0), n_d) * (q_ref.shape[-1] // n_d)
   q = q_ref[...]                                       # [hb, D]
   cdt = common_compute_dtype(q.dtype, swa_ref.dtype)
   q = q.astype(cdt)
@@ -253,7 +256,7 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cm
   else:
     m0 = jnp.full((hb,), MASK_FLOOR, F32)
     l0 = jnp.zeros((hb,), F32)
-  acc0 = jnp.zeros((hb, D), F32)
+  acc0 = jnp.zeros((hb, D // n_d), F32)
 
   def run(rows_ref, pool_ref, n_blocks, carry, used=None):
     lo = sp * n_blocks // n_split
@@ -272,7 +275,8 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cm
       alpha = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new[:, None])
       l = alpha * l + jnp.sum(p, axis=1)
-      acc = alpha[:, None] * acc + pv_matmul(p, k)
+      v = k if n_d == 1 else _gpu_gather_rows(pool_ref, ids, valid, d0, D // n_d)   # [C, D / n_d]
+      acc = alpha[:, None] * acc + pv_matmul(p, v)
       return m_new, l, acc
 
     return lax.fori_loop(lo, hi, body, carry)
@@ -303,10 +307,12 @@ def _gpu_supported(q, swa_pool, cmp_pool):
 
 def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                           n_split=None, block=_GPU_BLOCK, heads=_GPU_HEADS, num_warps=4, num_stages=2,
-                          return_lse=False, skip_tail=False):
+                          return_lse=False, skip_tail=False, d_split=1):
   B, T, H, D = q.shape
   C = block
   hb = heads
+  if D % d_split or (D // d_split) < 16:
+    raise ValueError(f"d_split={d_split} must divide the head dim {D} into parts of at least 16")
   Hp = round_up(H, hb)
   qf = q.reshape(B * T, H, D)
   sinkp = sink.astype(F32)
@@ -330,14 +336,15 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     # split the entries only when the (head block, query) programs leave SMs idle: the partial states cost
     # an f32 [H, D] write + read per split
     n_sm = getattr(jax.devices()[0], "core_count", None) or _GPU_SMS
-    n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
+    n_split = max(1, min(int(n_sm / (B * T * n_hb * d_split) + 0.5), (n_w + n_c) // 2 or 1))
   final = n_split == 1 and not return_lse  # the partial states carry what lse needs
   kernel = functools.partial(_gpu_kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
-                             n_split=n_split, final=final, skip_tail=skip_tail)
+                             n_split=n_split, final=final, skip_tail=skip_tail, n_d=d_split)
+  nd, Dd = d_split, D // d_split
   full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
   in_specs = [
-      pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0)),
-      pl.BlockSpec((hb,), lambda h, i, s: (h,)),
+      pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h // nd, 0)),
+      pl.BlockSpec((hb,), lambda h, i, s: (h // nd,)),
       pl.BlockSpec((None, rw.shape[-1]), lambda h, i, s: (i, 0)),
       pl.BlockSpec((None, rc.shape[-1]), lambda h, i, s: (i, 0)),
       pl.BlockSpec((None,), lambda h, i, s: (i,)),
@@ -346,16 +353,17 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
   ]
   if final:
     out_shape = jax.ShapeDtypeStruct((B * T, Hp, D), q.dtype)
-    out_specs = pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0))
+    out_specs = pl.BlockSpec((None, hb, Dd), lambda h, i, s: (i, h // nd, h % nd))
   else:
+    # (the n_d programs of a head block compute the same m and l: each writes them)
     out_shape = (jax.ShapeDtypeStruct((B * T, n_split, Hp, D), F32),
                  jax.ShapeDtypeStruct((B * T, n_split, Hp), F32),
                  jax.ShapeDtypeStruct((B * T, n_split, Hp), F32))
-    out_specs = (pl.BlockSpec((None, None, hb, D), lambda h, i, s: (i, s, h, 0)),
-                 pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)),
-                 pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)))
+    out_specs = (pl.BlockSpec((None, None, hb, Dd), lambda h, i, s: (i, s, h // nd, h % nd)),
+                 pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h // nd)),
+                 pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h // nd)))
   out = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(n_hb, B * T, n_split), in_specs=in_specs, out_specs=out_specs,
+      kernel, out_shape=out_shape, grid=(n_hb * nd, B * T, n_split), in_specs=in_specs, out_specs=out_specs,
       compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=bool(interpret), name="v4_sparse_attention_gpu",
   )(qf, sinkp, rw, rc, used_c, swa_pool, cmp_pool)

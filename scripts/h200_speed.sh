@@ -15,8 +15,9 @@
 #                                      generate rows with the 128K prefill, flash-1gpu decode at 4K and 128K
 #   bash scripts/h200_speed.sh prefill the prefill kernels' GPU tests, the experts bench (scripts/bench_prefill_experts.py; SWEEP=0 skips),
 #                                      then a profile of a 128K flash-slice prompt (scripts/profile_prefill.py)
-#   bash scripts/h200_speed.sh sweep   the prefill chunk's indexer and sparse-attention kernels per tile, its top-k
-#                                      per stage (scripts/bench_{indexer,attention,topk}_prefill.py)
+#   bash scripts/h200_speed.sh sweep   a prefill chunk's top-k per stage and its sparse attention per tile
+#                                      (scripts/bench_{topk,attention}_prefill.py; the indexer's is
+#                                      scripts/bench_indexer_prefill.py)
 #   bash scripts/h200_speed.sh repeat  four generate calls in one process (compiles logged), with and without XLA's
 #                                      command buffers, then the engine GPU test (TEST_S=0 skips it)
 # Everything lands under $OUT.
@@ -115,12 +116,10 @@ prefill)
   echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
   ;;
 sweep)
-  stamp "indexer scores on a prefill chunk"
-  timeout 200 python3 -W ignore scripts/bench_indexer_prefill.py 2>&1 | quiet | tee "$out/indexer_prefill.txt" | tail -14
   stamp "top-k on a prefill chunk"
   timeout 120 python3 -W ignore scripts/bench_topk_prefill.py 2>&1 | quiet | tee "$out/topk_prefill.txt" | tail -6
   stamp "sparse attention on a prefill chunk"
-  timeout 380 python3 -W ignore scripts/bench_attention_prefill.py 2>&1 | quiet | tee "$out/attention_prefill.txt" \
+  timeout 440 python3 -W ignore scripts/bench_attention_prefill.py 2>&1 | quiet | tee "$out/attention_prefill.txt" \
     | tail -40
   ;;
 repeat)
