@@ -98,7 +98,7 @@ class LeaderEngine:
         # A fresh seed is drawn here, so every process samples with it (no collective on the engine thread).
         params = dataclasses.replace(params, seed=params.resolved_seed())
         self.local.add_request(request_id, prompt_ids, params, sample_index)  # a refused one is not published
-        self._pending.append(["add", request_id, [int(t) for t in prompt_ids], dataclasses.asdict(params),
+        self._pending.append(["add", request_id, list(map(int, prompt_ids)), dataclasses.asdict(params),
                               sample_index])
 
     def abort(self, request_id):
