@@ -329,8 +329,11 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     cmp_pool, rc = swa_pool, jnp.full((B * T, C), -1, jnp.int32)
   n_w, n_c = rw.shape[-1] // C, (rc.shape[-1] // C if has_cmp else 0)
   # per query, the compressed blocks up to its last valid row (an HCA prefill chunk's rows end at n_ready)
-  last = jnp.max(jnp.where(rc >= 0, jnp.arange(1, rc.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
-  used_c = (last + C - 1) // C if skip_tail else jnp.zeros((B * T,), jnp.int32)  # [B*T]
+  if skip_tail:
+    last = jnp.max(jnp.where(rc >= 0, jnp.arange(1, rc.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
+    used_c = (last + C - 1) // C                                           # [B*T]
+  else:
+    used_c = jnp.zeros((B * T,), jnp.int32)                                # (not read)
   n_hb = Hp // hb
   if n_split is None:
     # split the entries only when the (head block, query) programs leave SMs idle: the partial states cost

@@ -1,7 +1,7 @@
 """Times four identical `LLM.generate` calls (a 16-token prompt, 16 new tokens), logs every compile, and prints
 how the arguments and the trace context (JAX's config states that key its caches) of each call's first prefill
-differ from the first call's: a difference there is what makes a later call compile again. (JAX's explain-cache-misses is
-left off: on JAX 0.11.2 with it on, lowering a Pallas Triton kernel's reduction fails.)
+differ from the first call's: a difference there is what makes a later call compile again. (JAX's
+explain-cache-misses is left off: on JAX 0.11.2 with it on, lowering a Pallas Triton kernel's reduction fails.)
 
     python scripts/check_repeat_generate.py [MODEL] [IMPL]      (defaults: flash-slice pallas)
 """
@@ -36,7 +36,8 @@ def describe(leaf):
 def recording(spec, *args):
     paths, _ = jax.tree_util.tree_flatten_with_path(args)
     context = {f"config {n}": str(c) for n, c in zip(jax_config.trace_context_names(), jax_config.trace_context())}
-    signatures.append({"spec": (hash(spec), id(spec)), **context, **{jax.tree_util.keystr(p): describe(x) for p, x in paths}})
+    leaves = {jax.tree_util.keystr(p): describe(x) for p, x in paths}
+    signatures.append({"spec": (hash(spec), id(spec)), **context, **leaves})
     return jitted(spec, *args)
 
 

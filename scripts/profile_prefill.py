@@ -53,7 +53,8 @@ abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, shardin
                         if isinstance(a, jax.Array) else a, seen["args"][1:])
 hlo = jitted.lower(seen["args"][0], *abstract).compile().as_text()
 prof = summarize(lambda: llm.generate(fresh(), sp), repeats=1, top=40, hlo_text=hlo)
-print(json.dumps({"model": model, "prompt": prompt, "chunk": chunk, "impl": impl, "first_s": first, "second_s": second, "wall_s": wall,
+print(json.dumps({"model": model, "prompt": prompt, "chunk": chunk, "impl": impl, "first_s": first, "second_s": second,
+                  "wall_s": wall,
                   "compiled_variants": jitted._cache_size(),
                   "kernels": prof.get("kernels"), "kernel_ms": prof.get("kernel_ms"), "copy_ms": prof.get("copy_ms")}))
 for name, n, ms in prof.get("top", []):

@@ -63,7 +63,9 @@ class Request:
         n = len(self.prompt)
         if b <= n:
             return self.prompt[a:b]
-        return self.prompt[a:] + self.output[max(a - n, 0):b - n] if a < n else self.output[a - n:b - n]
+        if a >= n:
+            return self.output[a - n:b - n]
+        return self.prompt[a:] + self.output[:b - n]
 
     @property
     def fed(self) -> int:
