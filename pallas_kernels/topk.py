@@ -8,10 +8,11 @@ Implementations (all exact, all deterministic):
     maxima, so at least k scores are >= tau (a Pallas kernel: a 32-step bisection over the order-preserving
     integer keys); a second kernel compacts the scores >= tau (about 1.15k of them for unstructured data) into a
     2k buffer; a third ranks the candidates by (score desc, index asc) with a pairwise count and scatters the
-    first k into place. A row whose candidates overflow the buffer (massive ties, adversarial layouts) is redone
-    exactly, inside a kernel that does nothing for the other rows: the same bisection over the whole row finds
-    the k-th score, then one ordered scan takes everything above it and the lowest-index ties. Device-side branches only: a `lax.cond` here costs a
-    device-to-host copy of the predicate and a stream sync per call on GPU.
+    first k into place (from 64 rows on, a prefill chunk's, one XLA sort of the candidates does that instead).
+    A row whose candidates overflow the buffer (massive ties, adversarial layouts) is redone exactly, inside a
+    kernel that does nothing for the other rows: the same bisection over the whole row finds the k-th score,
+    then one ordered scan takes everything above it and the lowest-index ties. Device-side branches only: a
+    `lax.cond` here costs a device-to-host copy of the predicate and a stream sync per call on GPU.
   * TPU (`_topk_approx`): lax.approx_max_k candidates (Pallas TPU cannot lower top_k), exact top-k among them,
     verified by counting the row's scores >= the k-th value; on a miss, topk_ref (lax.cond). Exact either way.
 """
@@ -229,6 +230,9 @@ def _redo_overflow(x, vals, idx, count, kk, *, interpret=False, chunk):
 # candidates per program: 32 puts 32 programs on a row of 1024 candidates (128: 25 us at N = 1 on the H200,
 # 8 programs looping serially)
 _RANK_BLOCK = 32
+# rows from which the candidates are ordered by one XLA sort instead (decode's few rows keep the rank kernel:
+# 11 us per CSA layer at batch 1 on the H200, where a sort's launch alone is comparable)
+_SORT_ROWS = 64
 _RANK_INNER = 128    # candidates compared per loop step
 
 
@@ -272,6 +276,13 @@ def _rank_scatter(vals, idx, count, k, *, interpret=False):
   )(vals, idx, count)
 
 
+def _sort_candidates(vals, idx, count, k):
+  """Candidates (vals, idx)[:, :count] (slots past count hold garbage) -> their first k by (value desc, index
+  asc), -1 padded: [N, k]. Same result as `_rank_scatter`."""
+  vals = jnp.where(lax.broadcasted_iota(I32, vals.shape, 1) < count[:, None], vals, -jnp.inf)
+  return _order_and_pad(vals, idx, k)
+
+
 def _topk_threshold(scores, k, *, interpret=False):
   *lead, S = scores.shape
   k = int(k)
@@ -289,6 +300,11 @@ def _topk_threshold(scores, k, *, interpret=False):
   chunk = min(1024, n_groups)
   vals, idx, count = _compact(xp, tau, cap, interpret=interpret, chunk=chunk)
   vals, idx, count = _redo_overflow(xp, vals, idx, count, kk, interpret=interpret, chunk=chunk)
+  if N >= _SORT_ROWS:
+    # many rows (a prefill chunk): one XLA sort of each row's candidates. The last 8192-token chunk of a 128K
+    # prompt (8192 rows of 32768, k = 512) on the H200: 0.53 ms, where the rank-and-scatter took 4.74
+    # (scripts/bench_topk_prefill.py); both equal to the reference.
+    return _sort_candidates(vals, idx, count, k).reshape(*lead, k)
   return _rank_scatter(vals, idx, count, k, interpret=interpret).reshape(*lead, k)
 
 

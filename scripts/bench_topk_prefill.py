@@ -1,7 +1,8 @@
 """The GPU top-k on a prefill chunk's indexer scores: the last 8192-token chunk of a 128K prompt (8192 rows of
 32768 scores, each row's scores past its causal n_valid -inf, k = 512), per stage (threshold, compaction, redo,
-rank-and-scatter), and the same pipeline with the rank-and-scatter replaced by one XLA sort of each row's
-candidates. Both checked against the reference (one sort of every row). Device time from a profiler trace.
+ordering), with the candidates ordered by one XLA sort of each row's (what `topk` does from 64 rows on) and by the
+rank-and-scatter kernel (what it does for fewer rows). Both checked against the reference (one sort of every
+row). Device time from a profiler trace.
 
     python scripts/bench_topk_prefill.py [N] [S] [K]      (GPU)
 """
@@ -22,27 +23,11 @@ K = int(sys.argv[3]) if len(sys.argv) > 3 else 512
 x = jax.random.normal(jax.random.key(0), (1, N, S), jnp.float32)
 n_valid = (4 * S - N + jnp.arange(N) + 1) // 4
 scores = jnp.where(jnp.arange(S)[None, None, :] < n_valid[None, :, None], x, -jnp.inf)
-
-
-def sorted_candidates(scores, k):
-  """The threshold pipeline with its last stage as one sort of each row's candidates (value desc, index asc)."""
-  *lead, s = scores.shape
-  xr = scores.reshape(-1, s)
-  kk = min(k, s)
-  n_groups, cap = TK._threshold_params(s, kk)
-  c = -(-s // n_groups)
-  xp = TK.pad_last(xr, c * n_groups, -jnp.inf)
-  gmax = jnp.max(xp.reshape(xr.shape[0], c, n_groups), axis=1)
-  tau = TK._kth_largest(gmax, kk)
-  vals, idx, count = TK._compact(xp, tau, cap, chunk=min(1024, n_groups))
-  vals, idx, count = TK._redo_overflow(xp, vals, idx, count, kk, chunk=min(1024, n_groups))
-  vals = jnp.where(jnp.arange(cap)[None, :] < count[:, None], vals, -jnp.inf)
-  return TK._order_and_pad(vals, idx, k).reshape(*lead, k)
-
-
 ref = np.asarray(jax.jit(TK.topk_ref, static_argnums=1)(scores, K))
-for name, fn in (("threshold + rank-and-scatter (now)", lambda s: TK.topk(s, K)),
-                 ("threshold + sort of the candidates", lambda s: sorted_candidates(s, K))):
+for name, sort_rows in (("threshold + sort of the candidates (now: from TK._SORT_ROWS rows)", TK._SORT_ROWS),
+                        ("threshold + rank-and-scatter", N + 1)):
+  TK._SORT_ROWS = sort_rows                      # read when traced: each form is a fresh function
+  fn = lambda s: TK.topk(s, K)
   out = np.asarray(jax.jit(fn)(scores))
   sec, per_kernel = KB.time_trace(fn, (scores,), repeats=3)
   stages = ", ".join(f"{k[:40]} {v * 1e3:.2f}" for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6])

@@ -139,6 +139,32 @@ def test_topk_gpu_threshold_interpret(rng, N, S, k):
   np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
 
 
+def test_topk_gpu_threshold_many_rows_sorts_candidates(rng):
+  # from tk._SORT_ROWS rows on, the candidates are ordered by one sort instead of the rank kernel: the tricky rows
+  # (ties, padding, an overflowing row) among many ordinary ones
+  N, S, k = tk._SORT_ROWS, 1000, 64
+  x = rng.standard_normal((N, S)).astype(np.float32)
+  x[:6] = _tricky_rows(rng, 6, S)
+  got = jax.jit(functools.partial(tk._topk_threshold, k=k, interpret=True))(jnp.asarray(x).reshape(2, N // 2, S))
+  np.testing.assert_array_equal(np.asarray(got).reshape(N, k), _oracle(x, k))
+
+
+def test_topk_candidate_orderings_agree(rng):
+  # the rank kernel and the sort order the same candidates alike, garbage past each row's count ignored
+  N, cap, k = 5, 256, 64
+  vals = np.round(rng.standard_normal((N, cap)) * 4).astype(np.float32) / 4     # ties
+  idx = np.stack([rng.permutation(10000)[:cap] for _ in range(N)]).astype(np.int32)
+  count = np.array([cap, 100, 30, 0, 64], np.int32)
+  want = np.full((N, k), -1, np.int32)
+  for n in range(N):
+    order = sorted(range(count[n]), key=lambda i: (-vals[n, i], idx[n, i]))[:k]
+    want[n, :len(order)] = idx[n, order]
+  vals[np.arange(cap)[None, :] >= count[:, None]] = 1e9                         # garbage that would win
+  args = (jnp.asarray(vals), jnp.asarray(idx), jnp.asarray(count))
+  np.testing.assert_array_equal(np.asarray(tk._sort_candidates(*args, k)), want)
+  np.testing.assert_array_equal(np.asarray(tk._rank_scatter(*args, k, interpret=True)), want)
+
+
 def test_kth_largest_kernel_interpret(rng):
   G, k = 256, 40
   g = rng.standard_normal((6, G)).astype(np.float32)
