@@ -2,11 +2,11 @@
 per tile (heads per program, warps, rows per step, pipeline stages), against the XLA reference's outputs. Two
 cases: a CSA layer (each query's 128-token window + 512 selected entries of 32768) and an HCA layer (the window +
 every entry closed before the query: 960-1024 of them), and an HCA chunk ending at 72K with rows as wide as the
-128K bucket's (where skipping the blocks past a query's last valid row, skip_tail, pays). d_split > 1: each head
-block's output columns over that many programs (each scores over all of D), so that 64 heads fit one program. Device time from a profiler trace; TFLOP/s counts the
-valid rows (QK and PV).
+128K bucket's (where skipping the blocks past a query's last valid row, skip_tail, pays: `sparse_attention`'s
+valid_prefix, which the HCA layers set). Device time from a profiler trace; TFLOP/s counts the valid rows (QK and
+PV).
 
-    python scripts/bench_attention_prefill.py [T] [CONFIG ...]     (GPU; CONFIG = heads:warps:block:stages:skip_tail:d_split)
+    python scripts/bench_attention_prefill.py [T] [CONFIG ...]     (GPU; CONFIG = heads:warps:block:stages:skip_tail)
 """
 import functools
 import importlib
@@ -23,8 +23,7 @@ SA = importlib.import_module("pallas_kernels.sparse_attention")  # the package's
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 configs = [tuple(int(v) for v in c.split(":")) for c in sys.argv[2:]] or \
-    [(*c, 0, 1) for c in itertools.product((16, 32, 64), (4, 8), (64,), (2,))] + \
-    [(16, 4, 64, 2, 1, 1), (32, 8, 64, 2, 1, 1), (64, 4, 64, 2, 0, 2), (64, 8, 64, 2, 0, 2), (64, 4, 64, 2, 0, 4)]
+    [(*c, 0) for c in itertools.product((16, 32), (4, 8), (64,), (2,))] + [(16, 4, 64, 2, 1), (32, 8, 64, 2, 1)]
 H, D, W, B, ctx = 64, 512, 128, 1, 131072
 ks = jax.random.split(jax.random.key(0), 6)
 q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
@@ -59,10 +58,10 @@ for name, args in cases.items():
   ref = np.concatenate([np.asarray(ref_fn(sl(args[0], i), args[1], sl(args[2], i), args[3], sl(args[4], i),
                                           args[5]).astype(jnp.float32)) for i in range(0, T, 512)], axis=1)
   print(f"{name}: T={T} valid rows {rows / 1e6:.2f} M, {flops / 1e12:.3f} TFLOP", flush=True)
-  for hb, nw, blk, ns, skip, nd in configs:
+  for hb, nw, blk, ns, skip in configs:
     fn = functools.partial(SA._sparse_attention_gpu, scale=scale, heads=hb, num_warps=nw, block=blk, num_stages=ns,
-                           skip_tail=bool(skip), d_split=nd)
-    tag = f"  {name} heads={hb} warps={nw} block={blk} stages={ns} skip_tail={skip} d_split={nd}:"
+                           skip_tail=bool(skip))
+    tag = f"  {name} heads={hb} warps={nw} block={blk} stages={ns} skip_tail={skip}:"
     try:
       out = np.asarray(jax.jit(fn)(*args).astype(jnp.float32))
       err = float(np.max(np.abs(out - ref)))

@@ -119,7 +119,7 @@ sweep)
   stamp "top-k on a prefill chunk"
   timeout 120 python3 -W ignore scripts/bench_topk_prefill.py 2>&1 | quiet | tee "$out/topk_prefill.txt" | tail -6
   stamp "sparse attention on a prefill chunk"
-  timeout 440 python3 -W ignore scripts/bench_attention_prefill.py 2>&1 | quiet | tee "$out/attention_prefill.txt" \
+  timeout 440 python3 -W ignore scripts/bench_attention_prefill.py 8192 ${ATTN_CONFIGS:-} 2>&1 | quiet | tee "$out/attention_prefill.txt" \
     | tail -40
   ;;
 repeat)

@@ -118,16 +118,6 @@ def test_gpu_kernel_interpret(rng, n_split, dtype, tol):
 
 
 @pytest.mark.parametrize("n_split", [1, 3])
-def test_gpu_kernel_interpret_output_columns_split(rng, n_split):
-  # d_split programs per head block, each accumulating a quarter of the output's columns
-  args = _inputs(rng, 2, 2, 20, 64, 40, 70, 64, 300, jnp.float32)
-  ref = sa.sparse_attention_ref(*args, scale=0.125)
-  out = jax.jit(functools.partial(sa._sparse_attention_gpu, scale=0.125, interpret=True, n_split=n_split,
-                                  d_split=4))(*args)
-  _check(out, ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("n_split", [1, 3])
 def test_gpu_kernel_interpret_skip_tail(rng, n_split):
   # HCA-style rows: each query's valid entries a prefix of its row (n_ready), the rest -1; prefixes that end inside
   # a block, on a block's edge, at 0 and at the full width

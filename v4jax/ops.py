@@ -190,7 +190,7 @@ def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_
         e = jnp.arange(hca_rows.shape[1])[None, None, :]
         cmp_rows = jnp.where(e < n_ready[:, :, None], hca_rows[:, None, :], -1)
     return pallas_sa.sparse_attention(q, swa, swa_rows, None if cmp_rows is None else kv, cmp_rows, sink,
-                                      scale=scale, return_lse=with_lse)
+                                      scale=scale, return_lse=with_lse, valid_prefix=hca_rows is not None)
 
 
 def _backend() -> str:
