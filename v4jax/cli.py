@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
                        ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)"),
                        ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.replay)"),
-                       ("serve", "open-loop load against a running v4jax serve (v4jax.serve.bench)")):
+                       ("serve", "open-loop load against a running v4jax serve (v4jax.serve.bench)"),
+                       ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)")):
         # Everything after the name, -h included, goes to the benchmark's own parser.
         p = bsub.add_parser(name, add_help=False, allow_abbrev=False, help=text, description=text)
         p.set_defaults(func=_bench, passthrough=True)
@@ -288,6 +289,9 @@ def _bench(args) -> int:
     if args.bench == "replay":
         from v4jax.replay import main as replay_main
         return replay_main(args.extra)
+    if args.bench == "table":
+        from v4jax.bench.table import main as table_main
+        return table_main(args.extra)
     if args.bench == "decode":
         from v4jax.bench import decode_main
         return decode_main(args.extra)

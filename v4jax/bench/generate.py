@@ -6,7 +6,9 @@
   steady-state time, the difference is reported as the compile time.
 * decode rows (batch, context): `batch` random prompts of `context` tokens through `generate` with max_tokens=1
   and with 1 + `--new` (fresh prompts each time, after a pass that compiles): prefill s = the first; decode
-  ms/step = the difference over `--new`. One engine per batch size (max_num_seqs = batch: the decode step runs
+  ms/step = the difference over `--new`; "steady" ms/step: the streamed events' times while every request of the
+  batch decodes (the difference also counts the steps that decode some requests while others still prefill).
+  One engine per batch size (max_num_seqs = batch: the decode step runs
   every slot), the model's weights shared.
 * `--prefill` contexts: more rows at batch 1 (for long prompts: the prefill time of one prompt of that length,
   and the decode rate after it).
@@ -44,13 +46,43 @@ def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
     llm.generate(fresh(), sp(1))
     one_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    outs = llm.generate(fresh(), sp(1 + new))
+    events = [(time.perf_counter(), i, len(toks)) for i, toks, _ in llm.generate(fresh(), sp(1 + new), stream=True)]
     all_s = time.perf_counter() - t0
     decode_s = all_s - one_s
+    steady_ms, steady_steps = steady_step_ms(events, batch, 1 + new)
     return {"batch": batch, "context": context, "new_tokens": new, "first_pass_s": warm_s, "prefill_s": one_s,
             "wall_s": all_s, "decode_steps_timed": new, "ms_per_step": decode_s * 1e3 / new,
             "tok_per_s": batch * new / decode_s if decode_s > 0 else None,
-            "tokens": sum(len(o.token_ids) for o in outs)}
+            "steady_ms_per_step": steady_ms, "steady_steps": steady_steps,
+            "tokens": sum(n for _, _, n in events)}
+
+
+def steady_step_ms(events, batch: int, max_tokens: int):
+    """ms per decode step while every request of the batch is decoding, from streamed events [(time, request,
+    new tokens)]: from the event that brings the last request its first token to that request's last event
+    before any request finishes, over the tokens it got in between (one per step). (None, 0) when that window
+    holds no step (requests admitted so far apart that the first finished before the last started)."""
+    count = [0] * batch
+    start = None  # (time, the last-started request, its count then)
+    end = None
+    for t, i, n in events:
+        count[i] += n
+        if start is None:
+            if count[i] >= max_tokens and batch > 1:
+                return None, 0  # one finished before the last started: never all decoding together
+            if min(count) > 0:
+                start = (t, i, count[i])
+            continue
+        if count[i] >= max_tokens and i != start[1]:
+            break  # a request finished: the batch shrinks from here
+        if i == start[1]:
+            end = (t, count[i])
+            if count[i] >= max_tokens:
+                break
+    if start is None or end is None or end[1] <= start[2]:
+        return None, 0
+    steps = end[1] - start[2]
+    return (end[0] - start[0]) * 1e3 / steps, steps
 
 
 def markdown(data: dict) -> str:
@@ -62,13 +94,14 @@ def markdown(data: dict) -> str:
     if fc:
         lines += [f"First generate (16-token prompt, 16 new): {fc['first_s']:.1f} s; again: {fc['second_s']:.2f} s; "
                   f"compile ~{fc['compile_s']:.1f} s (model init {data.get('init_s', 0):.1f} s, not included).", ""]
-    lines += ["| batch | context | prefill s (max_tokens=1) | decode ms/step (LLM.generate) | tok/s | new tokens |",
-              "|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| batch | context | prefill s (max_tokens=1) | decode ms/step (LLM.generate) | steady ms/step | tok/s "
+              "| new tokens |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | | | |")
         else:
             lines.append(f"| {r['batch']} | {r['context']} | {f(r['prefill_s'])} | {f(r['ms_per_step'])} | "
+                         f"{f(r.get('steady_ms_per_step'))} ({r.get('steady_steps', 0)} steps) | "
                          f"{f(r.get('tok_per_s'), '{:.0f}')} | {r['decode_steps_timed']} |")
     return "\n".join(lines) + "\n"
 
