@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The speed tables of BENCHMARKS.md ("Decode and prefill at depth"), one device call per stage (each inside the
 # 10-minute limit), Pallas ops:
-#   bash scripts/h200_speed.sh slice   flash-slice: decode at batch 1 / 32 and 4K / 32K / 128K (jitted call, engine
-#                                      loop, kernels per step from a profile) with HF at 4K; batch 1 at 32K / 128K /
-#                                      1M with HF at 32K / 128K; generate rows and the 128K prefill; the engine GPU test
+#   bash scripts/h200_speed.sh slice   flash-slice: the top-k / sparse-attention GPU tests; decode at batch 1 / 32 and
+#                                      4K / 32K / 128K, 1M at batch 1 (jitted call, engine loop, a profile at 4K),
+#                                      HF at 4K (batch 1 / 32) and at batch 1 / 32K and 128K; generate rows and
+#                                      the 128K prefill; the merged table (v4jax bench table)
 #   bash scripts/h200_speed.sh 1gpu    flash-1gpu (43 layers): first generate (compile), generate rows, 32K prefill,
-#                                      decode at batch 1 / 32 and 4K / 32K / 128K
+#                                      decode at batch 1 / 32 and 4K / 32K / 128K; the merged table
+#   bash scripts/h200_speed.sh engine  the engine GPU tests (Pallas engine = XLA engine, a second generate compiles
+#                                      nothing)
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
 #                                      step from a profile) and of flash-1gpu
 #   bash scripts/h200_speed.sh tune    the projection kernel's sweep (scripts/bench_layer_linear.py; SWEEP=0
@@ -47,34 +50,46 @@ EOF
 }
 case "${1:-slice}" in
 slice)
-  stamp "flash-slice decode"
-  timeout 230 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,32K,128K \
-    --long-b1 "" --hf on --hf-contexts 4K --iters 5 --gen-iters 3 --profile --attention-impl pallas \
-    --deadline-s 200 --out "$out/slice_decode" 2>&1 | quiet | grep "^|" | tail -8
-  summary "$out/slice_decode/decode.json"
-  stamp "flash-slice batch 1 with HF at 32K and 128K, and 1M"
-  timeout 170 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1 --contexts 32K,128K \
-    --long-b1 1M --hf on --hf-contexts 32K,128K --iters 5 --gen-iters 2 --attention-impl pallas \
-    --deadline-s 140 --out "$out/slice_hf" 2>&1 | quiet | grep "^|" | tail -6
-  summary "$out/slice_hf/decode.json"
+  # one call (timeouts add up to 590 s): the changed kernels' GPU tests, every flash-slice decode row (jitted call,
+  # engine loop, a profile at 4K) with HF at 4K, HF at batch 1 / 32K and 128K, the generate rows and the 128K
+  # prefill through LLM.generate
+  stamp "GPU tests of the top-k and sparse attention kernels"
+  timeout 90 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "topk or sparse" -p no:cacheprovider 2>&1 \
+    | tail -2
+  stamp "flash-slice decode, HF at 4K"
+  timeout 220 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,32K,128K \
+    --long-b1 1M --hf on --hf-contexts 4K --iters 5 --gen-iters 3 --profile --attention-impl pallas \
+    --deadline-s 200 --out "$out/slice_decode" 2>&1 | quiet | grep "^|" | tail -9
+  summary "$out/slice_decode/decode.json" | head -40
+  stamp "HF at batch 1, 32K and 128K"
+  timeout 130 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1 --contexts 32K --long-b1 "" \
+    --hf on --hf-contexts 32K,128K --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 120 \
+    --out "$out/slice_hf" 2>&1 | quiet | grep "^|" | tail -4
   stamp "flash-slice generate"
-  timeout 130 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
-    --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 110 --out "$out/gen_slice" \
+  timeout 150 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 128K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 140 --out "$out/gen_slice" \
     2>&1 | quiet | tail -8
-  stamp "engine GPU test"
-  timeout 90 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1
-  echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
+  python3 -m v4jax.bench.table "$out"
   ;;
 1gpu)
+  # one call: flash-1gpu's first generate (compile), generate rows and the 32K prefill, decode at batch 1 / 32 and
+  # 4K / 32K / 128K
   stamp "flash-1gpu generate"
-  timeout 230 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
-    --prefill 32K --new 32 --prefill-chunk 8192 --attention-impl pallas --deadline-s 200 --out "$out/gen_1gpu" \
+  timeout 220 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
+    --prefill 32K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 200 --out "$out/gen_1gpu" \
     2>&1 | quiet | tail -12
   stamp "flash-1gpu decode"
   timeout 320 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
-    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 280 \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 290 \
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
-  summary "$out/d_1gpu/decode.json"
+  summary "$out/d_1gpu/decode.json" | head -20
+  python3 -m v4jax.bench.table "$out"
+  ;;
+engine)
+  stamp "engine GPU tests"
+  timeout "${TEST_S:-400}" python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider \
+    > "$out/pytest_gpu.log" 2>&1
+  echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
   ;;
 table)
   # one call (timeouts add up to 560 s): the flash-slice decode and generate rows and flash-1gpu decode at 4K /
