@@ -56,6 +56,27 @@ def test_roofline_by_hand(batch, ctx):
     assert rl["total"] == pytest.approx(hand_weights(batch) + batch * hand_kv_per_seq(ctx), rel=1e-12)
 
 
+def test_prefill_flops_by_hand():
+    # small_config(): per token, the multiply-adds of its weights (bf16 linears, f32 mHC mixes and router)
+    from v4jax.bench.flops import prefill_flops
+    proj = (2 * (32 * 64 + 256 * 32 + 64 * 64 + 64 * 128 + 64 * 64)   # wq_a wq_b wkv wo_a wo_b, 2 layers
+            + 2 * 2 * 24 * 256                                         # mHC mixes, both sides, 2 layers
+            + 2 * 128 * 64 + 2 * 64 * 64                               # compressors: CSA [128, 64] x2, HCA [64, 64] x2
+            + 128 * 32 + 4 * 64 + 2 * 64 * 64                          # indexer wq_b, weights_proj, its compressor
+            + 2 * 4 * 64)                                              # routers
+    experts = 2 * 3 * 32 * 64 * (1 + 2)                                # shared + 2 routed, 2 layers
+    L = 100
+    rows = index_keys = 0
+    for p in range(L):                                                 # window 16; CSA top-8 of (p+1)//4; HCA (p+1)//32
+        rows += 2 * min(16, p + 1) + min(8, (p + 1) // 4) + (p + 1) // 32
+        index_keys += (p + 1) // 4
+    f = prefill_flops(small_config(), L, batch=3)
+    assert f["projections"] == 3 * 2 * proj * L and f["experts"] == 3 * 2 * experts * L
+    assert f["attention"] == 3 * 4 * 4 * 64 * rows and f["indexer"] == 3 * 2 * 4 * 32 * index_keys
+    assert f["head"] == 3 * 2 * 256 * 64
+    assert f["total"] == pytest.approx(sum(v for k, v in f.items() if k != "total"))
+
+
 @pytest.mark.slow  # ~35 s: the decode bench end to end on CPU
 def test_small_runs_end_to_end(tmp_path):
     out = str(tmp_path / "bench")

@@ -39,9 +39,11 @@ def generate_json(model="flash-slice"):
 
     return {"command": f"v4jax bench generate --model {model}", "device": "gpu: NVIDIA H200", "jax": "0.7.0",
             "model": model, "k": 8, "prefill_chunk": 256, "attention_impl": "xla", "init_s": 3.0,
+            "matmul_tflops": 800.0,
             "first_call": {"first_s": 20.0, "second_s": 0.5, "compile_s": 19.5},
-            "rows": [row(1, 4096, 0.5, 3.0, steady_ms_per_step=2.75), row(32, 4096, 4.0, 6.0),
-                     row(1, 131072, 20.0, 2.2),
+            "rows": [row(1, 4096, 0.5, 3.0, steady_ms_per_step=2.75, prefill_tflop=200.0),
+                     row(32, 4096, 4.0, 6.0, prefill_tflop=320.0),
+                     row(1, 131072, 20.0, 2.2),   # (a file from before the FLOP count: no prefill_tflop)
                      {"batch": 1, "context": 1 << 20, "error": "skipped: past --deadline-s"}],
             "total_s": 100.0}
 
@@ -49,8 +51,9 @@ def generate_json(model="flash-slice"):
 ROW_1_4K = "| flash-slice | 1 | 4K | 2.00 | 2.50 | 3.00 | 2.75 | 500 | 1.50 | 75 | 1.33x | 1.67x | 50.00 | 20.0x |"
 ROW_32_4K = "| flash-slice | 32 | 4K | 4.00 | - | 6.00 | - | 8000 | 3.00 | 75 | 1.33x | - | 100.00 | - |"
 ROW_1_128K = "| flash-slice | 1 | 128K | - | - | 2.20 | - | - | - | - | - | - | - | - |"
-PREFILL = ["| flash-slice | 1 | 4K | 0.50 | 8192 | 3.00 |", "| flash-slice | 32 | 4K | 4.00 | 32768 | 12.00 |",
-           "| flash-slice | 1 | 128K | 20.00 | 6554 | - |"]
+PREFILL = ["| flash-slice | 1 | 4K | 0.50 | 8192 | 200.0 | 400 | 50 | 3.00 |",
+           "| flash-slice | 32 | 4K | 4.00 | 32768 | 320.0 | 80 | 10 | 12.00 |",
+           "| flash-slice | 1 | 128K | 20.00 | 6554 | - | - | - | - |"]
 
 
 def test_rows_merge_and_derive():

@@ -12,6 +12,8 @@
   every slot), the model's weights shared.
 * `--prefill` contexts: more rows at batch 1 (for long prompts: the prefill time of one prompt of that length,
   and the decode rate after it).
+* every row's prefill against the FLOP roofline (v4jax.bench.flops): the FLOPs its prompts need over its
+  prefill time, as a share of the bf16 matmul rate measured on the same device at the start.
 Results (JSON + markdown) go to --out after every row.
 """
 from __future__ import annotations
@@ -22,6 +24,8 @@ import json
 import os
 import sys
 import time
+
+from v4jax.bench.flops import measure_matmul_rate, prefill_flops
 
 
 def _engine_for(llm, **opts):
@@ -54,7 +58,8 @@ def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
             "wall_s": all_s, "decode_steps_timed": new, "ms_per_step": decode_s * 1e3 / new,
             "tok_per_s": batch * new / decode_s if decode_s > 0 else None,
             "steady_ms_per_step": steady_ms, "steady_steps": steady_steps,
-            "tokens": sum(n for _, _, n in events)}
+            "tokens": sum(n for _, _, n in events),
+            "prefill_tflop": prefill_flops(llm.config, context, batch)["total"] / 1e12}
 
 
 def steady_step_ms(events, batch: int, max_tokens: int):
@@ -88,19 +93,22 @@ def steady_step_ms(events, batch: int, max_tokens: int):
 def markdown(data: dict) -> str:
     f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)
     lines = [f"Device: {data.get('device')}; JAX {data.get('jax')}; `{data.get('model')}` (random weights, bf16); "
-             f"k = {data.get('k')}; prefill chunk {data.get('prefill_chunk')}; attention {data.get('attention_impl')}.",
-             ""]
+             f"k = {data.get('k')}; prefill chunk {data.get('prefill_chunk')}; attention {data.get('attention_impl')}; "
+             f"bf16 matmul rate {f(data.get('matmul_tflops'), '{:.0f}')} TFLOP/s.", ""]
     fc = data.get("first_call")
     if fc:
         lines += [f"First generate (16-token prompt, 16 new): {fc['first_s']:.1f} s; again: {fc['second_s']:.2f} s; "
                   f"compile ~{fc['compile_s']:.1f} s (model init {data.get('init_s', 0):.1f} s, not included).", ""]
-    lines += ["| batch | context | prefill s (max_tokens=1) | decode ms/step (LLM.generate) | steady ms/step | tok/s "
-              "| new tokens |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| batch | context | prefill s (max_tokens=1) | prefill TFLOP/s (% of matmul) | decode ms/step "
+              "(LLM.generate) | steady ms/step | tok/s | new tokens |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | | | | |")
         else:
-            lines.append(f"| {r['batch']} | {r['context']} | {f(r['prefill_s'])} | {f(r['ms_per_step'])} | "
+            rate = r.get("prefill_tflop", 0) / r["prefill_s"] if r.get("prefill_s") else None
+            pct = rate / data["matmul_tflops"] * 100 if rate and data.get("matmul_tflops") else None
+            lines.append(f"| {r['batch']} | {r['context']} | {f(r['prefill_s'])} | {f(rate, '{:.0f}')} "
+                         f"({f(pct, '{:.0f}')} %) | {f(r['ms_per_step'])} | "
                          f"{f(r.get('steady_ms_per_step'))} ({r.get('steady_steps', 0)} steps) | "
                          f"{f(r.get('tok_per_s'), '{:.0f}')} | {r['decode_steps_timed']} |")
     return "\n".join(lines) + "\n"
@@ -152,6 +160,7 @@ def generate_main(argv=None) -> int:
               prefill_chunk=a.prefill_chunk, attention_impl=a.attention_impl)
     jax.block_until_ready(jax.tree.leaves(llm._state))
     data["init_s"] = time.perf_counter() - t0
+    data["matmul_tflops"] = measure_matmul_rate(8192 if dev.platform == "gpu" else 512) / 1e12
     print(f"[{time.perf_counter() - t_start:6.1f}s] {data['device']}: {a.model} initialised", flush=True)
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

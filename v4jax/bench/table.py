@@ -11,8 +11,9 @@ under the given directories (recursively; a JSON file can be named directly too)
   roofline ms        decode.json rows[].roofline_ms; % of roofline = roofline / jit * 100; x roofline = ms / roofline
   HF ms/step         decode.json hf[].ms_per_step; speed-up vs HF = HF / engine ms
 
-and a prefill table from generate.json (prefill_s: the max_tokens=1 wall time) with the HF peer's chunked prefill
-(decode.json hf[].prefill_s) where it was measured. The model is each file's `model` (generate.json) or
+and a prefill table from generate.json (prefill_s: the max_tokens=1 wall time; prefill_tflop over it against
+matmul_tflops, the bf16 matmul rate measured in the same run: v4jax.bench.flops) with the HF peer's chunked
+prefill (decode.json hf[].prefill_s) where it was measured. The model is each file's `model` (generate.json) or
 `config_name` (decode.json); `DIR=LABEL` names every file under DIR LABEL instead (to tell stages apart). Rows
 that ended in an error are left out; where several files measure the same row, the later file's values win.
 Missing numbers print as '-'.
@@ -80,12 +81,15 @@ def prefill_rows(generate_jsons: list[dict], decode_jsons: list[dict] = ()) -> l
     for g in generate_jsons:
         for r in g.get("rows", []):
             if "error" not in r:
-                _merge(out, (_model(g), r["batch"], r["context"]), prefill_s=r.get("prefill_s"))
+                _merge(out, (_model(g), r["batch"], r["context"]), prefill_s=r.get("prefill_s"),
+                       tflop=r.get("prefill_tflop"), matmul_tflops=g.get("matmul_tflops"))
     hf = {(_model(d), h["batch"], h["context"]): h.get("prefill_s") for d in decode_jsons for h in d.get("hf", [])
           if "error" not in h}
-    rows = _order(out, ("prefill_s",))
+    rows = _order(out, ("prefill_s", "tflop", "matmul_tflops"))
     for r in rows:
-        r.update(tok_s=_div(r["batch"] * r["context_tokens"], r["prefill_s"]),
+        rate = _div(r["tflop"], r["prefill_s"])
+        r.update(tok_s=_div(r["batch"] * r["context_tokens"], r["prefill_s"]), tflops=rate,
+                 matmul_pct=_div(rate * 100.0, r["matmul_tflops"]) if rate else None,
                  hf_prefill_s=hf.get((r["model"], r["batch"], r["context_tokens"])))
     return rows
 
@@ -99,6 +103,8 @@ DECODE_COLUMNS = (("model", "model", "{}"), ("batch", "batch", "{}"), ("context"
                   ("speed-up vs HF (engine)", "hf_speedup", "{:.1f}x"))
 PREFILL_COLUMNS = (("model", "model", "{}"), ("batch", "batch", "{}"), ("prompt", "context", "{}"),
                    ("prefill s (max_tokens=1)", "prefill_s", "{:.2f}"), ("prompt tok/s", "tok_s", "{:.0f}"),
+                   ("TFLOP", "tflop", "{:.1f}"), ("TFLOP/s", "tflops", "{:.0f}"),
+                   ("% of bf16 matmul rate", "matmul_pct", "{:.0f}"),
                    ("HF prefill s (chunked)", "hf_prefill_s", "{:.2f}"))
 
 
