@@ -51,6 +51,10 @@ def test_bench_subcommands_get_their_own_help(capsys):
     assert rc == 0 and "usage: v4jax bench decode" in out and "--small" in out
     rc, out, _ = _run(capsys, "bench", "kernels", "-h")
     assert rc == 0 and "--harness" in out
+    rc, out, _ = _run(capsys, "bench", "generate", "--help")
+    assert rc == 0 and "usage: v4jax bench generate" in out and "--prefill-chunk" in out
+    rc, out, _ = _run(capsys, "bench", "table", "--help")
+    assert rc == 0 and "usage: v4jax bench table" in out and "--out" in out
 
 
 def test_version(capsys):

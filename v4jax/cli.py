@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
+                       ("generate", "what LLM.generate users see: compile, prefill against the FLOP roofline, "
+                                    "decode ms/step (v4jax.bench.generate)"),
                        ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)"),
                        ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.replay)"),
                        ("serve", "open-loop load against a running v4jax serve (v4jax.serve.bench)"),
@@ -295,6 +297,9 @@ def _bench(args) -> int:
     if args.bench == "decode":
         from v4jax.bench import decode_main
         return decode_main(args.extra)
+    if args.bench == "generate":
+        from v4jax.bench import generate_main
+        return generate_main(args.extra)
     from pallas_kernels.bench import main as kernels_main
     return kernels_main(args.extra)
 
