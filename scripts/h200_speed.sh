@@ -50,40 +50,42 @@ EOF
 }
 case "${1:-slice}" in
 slice)
-  # one call (timeouts add up to 590 s): the changed kernels' GPU tests, every flash-slice decode row (jitted call,
-  # engine loop, a profile at 4K) with HF at 4K, HF at batch 1 / 32K and 128K, the generate rows and the 128K
-  # prefill through LLM.generate
+  # one call (timeouts add up to 550 s; run K took 75 / 100 / 76 s for the first three steps, and its generate
+  # step ~120 s for the 4K rows and ~90 s more for the 128K prompt, compiles included): the changed kernels' GPU
+  # tests, every flash-slice decode row (jitted call, engine loop, a profile per row) with HF at 4K, HF at batch 1 /
+  # 32K and 128K, the generate rows and the 128K prefill through LLM.generate, the merged table
   stamp "GPU tests of the top-k and sparse attention kernels"
   timeout 90 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "topk or sparse" -p no:cacheprovider 2>&1 \
     | tail -2
   stamp "flash-slice decode, HF at 4K"
-  timeout 220 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,32K,128K \
+  timeout 130 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,32K,128K \
     --long-b1 1M --hf on --hf-contexts 4K --iters 5 --gen-iters 3 --profile --attention-impl pallas \
-    --deadline-s 200 --out "$out/slice_decode" 2>&1 | quiet | grep "^|" | tail -9
-  summary "$out/slice_decode/decode.json" | head -40
+    --deadline-s 120 --out "$out/flash-slice/decode" 2>&1 | quiet | grep "^|" | tail -9
+  summary "$out/flash-slice/decode/decode.json" | head -40
   stamp "HF at batch 1, 32K and 128K"
-  timeout 130 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1 --contexts 32K --long-b1 "" \
-    --hf on --hf-contexts 32K,128K --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 120 \
-    --out "$out/slice_hf" 2>&1 | quiet | grep "^|" | tail -4
+  timeout 100 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1 --contexts 32K --long-b1 "" \
+    --hf on --hf-contexts 32K,128K --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 95 \
+    --out "$out/flash-slice/hf-long" 2>&1 | quiet | grep "^|" | tail -4
   stamp "flash-slice generate"
-  timeout 150 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
-    --prefill 128K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 140 --out "$out/gen_slice" \
-    2>&1 | quiet | tail -8
-  python3 -m v4jax.bench.table "$out"
+  timeout 230 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 128K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 225 \
+    --out "$out/flash-slice/generate" 2>&1 | quiet | tail -8
+  python3 -m v4jax.bench.table "$out/flash-slice"
   ;;
 1gpu)
-  # one call: flash-1gpu's first generate (compile), generate rows and the 32K prefill, decode at batch 1 / 32 and
-  # 4K / 32K / 128K
+  # one call (timeouts add up to 500 s; run K: init + first generate 52 s, the batch-1 4K row ~70 s, batch 32 ~100
+  # s, decode at batch 1 ~95 s): flash-1gpu's first generate (compile), generate rows and the 32K prefill, decode
+  # at batch 1 / 32 and 4K / 32K / 128K, the merged table
   stamp "flash-1gpu generate"
-  timeout 220 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
-    --prefill 32K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 200 --out "$out/gen_1gpu" \
-    2>&1 | quiet | tail -12
+  timeout 300 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
+    --prefill 32K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 240 \
+    --out "$out/flash-1gpu/generate" 2>&1 | quiet | tail -12
   stamp "flash-1gpu decode"
-  timeout 320 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
-    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 290 \
-    --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
-  summary "$out/d_1gpu/decode.json" | head -20
-  python3 -m v4jax.bench.table "$out"
+  timeout 200 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 190 \
+    --out "$out/flash-1gpu/decode" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
+  summary "$out/flash-1gpu/decode/decode.json" | head -20
+  python3 -m v4jax.bench.table "$out/flash-1gpu"
   ;;
 engine)
   stamp "engine GPU tests"
