@@ -56,6 +56,35 @@ def test_roofline_by_hand(batch, ctx):
     assert rl["total"] == pytest.approx(hand_weights(batch) + batch * hand_kv_per_seq(ctx), rel=1e-12)
 
 
+def test_fill_pools_writes_every_element_in_blocks(monkeypatch):
+    # the decode benchmark's synthetic pools: every element written (blocks smaller than the rows, the last one
+    # overlapping), floats in [-2, 2), ids inside the vocabulary, the same values for the same seed
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from v4jax.bench import decode as D
+
+    def fake_engine():
+        pools = {"stack": jnp.zeros((3, 37, 8), jnp.bfloat16), "ids": jnp.zeros((5, 6), jnp.int32),
+                 "state": jnp.zeros((2, 3, 4, 8), jnp.float32), "flat": jnp.zeros((9,), jnp.float32)}
+        return types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=50), pools=pools)
+
+    monkeypatch.setattr(D, "FILL_BLOCK_BYTES", 4 * 8 * 10)   # blocks of 10 rows of 8: 37 rows in 4 blocks
+    engines = [fake_engine(), fake_engine()]
+    for e in engines:
+        D._fill_pools(e, seed=3)
+    a, b = ({k: np.asarray(v, np.float32) for k, v in e.pools.items()} for e in engines)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+        assert np.count_nonzero(a[k]) >= a[k].size - 2, k      # (a hash may land on 0 once in a while)
+    assert a["ids"].min() >= 0 and a["ids"].max() < 50 and len(np.unique(a["ids"])) > 10
+    assert a["stack"].min() >= -2 and a["stack"].max() < 2 and len(np.unique(a["stack"])) > 100
+    assert not np.array_equal(a["stack"][0], a["stack"][1])   # the leading index is part of the hash
+
+
 def test_prefill_flops_by_hand():
     # small_config(): per token, the multiply-adds of its weights (bf16 linears, f32 mHC mixes and router)
     from v4jax.bench.flops import prefill_flops

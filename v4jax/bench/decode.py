@@ -179,23 +179,26 @@ def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
     return out
 
 
+FILL_BLOCK_BYTES = 1 << 28  # the largest hash temporary of the synthetic pool fill
+
+
 def _fill_pools(engine, seed: int):
-    """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2), token ids uniform), one
-    array at a time, in place, a block of leading rows at a time: the values are a hash of each element's
-    coordinates, so no temporary is larger than a block of rows of its [-1, last axis] view (jax.random made 32 bits per element of the whole pools at
-    once: a 21 GiB temporary for flash-1gpu at batch 32 on the H200, out of memory; so did one hash of a whole
-    array)."""
+    """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2), token ids uniform), in
+    place, one block of rows (along the second-to-last axis, at one index of the leading axes) per jitted call on
+    the donated array: the values are a hash of each element's coordinates, so no temporary is larger than a block.
+    (jax.random over the whole pools made a 21 GiB temporary for flash-1gpu at batch 32 on the H200; so did one
+    hash of a whole array; and one program looping over a 20 GiB array's blocks still asked for 21 GiB there, run
+    K, though on the CPU it compiled in place.)"""
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from jax import lax
     vocab = engine.cfg.vocab_size
-    block_bytes = 1 << 28
 
-    def hashed(shape, salt, row0):
+    def hashed(shape, salt, origin):
         h = jnp.full(shape, salt, jnp.uint32)
         for d in range(len(shape)):
-            h = h * jnp.uint32(0x9E3779B1) + lax.broadcasted_iota(jnp.uint32, shape, d) + (
-                row0.astype(jnp.uint32) if d == 0 else jnp.uint32(0))
+            h = h * jnp.uint32(0x9E3779B1) + lax.broadcasted_iota(jnp.uint32, shape, d) + origin[d].astype(jnp.uint32)
         for mult in (0x85EBCA6B, 0xC2B2AE35):
             h = (h ^ (h >> 16)) * jnp.uint32(mult)
         return h ^ (h >> 16)
@@ -205,30 +208,27 @@ def _fill_pools(engine, seed: int):
             return (h % jnp.uint32(vocab)).astype(dtype)
         return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(dtype)
 
-    @functools.partial(jax.jit, donate_argnums=0, static_argnums=1)
-    def fill(a, salt):
-        if a.ndim == 0:
-            return values(hashed((), salt, jnp.int32(0)), a.dtype)
-        # blocks of rows of the [-1, last axis] view: a layer stack's leading axis alone can be a 21 GiB block
-        shape = a.shape
-        a = a.reshape(-1, shape[-1])
-        rows = a.shape[0]
-        step = max(1, min(rows, block_bytes // (4 * shape[-1])))
-
-        def body(i, a):
-            start = jnp.minimum(i * step, rows - step)  # the last block overlaps the one before: same values
-            blk = values(hashed((step, shape[-1]), salt, start), a.dtype)
-            return lax.dynamic_update_slice_in_dim(a, blk, start, 0)
-
-        return lax.fori_loop(0, -(-rows // step), body, a).reshape(shape)
+    @functools.partial(jax.jit, donate_argnums=0, static_argnums=(1, 2))
+    def fill_block(a, salt, block, origin):
+        return lax.dynamic_update_slice(a, values(hashed(block, salt, origin), a.dtype), origin)
 
     leaves, tdef = jax.tree.flatten(engine.pools)
     engine.pools = None
-    new = []
-    for i in range(len(leaves)):
-        new.append(fill(leaves[i], seed * 1000003 + i))
-        leaves[i] = None  # donated
-    engine.pools = jax.tree.unflatten(tdef, new)
+    for i, a in enumerate(leaves):
+        leaves[i] = None
+        shape, salt = a.shape, seed * 1000003 + i
+        if a.ndim < 2:
+            a = fill_block(a, salt, shape, jnp.zeros((a.ndim,), jnp.int32))
+        else:
+            rows = shape[-2]
+            step = max(1, min(rows, FILL_BLOCK_BYTES // (4 * shape[-1])))
+            block = (1,) * (a.ndim - 2) + (step, shape[-1])
+            for lead in np.ndindex(*shape[:-2]):
+                for r in range(0, rows, step):
+                    r = min(r, rows - step)  # the last block overlaps the one before: same values
+                    a = fill_block(a, salt, block, jnp.asarray((*lead, r, 0), jnp.int32))
+        leaves[i] = a
+    engine.pools = jax.tree.unflatten(tdef, leaves)
     jax.block_until_ready(engine.pools)
 
 
