@@ -122,6 +122,25 @@ def test_no_recompilation_after_warmup(tiny_llm):
     assert eng.compiled_variants() == n
 
 
+def test_prefill_steps_do_not_branch_on_the_device(tiny_llm, monkeypatch):
+    # a step where nobody samples runs the greedy-only program (no full-vocabulary sort), one where somebody does
+    # the sampling one; neither has a device-side branch (on GPU a lax.cond waits on the host for its predicate)
+    eng = tiny_llm.engine
+    steps, calls = eng.steps, []
+    monkeypatch.setattr(eng, "steps", dataclasses.replace(
+        steps, prefill=lambda *a: (calls.append(jax.tree.map(_abstract, a)), steps.prefill(*a))[1]))
+    tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
+    tiny_llm.generate([[5, 6, 8]], SamplingParams(max_tokens=2, temperature=0.8, seed=1))
+    assert calls[0][0] is eng.greedy_spec and calls[-1][0] is eng.spec
+    greedy, sampled = (steps.prefill.lower(*a).as_text() for a in (calls[0], calls[-1]))
+    assert not any(op in t for t in (greedy, sampled) for op in ("stablehlo.case", "stablehlo.if"))
+    assert sampled.count("stablehlo.sort") > greedy.count("stablehlo.sort")
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray)) else x
+
+
 def test_steps_pin_jax_trace_context_first(tiny_llm, monkeypatch):
     # every thread that runs steps sets JAX's Pallas-fuser state before its first jitted call
     # (v4jax.engine.steps.pin_trace_context: on JAX 0.11 that state's first change made a second generate recompile)

@@ -90,12 +90,12 @@ def request_key(seed, request_index, token_index):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), request_index), token_index)
 
 
-def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index, any_sampled: bool | None = None):
+def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index, any_sampled: bool):
     """One token per row. logits [B, V] f32; temperature/top_p [B] f32, top_k [B] int32 (0 = off),
     seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B] f32), logprobs being
     log-softmax of the raw logits at the chosen token. temperature == 0 is greedy (ties: lower index).
-    any_sampled: whether some row has temperature > 0, when the caller knows (False: no full-vocabulary sort);
-    None: decided on the device (a `lax.cond`, which on GPU copies the predicate to the host and waits)."""
+    any_sampled: whether some row has temperature > 0 (False: no full-vocabulary sort). The caller knows: a
+    device-side branch (`lax.cond`) would copy its predicate to the host and wait there on GPU."""
     logits = logits.astype(F32)
     v = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -115,11 +115,6 @@ def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index,
         choice = jax.vmap(jax.random.categorical)(keys, masked)
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-    # The full-vocabulary sort only runs when some row samples.
-    if any_sampled is None:
-        tokens = jax.lax.cond(jnp.any(temperature > 0), lambda: jnp.where(temperature > 0, sampled(), greedy),
-                              lambda: greedy)
-    else:
-        tokens = jnp.where(temperature > 0, sampled(), greedy) if any_sampled else greedy
+    tokens = jnp.where(temperature > 0, sampled(), greedy) if any_sampled else greedy
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

@@ -138,7 +138,10 @@ class EngineCore:
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.spec = S.StepSpec(graphdef, treedef, cfg, self.layout, run_options, self.k, max_model_len, caching)
-        self.greedy_spec = dataclasses.replace(self.spec, any_sampled=False)  # decode calls where nobody samples
+        # steps where nobody samples: no full-vocabulary sort, and no device-side branch on it (a `lax.cond`, which
+        # XLA:GPU resolves by copying the predicate to the host and waiting: the host then cannot prepare the next
+        # step while the device runs this one)
+        self.greedy_spec = dataclasses.replace(self.spec, any_sampled=False)
         self.steps = S.JittedSteps.make(run_options.mesh_rules)
         self._flight: _InFlight | None = None
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
@@ -340,8 +343,9 @@ class EngineCore:
             swa[i] = self.tables.swa[req.slot]
         samp = S.SamplingState(temp, top_p, top_k, seed, sidx, tidx)
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
-        self.pools, self.store, tok, lp = self.steps.prefill(self.spec, self._leaves, self.pools, self.store, batch,
-                                                             pt, swa, samp)
+        spec = self.spec if (temp > 0).any() else self.greedy_spec
+        self.pools, self.store, tok, lp = self.steps.prefill(spec, self._leaves, self.pools, self.store, batch, pt,
+                                                             swa, samp)
         done = []
         for i, (req, s0, e0) in enumerate(plans):
             req.computed = e0
@@ -370,8 +374,8 @@ class EngineCore:
 
     # ---- compile and report ----
     def warmup(self) -> int:
-        """Compile every bucket the engine will use (prefill chunk x pages, decode x pages in its sampling and
-        greedy-only forms, the prefix restore) with no-op calls (no valid tokens). Returns the number of compiled variants; afterwards nothing
+        """Compile every bucket the engine will use (prefill chunk x pages and decode x pages, each in its sampling
+        and greedy-only forms, the prefix restore) with no-op calls (no valid tokens). Returns the number of compiled variants; afterwards nothing
         recompiles."""
         S.pin_trace_context()
         s = self.layout.max_slots
@@ -386,12 +390,12 @@ class EngineCore:
             self.pools = self.steps.restore(self.pools, self.store, empty[0], 0)
         for nb in page_buckets:
             pt = _snapshot(self.tables.full[:, :nb])
-            for rb, cb in shapes:
+            for (rb, cb), spec in itertools.product(shapes, (self.spec, self.greedy_spec)):
                 z = lambda dt=np.int32: np.zeros(rb, dt)
                 samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z())
                 batch = S.PrefillBatch(np.zeros((rb, cb), np.int32), z(), z(), z(bool), np.full(rb, s, np.int32))
-                self.pools, self.store, _, _ = self.steps.prefill(self.spec, self._leaves, self.pools, self.store,
-                                                                  batch, np.full((rb, nb), -1, np.int32),
+                self.pools, self.store, _, _ = self.steps.prefill(spec, self._leaves, self.pools, self.store, batch,
+                                                                  np.full((rb, nb), -1, np.int32),
                                                                   np.full((rb, self.tables.swa.shape[1]), -1, np.int32),
                                                                   samp)
             n = lambda dt=np.int32: np.zeros((s,), dt)

@@ -59,8 +59,8 @@ class StepSpec:
     decode_steps: int  # k
     max_model_len: int
     save_boundaries: bool  # the prefix cache is on
-    # decode: whether some slot samples (temperature > 0); False compiles a greedy-only call (the host knows the
-    # call's requests, so the device never branches on it)
+    # whether some row of the step samples (temperature > 0); False compiles a greedy-only step (the host knows
+    # the step's requests, so the device never branches on it)
     any_sampled: bool = True
 
     def model(self, leaves):
@@ -159,7 +159,7 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
         rows = _boundary_rows(spec, batch.start + batch.n_valid, batch.n_valid > 0, swa_table)
         store = save_boundary_states(store, pools, batch.slot, rows)
     tok, lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed, samp.sample_index,
-                     samp.token_index)
+                     samp.token_index, spec.any_sampled)
     return *_placed(spec, pools, store), *_host_readable(spec, (tok, lp))
 
 
