@@ -375,8 +375,8 @@ class EngineCore:
     # ---- compile and report ----
     def warmup(self) -> int:
         """Compile every bucket the engine will use (prefill chunk x pages and decode x pages, each in its sampling
-        and greedy-only forms, the prefix restore) with no-op calls (no valid tokens). Returns the number of compiled variants; afterwards nothing
-        recompiles."""
+        and greedy-only forms, the prefix restore) with no-op calls (no valid tokens). Returns the number of
+        compiled variants; afterwards nothing recompiles."""
         S.pin_trace_context()
         s = self.layout.max_slots
         page_buckets = sorted({self._page_bucket(n * self.layout.page_size)
