@@ -7,6 +7,8 @@
 #                                      the 128K prefill; the merged table (v4jax bench table)
 #   bash scripts/h200_speed.sh 1gpu    flash-1gpu (43 layers): first generate (compile), generate rows, 32K prefill,
 #                                      decode at batch 1 / 32 and 4K / 32K / 128K; the merged table
+#   bash scripts/h200_speed.sh cb      XLA's command buffers over the decode loop against the default: jitted call,
+#                                      engine loop and LLM.generate of flash-slice at 4K
 #   bash scripts/h200_speed.sh engine  the engine GPU tests (Pallas engine = XLA engine, a second generate compiles
 #                                      nothing)
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
@@ -86,6 +88,21 @@ slice)
     --out "$out/flash-1gpu/decode" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
   summary "$out/flash-1gpu/decode/decode.json" | head -20
   python3 -m v4jax.bench.table "$out/flash-1gpu"
+  ;;
+cb)
+  # XLA's command buffers (CUDA graphs) over the whole decode loop against the default, in the user path too: the
+  # jitted call, the engine loop and LLM.generate at batch 1 / 32 and 4K (once the decode call stopped waiting on
+  # the host, run E, graphs may pay where they did not before)
+  for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"; do
+    tag=$([ -z "$flags" ] && echo default || echo graphs)
+    stamp "command buffers: $tag"
+    XLA_FLAGS="$flags" timeout 140 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 \
+      --contexts 4K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 130 \
+      --out "$out/cb-$tag/decode" 2>&1 | quiet | grep "^|" | tail -3
+    XLA_FLAGS="$flags" timeout 120 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 \
+      --contexts 4K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 110 \
+      --out "$out/cb-$tag/generate" 2>&1 | quiet | tail -4
+  done
   ;;
 engine)
   stamp "engine GPU tests"
