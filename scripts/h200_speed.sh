@@ -77,10 +77,12 @@ slice)
 1gpu)
   # one call (timeouts add up to 500 s; run K: init + first generate 52 s, the batch-1 4K row ~70 s, batch 32 ~100
   # s, decode at batch 1 ~95 s): flash-1gpu's first generate (compile), generate rows and the 32K prefill, decode
-  # at batch 1 / 32 and 4K / 32K / 128K, the merged table
+  # at batch 1 / 32 and 4K / 32K / 128K, the merged table. 256 new tokens: batch 32's prompts take 16 prefill
+  # steps, and its first requests decode 8 tokens in each, so with 128 they finished before the last one started
+  # (no steady window in run K)
   stamp "flash-1gpu generate"
   timeout 300 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
-    --prefill 32K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 240 \
+    --prefill 32K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 240 \
     --out "$out/flash-1gpu/generate" 2>&1 | quiet | tail -12
   stamp "flash-1gpu decode"
   timeout 200 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
