@@ -330,6 +330,21 @@ def decode_read_bytes(cfg: ModelConfig, context_tokens: int, fmt: str = "bf16") 
 
 
 # ---- weights -----------------------------------------------------------------------------------------
+def attention_weight_count(cfg: ModelConfig, i: int) -> int:
+    """Elements of layer i's attention linears (held in the model dtype; every token of the layer multiplies by all
+    of them): wq_a, wq_b, wkv, wo_a, wo_b; on compressed layers the compressor's wkv and wgate; on CSA layers the
+    indexer's wq_b, weights_proj and its compressor's wkv and wgate."""
+    kind, d = cfg.layer_type(i), cfg.dim
+    h, k, q, g, r = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+    count = q * d + h * k * q + k * d + g * r * (h * k // g) + d * g * r
+    if kind != SLIDING:
+        count += 2 * (2 if kind == CSA else 1) * k * d
+    if kind == CSA:
+        hi, ki = cfg.index_n_heads, cfg.index_head_dim
+        count += hi * ki * q + hi * d + 2 * 2 * ki * d
+    return count
+
+
 def param_bytes(cfg: ModelConfig, dtype_bytes: int = 2, mtp: bool = True) -> dict[str, int]:
     """Bytes of every parameter group of v4jax.model.Transformer (linear / embedding / expert weights in the
     model dtype; norms, mHC, attention sinks, compressor `ape`, router bias in float32; hash tables int32).
@@ -343,18 +358,15 @@ def param_bytes(cfg: ModelConfig, dtype_bytes: int = 2, mtp: bool = True) -> dic
                attn=0, router=0, shared_expert=0, routed_expert=3 * cfg.moe_inter_dim * d * w, routed_experts=0)
 
     def block(i: int) -> dict[str, int]:
-        kind, m = cfg.layer_type(i), cfg.compress_ratio(i)
-        h, k, q, g, r = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+        kind, m, k = cfg.layer_type(i), cfg.compress_ratio(i), cfg.head_dim
         attn = 2 * d * f32 + 2 * (mix * n * d + mix + 3) * f32  # attn/ffn norms, hc_attn / hc_ffn fn+base+scale
-        attn += (q * d + h * k * q + k * d + g * r * (h * k // g) + d * g * r) * w  # wq_a wq_b wkv wo_a wo_b
-        attn += (q + k + h) * f32  # q_norm, kv_norm, attn_sink
+        attn += attention_weight_count(cfg, i) * w
+        attn += (cfg.q_lora_rank + k + cfg.n_heads) * f32  # q_norm, kv_norm, attn_sink
         if kind != SLIDING:
-            coff = 2 if kind == CSA else 1
-            attn += 2 * coff * k * d * w + (m * coff * k + k) * f32  # wkv, wgate; ape, norm
+            attn += (m * (2 if kind == CSA else 1) * k + k) * f32  # compressor ape, norm
         if kind == CSA:
-            hi, ki = cfg.index_n_heads, cfg.index_head_dim
-            attn += (hi * ki * q + hi * d) * w  # indexer wq_b, weights_proj
-            attn += 2 * 2 * ki * d * w + (m * 2 * ki + ki) * f32  # indexer compressor
+            ki = cfg.index_head_dim
+            attn += (m * 2 * ki + ki) * f32  # indexer compressor ape, norm
         router = cfg.n_routed_experts * d * w
         router += (v * cfg.n_activated_experts * 4) if cfg.is_hash_layer(i) else cfg.n_routed_experts * f32
         shared = 3 * cfg.moe_inter_dim * d * w * cfg.n_shared_experts

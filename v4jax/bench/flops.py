@@ -4,7 +4,7 @@ measured on the device that runs it.
 Per prompt token (2 FLOPs per multiply-add):
   projections  every main layer's matmul weights a token passes through: wq_a, wq_b, wkv, wo_a, wo_b; the
                compressors' wkv and wgate; the CSA indexer's wq_b, weights_proj and compressor; the mHC mixes
-               (attention and FFN sides); the router (hash layers have none)
+               (attention and FFN sides); the router
   experts      the shared experts and the n_activated routed experts the token is sent to
   attention    QK and PV over the rows the token's query reads: its window (min(W, p + 1) at position p) plus,
                on CSA layers, min(top_k, (p + 1) // 4) selected entries, on HCA layers every (p + 1) // m entry
@@ -19,25 +19,18 @@ import time
 
 import numpy as np
 
+from v4jax import memory as M
 from v4jax.config import CSA, SLIDING, ModelConfig
 
 
 def _token_weights(cfg: ModelConfig) -> tuple[int, int]:
     """(projection, expert) weights one prompt token multiplies by, summed over the main layers."""
-    d, h, k, q, g, r = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
-    n = cfg.hc_mult
+    d, n = cfg.dim, cfg.hc_mult
     proj = experts = 0
     for i in range(cfg.n_layers):
-        kind = cfg.layer_type(i)
-        proj += q * d + h * k * q + k * d + g * r * (h * k // g) + d * g * r   # wq_a wq_b wkv wo_a wo_b
+        proj += M.attention_weight_count(cfg, i)
         proj += 2 * (2 + n) * n * n * d                                       # mHC mixes, both sides
-        if kind != SLIDING:
-            proj += 2 * (2 if kind == CSA else 1) * k * d                     # compressor wkv, wgate
-        if kind == CSA:
-            hi, ki = cfg.index_n_heads, cfg.index_head_dim
-            proj += hi * ki * q + hi * d + 2 * 2 * ki * d                     # indexer wq_b, weights, compressor
-        if not cfg.is_hash_layer(i):
-            proj += cfg.n_routed_experts * d                                  # router
+        proj += cfg.n_routed_experts * d                                      # router
         experts += 3 * cfg.moe_inter_dim * d * (cfg.n_shared_experts + cfg.n_activated_experts)
     return proj, experts
 

@@ -285,9 +285,9 @@ class EngineCore:
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
         pt = self.tables.full[:, :self._page_bucket(upto)]
-        spec = self.spec if (temp > 0).any() else self.greedy_spec
-        self.pools, self.store, out, state = self.steps.decode(spec, self._leaves, self.pools, self.store, state,
-                                                           _snapshot(pt), _snapshot(self.tables.swa))
+        self.pools, self.store, out, state = self.steps.decode(self._spec_for(temp), self._leaves, self.pools,
+                                                           self.store, state, _snapshot(pt),
+                                                           _snapshot(self.tables.swa))
         return _InFlight(out, state, [(r.slot, r) for r in running], {r.slot: r.fed for r in running})
 
     def _collect(self, flight: _InFlight) -> list[RequestDelta]:
@@ -316,6 +316,10 @@ class EngineCore:
     def _page_bucket(self, upto: int) -> int:
         return min(_pow2(-(-upto // self.layout.page_size)), self.layout.max_pages_per_seq)
 
+    def _spec_for(self, temperature) -> S.StepSpec:
+        """The step's program: the sampling one when a row of it samples, else the greedy-only one."""
+        return self.spec if (temperature > 0).any() else self.greedy_spec
+
     def _run_prefill(self) -> list:
         """Dispatch the next prefill step (a chunk of each of up to MAX_PREFILL_ROWS requests, as rows of one
         batch); returns [(request, tokens, logprobs, row)] for the rows that were their request's last chunk."""
@@ -343,9 +347,8 @@ class EngineCore:
             swa[i] = self.tables.swa[req.slot]
         samp = S.SamplingState(temp, top_p, top_k, seed, sidx, tidx)
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
-        spec = self.spec if (temp > 0).any() else self.greedy_spec
-        self.pools, self.store, tok, lp = self.steps.prefill(spec, self._leaves, self.pools, self.store, batch, pt,
-                                                             swa, samp)
+        self.pools, self.store, tok, lp = self.steps.prefill(self._spec_for(temp), self._leaves, self.pools,
+                                                             self.store, batch, pt, swa, samp)
         done = []
         for i, (req, s0, e0) in enumerate(plans):
             req.computed = e0
