@@ -67,12 +67,14 @@ def apply_rope(x, cos, sin, inverse: bool = False):
     """Interleaved (GPT-J) RoPE on the last 2*cos.shape[-1] dims of x. cos/sin broadcast against x[..., :1]
     once a heads axis is inserted by the caller. Math in f32, result in x's dtype."""
     rd = 2 * cos.shape[-1]
-    nope, rope = x[..., :-rd], x[..., -rd:].astype(F32)
+    rope = x[..., -rd:].astype(F32)
     even, odd = rope[..., 0::2], rope[..., 1::2]
     if inverse:
         sin = -sin
     out = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(rope.shape)
-    return jnp.concatenate([nope, out.astype(x.dtype)], axis=-1)
+    # an update of the last rd dims (in place when x is not used elsewhere): a concatenation with the untouched
+    # dims rewrote all of x (a query is 512 dims of which 64 rotate; 41 ms of a 128K flash-slice prefill)
+    return x.at[..., -rd:].set(out.astype(x.dtype))
 
 
 # ---- mHC (reference §5) -----------------------------------------------------------------------------
