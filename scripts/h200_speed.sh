@@ -7,8 +7,9 @@
 #                                      the 128K prefill; the merged table (v4jax bench table)
 #   bash scripts/h200_speed.sh 1gpu    flash-1gpu (43 layers): first generate (compile), generate rows, 32K prefill,
 #                                      decode at batch 1 / 32 and 4K / 32K / 128K; the merged table
-#   bash scripts/h200_speed.sh cb      XLA's command buffers over the decode loop against the default: jitted call,
-#                                      engine loop and LLM.generate of flash-slice at 4K
+#   bash scripts/h200_speed.sh graphs  the decode call as one CUDA graph (V4JAX_DECODE_GRAPHS=loop) against XLA's
+#                                      default command buffers: jitted call, engine loop and LLM.generate of
+#                                      flash-slice at 4K / 128K
 #   bash scripts/h200_speed.sh engine  the engine GPU tests (Pallas engine = XLA engine, a second generate compiles
 #                                      nothing)
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
@@ -52,13 +53,15 @@ EOF
 }
 case "${1:-slice}" in
 slice)
-  # one call (timeouts add up to 550 s; run K took 75 / 100 / 76 s for the first three steps, and its generate
+  # one call (timeouts add up to 590 s, 500 with KERNEL_TESTS=0; run K took 75 / 100 / 76 s for the first three steps, and its generate
   # step ~120 s for the 4K rows and ~90 s more for the 128K prompt, compiles included): the changed kernels' GPU
   # tests, every flash-slice decode row (jitted call, engine loop, a profile per row) with HF at 4K, HF at batch 1 /
   # 32K and 128K, the generate rows and the 128K prefill through LLM.generate, the merged table
-  stamp "GPU tests of the top-k and sparse attention kernels"
-  timeout 90 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "topk or sparse" -p no:cacheprovider 2>&1 \
-    | tail -2
+  if [ "${KERNEL_TESTS:-1}" = 1 ]; then
+    stamp "GPU tests of the top-k and sparse attention kernels"
+    timeout 90 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "topk or sparse" -p no:cacheprovider 2>&1 \
+      | tail -2
+  fi
   stamp "flash-slice decode, HF at 4K"
   timeout 130 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,32K,128K \
     --long-b1 1M --hf on --hf-contexts 4K --iters 5 --gen-iters 3 --profile --attention-impl pallas \
@@ -69,42 +72,43 @@ slice)
     --hf on --hf-contexts 32K,128K --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 95 \
     --out "$out/flash-slice/hf-long" 2>&1 | quiet | grep "^|" | tail -4
   stamp "flash-slice generate"
-  timeout 230 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
-    --prefill 128K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 225 \
+  timeout 270 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 32K,128K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 230 \
     --out "$out/flash-slice/generate" 2>&1 | quiet | tail -8
   python3 -m v4jax.bench.table "$out/flash-slice"
   ;;
 1gpu)
-  # one call (timeouts add up to 500 s; run K: init + first generate 52 s, the batch-1 4K row ~70 s, batch 32 ~100
+  # one call (timeouts add up to 550 s; run K: init + first generate 52 s, the batch-1 4K row ~70 s, batch 32 ~100
   # s, decode at batch 1 ~95 s): flash-1gpu's first generate (compile), generate rows and the 32K prefill, decode
   # at batch 1 / 32 and 4K / 32K / 128K, the merged table. 256 new tokens: batch 32's prompts take 16 prefill
   # steps, and its first requests decode 8 tokens in each, so with 128 they finished before the last one started
   # (no steady window in run K)
   stamp "flash-1gpu generate"
-  timeout 300 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
-    --prefill 32K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 240 \
+  timeout 310 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
+    --prefill 32K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 225 \
     --out "$out/flash-1gpu/generate" 2>&1 | quiet | tail -12
   stamp "flash-1gpu decode"
-  timeout 200 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
-    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 190 \
+  timeout 240 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 200 \
     --out "$out/flash-1gpu/decode" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
   summary "$out/flash-1gpu/decode/decode.json" | head -20
   python3 -m v4jax.bench.table "$out/flash-1gpu"
   ;;
-cb)
-  # XLA's command buffers (CUDA graphs) over the whole decode loop against the default, in the user path too: the
-  # jitted call, the engine loop and LLM.generate at batch 1 / 32 and 4K (once the decode call stopped waiting on
-  # the host, run E, graphs may pay where they did not before)
-  for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"; do
-    tag=$([ -z "$flags" ] && echo default || echo graphs)
-    stamp "command buffers: $tag"
-    XLA_FLAGS="$flags" timeout 140 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 \
-      --contexts 4K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 130 \
-      --out "$out/cb-$tag/decode" 2>&1 | quiet | grep "^|" | tail -3
-    XLA_FLAGS="$flags" timeout 120 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 \
-      --contexts 4K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 110 \
-      --out "$out/cb-$tag/generate" 2>&1 | quiet | tail -4
+graphs)
+  # XLA's command buffers over the whole decode call (V4JAX_DECODE_GRAPHS=loop: the k-step loop and the layer scan
+  # as one CUDA graph) against XLA's default set (xla): the jitted call and the engine loop at batch 1 / 32 and 4K /
+  # 128K, and LLM.generate at 4K, of flash-slice; then a side-by-side summary
+  for mode in xla loop; do
+    stamp "decode graphs: $mode"
+    V4JAX_DECODE_GRAPHS=$mode timeout 120 python3 -W ignore -m v4jax.bench decode --model flash-slice \
+      --batches 1,32 --contexts 4K,128K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas \
+      --deadline-s 110 --out "$out/graphs-$mode/decode" 2>&1 | quiet | grep "^|" | tail -4
+    V4JAX_DECODE_GRAPHS=$mode timeout 110 python3 -W ignore -m v4jax.bench generate --model flash-slice \
+      --batches 1,32 --contexts 4K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 100 \
+      --out "$out/graphs-$mode/generate" 2>&1 | quiet | grep "^|" | tail -2
   done
+  python3 -m v4jax.bench.table "$out/graphs-xla=graphs-xla" "$out/graphs-loop=graphs-loop" 2>&1 | grep "^|" \
+    | cut -d'|' -f2-9
   ;;
 engine)
   stamp "engine GPU tests"
