@@ -67,14 +67,16 @@ def apply_rope(x, cos, sin, inverse: bool = False):
     """Interleaved (GPT-J) RoPE on the last 2*cos.shape[-1] dims of x. cos/sin broadcast against x[..., :1]
     once a heads axis is inserted by the caller. Math in f32, result in x's dtype."""
     rd = 2 * cos.shape[-1]
-    rope = x[..., -rd:].astype(F32)
+    nope, rope = x[..., :-rd], x[..., -rd:].astype(F32)
     even, odd = rope[..., 0::2], rope[..., 1::2]
     if inverse:
         sin = -sin
     out = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(rope.shape)
-    # an update of the last rd dims (in place when x is not used elsewhere): a concatenation with the untouched
-    # dims rewrote all of x (a query is 512 dims of which 64 rotate; 41 ms of a 128K flash-slice prefill)
-    return x.at[..., -rd:].set(out.astype(x.dtype))
+    # A concatenation, although it rewrites all of x (a query rotates 64 of its 512 dims; 41 ms of a 128K
+    # flash-slice prefill). The in-place form, x.at[..., -rd:].set(out), equals this on every input tried alone, but
+    # in the model XLA:CPU (JAX 0.10.2) made the engine's greedy tokens leave the teacher-forced ones, and XLA:GPU
+    # (JAX 0.11.2, H200) failed to compile the batch-1 4096-token prefill with it (a RET_CHECK in its MLIR emitter).
+    return jnp.concatenate([nope, out.astype(x.dtype)], axis=-1)
 
 
 # ---- mHC (reference §5) -----------------------------------------------------------------------------
@@ -96,17 +98,8 @@ def hc_pre(x, fn, base, scale, cfg: ModelConfig, normalise=None):
     comb = mix[..., 2 * n:].reshape(*mix.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
     comb = jax.nn.softmax(comb, axis=-1) + eps
     comb = (normalise or sinkhorn)(comb, cfg.hc_sinkhorn_iters, eps)
-    return collapse(pre, x), post, comb
-
-
-def collapse(pre, x):
-    """u = sum_n pre_n X_n in f32, cast to x's dtype; pre [..., N] f32, x [..., N, D]. Written as N multiply-adds
-    (not a matmul) so that XLA fuses it into one elementwise kernel."""
-    xf = x.astype(F32)
-    u = pre[..., 0, None] * xf[..., 0, :]
-    for i in range(1, x.shape[-2]):
-        u = u + pre[..., i, None] * xf[..., i, :]
-    return u.astype(x.dtype)
+    u = jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
+    return u, post, comb
 
 
 SINKHORN_UNROLL = False  # unroll the Sinkhorn loop (no while loop on the device; measured by bench --sinkhorn-unroll)
@@ -127,23 +120,20 @@ def sinkhorn(comb, iters: int, eps: float):
 
 
 def hc_post(f, x, post, comb):
-    """X'_k = post_k * f + sum_j comb[j, k] X_j; f [..., D], x [..., N, D]. Rounded as HF's (post and comb cast to
-    x's dtype, post_k * f rounded, the sum over j accumulated in f32 and rounded, then added). The sum is N
-    multiply-adds, not a matmul: as a batched [N, N] x [N, D] matmul per token XLA:GPU ran it at a quarter of the
-    bandwidth (86 ms of a 128K flash-slice prefill) and as two kernels per call in decode."""
+    """X'_k = post_k * f + sum_j comb[j, k] X_j; f [..., D], x [..., N, D]. As a per-token [N, N] x [N, D] matmul
+    XLA:GPU runs it at about a quarter of the bandwidth (86 ms of a 128K flash-slice prefill, two kernels per call
+    in decode); written as N multiply-adds (and the collapse in hc_pre likewise) it failed to compile on the H200
+    (JAX 0.11.2: the batch-1 4096-token prefill, a RET_CHECK in XLA's MLIR emitter), so it stays a matmul."""
     dt = x.dtype
-    c, xf = comb.astype(dt).astype(F32), x.astype(F32)
-    mixed = c[..., 0, :, None] * xf[..., 0, None, :]
-    for j in range(1, x.shape[-2]):
-        mixed = mixed + c[..., j, :, None] * xf[..., j, None, :]
-    return post.astype(dt)[..., None] * f[..., None, :] + mixed.astype(dt)
+    out = post.astype(dt)[..., None] * f[..., None, :] + jnp.einsum("...jk,...jd->...kd", comb.astype(dt), x)
+    return out.astype(dt)
 
 
 def hc_head(x, fn, base, scale, cfg: ModelConfig):
     """Final collapse of the N streams (no Sinkhorn): y = sum_i pre_i X_i."""
     mix = _hc_mix(x, fn, cfg.norm_eps)
     pre = jax.nn.sigmoid(mix * scale[0] + base.astype(F32)) + cfg.hc_eps
-    return collapse(pre, x)
+    return jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
 
 
 # ---- attention core ---------------------------------------------------------------------------------
