@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import platform
@@ -181,55 +180,39 @@ def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
     return out
 
 
-FILL_BLOCK_BYTES = 1 << 28  # the largest hash temporary of the synthetic pool fill
+FILL_BLOCK_BYTES = 1 << 28  # the random block each pool array repeats (host memory, once per array)
 
 
 def _fill_pools(engine, seed: int):
-    """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2), token ids uniform), in
-    place, one block of rows (along the second-to-last axis, at one index of the leading axes) per jitted call on
-    the donated array: the values are a hash of each element's coordinates, so no temporary is larger than a block.
-    (jax.random over the whole pools made a 21 GiB temporary for flash-1gpu at batch 32 on the H200; so did one
-    hash of a whole array; and one program looping over a 20 GiB array's blocks still asked for 21 GiB there, run
-    K, though on the CPU it compiled in place.)"""
+    """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2], token ids uniform in the
+    vocabulary): a random block of at most FILL_BLOCK_BYTES (an odd number of elements, so that consecutive rows
+    and layers are shifted copies) repeated over the array on the host, and put on the device with the array's
+    sharding once the array itself is freed. Nothing runs on the device: on the H200 every device-side fill asked
+    for a second copy of the largest array (21 GiB for flash-1gpu at batch 32): jax.random over the whole pools,
+    one hash of a whole array, one program looping over a donated array's blocks (run K) and one program per block
+    of a donated array (run L), though the last two alias the array in place on the CPU. Host memory: the largest
+    pool array, once."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax import lax
     vocab = engine.cfg.vocab_size
-
-    def hashed(shape, salt, origin):
-        h = jnp.full(shape, salt, jnp.uint32)
-        for d in range(len(shape)):
-            h = h * jnp.uint32(0x9E3779B1) + lax.broadcasted_iota(jnp.uint32, shape, d) + origin[d].astype(jnp.uint32)
-        for mult in (0x85EBCA6B, 0xC2B2AE35):
-            h = (h ^ (h >> 16)) * jnp.uint32(mult)
-        return h ^ (h >> 16)
-
-    def values(h, dtype):
-        if jnp.issubdtype(dtype, jnp.integer):
-            return (h % jnp.uint32(vocab)).astype(dtype)
-        return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(dtype)
-
-    @functools.partial(jax.jit, donate_argnums=0, static_argnums=(1, 2))
-    def fill_block(a, salt, block, origin):
-        return lax.dynamic_update_slice(a, values(hashed(block, salt, origin), a.dtype), origin)
-
+    rng = np.random.default_rng(seed)
     leaves, tdef = jax.tree.flatten(engine.pools)
     engine.pools = None
     for i, a in enumerate(leaves):
+        shape, dtype, sharding = a.shape, a.dtype, a.sharding
         leaves[i] = None
-        shape, salt = a.shape, seed * 1000003 + i
-        if a.ndim < 2:
-            a = fill_block(a, salt, shape, jnp.zeros((a.ndim,), jnp.int32))
+        a.delete()
+        del a
+        n = int(np.prod(shape))
+        m = max(1, min(n, FILL_BLOCK_BYTES // dtype.itemsize))
+        m -= int(m > 1 and m % 2 == 0)
+        if np.issubdtype(dtype, np.integer):
+            block = rng.integers(0, vocab, m).astype(dtype)
         else:
-            rows = shape[-2]
-            step = max(1, min(rows, FILL_BLOCK_BYTES // (4 * shape[-1])))
-            block = (1,) * (a.ndim - 2) + (step, shape[-1])
-            for lead in np.ndindex(*shape[:-2]):
-                for r in range(0, rows, step):
-                    r = min(r, rows - step)  # the last block overlaps the one before: same values
-                    a = fill_block(a, salt, block, jnp.asarray((*lead, r, 0), jnp.int32))
-        leaves[i] = a
+            block = rng.uniform(-2.0, 2.0, m).astype(np.float32).astype(dtype)
+        host = np.resize(block, shape)
+        leaves[i] = jax.device_put(host, sharding)
+        del host
     engine.pools = jax.tree.unflatten(tdef, leaves)
     jax.block_until_ready(engine.pools)
 
