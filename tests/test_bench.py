@@ -73,7 +73,7 @@ def test_fill_pools_writes_every_element_in_blocks(monkeypatch):
                  "state": jnp.zeros((2, 3, 4, 8), jnp.float32), "flat": jnp.zeros((9,), jnp.float32)}
         return types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=50), pools=pools)
 
-    monkeypatch.setattr(D, "FILL_BLOCK_BYTES", 4 * 8 * 10)   # 80 f32 / 160 bf16 elements: every array repeats it
+    monkeypatch.setattr(D, "FILL_BLOCK", 81)   # an odd block smaller than the arrays: each repeats it
     engines = [fake_engine(), fake_engine()]
     before = {k: (v.shape, v.dtype, v.sharding) for k, v in engines[0].pools.items()}
     for e in engines:

@@ -180,22 +180,28 @@ def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
     return out
 
 
-FILL_BLOCK_BYTES = 1 << 28  # the random block each pool array repeats (host memory, once per array)
+FILL_BLOCK = (1 << 20) - 1  # elements of the random block each pool array repeats (odd: rows and layers shift)
 
 
 def _fill_pools(engine, seed: int):
     """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2], token ids uniform in the
-    vocabulary): a random block of at most FILL_BLOCK_BYTES (an odd number of elements, so that consecutive rows
-    and layers are shifted copies) repeated over the array on the host, and put on the device with the array's
-    sharding once the array itself is freed. Nothing runs on the device: on the H200 every device-side fill asked
-    for a second copy of the largest array (21 GiB for flash-1gpu at batch 32): jax.random over the whole pools,
-    one hash of a whole array, one program looping over a donated array's blocks (run K) and one program per block
-    of a donated array (run L), though the last two alias the array in place on the CPU. Host memory: the largest
-    pool array, once."""
+    vocabulary): a random block of FILL_BLOCK elements from the host, repeated over the array's shape by one
+    broadcast on the device, after the array itself is freed, with the array's sharding. The program's only large
+    buffer is its output: on the H200 every fill that kept the old array as an input (donated) or hashed element
+    coordinates asked for a second copy of the largest array (21 GiB for flash-1gpu at batch 32): jax.random over
+    the whole pools, one hash of a whole array, one program looping over a donated array's blocks (run K) and one
+    program per block of a donated array (run L), though the last two alias the array in place on the CPU. (A
+    host-side repeat took ~1.4 s per GiB on one core: minutes for flash-1gpu's pools.)"""
     import jax
+    import jax.numpy as jnp
     import numpy as np
     vocab = engine.cfg.vocab_size
     rng = np.random.default_rng(seed)
+
+    def repeat(block, shape):
+        n = int(np.prod(shape))
+        return jnp.broadcast_to(block, (-(-n // block.size), block.size)).reshape(-1)[:n].reshape(shape)
+
     leaves, tdef = jax.tree.flatten(engine.pools)
     engine.pools = None
     for i, a in enumerate(leaves):
@@ -203,16 +209,14 @@ def _fill_pools(engine, seed: int):
         leaves[i] = None
         a.delete()
         del a
-        n = int(np.prod(shape))
-        m = max(1, min(n, FILL_BLOCK_BYTES // dtype.itemsize))
+        m = min(int(np.prod(shape)), FILL_BLOCK)
         m -= int(m > 1 and m % 2 == 0)
         if np.issubdtype(dtype, np.integer):
             block = rng.integers(0, vocab, m).astype(dtype)
         else:
             block = rng.uniform(-2.0, 2.0, m).astype(np.float32).astype(dtype)
-        host = np.resize(block, shape)
-        leaves[i] = jax.device_put(host, sharding)
-        del host
+        fill = jax.jit(repeat, static_argnums=1, out_shardings=sharding)
+        leaves[i] = fill(jnp.asarray(block), shape)
     engine.pools = jax.tree.unflatten(tdef, leaves)
     jax.block_until_ready(engine.pools)
 
