@@ -70,3 +70,24 @@ def test_grouped_matches_xla(lead, G, R, D):
     out = np.asarray(LL.layer_linear(x, w, jnp.int32(1), groups=G, interpret=True))
     assert out.shape == (*lead, G, R)
     np.testing.assert_allclose(out, np.asarray(L.linear(x, w[1], groups=G)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lead,outs,D", [((1,), (16, 48, 32), 64), ((3,), (64, 32), 128), ((2, 5), (32, 32), 256)])
+def test_several_weights_of_one_input_in_one_launch(lead, outs, D):
+    # each weight's outputs as from its own launch; the stacks read at the layer; blocks of 16 rows for (16, 48, 32)
+    kx, *kw = jax.random.split(jax.random.key(2), len(outs) + 1)
+    x = jax.random.normal(kx, (*lead, D), jnp.float32)
+    ws = [jax.random.normal(k, (3, o, D), jnp.float32) * D ** -0.5 for k, o in zip(kw, outs)]
+    ys = jax.jit(lambda x, ws, i: LL.layer_linears(x, ws, i, interpret=True))(x, ws, jnp.int32(2))
+    assert [y.shape for y in ys] == [(*lead, o) for o in outs]
+    for y, w in zip(ys, ws):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(L.linear(x, w[2])), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one input width"):
+        LL.layer_linears(x, [ws[0], jnp.zeros((3, 16, 2 * D))], 0, interpret=True)
+
+
+def test_several_weights_lower_for_gpu():
+    x = jnp.zeros((1, 4096), jnp.bfloat16)
+    ws = [jnp.zeros((4, o, 4096), jnp.bfloat16) for o in (1024, 512, 256)]
+    txt = _compat.lower_for_cuda(lambda x, ws: LL.layer_linears(x, ws, jnp.int32(1), interpret=False), x, ws)
+    assert txt.count("triton") >= 1
