@@ -5,7 +5,8 @@ projection is followed by an XLA sum of its split-D partials; run K's profile pu
 against 3.65 for a copy, and ~300 small kernels per flash-slice step. This measures, on the Flash shapes, a
 group of projections of one input (a CSA layer's wq_a, wkv and the two compressors' wkv / wgate; the shared
 expert's w1 / w3) as separate launches on separate layer stacks (today's form) against one launch on the stacks
-concatenated along the outputs (what loading the checkpoint into concatenated stacks would give), each over a
+concatenated along the outputs (what loading the checkpoint into concatenated stacks would give) and one launch
+on the separate stacks (`layer_linears`: a program picks its weight by its block index), each over a
 stack of layers one after another (HBM, not L2), at 1 and 32 tokens: wall time per layer (median of calls) and,
 on a GPU, kernel time and launches per layer from a profiler trace.
 
@@ -60,6 +61,12 @@ def fused(x, cat, outs, layers):
     return lax.fori_loop(0, layers, body, jnp.zeros((8,), jnp.float32))
 
 
+def multi(x, sep, layers):
+    def body(i, acc):
+        return acc + sum(jnp.sum(y[:, :8], axis=0) for y in LL.layer_linears(x, sep, i))
+    return lax.fori_loop(0, layers, body, jnp.zeros((8,), jnp.float32))
+
+
 def wall_ms(fn, reps):
     jax.block_until_ready(fn())
     ts = []
@@ -94,10 +101,14 @@ def main():
         mb = sum(outs) * d * 2 / 1e6
         f_sep = jax.jit(lambda x, sep: separate(x, sep, layers))
         f_cat = jax.jit(lambda x, cat: fused(x, cat, outs, layers))
+        f_multi = jax.jit(lambda x, sep: multi(x, sep, layers))
         ref, got = f_sep(x, sep), f_cat(x, cat)  # equal to rounding (the split of D follows the output count)
         row = {"group": group, "projections": [n for n, _ in projs], "outs": outs, "D": d, "tokens": m,
-               "layers": layers, "MB_per_layer": mb, "max_abs_diff": float(jnp.max(jnp.abs(ref - got)))}
-        for name, fn in (("separate", lambda: f_sep(x, sep)), ("fused", lambda: f_cat(x, cat))):
+               "layers": layers, "MB_per_layer": mb, "max_abs_diff": float(jnp.max(jnp.abs(ref - got))),
+               "max_abs_diff_multi": float(jnp.max(jnp.abs(ref - f_multi(x, sep))))}
+        variants = (("separate", lambda: f_sep(x, sep)), ("fused", lambda: f_cat(x, cat)),
+                    ("multi", lambda: f_multi(x, sep)))
+        for name, fn in variants:
             row[f"{name}_wall_us_per_layer"] = wall_ms(fn, 3 if a.small else 20) * 1e3 / layers
             if gpu:
                 s = summarize(fn, repeats=2, top=4)
@@ -106,8 +117,7 @@ def main():
                     row.update({f"{name}_kernel_us_per_layer": us, f"{name}_GBps": mb / us * 1e3,
                                 f"{name}_launches_per_layer": s["kernels"] / layers, f"{name}_top": s["top"]})
         rows.append(row)
-        print(f"{group} x{m} ({mb:.0f} MB/layer): " + "; ".join(_said(row, n) for n in ("separate", "fused")),
-              flush=True)
+        print(f"{group} x{m} ({mb:.0f} MB/layer): " + "; ".join(_said(row, n) for n, _ in variants), flush=True)
         with open(os.path.join(a.out, "bench_fused_projections.json"), "w") as f:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, f, indent=1, default=str)
 
