@@ -150,6 +150,19 @@ def test_layer_linear_gpu(M, O, D, G, n):
   _close(out.reshape(ref.shape), ref, 1e-4)  # bf16 products are exact in f32; only the summation order differs
 
 
+@pytest.mark.parametrize("M,outs", [(1, (1024, 512, 1024, 1024, 256, 256)), (32, (2048, 2048))])
+def test_layer_linears_gpu(M, outs):
+  # a CSA layer's projections of its attention input, the shared expert's w1 / w3: one launch, each weight's rows
+  LL = importlib.import_module("pallas_kernels.layer_linear")
+  kx, *kw = jax.random.split(jax.random.key(1), len(outs) + 1)
+  x = jax.random.normal(kx, (M, 4096), jnp.bfloat16)
+  ws = [jax.random.normal(k, (3, o, 4096), jnp.bfloat16) * 4096 ** -0.5 for k, o in zip(kw, outs)]
+  ys = jax.jit(lambda x, ws, i: LL.layer_linears(x, ws, i))(x, ws, jnp.int32(2))
+  for y, w in zip(ys, ws):
+    ref = jnp.einsum("md,od->mo", x.astype(jnp.float32), w[2].astype(jnp.float32), precision="highest")
+    _close(y, ref, 1e-4)
+
+
 @pytest.mark.parametrize("M,k,E,I,D", [(1024, 6, 16, 512, 1024), (2000, 6, 16, 2048, 4096)])
 def test_grouped_experts_gpu(M, k, E, I, D):
   XG = importlib.import_module("pallas_kernels.experts_grouped")
