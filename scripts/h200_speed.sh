@@ -10,7 +10,8 @@
 #   bash scripts/h200_speed.sh graphs  the decode call as one CUDA graph (V4JAX_DECODE_GRAPHS=loop) against XLA's
 #                                      default command buffers: jitted call, engine loop and LLM.generate of
 #                                      flash-slice at 4K / 128K
-#   bash scripts/h200_speed.sh fused   the projection kernels' GPU tests and scripts/bench_fused_projections.py
+#   bash scripts/h200_speed.sh candidates  kernels not yet in the model: their GPU tests and measurements
+#                                      (scripts/bench_fused_projections.py, scripts/bench_hc_post.py)
 #   bash scripts/h200_speed.sh engine  the engine GPU tests (Pallas engine = XLA engine, a second generate compiles
 #                                      nothing)
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
@@ -113,14 +114,16 @@ graphs)
   python3 -m v4jax.bench.table "$out/graphs-xla=graphs-xla" "$out/graphs-loop=graphs-loop" 2>&1 | grep "^|" \
     | cut -d'|' -f2-9
   ;;
-fused)
-  # ~3 min: the projection kernels' GPU tests (one weight, several of one input), then one launch per group of
-  # projections of one input against one per projection (scripts/bench_fused_projections.py)
-  stamp "GPU tests of the projection kernels"
-  timeout 90 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "layer_linear" -p no:cacheprovider 2>&1 \
-    | tail -2
+candidates)
+  # ~4 min: the kernels not yet in the model, their GPU tests and measurements: several projections of one input in
+  # one launch (scripts/bench_fused_projections.py), mHC's expansion as a Pallas kernel (scripts/bench_hc_post.py)
+  stamp "GPU tests of the projection and mHC-expansion kernels"
+  timeout 120 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "layer_linear or hc_post" \
+    -p no:cacheprovider 2>&1 | tail -2
   stamp "projections of one input"
   timeout 150 python3 -W ignore scripts/bench_fused_projections.py --out "$out/fused" 2>&1 | quiet | tail -6
+  stamp "mHC expansion"
+  timeout 90 python3 -W ignore scripts/bench_hc_post.py --out "$out/hc_post" 2>&1 | quiet | tail -3
   ;;
 engine)
   stamp "engine GPU tests"

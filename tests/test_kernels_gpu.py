@@ -163,6 +163,21 @@ def test_layer_linears_gpu(M, outs):
     _close(y, ref, 1e-4)
 
 
+@pytest.mark.parametrize("M", [1, 37, 8192])
+def test_hc_post_gpu(M):
+  # mHC's expansion: decode batches (one token; 37, past a block) and a prefill chunk, bf16 as in the model
+  HP = importlib.import_module("pallas_kernels.hc_post")
+  k = jax.random.split(jax.random.key(2), 4)
+  f = jax.random.normal(k[0], (M, 4096), jnp.bfloat16)
+  x = jax.random.normal(k[1], (M, 4, 4096), jnp.bfloat16)
+  post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (M, 4)))
+  comb = jax.nn.softmax(jax.random.normal(k[3], (M, 4, 4)), axis=-1)
+  out = np.asarray(jax.jit(HP.hc_post)(f, x, post, comb), np.float32)
+  ref = np.asarray(jax.jit(HP.hc_post_ref)(f, x, post, comb), np.float32)
+  assert np.mean(out == ref) > 0.99  # the sum over j in another order: one bf16 ulp at a rounding boundary
+  np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
+
+
 @pytest.mark.parametrize("M,k,E,I,D", [(1024, 6, 16, 512, 1024), (2000, 6, 16, 2048, 4096)])
 def test_grouped_experts_gpu(M, k, E, I, D):
   XG = importlib.import_module("pallas_kernels.experts_grouped")

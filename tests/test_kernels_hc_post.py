@@ -1,0 +1,54 @@
+"""mHC's expansion as a Pallas kernel (pallas_kernels.hc_post) against the XLA form, and its Triton lowering from
+this CPU machine."""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _compat
+from v4jax import layers as L
+
+HP = importlib.import_module("pallas_kernels.hc_post")
+
+
+def _case(m, n, d, dtype, seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    f = jax.random.normal(k[0], (m, d), dtype)
+    x = jax.random.normal(k[1], (m, n, d), dtype)
+    post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (m, n)))
+    comb = jax.nn.softmax(jax.random.normal(k[3], (m, n, n)), axis=-1)
+    return f, x, post, comb
+
+
+@pytest.mark.parametrize("m,d,bm,bd", [(1, 64, 16, 512), (5, 256, 4, 64), (37, 128, 16, 32), (32, 512, 16, 512)])
+def test_matches_the_model_f32(m, d, bm, bd):
+    # blocks of tokens past M (5 tokens in blocks of 4, 37 in 16) are masked; the model's own form is the reference
+    f, x, post, comb = _case(m, 4, d, jnp.float32)
+    out = HP.hc_post(f, x, post, comb, interpret=True, block_tokens=bm, block_d=bd)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(out), np.asarray(L.hc_post(f, x, post, comb)), rtol=1e-6, atol=1e-6)
+
+
+def test_rounds_as_the_model_bf16():
+    # post * f and the sum over j each rounded to bf16, then added: equal to the XLA form up to the order of the
+    # four f32 terms (one bf16 ulp where a sum lands next to a rounding boundary)
+    f, x, post, comb = _case(64, 4, 256, jnp.bfloat16, seed=1)
+    out = np.asarray(HP.hc_post(f, x, post, comb, interpret=True), np.float32)
+    ref = np.asarray(HP.hc_post_ref(f, x, post, comb), np.float32)
+    assert out.dtype == np.float32 and np.mean(out == ref) > 0.99
+    np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_refuses_other_shapes():
+    f, x, post, comb = _case(2, 4, 24, jnp.float32)  # D = 24: no power-of-two block of >= 16 divides it
+    assert not HP.supported(f, x)
+    with pytest.raises(ValueError, match="power-of-two"):
+        HP.hc_post(f, x, post, comb, interpret=True)
+
+
+def test_lowers_for_gpu():
+    f, x, post, comb = _case(3, 4, 4096, jnp.bfloat16)
+    txt = _compat.lower_for_cuda(lambda *a: HP.hc_post(*a, interpret=False), f, x, post, comb)
+    assert txt.count("triton") >= 1
