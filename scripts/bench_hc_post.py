@@ -1,5 +1,5 @@
 """mHC's expansion: the XLA form (a per-token [4, 4] x [4, D] matmul, v4jax.layers.hc_post) against the Pallas kernel
-(pallas_kernels/hc_post.py), at decode batches and on a prefill chunk of Flash's width, bf16: wall time per call
+(pallas_kernels/hc_post.py, over a few block shapes), at decode batches and on a prefill chunk of Flash's width, bf16: wall time per call
 (median) and, on a GPU, kernel time and launches per call from a profiler trace, with the bandwidth the bytes
 (f and x read, the output written) allow. The same inputs every call: at decode sizes they sit in the L2, as in the
 model, where the previous kernel has just written them; a prefill chunk's 600 MB do not.
@@ -8,6 +8,7 @@ model, where the previous kernel has just written them; a prefill chunk's 600 MB
   python scripts/bench_hc_post.py --small --out /tmp/hc_post  (CPU smoke test: interpret mode)
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -20,6 +21,9 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import hc_post as HP  # noqa: E402
 from v4jax.bench.profile import summarize  # noqa: E402
+
+
+BLOCKS = [(16, 128, 4), (32, 128, 4), (16, 256, 8), (8, 512, 8)]  # (tokens, columns, warps) per program
 
 
 def inputs(m, d):
@@ -44,7 +48,10 @@ def main():
         args = inputs(m, d)
         mb = m * 9 * d * 2 / 1e6  # f and x read, the output written
         row = {"tokens": m, "D": d, "MB_per_call": mb}
-        for name, fn in (("xla", HP.hc_post_ref), ("pallas", HP.hc_post)):
+        variants = [("xla", HP.hc_post_ref)] + [
+            (f"pallas {bm}x{bd} w{w}", functools.partial(HP.hc_post, block_tokens=bm, block_d=bd, num_warps=w))
+            for bm, bd, w in (BLOCKS[:1] if a.small else BLOCKS)]
+        for name, fn in variants:
             run = jax.jit(fn)
             call = lambda run=run: jax.block_until_ready(run(*args))
             call()
@@ -65,7 +72,7 @@ def main():
             f"{n} wall {row[f'{n}_wall_us']:.1f} us" + (f", kernels {row[f'{n}_kernel_us']:.1f} us in "
                                                          f"{row[f'{n}_launches']:.1f} launches ({row[f'{n}_GBps']:.0f} "
                                                          f"GB/s)" if f"{n}_kernel_us" in row else "")
-            for n in ("xla", "pallas")), flush=True)
+            for n, _ in variants), flush=True)
         with open(os.path.join(a.out, "bench_hc_post.json"), "w") as fh:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
 
