@@ -1,7 +1,7 @@
 """mHC's expansion: the XLA form (a per-token [4, 4] x [4, D] matmul, v4jax.layers.hc_post) against the Pallas kernel
-(pallas_kernels/hc_post.py, over a few block shapes), at decode batches and on a prefill chunk of Flash's width, bf16: wall time per call
-(median) and, on a GPU, kernel time and launches per call from a profiler trace, with the bandwidth the bytes
-(f and x read, the output written) allow. The same inputs every call: at decode sizes they sit in the L2, as in the
+(pallas_kernels/hc_post.py, over a few block shapes), at decode batches and on a prefill chunk of Flash's width,
+bf16: wall time per call (median) and, on a GPU, kernel time and launches per call from a profiler trace, with the
+bandwidth the bytes (f and x read, the output written) allow. The same inputs every call: at decode sizes they sit in the L2, as in the
 model, where the previous kernel has just written them; a prefill chunk's 600 MB do not.
 
   python scripts/bench_hc_post.py --out $OUT/hc_post          (H200, ~1 min)
