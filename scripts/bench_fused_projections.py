@@ -8,7 +8,7 @@ expert's w1 / w3) as separate launches on separate layer stacks (today's form) a
 concatenated along the outputs (what loading the checkpoint into concatenated stacks would give) and one launch
 on the separate stacks (`layer_linears`: a program picks its weight by its block index), each over a
 stack of layers one after another (HBM, not L2), at 1 and 32 tokens: wall time per layer (median of calls) and,
-on a GPU, kernel time and launches per layer from a profiler trace.
+on a GPU, kernel time and launches per layer from a profiler trace (v4jax.bench.profile.time_call).
 
   python scripts/bench_fused_projections.py --out $OUT/fused        (H200, ~1 min)
   python scripts/bench_fused_projections.py --small --out /tmp/fused  (CPU smoke test: interpret mode)
@@ -16,9 +16,7 @@ on a GPU, kernel time and launches per layer from a profiler trace.
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import layer_linear as LL  # noqa: E402
-from v4jax.bench.profile import summarize  # noqa: E402
+from v4jax.bench.profile import said, time_call  # noqa: E402
 
 D = 4096
 # (group, [(projection, O)]) of one Flash layer's decode step that read the same [tokens, D] input
@@ -67,31 +65,12 @@ def multi(x, sep, layers):
     return lax.fori_loop(0, layers, body, jnp.zeros((8,), jnp.float32))
 
 
-def wall_ms(fn, reps):
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
-def _said(row, n):
-    line = f"{n} wall {row[f'{n}_wall_us_per_layer']:.1f} us"
-    if f"{n}_kernel_us_per_layer" in row:
-        line += (f", kernels {row[f'{n}_kernel_us_per_layer']:.1f} us in {row[f'{n}_launches_per_layer']:.0f} "
-                 f"launches ({row[f'{n}_GBps']:.0f} GB/s)")
-    return line
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    gpu = jax.default_backend() == "gpu"
     d = 256 if a.small else D
     groups = [(g, [(n, o // 16) for n, o in p]) for g, p in GROUPS[:1]] if a.small else GROUPS
     rows = []
@@ -109,15 +88,10 @@ def main():
         variants = (("separate", lambda: f_sep(x, sep)), ("fused", lambda: f_cat(x, cat)),
                     ("multi", lambda: f_multi(x, sep)))
         for name, fn in variants:
-            row[f"{name}_wall_us_per_layer"] = wall_ms(fn, 3 if a.small else 20) * 1e3 / layers
-            if gpu:
-                s = summarize(fn, repeats=2, top=4)
-                if "kernel_ms" in s:
-                    us = s["kernel_ms"] * 1e3 / layers
-                    row.update({f"{name}_kernel_us_per_layer": us, f"{name}_GBps": mb / us * 1e3,
-                                f"{name}_launches_per_layer": s["kernels"] / layers, f"{name}_top": s["top"]})
+            row[name] = time_call(fn, 3 if a.small else 20, per=layers, mb=mb)
         rows.append(row)
-        print(f"{group} x{m} ({mb:.0f} MB/layer): " + "; ".join(_said(row, n) for n, _ in variants), flush=True)
+        print(f"{group} x{m} ({mb:.0f} MB/layer), per layer: " + "; ".join(said(n, row[n]) for n, _ in variants),
+              flush=True)
         with open(os.path.join(a.out, "bench_fused_projections.json"), "w") as f:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, f, indent=1, default=str)
 

@@ -1,8 +1,9 @@
 """mHC's expansion: the XLA form (a per-token [4, 4] x [4, D] matmul, v4jax.layers.hc_post) against the Pallas kernel
 (pallas_kernels/hc_post.py, over a few block shapes), at decode batches and on a prefill chunk of Flash's width,
 bf16: wall time per call (median) and, on a GPU, kernel time and launches per call from a profiler trace, with the
-bandwidth the bytes (f and x read, the output written) allow. The same inputs every call: at decode sizes they sit in the L2, as in the
-model, where the previous kernel has just written them; a prefill chunk's 600 MB do not.
+bandwidth the bytes (f and x read, the output written) allow (v4jax.bench.profile.time_call). The same inputs
+every call: at decode sizes they sit in the L2, as in the model, where the previous kernel has just written them;
+a prefill chunk's 600 MB do not.
 
   python scripts/bench_hc_post.py --out $OUT/hc_post          (H200, ~1 min)
   python scripts/bench_hc_post.py --small --out /tmp/hc_post  (CPU smoke test: interpret mode)
@@ -11,16 +12,14 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import hc_post as HP  # noqa: E402
-from v4jax.bench.profile import summarize  # noqa: E402
+from v4jax.bench.profile import said, time_call  # noqa: E402
 
 
 BLOCKS = [(16, 128, 4), (32, 128, 4), (16, 256, 8), (8, 512, 8)]  # (tokens, columns, warps) per program
@@ -41,7 +40,6 @@ def main():
     ap.add_argument("--small", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    gpu = jax.default_backend() == "gpu"
     d = 256 if a.small else 4096
     rows = []
     for m in ((1, 5) if a.small else (1, 32, 8192)):
@@ -53,26 +51,9 @@ def main():
             for bm, bd, w in (BLOCKS[:1] if a.small else BLOCKS)]
         for name, fn in variants:
             run = jax.jit(fn)
-            call = lambda run=run: jax.block_until_ready(run(*args))
-            call()
-            ts = []
-            for _ in range(3 if a.small else 10):
-                t0 = time.perf_counter()
-                call()
-                ts.append(time.perf_counter() - t0)
-            row[f"{name}_wall_us"] = statistics.median(ts) * 1e6
-            if gpu:
-                s = summarize(call, repeats=2, top=3)
-                if "kernel_ms" in s:
-                    us = s["kernel_ms"] * 1e3
-                    row.update({f"{name}_kernel_us": us, f"{name}_launches": s["kernels"],
-                                f"{name}_GBps": mb / us * 1e3, f"{name}_top": s["top"]})
+            row[name] = time_call(lambda run=run: run(*args), 3 if a.small else 10, mb=mb)
         rows.append(row)
-        print(f"tokens {m}: " + "; ".join(
-            f"{n} wall {row[f'{n}_wall_us']:.1f} us" + (f", kernels {row[f'{n}_kernel_us']:.1f} us in "
-                                                         f"{row[f'{n}_launches']:.1f} launches ({row[f'{n}_GBps']:.0f} "
-                                                         f"GB/s)" if f"{n}_kernel_us" in row else "")
-            for n, _ in variants), flush=True)
+        print(f"tokens {m}: " + "; ".join(said(n, row[n]) for n, _ in variants), flush=True)
         with open(os.path.join(a.out, "bench_hc_post.json"), "w") as fh:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
 

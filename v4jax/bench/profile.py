@@ -128,3 +128,38 @@ def summarize(call, repeats: int = 2, top: int = 20, hlo_text: str | None = None
             "copies": copies["n"] / repeats, "copy_ms": copies["ns"] / repeats / 1e6,
             "top": per_call(fams),
             **({"by_source": per_call(sorted(by_src.items(), key=lambda kv: -kv[1][1]))} if sources else {})}
+
+
+def time_call(fn, reps: int, per: int = 1, mb: float | None = None) -> dict:
+    """The kernel benchmarks' measure of `fn()` (blocked until its results are ready): the median wall time of
+    `reps` calls after a warm-up, in us per one of `per` units (layers) it runs; on a GPU also the kernel time and
+    launches per unit from a profiler trace (`summarize`), with the GB/s of `mb` megabytes per unit and the
+    heaviest kernels."""
+    import statistics
+    import time
+
+    import jax
+    call = lambda: jax.block_until_ready(fn())
+    call()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t0)
+    out = {"wall_us": statistics.median(ts) * 1e6 / per}
+    if jax.default_backend() == "gpu":
+        s = summarize(call, repeats=2, top=4)
+        if "kernel_ms" in s:
+            us = s["kernel_ms"] * 1e3 / per
+            out.update(kernel_us=us, launches=s["kernels"] / per, top=s["top"],
+                       **({"GBps": mb / us * 1e3} if mb else {}))
+    return out
+
+
+def said(name: str, m: dict) -> str:
+    """One line of `time_call`'s result."""
+    line = f"{name} wall {m['wall_us']:.1f} us"
+    if "kernel_us" in m:
+        line += f", kernels {m['kernel_us']:.1f} us in {m['launches']:.1f} launches"
+        line += f" ({m['GBps']:.0f} GB/s)" if "GBps" in m else ""
+    return line
