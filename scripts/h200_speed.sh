@@ -17,10 +17,9 @@
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
 #                                      step from a profile) and of flash-1gpu
 #   bash scripts/h200_speed.sh tune    the projection kernel's sweep (scripts/bench_layer_linear.py; SWEEP=0
-#                                      skips it), one launch per group of projections of one input against one per
-#                                      projection (scripts/bench_fused_projections.py), the Sinkhorn kernel's
-#                                      sweep, their and the top-k GPU tests, batch 1 / 32 at 4K of flash-slice with
-#                                      each kernel's time per line of the model
+#                                      skips it), the Sinkhorn kernel's sweep, their and the top-k GPU tests,
+#                                      batch 1 / 32 at 4K of flash-slice with each kernel's time per line of the
+#                                      model
 #   bash scripts/h200_speed.sh table   in one call: flash-slice decode (4K profiled, 32K, 128K, 1M at batch 1) and
 #                                      generate rows with the 128K prefill, flash-1gpu decode at 4K and 128K
 #   bash scripts/h200_speed.sh prefill the prefill kernels' GPU tests, the experts bench (scripts/bench_prefill_experts.py; SWEEP=0 skips),
@@ -199,8 +198,6 @@ tune)
     stamp "projection kernel sweep"
     timeout 240 python3 -W ignore scripts/bench_layer_linear.py --out "$out/ll" 2>&1 | quiet | tail -14
   fi
-  stamp "projections of one input: one launch per projection against one on the concatenated stacks"
-  timeout 120 python3 -W ignore scripts/bench_fused_projections.py --out "$out/fused" 2>&1 | quiet | tail -6
   stamp "Sinkhorn sweep"
   timeout 120 python3 -W ignore scripts/tune_kernels.py --only sinkhorn --harness trace --repeats 3 \
     --out "$out/sinkhorn" 2>&1 | quiet | grep "sinkhorn M"
