@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 
 from . import _compat
 from ._common import F32, next_pow2, round_up
+from ._compat import backend
 from .compressor import _dims, finish_entry, project_f32
 
 _CB = 32   # channels per program (per half)
@@ -144,14 +145,18 @@ def _state_update(pos, a, z, kv_state, score_state, layer=None, *, m, coff, d, i
 
 
 def compressor_decode_gpu(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w, cos_sin, *, ratio, overlap, eps,
-                          entry_dtype=F32, interpret=False, layer=None, project=project_f32):
+                          entry_dtype=F32, interpret=None, layer=None, project=project_f32, projected=None):
   """The decode contract of compressor.compressor_decode_ref. With `layer`, the states are stacks of layers'
   states [n, B, ...], read and returned whole (updated in place at that layer). `project(x, w)` computes the
-  f32 projections (default: XLA's matmul; the ops table passes the layer-stack projection kernel)."""
+  f32 projections (default: XLA's matmul; the ops table passes the layer-stack projection kernel); `projected`:
+  (x @ wkv.T, x @ wgate.T) [B, coff*d] f32 computed by the caller (with its other projections of x), then
+  `project` is not called."""
   m, coff, d = _dims(kv_state, norm_w, ratio, overlap)
+  if interpret is None:
+    interpret = backend() == "cpu"
   pos = pos.astype(jnp.int32)
-  a = project(x, wkv)
-  z = project(x, wgate) + ape.astype(F32)[jnp.mod(pos, m)]
+  a, g = projected if projected is not None else (project(x, wkv), project(x, wgate))
+  z = g + ape.astype(F32)[jnp.mod(pos, m)]
   pooled, kv, sc = _state_update(pos, a, z, kv_state.astype(F32), score_state.astype(F32), layer, m=m, coff=coff,
                                  d=d, interpret=interpret)
   close = (pos >= 0) & (jnp.mod(pos + 1, m) == 0)

@@ -6,9 +6,11 @@ import pytest
 
 from pallas_kernels import compressor as pallas_compressor
 from pallas_kernels import experts as pallas_experts
+from pallas_kernels import hc_post as pallas_hc_post
 from pallas_kernels import layer_linear as pallas_linear
 from v4jax import LLM, SamplingParams
 from v4jax import layers
+from v4jax import ops
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 
@@ -26,6 +28,17 @@ def test_pallas_engine_equals_xla(monkeypatch):
     real_linear = pallas_linear.layer_linear
     monkeypatch.setattr(pallas_linear, "layer_linear", lambda x, w, *a, **kw: linear_calls.append(
         (x.size // x.shape[-1], w.shape)) or real_linear(x, w, *a, **kw))
+    group_calls = []  # (tokens, number of weights) of each projections-of-one-input call
+    real_group = pallas_linear.layer_linears
+    monkeypatch.setattr(pallas_linear, "layer_linears", lambda x, ws, *a, **kw: group_calls.append(
+        (x.size // x.shape[-1], len(ws))) or real_group(x, ws, *a, **kw))
+    hc_post_tokens = []
+    real_hc_post = pallas_hc_post.hc_post
+    monkeypatch.setattr(pallas_hc_post, "hc_post", lambda f, *a, **kw: hc_post_tokens.append(f.shape[0]) or
+                        real_hc_post(f, *a, **kw))
+    # the GPU's decode path for the compressors (pallas_kernels.compressor_gpu on the state stacks, fed the
+    # projections of the attention input's one launch), interpreted; the CPU's own kernel: the next tests
+    monkeypatch.setattr(ops, "_backend", lambda: "gpu")
     outs = {}
     for impl in ("xla", "pallas"):
         # tests/test_engine.py's tiny engine options: in one run the XLA engine's programs come from the persistent
@@ -37,6 +50,11 @@ def test_pallas_engine_equals_xla(monkeypatch):
     assert 4 in experts_calls  # the decode step's four slots
     # the decode step's projections read the weight stacks (prefill chunks of 16 tokens too)
     assert {m for m, _ in linear_calls} >= {4, 16} and all(len(shape) == 3 for _, shape in linear_calls)
+    # ... and, per layer kind, every projection of the attention input in one launch (sliding: wq_a, wkv; HCA: and
+    # its compressor's two; CSA: and the indexer's compressor's two and weights_proj), the shared expert's w1 / w3
+    # in one
+    assert {(4, n) for n in (2, 4, 7)} <= set(group_calls) <= {(m, n) for m in (4, 16) for n in (2, 4, 7)}
+    assert {4, 16} <= set(hc_post_tokens)  # mHC's expansion: decode's four tokens, a chunk's 16
     for a, b in zip(outs["xla"], outs["pallas"]):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

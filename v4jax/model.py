@@ -159,23 +159,29 @@ def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
     def by_row(b):  # every argument and result of compress and sinkhorn is [B, ...]
         return P(mesh_rules.spec(("slots",), (b,))[0] if rows_are_slots else None)
 
-    def compress(comp, x, meta, st_kv, st_sc, rope):
+    def compress(comp, x, meta, st_kv, st_sc, rope, proj=None):
         # The compressor's weights are gathered whole onto every shard (wkv, wgate [coff*K, D] are split over
         # `tensor`; Flash, bf16: 21 MB a CSA layer, 8 MB an HCA layer): the kernels pool channels c and K + c
         # together, and the norm takes all K.
         graphdef, weights = nnx.split(comp)
         rows = by_row(x.shape[0])
 
-        def local(weights, x, meta, st_kv, st_sc):
-            return ops.compress(nnx.merge(graphdef, weights), x, meta, st_kv, st_sc, rope)
+        def local(weights, x, meta, st_kv, st_sc, proj):
+            return ops.compress(nnx.merge(graphdef, weights), x, meta, st_kv, st_sc, rope, proj)
 
-        return on_shards(local, mesh_rules, (P(), rows, rows, rows, rows), rows)(weights, x, meta, st_kv, st_sc)
+        return on_shards(local, mesh_rules, (P(), rows, rows, rows, rows, rows), rows)(weights, x, meta, st_kv,
+                                                                                        st_sc, proj)
 
     def sinkhorn(comb, iters, eps):
         rows = by_row(comb.shape[0])
         return on_shards(lambda c: ops.sinkhorn(c, iters, eps), mesh_rules, rows, rows)(comb)
 
-    return dataclasses.replace(ops, compress=compress, sinkhorn=sinkhorn, experts=experts)
+    def hc_post(f, x, post, comb):
+        rows = by_row(x.shape[0])
+        return on_shards(ops.hc_post, mesh_rules, rows, rows)(f, x, post, comb)
+
+    # `project` stays: on a mesh the weights are arrays, not LayerOf, and it takes none of them
+    return dataclasses.replace(ops, compress=compress, sinkhorn=sinkhorn, hc_post=hc_post, experts=experts)
 
 
 def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict, li, *, ops: Ops, scale: float,
@@ -246,12 +252,13 @@ class Compressor(nnx.Module):
         self.ape = nnx.Param(_normal(rngs, (ratio, coff * head_dim), 1.0, F32), logical_axes=("ratio", "compress"))
         self.norm = RMSNorm(head_dim, cfg.norm_eps, "head_dim", rngs=rngs)
 
-    def project(self, x, positions):
-        """x [B, T, D] -> (a, z) [B, T, coff*K] f32; z includes ape[t mod m]. Run in f32 (official)."""
+    def project(self, x, positions, proj=None):
+        """x [B, T, D] -> (a, z) [B, T, coff*K] f32; z includes ape[t mod m]. Run in f32 (official). proj: the
+        two projections, computed by the caller."""
         xf = x.astype(F32)
-        a = L.linear(xf, self.wkv.weight[...].astype(F32))
-        z = L.linear(xf, self.wgate.weight[...].astype(F32)) + self.ape[...][positions % self.ratio]
-        return a, z
+        a, g = proj if proj is not None else (L.linear(xf, self.wkv.weight[...].astype(F32)),
+                                              L.linear(xf, self.wgate.weight[...].astype(F32)))
+        return a, g + self.ape[...][positions % self.ratio]
 
     def finish(self, pooled, cos, sin, dtype):
         """Pooled windows [..., K] f32 -> entries: RMS norm (after a cast to the activation dtype), RoPE."""
@@ -277,9 +284,10 @@ class Indexer(nnx.Module):
             q = quant.fp4_roundtrip(quant.hadamard_rotate(q), 32)
         return q
 
-    def head_weights(self, x):
-        """x [B, T, D] -> w [B, T, Hi] f32 with both scales folded in (Ki^-1/2 for q.k, Hi^-1/2 for the sum)."""
-        w = L.linear(x.astype(F32), self.weights_proj.weight[...].astype(F32))
+    def head_weights(self, x, proj=None):
+        """x [B, T, D] -> w [B, T, Hi] f32 with both scales folded in (Ki^-1/2 for q.k, Hi^-1/2 for the sum).
+        proj: x @ weights_proj.T in f32, computed by the caller."""
+        w = L.linear(x.astype(F32), self.weights_proj.weight[...].astype(F32)) if proj is None else proj
         return w * (self.head_dim ** -0.5) * (self.n_heads ** -0.5)
 
     def finish_keys(self, pooled, cos, sin, dtype, opts: RunOptions):
@@ -329,17 +337,19 @@ class Attention(nnx.Module):
     def rope(self, positions):
         return L.rope_cos_sin(self.inv_freq, positions)
 
-    def queries(self, x, cos, sin, opts: RunOptions):
-        """x [B, T, D] -> (q [B, T, H, K], qr [B, T, Q]): low-rank q, unweighted per-head RMS norm, RoPE."""
+    def queries(self, x, cos, sin, opts: RunOptions, qa=None):
+        """x [B, T, D] -> (q [B, T, H, K], qr [B, T, Q]): low-rank q, unweighted per-head RMS norm, RoPE. qa: wq_a's
+        output, computed by the caller."""
         cfg = self.cfg
-        qr = self.q_norm(self.wq_a(x, opts))
+        qr = self.q_norm(self.wq_a(x, opts) if qa is None else qa)
         q = self.wq_b(qr, opts).reshape(*x.shape[:-1], cfg.n_heads, cfg.head_dim)
         q = L.rms_norm(q, None, cfg.norm_eps)
         return L.apply_rope(q, cos[..., None, :], sin[..., None, :]), qr
 
-    def window_kv(self, x, cos, sin, opts: RunOptions):
-        """x [B, T, D] -> the shared key/value [B, T, K] of each token."""
-        kv = L.apply_rope(self.kv_norm(self.wkv(x, opts)), cos, sin)
+    def window_kv(self, x, cos, sin, opts: RunOptions, proj=None):
+        """x [B, T, D] -> the shared key/value [B, T, K] of each token. proj: wkv's output, computed by the
+        caller."""
+        kv = L.apply_rope(self.kv_norm(self.wkv(x, opts) if proj is None else proj), cos, sin)
         return self.kv_round(kv, opts)
 
     def kv_round(self, kv, opts: RunOptions):
@@ -393,8 +403,9 @@ class Attention(nnx.Module):
         li this layer's index in it. Returns (out [B, T, D], pool with this step's writes)."""
         pos = meta.positions
         cos, sin = self.rope(pos)
-        q, qr = self.queries(x, cos, sin, opts)
-        kv = self.window_kv(x, cos, sin, opts)
+        pre = self._input_projections(x, ops, opts)
+        q, qr = self.queries(x, cos, sin, opts, pre.get("wq_a"))
+        kv = self.window_kv(x, cos, sin, opts, pre.get("wkv"))
         r_swa = pool.swa.shape[1]
         # pool -> (rows of one layer [B, E] (-1 = none), values [B, E, K]): what the step stores
         writes = {"swa": (jnp.where(meta.swa_write < r_swa, meta.swa_write, -1), kv)}
@@ -407,27 +418,52 @@ class Attention(nnx.Module):
                 n_ready = jnp.zeros_like(n_ready)
             reads.update(rows=rows, n_ready=n_ready)
             writes["kv"] = self._compress(self.compressor, x, meta, pool, li, rows, "state_kv", "state_score",
-                                          states, ops, opts)
+                                          states, ops, opts, pre.get("compressor"))
             if self.indexer is not None:
                 writes["idx"] = self._compress(self.indexer.compressor, x, meta, pool, li, rows, "idx_state_kv",
-                                               "idx_state_score", states, ops, opts)
-                reads.update(iq=self.indexer.queries(qr, cos, sin, opts), w=self.indexer.head_weights(x))
+                                               "idx_state_score", states, ops, opts, pre.get("indexer compressor"))
+                reads.update(iq=self.indexer.queries(qr, cos, sin, opts),
+                             w=self.indexer.head_weights(x, pre.get("weights_proj")))
         pools = {name: getattr(pool, name) for name in writes}
         o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules, meta.slot is None)
         return self.output(o.astype(q.dtype), cos, sin, opts), dataclasses.replace(pool, **pools, **states)
 
+    def _input_projections(self, x, ops: Ops, opts: RunOptions) -> dict:
+        """The projections of the attention input that the ops table runs in one launch (`Ops.project`: a decode
+        step off a mesh, Pallas): "wq_a" / "wkv" in x's dtype (as Linear returns them), "compressor" / "indexer
+        compressor" (wkv, wgate) and "weights_proj" in f32 (as the compressors and the indexer compute them).
+        Missing names: the consumer projects x itself. Empty under quant_sim (wq_a and wkv read x rounded to FP8,
+        the others x itself)."""
+        if opts.quant_sim:
+            return {}
+        named = [("wq_a", self.wq_a), ("wkv", self.wkv)]
+        for name, comp in (("compressor", self.compressor),
+                           ("indexer compressor", None if self.indexer is None else self.indexer.compressor)):
+            if comp is not None:
+                named += [(name, comp.wkv), (name + " gate", comp.wgate)]
+        if self.indexer is not None:
+            named.append(("weights_proj", self.indexer.weights_proj))
+        got = dict(zip((n for n, _ in named), ops.project(x, [m.weight.get_value() for _, m in named])))
+        pre = {n: got[n].astype(x.dtype) for n in ("wq_a", "wkv") if got[n] is not None}
+        for name in ("compressor", "indexer compressor"):
+            if got.get(name) is not None and got.get(name + " gate") is not None:
+                pre[name] = (got[name], got[name + " gate"])
+        if got.get("weights_proj") is not None:
+            pre["weights_proj"] = got["weights_proj"]
+        return pre
+
     def _compress(self, comp: Compressor, x, meta, pool, li, rows, st_kv_name, st_sc_name, states: dict,
-                  ops: Ops, opts: RunOptions):
-        """Run a compressor over the step's tokens from the rows' states (the new states go into `states`).
-        Returns (pool rows [B, E] of the windows it closed, -1 = none; their entries, rounded as the layer stores
-        them)."""
+                  ops: Ops, opts: RunOptions, proj=None):
+        """Run a compressor over the step's tokens from the rows' states (the new states go into `states`); proj:
+        its two projections of x, computed by the caller. Returns (pool rows [B, E] of the windows it closed,
+        -1 = none; their entries, rounded as the layer stores them)."""
         st_kv, st_sc = getattr(pool, st_kv_name), getattr(pool, st_sc_name)
         if meta.slot is None and opts.mesh_rules is None:  # every slot: the ops read the layer's in the stack
             entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, L.LayerOf(st_kv, li), L.LayerOf(st_sc, li),
-                                                      self.rope)
+                                                      self.rope, proj)
         else:
             entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, _rows_of(st_kv, li, meta),
-                                                      _rows_of(st_sc, li, meta), self.rope)
+                                                      _rows_of(st_sc, li, meta), self.rope, proj)
             nkv, nsc = _set_rows(st_kv, li, meta, nkv), _set_rows(st_sc, li, meta, nsc)
         if comp is self.compressor:
             entries = self.kv_round(entries, opts)
@@ -564,9 +600,14 @@ class SharedExpert(nnx.Module):
         self.w2 = Linear(cfg.moe_inter_dim, cfg.dim, ("embed", "mlp"), rngs=rngs, dtype=dtype, fp8=True)
         self.w3 = Linear(cfg.dim, cfg.moe_inter_dim, ("mlp", "embed"), rngs=rngs, dtype=dtype, fp8=True)
 
-    def __call__(self, x, limit, opts):
+    def __call__(self, x, limit, opts, project=None):
+        """project: the ops table's `project` (w1 and w3 in one launch where it takes them)."""
         # The current official revision clamps the shared expert too (reference §9.3).
-        h = L.swiglu(self.w1(x, opts).astype(F32), self.w3(x, opts).astype(F32), limit)
+        xq = quant.fp8_roundtrip(x, 128) if opts.quant_sim else x  # as Linear rounds the input of w1 and w3
+        h1, h3 = (project or OPS["xla"].project)(xq, [self.w1.weight.get_value(), self.w3.weight.get_value()])
+        h1 = self.w1(x, opts) if h1 is None else h1.astype(x.dtype)  # rounded as Linear returns it
+        h3 = self.w3(x, opts) if h3 is None else h3.astype(x.dtype)
+        h = L.swiglu(h1.astype(F32), h3.astype(F32), limit)
         return self.w2(h.astype(x.dtype), opts)
 
 
@@ -581,10 +622,11 @@ class MoE(nnx.Module):
     def hashed(self) -> bool:
         return self.gate.tid2eid is not None
 
-    def __call__(self, x, token_ids, opts: RunOptions, experts_fn=None, layer=None):
+    def __call__(self, x, token_ids, opts: RunOptions, experts_fn=None, layer=None, project=None):
         """Returns (y like x, the chosen experts [B*T, k] int32). experts_fn: the ops table's `experts` (on a mesh
         already per shard, mesh_ops; None: the XLA forms, per shard on a mesh); layer: the index of this layer in
-        its stack when the expert weights are the whole stack (see Transformer._run_layers)."""
+        its stack when the expert weights are the whole stack (see Transformer._run_layers); project: the ops
+        table's `project`, for the shared expert."""
         cfg = self.cfg
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -596,7 +638,7 @@ class MoE(nnx.Module):
         y = experts_fn(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], cfg.swiglu_limit,
                        layer)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat, cfg.swiglu_limit, opts).astype(F32)
+            y = y + self.shared_experts(flat, cfg.swiglu_limit, opts, project).astype(F32)
         return y.astype(x.dtype).reshape(shape), idx
 
 
@@ -627,13 +669,16 @@ class Block(nnx.Module):
     def ffn_part(self, x, token_ids, opts, ops: Ops | None = None, layer=None):
         """ops: the cached path's ops table (None: the reference maths of the uncached forward); layer: see MoE."""
         u, post, comb = self.hc_ffn(x, None if ops is None else ops.sinkhorn)
-        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, None if ops is None else ops.experts, layer)
-        return L.hc_post(y, x, post, comb), experts
+        if ops is None:
+            y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, layer=layer)
+            return L.hc_post(y, x, post, comb), experts
+        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, ops.experts, layer, ops.project)
+        return ops.hc_post(y, x, post, comb), experts
 
     def cached(self, x, meta, token_ids, pool, li, ops: Ops, opts: RunOptions):
         u, post, comb = self.hc_attn(x, ops.sinkhorn)
         a, pool = self.attn.cached(self.attn_norm(u), meta, pool, li, ops, opts)
-        x = L.hc_post(a, x, post, comb)
+        x = ops.hc_post(a, x, post, comb)
         return self.ffn_part(x, token_ids, opts, ops, li)[0], pool
 
     def __call__(self, x, positions, token_ids, opts: RunOptions, layer=None):

@@ -9,11 +9,12 @@ return what sharding/context.py merges across shards. On a mesh a table of Palla
 entries per shard (v4jax.model.mesh_ops: a Mosaic call cannot be partitioned automatically); XLA partitions the jnp
 forms itself.
 
-  compress(comp, x, meta, st_kv, st_sc, rope) -> (entries [B, E, K] in x's dtype, entry index [B, E],
+  compress(comp, x, meta, st_kv, st_sc, rope, proj=None) -> (entries [B, E, K] in x's dtype, entry index [B, E],
       emitted [B, E] bool, new state_kv, new state_score): the compressor over the step's tokens from the rows'
       states (st_* [B, C*m, C*K] f32), before the layer's storage rounding. When row b is slot b (decode, off a
       mesh) st_* may be L.LayerOf(stack [n, slots, ...], layer): the new states then come back as the whole stack
-      (the GPU kernel updates it in place).
+      (the GPU kernel updates it in place). proj: (x @ wkv.T, x @ wgate.T) in f32 where `project` gave them
+      (a kernel that projects inside itself ignores them).
   select(iq, w, idx_pool, rows, n_ready, k) -> (scores, positions) [B, T, min(k, S)]: the Lightning Indexer's
       top-k of each query over the entries of `rows` [B, S] it may see (entry e < n_ready [B, T]): positions
       along S, best first (higher score, then lower position), -1 (score -inf) where fewer are valid.
@@ -28,6 +29,10 @@ forms itself.
       weighted sum (v4jax.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of another shard's
       expert, weight 0); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the layer's experts are
       used, else [E, ...]; form: the XLA form where the XLA forms run (None: by size).
+  project(x, ws) -> [[..., O_k] f32 or None]: x @ w.T for several weights of one input in one launch, each
+      w an L.LayerOf of a layer stack [n, O_k, D] (None for a weight the kernel does not take: the caller
+      projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule).
+  hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.layers.hc_post).
   linear(x, w, layer, groups) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a layer stack
       w [n, O, D] (v4jax.layers.linear, groups included); off a mesh only (on one the projections are XLA's,
       partitioned by the rules).
@@ -56,6 +61,8 @@ class Ops:
     sinkhorn: Callable
     experts: Callable
     linear: Callable
+    project: Callable
+    hc_post: Callable
     per_shard: bool = False  # Pallas calls: on a mesh every entry runs per shard
 
 
@@ -80,8 +87,8 @@ def _state_put(st, new):
     return st.stack.at[st.index].set(new) if isinstance(st, L.LayerOf) else new
 
 
-def _compress_xla(comp, x, meta, st_kv, st_sc, rope):
-    a, z = comp.project(x, meta.positions)
+def _compress_xla(comp, x, meta, st_kv, st_sc, rope, proj=None):
+    a, z = comp.project(x, meta.positions, proj)
     pooled, ent, ok, nkv, nsc = L.compress_chunk(_state_rows(st_kv), _state_rows(st_sc), a, z, meta.start,
                                                  meta.n_valid, meta.fresh, comp.ratio, comp.overlap)
     cos, sin = rope(ent * comp.ratio)
@@ -113,7 +120,7 @@ def _attend_xla(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_row
 
 
 # ---- Pallas --------------------------------------------------------------------------------------------
-def _compress_pallas(comp, x, meta, st_kv, st_sc, rope):
+def _compress_pallas(comp, x, meta, st_kv, st_sc, rope, proj=None):
     """pallas_kernels.compressor: the decode kernel for one token per row, the prefill kernel for a chunk."""
     pallas_compressor = importlib.import_module("pallas_kernels.compressor")
     t, m = x.shape[1], comp.ratio
@@ -121,7 +128,7 @@ def _compress_pallas(comp, x, meta, st_kv, st_sc, rope):
     wkv, wgate = comp.wkv.weight.get_value(), comp.wgate.weight.get_value()
     if t == 1 and isinstance(st_kv, L.LayerOf) and _backend() == "gpu" and importlib.import_module(
             "pallas_kernels.compressor_gpu").decode_supported(x, st_kv.stack, comp.norm.weight[...], m, comp.overlap):
-        return _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static)
+        return _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static, proj)
     st_kv_in, st_sc_in = st_kv, st_sc
     st_kv, st_sc = _state_rows(st_kv), _state_rows(st_sc)
     # The kernels resume from the state they are given; a row that starts a new request starts empty.
@@ -143,9 +150,9 @@ def _compress_pallas(comp, x, meta, st_kv, st_sc, rope):
     return entries.astype(x.dtype), ent, ok, _state_put(st_kv_in, nkv), _state_put(st_sc_in, nsc)
 
 
-def _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static):
+def _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static, proj=None):
     """GPU decode on the stacks of every slot's states, updated in place at the layer (no slice and write-back
-    copies), the projections read from the weight stacks in place where they are LayerOf too."""
+    copies), the projections read from the weight stacks in place where they are LayerOf too (or given)."""
     compressor_gpu = importlib.import_module("pallas_kernels.compressor_gpu")
     pallas_compressor = importlib.import_module("pallas_kernels.compressor")
     layer_linear = importlib.import_module("pallas_kernels.layer_linear")
@@ -162,7 +169,7 @@ def _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, st
     pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding row, its state is left alone
     entry, emitted, nkv, nsc = compressor_gpu.compressor_decode_gpu(
         x[:, 0], pos, kv0, sc0, wkv, wgate, comp.ape[...], comp.norm.weight[...], rope(pos + 1 - m), **static,
-        layer=st_kv.index, project=project)
+        layer=st_kv.index, project=project, projected=None if proj is None else (proj[0][:, 0], proj[1][:, 0]))
     return entry.astype(x.dtype)[:, None], (pos // m)[:, None], emitted[:, None], nkv, nsc
 
 
@@ -237,10 +244,41 @@ def _linear_pallas(x, w, layer, groups=1):
     return _linear_xla(x, w, layer, groups)
 
 
+def _project_xla(x, ws):
+    return [None] * len(ws)
+
+
+def _project_pallas(x, ws):
+    """pallas_kernels.layer_linear.layer_linears over the weights it takes, in one launch: on the H200 a CSA
+    layer's six projections of the attention input ran in 13 launches and 31 us at batch 1, in one (with its
+    split-D sum) and 13 us (scripts/bench_fused_projections.py). Not on TPU (as `linear`)."""
+    kernel = importlib.import_module("pallas_kernels.layer_linear")
+    if _backend() == "tpu":
+        return [None] * len(ws)
+    takes = [isinstance(w, L.LayerOf) and kernel.supported(x, w.stack) for w in ws]
+    if sum(takes) < 2:
+        return [None] * len(ws)
+    got = iter(kernel.layer_linears(x, [w.stack for w, t in zip(ws, takes) if t], ws[takes.index(True)].index))
+    return [next(got) if t else None for t in takes]
+
+
+def _hc_post_pallas(f, x, post, comb):
+    """pallas_kernels.hc_post on GPU (interpreted on CPU): XLA's form moves its bytes at about a quarter of the
+    bandwidth (8192 tokens of Flash: 798 us in XLA, 151 us in the kernel; 2 launches a call in decode, 1 in the
+    kernel; scripts/bench_hc_post.py). XLA's form on TPU (the kernel is written for Triton)."""
+    kernel = importlib.import_module("pallas_kernels.hc_post")
+    n, d = x.shape[-2:]
+    f2, x2 = f.reshape(-1, d), x.reshape(-1, n, d)
+    if _backend() == "tpu" or f.dtype != x.dtype or not kernel.supported(f2, x2):
+        return L.hc_post(f, x, post, comb)
+    return kernel.hc_post(f2, x2, post.reshape(-1, n), comb.reshape(-1, n, n)).reshape(x.shape)
+
+
 OPS = {
-    "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla, _linear_xla),
+    "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla, _linear_xla, _project_xla,
+               L.hc_post),
     "pallas": Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas, _experts_pallas,
-                  _linear_pallas, per_shard=True),
+                  _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True),
 }
 
 
