@@ -1,6 +1,7 @@
-"""Would one launch per group of decode projections that share an input beat one launch per projection?
+"""Does one launch per group of decode projections that share an input beat one launch per projection? (It did:
+the ops table's `project` runs them so.)
 
-A Flash decode step launches `pallas_kernels/layer_linear.py` ~10 times per layer, and each launch of a narrow
+A Flash decode step launched `pallas_kernels/layer_linear.py` ~10 times per layer, and each launch of a narrow
 projection is followed by an XLA sum of its split-D partials; run K's profile put the projections at 2.9 TB/s
 against 3.65 for a copy, and ~300 small kernels per flash-slice step. This measures, on the Flash shapes, a
 group of projections of one input (a CSA layer's wq_a, wkv and the two compressors' wkv / wgate; the shared

@@ -10,8 +10,9 @@
 #   bash scripts/h200_speed.sh graphs  the decode call as one CUDA graph (V4JAX_DECODE_GRAPHS=loop) against XLA's
 #                                      default command buffers: jitted call, engine loop and LLM.generate of
 #                                      flash-slice at 4K / 128K
-#   bash scripts/h200_speed.sh candidates  kernels not yet in the model: their GPU tests and measurements
-#                                      (scripts/bench_fused_projections.py, scripts/bench_hc_post.py)
+#   bash scripts/h200_speed.sh candidates  the one-launch projections and the mHC-expansion kernel against the forms
+#                                      they replace: GPU tests and measurements (scripts/bench_fused_projections.py,
+#                                      scripts/bench_hc_post.py)
 #   bash scripts/h200_speed.sh engine  the engine GPU tests (Pallas engine = XLA engine, a second generate compiles
 #                                      nothing)
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
@@ -114,8 +115,8 @@ graphs)
     | cut -d'|' -f2-9
   ;;
 candidates)
-  # ~4 min: the kernels not yet in the model, their GPU tests and measurements: several projections of one input in
-  # one launch (scripts/bench_fused_projections.py), mHC's expansion as a Pallas kernel (scripts/bench_hc_post.py)
+  # ~70 s: several projections of one input in one launch (scripts/bench_fused_projections.py), mHC's expansion as a
+  # Pallas kernel (scripts/bench_hc_post.py), their GPU tests
   stamp "GPU tests of the projection and mHC-expansion kernels"
   timeout 120 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "layer_linear or hc_post" \
     -p no:cacheprovider 2>&1 | tail -2

@@ -123,7 +123,8 @@ def hc_post(f, x, post, comb):
     """X'_k = post_k * f + sum_j comb[j, k] X_j; f [..., D], x [..., N, D]. As a per-token [N, N] x [N, D] matmul
     XLA:GPU runs it at about a quarter of the bandwidth (86 ms of a 128K flash-slice prefill, two kernels per call
     in decode); written as N multiply-adds (and the collapse in hc_pre likewise) it failed to compile on the H200
-    (JAX 0.11.2: the batch-1 4096-token prefill, a RET_CHECK in XLA's MLIR emitter), so it stays a matmul."""
+    (JAX 0.11.2: the batch-1 4096-token prefill, a RET_CHECK in XLA's MLIR emitter), so it stays a matmul here,
+    the reference; the Pallas ops table runs pallas_kernels.hc_post on GPUs."""
     dt = x.dtype
     out = post.astype(dt)[..., None] * f[..., None, :] + jnp.einsum("...jk,...jd->...kd", comb.astype(dt), x)
     return out.astype(dt)
