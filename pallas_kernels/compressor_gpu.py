@@ -15,7 +15,6 @@ from jax.experimental import pallas as pl
 
 from . import _compat
 from ._common import F32, next_pow2, round_up
-from ._compat import backend
 from .compressor import _dims, finish_entry, project_f32
 
 _CB = 32   # channels per program (per half)
@@ -153,7 +152,7 @@ def compressor_decode_gpu(x, pos, kv_state, score_state, wkv, wgate, ape, norm_w
   `project` is not called."""
   m, coff, d = _dims(kv_state, norm_w, ratio, overlap)
   if interpret is None:
-    interpret = backend() == "cpu"
+    interpret = _compat.backend() == "cpu"
   pos = pos.astype(jnp.int32)
   a, g = projected if projected is not None else (project(x, wkv), project(x, wgate))
   z = g + ape.astype(F32)[jnp.mod(pos, m)]

@@ -436,20 +436,21 @@ class Attention(nnx.Module):
         the others x itself)."""
         if opts.quant_sim:
             return {}
-        named = [("wq_a", self.wq_a), ("wkv", self.wkv)]
-        for name, comp in (("compressor", self.compressor),
-                           ("indexer compressor", None if self.indexer is None else self.indexer.compressor)):
-            if comp is not None:
-                named += [(name, comp.wkv), (name + " gate", comp.wgate)]
+        groups = {"wq_a": [self.wq_a], "wkv": [self.wkv]}
+        if self.compressor is not None:
+            groups["compressor"] = [self.compressor.wkv, self.compressor.wgate]
         if self.indexer is not None:
-            named.append(("weights_proj", self.indexer.weights_proj))
-        got = dict(zip((n for n, _ in named), ops.project(x, [m.weight.get_value() for _, m in named])))
-        pre = {n: got[n].astype(x.dtype) for n in ("wq_a", "wkv") if got[n] is not None}
-        for name in ("compressor", "indexer compressor"):
-            if got.get(name) is not None and got.get(name + " gate") is not None:
-                pre[name] = (got[name], got[name + " gate"])
-        if got.get("weights_proj") is not None:
-            pre["weights_proj"] = got["weights_proj"]
+            groups["indexer compressor"] = [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
+            groups["weights_proj"] = [self.indexer.weights_proj]
+        got = iter(ops.project(x, [m.weight.get_value() for ms in groups.values() for m in ms]))
+        pre = {}
+        for name, ms in groups.items():
+            ys = [next(got) for _ in ms]
+            if all(y is not None for y in ys):
+                pre[name] = tuple(ys) if len(ys) > 1 else ys[0]
+        for name in ("wq_a", "wkv"):
+            if name in pre:
+                pre[name] = pre[name].astype(x.dtype)
         return pre
 
     def _compress(self, comp: Compressor, x, meta, pool, li, rows, st_kv_name, st_sc_name, states: dict,
