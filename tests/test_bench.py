@@ -3,6 +3,7 @@ byte counts are the ones computed by hand below. No timing is asserted."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -56,37 +57,43 @@ def test_roofline_by_hand(batch, ctx):
     assert rl["total"] == pytest.approx(hand_weights(batch) + batch * hand_kv_per_seq(ctx), rel=1e-12)
 
 
-def test_fill_pools_writes_every_element_in_blocks(monkeypatch):
-    # the decode benchmark's synthetic pools: every element written (a block smaller than the arrays, repeated),
-    # floats in [-2, 2], ids inside the vocabulary, the same values for the same seed, the arrays' shapes, dtypes
-    # and shardings kept
-    import types
-
+def test_random_pools_fill_every_element():
+    # the decode benchmark's synthetic pools: an engine built under _random_pools has its pools' shapes, dtypes
+    # and (uncommitted: a committed pool is a new signature to the engine's steps) placement, every element
+    # written, floats in [-2, 2], ids inside the vocabulary, the same values for the same seed, other values for
+    # another, and other values in each layer of a stack
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
+    from v4jax import cache as C
     from v4jax.bench import decode as D
 
-    def fake_engine():
-        pools = {"stack": jnp.zeros((3, 37, 8), jnp.bfloat16), "ids": jnp.zeros((5, 6), jnp.int32),
-                 "state": jnp.zeros((2, 3, 4, 8), jnp.float32), "flat": jnp.zeros((9,), jnp.float32)}
-        return types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=50), pools=pools)
-
-    monkeypatch.setattr(D, "FILL_BLOCK", 81)   # an odd block smaller than the arrays: each repeats it
-    engines = [fake_engine(), fake_engine()]
-    before = {k: (v.shape, v.dtype, v.sharding) for k, v in engines[0].pools.items()}
-    for e in engines:
-        D._fill_pools(e, seed=3)
-    assert {k: (v.shape, v.dtype, v.sharding) for k, v in engines[0].pools.items()} == before
-    a, b = ({k: np.asarray(v, np.float32) for k, v in e.pools.items()} for e in engines)
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
-        assert np.count_nonzero(a[k]) >= a[k].size - 2, k      # (a random value may round to 0)
-    assert a["ids"].min() >= 0 and a["ids"].max() < 50 and len(np.unique(a["ids"])) > 10
-    assert a["stack"].min() >= -2 and a["stack"].max() <= 2 and len(np.unique(a["stack"])) > 60
-    assert a["state"].min() >= -2 and a["state"].max() <= 2 and len(np.unique(a["state"])) > 60
-    assert not np.array_equal(a["stack"][0], a["stack"][1])   # an odd period: the layers are shifted copies
+    cfg = small_config()
+    p = C.PoolLayout.default_page_size(cfg)
+    LAYOUT = C.PoolLayout(page_size=p, swa_page_size=math.gcd(p, 64), n_pages=6, n_swa_pages=5, max_slots=2,
+                          max_pages_per_seq=3, max_swa_pages_per_seq=2)
+    zeros = C.init_pools
+    outs = []
+    for seed in (3, 3, 4):
+        with D._random_pools(cfg.vocab_size, seed):
+            assert C.init_pools is not zeros
+            outs.append(C.init_pools(cfg, LAYOUT, jax.numpy.bfloat16))
+        assert C.init_pools is zeros
+    ref = zeros(cfg, LAYOUT, jax.numpy.bfloat16)
+    leaves = [jax.tree.leaves(o) for o in outs]
+    for r, a, b, c in zip(jax.tree.leaves(ref), *leaves):
+        assert (a.shape, a.dtype, a.committed) == (r.shape, r.dtype, r.committed) == (c.shape, c.dtype, False)
+        a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, c)
+        if np.issubdtype(r.dtype, np.integer):      # every element written: zeros only as often as chance gives
+            assert a.size - np.count_nonzero(a) <= 3 * a.size // cfg.vocab_size + 2
+            assert a.min() >= 0 and a.max() < cfg.vocab_size and len(np.unique(a)) > min(cfg.vocab_size, a.size) // 2
+        else:
+            assert a.size - np.count_nonzero(a) <= 2
+            assert a.min() >= -2 and a.max() <= 2 and len(np.unique(a)) > min(100, a.size // 2)
+        if a.ndim >= 2 and a.shape[0] > 1:
+            assert not np.array_equal(a[0], a[1])
 
 
 def test_prefill_flops_by_hand():

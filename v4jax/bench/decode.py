@@ -5,7 +5,7 @@ sizes, layers [CSA, HCA, CSA, HCA], 16 routed experts) with random weights in bf
 batch 1 and 32 and contexts 4K, 64K, 256K (1M at batch 1).
 
 * Pools are filled synthetically: every pool array (SWA, C4 KV, C4 indexer keys, C128 KV, compressor state) is
-  overwritten with random values and each slot's page tables are set (by the engine's own allocator) so that it
+  created with pseudo-random values (a hash of each element's coordinates) and each slot's page tables are set (by the engine's own allocator) so that it
   holds `context - 2k` tokens; nothing is prefilled. One jitted decode call then runs k steps, at positions
   context-2k .. context-k-1, so the page bucket (a power of two of full pages) is exactly context / P pages and
   every slot stays active for all k steps (checked).
@@ -28,6 +28,7 @@ killed still leaves what it measured. `--small` runs the whole thing on a tiny c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -180,45 +181,51 @@ def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
     return out
 
 
-FILL_BLOCK = (1 << 20) - 1  # elements of the random block each pool array repeats (odd: rows and layers shift)
-
-
-def _fill_pools(engine, seed: int):
-    """Overwrite every pool array with pseudo-random values (floats uniform in [-2, 2], token ids uniform in the
-    vocabulary): a random block of FILL_BLOCK elements from the host, repeated over the array's shape by one
-    broadcast on the device, after the array itself is freed, with the array's sharding. The program's only large
-    buffer is its output: on the H200 every fill that kept the old array as an input (donated) or hashed element
-    coordinates asked for a second copy of the largest array (21 GiB for flash-1gpu at batch 32): jax.random over
-    the whole pools, one hash of a whole array, one program looping over a donated array's blocks (run K) and one
-    program per block of a donated array (run L), though the last two alias the array in place on the CPU. (A
-    host-side repeat took ~1.4 s per GiB on one core: minutes for flash-1gpu's pools.)"""
+def _random_like(shape, dtype, vocab: int, seed: int):
+    """Pseudo-random values of one pool array, a hash of each element's coordinates (floats uniform in [-2, 2],
+    token ids uniform in [0, vocab)): elementwise from iotas, so the program's only buffer is its output, and no
+    flat index (flash-1gpu's largest pool array has 11G elements, past int32)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    vocab = engine.cfg.vocab_size
-    rng = np.random.default_rng(seed)
 
-    def repeat(block, shape):
-        n = int(np.prod(shape))
-        return jnp.broadcast_to(block, (-(-n // block.size), block.size)).reshape(-1)[:n].reshape(shape)
+    def mix(h):  # a 32-bit finaliser (xorshift-multiply): neighbouring coordinates land far apart
+        h = (h ^ (h >> 16)) * np.uint32(0x7FEB352D)
+        h = (h ^ (h >> 15)) * np.uint32(0x846CA68B)
+        return h ^ (h >> 16)
 
-    leaves, tdef = jax.tree.flatten(engine.pools)
-    engine.pools = None
-    for i, a in enumerate(leaves):
-        shape, dtype, sharding = a.shape, a.dtype, a.sharding
-        leaves[i] = None
-        a.delete()
-        del a
-        m = min(int(np.prod(shape)), FILL_BLOCK)
-        m -= int(m > 1 and m % 2 == 0)
-        if np.issubdtype(dtype, np.integer):
-            block = rng.integers(0, vocab, m).astype(dtype)
-        else:
-            block = rng.uniform(-2.0, 2.0, m).astype(np.float32).astype(dtype)
-        fill = jax.jit(repeat, static_argnums=1, out_shardings=sharding)
-        leaves[i] = fill(jnp.asarray(block), shape)
-    engine.pools = jax.tree.unflatten(tdef, leaves)
-    jax.block_until_ready(engine.pools)
+    h = jnp.full(shape, np.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF), jnp.uint32)
+    for d in range(len(shape)):
+        h = mix(h + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(0x85EBCA6B + 2 * d))
+    if np.issubdtype(dtype, np.integer):
+        return (h % np.uint32(vocab)).astype(dtype)
+    return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(dtype)
+
+
+@contextlib.contextmanager
+def _random_pools(vocab: int, seed: int):
+    """Engines built inside this create their pools with pseudo-random contents instead of zeros (one program per
+    array, its output the array: no zeros first). On the H200 every fill of the engine's zero pools asked for a
+    second copy of the largest array (21 GiB for flash-1gpu at batch 32) and ran out of memory: a hash over a
+    donated array, one program looping over a donated array's blocks (run K), one program per block (run L), and a
+    broadcast into a freed array's place (the memory the engine had just allocated)."""
+    import jax
+    import numpy as np
+
+    from v4jax import cache as C
+
+    zeros = C.init_pools
+
+    def init_pools(cfg, layout, dtype):
+        shapes = jax.eval_shape(lambda: zeros(cfg, layout, dtype))
+        fill = jax.jit(_random_like, static_argnums=(0, 1, 2, 3))
+        return jax.tree.map(lambda a: fill(a.shape, np.dtype(a.dtype), vocab, seed), shapes)
+
+    C.init_pools = init_pools
+    try:
+        yield
+    finally:
+        C.init_pools = zeros
 
 
 def _device_free_bytes():
@@ -265,8 +272,8 @@ class JaxDecodeBench:
         opts = EngineOptions(max_num_seqs=batch, decode_steps=k, max_model_len=max_context,
                              enable_prefix_caching=False)
         t0 = time.perf_counter()
-        self.engine = EngineCore(cfg, model, opts, run_options, max_context)
-        _fill_pools(self.engine, seed)
+        with _random_pools(cfg.vocab_size, seed):
+            self.engine = EngineCore(cfg, model, opts, run_options, max_context)
         self.setup_s = time.perf_counter() - t0
 
     def pool_bytes(self) -> int:
@@ -357,12 +364,15 @@ class JaxDecodeBench:
             # from a little earlier, so that the n_gen + 1 calls stay inside this context's page bucket
             self._occupy(context - (n_gen + 3) * k, rng)
             eng.step()  # the first dispatch (nothing to read yet)
+            compiled = eng.steps.compiled_variants()
             for _ in range(n_gen):
                 t0 = time.perf_counter()
                 deltas = eng.step()
                 gen.append(time.perf_counter() - t0)
                 if len(deltas) != self.batch or any(len(d.new_token_ids) != k for d in deltas):
                     raise RuntimeError(f"an engine step advanced {[len(d.new_token_ids) for d in deltas]}")
+            if eng.steps.compiled_variants() != compiled:
+                raise RuntimeError("the timed engine loop compiled a new decode variant: its times include a compile")
         return {
             "batch": self.batch, "context": context, "held_tokens": held, "k": k,
             "positions": [held, held + k - 1], "page_bucket": int(pt.shape[1]),
