@@ -13,6 +13,8 @@
 #   bash scripts/h200_speed.sh candidates  the one-launch projections and the mHC-expansion kernel against the forms
 #                                      they replace: GPU tests and measurements (scripts/bench_fused_projections.py,
 #                                      scripts/bench_hc_post.py)
+#   bash scripts/h200_speed.sh memory  the decode call's memory plan (scripts/decode_memory.py) with its largest
+#                                      temporaries from XLA's buffer assignment
 #   bash scripts/h200_speed.sh engine  the engine GPU tests (Pallas engine = XLA engine, a second generate compiles
 #                                      nothing)
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
@@ -126,6 +128,21 @@ candidates)
   timeout 150 python3 -W ignore scripts/bench_fused_projections.py --out "$out/fused" 2>&1 | quiet | tail -6
   stamp "mHC expansion"
   timeout 90 python3 -W ignore scripts/bench_hc_post.py --out "$out/hc_post" 2>&1 | quiet | tail -3
+  ;;
+memory)
+  # the decode call's memory plan at flash-slice batch 32 / 128K (scripts/decode_memory.py) and, from XLA's buffer
+  # assignment, the largest values of its temporary allocation: what asks for a second copy of a pool array
+  stamp "decode memory plan"
+  XLA_FLAGS="--xla_dump_to=/tmp/xla_dump --xla_dump_hlo_module_re=jit__decode" timeout 150 python3 -W ignore \
+    scripts/decode_memory.py --model flash-slice --batch 32 --context 128K --attention-impl pallas \
+    > "$out/decode_memory.json" 2>&1
+  tail -8 "$out/decode_memory.json"
+  for f in /tmp/xla_dump/*jit__decode*after_optimizations-buffer-assignment.txt; do
+    grep "^allocation" "$f" | sort -t' ' -k4 -n -r | head -6 | cut -c1-200
+    grep -o "value: <[0-9]* [^ ]* @[0-9]*> (size=[0-9]*,offset=[0-9]*): [a-z0-9]*\[[0-9,]*\]" "$f" \
+      | awk -F'size=' '{split($2,a,","); print a[1], $0}' | sort -n -r | head -25
+  done > "$out/decode_buffers.txt"
+  head -40 "$out/decode_buffers.txt"
   ;;
 engine)
   stamp "engine GPU tests"

@@ -1,0 +1,54 @@
+"""The decode call's device memory as XLA plans it: arguments, outputs, how much of the donated pools the outputs
+alias, and temporaries, against the largest pool array. A donated pool that is not aliased (or a temporary the
+size of a pool array) doubles that array's memory inside the call.
+
+    python scripts/decode_memory.py [--model flash-slice] [--batch 32] [--context 128K] [--attention-impl pallas]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def main():
+    from v4jax import cache as C
+    from v4jax.bench.decode import JaxDecodeBench, _parse_ints, small_config
+    from v4jax.model import RunOptions, Transformer
+    from v4jax.config import preset
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--context", default="256")
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--attention-impl", default="xla")
+    a = ap.parse_args()
+    cfg = small_config() if a.model == "small" else preset(a.model)
+    (ctx,) = _parse_ints(a.context)
+    model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, mtp=False)
+    bench = JaxDecodeBench(cfg, model, RunOptions(attention_impl=a.attention_impl), a.batch, ctx, a.k)
+    eng = bench.engine
+    held = ctx - 2 * a.k
+    bench._occupy(held, np.random.default_rng(0))
+    for s in range(a.batch):
+        eng.tables.reserve(s, held, held + a.k)
+    state, pt, swa = bench._decode_args(held)
+    compiled = eng.steps.decode.lower(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
+                                      swa).compile()
+    m = compiled.memory_analysis()
+    sizes = sorted(((x.nbytes, str(x.shape), str(x.dtype)) for x in jax.tree.leaves(eng.pools)), reverse=True)
+    out = {"model": a.model, "batch": a.batch, "context": ctx, "device": jax.devices()[0].device_kind,
+           "pool_bytes": sum(C.pool_bytes(eng.pools).values()), "largest_pool_arrays": sizes[:4]}
+    for f in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes"):
+        out[f] = getattr(m, f, None)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
