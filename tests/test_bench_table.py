@@ -118,9 +118,9 @@ def test_steady_step_ms_from_streamed_events():
     assert steps == 8 and abs(ms - 2.0) < 1e-9
 
 
-@pytest.mark.parametrize("run", ["h200-c74b007", "h200-0b05ef5"])
+@pytest.mark.parametrize("run", ["h200-594c918", "h200-c74b007", "h200-0b05ef5"])
 def test_benchmarks_tables_are_the_stored_results(run, capsys):
-    # BENCHMARKS.md's tables of runs L and K are what `v4jax bench table` prints from the results stored in
+    # BENCHMARKS.md's tables of runs M, L and K are what `v4jax bench table` prints from the results stored in
     # docs/results
     import os
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
