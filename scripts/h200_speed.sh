@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The speed tables of BENCHMARKS.md ("Decode and prefill at depth"), one device call per stage (each inside the
 # 10-minute limit), Pallas ops:
-#   bash scripts/h200_speed.sh slice   flash-slice (KERNEL_TESTS=1: the top-k / sparse-attention GPU tests
-#                                      first): decode at batch 1 / 32 and 4K / 32K / 128K, 1M at batch 1
-#                                      (jitted call, engine loop, a profile at 4K), HF at 4K (batch 1 / 32) and at batch 1 / 32K and 128K; generate rows and
-#                                      the 128K prefill; the merged table (v4jax bench table)
+#   bash scripts/h200_speed.sh slice   flash-slice (KERNEL_TESTS=1: the top-k / sparse-attention GPU tests first):
+#                                      decode at batch 1 / 32 and 4K / 32K / 128K, 1M at batch 1 (jitted call, engine
+#                                      loop, a profile at 4K), HF at 4K (batch 1 / 32) and at batch 1 / 32K and 128K;
+#                                      generate rows and the 128K prefill; the merged table (v4jax bench table)
 #   bash scripts/h200_speed.sh 1gpu    flash-1gpu (43 layers): first generate (compile), generate rows, 32K prefill,
 #                                      decode at batch 1 / 32 and 4K / 32K / 128K; the merged table
 #   bash scripts/h200_speed.sh graphs  the decode call as one CUDA graph (V4JAX_DECODE_GRAPHS=loop) against XLA's

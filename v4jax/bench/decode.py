@@ -4,11 +4,11 @@ The decode benchmark. A Flash-shaped slice (`flash-slice` preset: Flash attentio
 sizes, layers [CSA, HCA, CSA, HCA], 16 routed experts) with random weights in bf16, decode step time and tokens/s at
 batch 1 and 32 and contexts 4K, 64K, 256K (1M at batch 1).
 
-* Pools are filled synthetically: every pool array (SWA, C4 KV, C4 indexer keys, C128 KV, compressor state) is
-  created with pseudo-random values (a hash of each element's coordinates) and each slot's page tables are set (by
-  the engine's own allocator) so that it holds `context - 2k` tokens; nothing is prefilled. One jitted decode call then runs k steps, at positions
-  context-2k .. context-k-1, so the page bucket (a power of two of full pages) is exactly context / P pages and
-  every slot stays active for all k steps (checked).
+* Pools are filled synthetically: every pool array (SWA, C4 KV, C4 indexer keys, C128 KV, compressor state) is created
+  with pseudo-random values (a hash of each element's coordinates) and each slot's page tables are set (by the
+  engine's own allocator) so that it holds `context - 2k` tokens; nothing is prefilled. One jitted decode call then
+  runs k steps, at positions context-2k .. context-k-1, so the page bucket (a power of two of full pages) is exactly
+  context / P pages and every slot stays active for all k steps (checked).
 * The time is the engine's jitted decode call (`engine.steps.decode_step`, k steps in one `lax.fori_loop`,
   sampling included) with the arguments `EngineCore.step` passes it, median over calls after warm-up, with
   `block_until_ready`; per-step time = call time / k. `EngineCore.step()` (the loop `LLM.generate` runs: host
