@@ -2,11 +2,14 @@
 alias, and temporaries, against the largest pool array. A donated pool that is not aliased (or a temporary the
 size of a pool array) doubles that array's memory inside the call.
 
-    python scripts/decode_memory.py [--model flash-slice] [--batch 32] [--context 128K] [--attention-impl pallas]
+    python scripts/decode_memory.py [--model flash-slice] [--batch 32] [--contexts 16K,128K] [--attention-impl pallas]
+
+One JSON line per context (an engine sized for it, freed before the next).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import jax
@@ -24,30 +27,32 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--context", default="256")
+    ap.add_argument("--contexts", default="256")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--attention-impl", default="xla")
     a = ap.parse_args()
     cfg = small_config() if a.model == "small" else preset(a.model)
-    (ctx,) = _parse_ints(a.context)
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, mtp=False)
-    bench = JaxDecodeBench(cfg, model, RunOptions(attention_impl=a.attention_impl), a.batch, ctx, a.k)
-    eng = bench.engine
-    held = ctx - 2 * a.k
-    bench._occupy(held, np.random.default_rng(0))
-    for s in range(a.batch):
-        eng.tables.reserve(s, held, held + a.k)
-    state, pt, swa = bench._decode_args(held)
-    compiled = eng.steps.decode.lower(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
-                                      swa).compile()
-    m = compiled.memory_analysis()
-    sizes = sorted(((x.nbytes, str(x.shape), str(x.dtype)) for x in jax.tree.leaves(eng.pools)), reverse=True)
-    out = {"model": a.model, "batch": a.batch, "context": ctx, "device": jax.devices()[0].device_kind,
-           "pool_bytes": sum(C.pool_bytes(eng.pools).values()), "largest_pool_arrays": sizes[:4]}
-    for f in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-              "generated_code_size_in_bytes"):
-        out[f] = getattr(m, f, None)
-    print(json.dumps(out, indent=1))
+    for ctx in _parse_ints(a.contexts):
+        bench = JaxDecodeBench(cfg, model, RunOptions(attention_impl=a.attention_impl), a.batch, ctx, a.k)
+        eng = bench.engine
+        held = ctx - 2 * a.k
+        bench._occupy(held, np.random.default_rng(0))
+        for s in range(a.batch):
+            eng.tables.reserve(s, held, held + a.k)
+        state, pt, swa = bench._decode_args(held)
+        compiled = eng.steps.decode.lower(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
+                                          swa).compile()
+        m = compiled.memory_analysis()
+        largest = max(jax.tree.leaves(eng.pools), key=lambda x: x.nbytes)
+        out = {"model": a.model, "batch": a.batch, "context": ctx, "device": jax.devices()[0].device_kind,
+               "pool_bytes": sum(C.pool_bytes(eng.pools).values()),
+               "largest_pool_array": [largest.nbytes, list(largest.shape), str(largest.dtype)]}
+        for f in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes"):
+            out[f] = getattr(m, f, None)
+        print(json.dumps(out), flush=True)
+        del bench, eng, compiled
+        gc.collect()
 
 
 if __name__ == "__main__":

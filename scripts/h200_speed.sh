@@ -14,7 +14,8 @@
 #                                      they replace: GPU tests and measurements (scripts/bench_fused_projections.py,
 #                                      scripts/bench_hc_post.py)
 #   bash scripts/h200_speed.sh memory  the decode call's memory plan (scripts/decode_memory.py) with its largest
-#                                      temporaries from XLA's buffer assignment
+#                                      temporaries from XLA's buffer assignment (flash-slice), then flash-1gpu's at
+#                                      batch 32 and 16K / 64K / 128K (MEM_1GPU=0 skips it)
 #   bash scripts/h200_speed.sh engine  the engine GPU tests (Pallas engine = XLA engine, a second generate compiles
 #                                      nothing)
 #   bash scripts/h200_speed.sh 4k      the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per
@@ -134,9 +135,14 @@ memory)
   # assignment, the largest values of its temporary allocation: what asks for a second copy of a pool array
   stamp "decode memory plan"
   XLA_FLAGS="--xla_dump_to=/tmp/xla_dump --xla_dump_hlo_module_re=jit__decode" timeout 150 python3 -W ignore \
-    scripts/decode_memory.py --model flash-slice --batch 32 --context 128K --attention-impl pallas \
+    scripts/decode_memory.py --model flash-slice --batch 32 --contexts 128K --attention-impl pallas \
     > "$out/decode_memory.json" 2>&1
-  tail -8 "$out/decode_memory.json"
+  tail -3 "$out/decode_memory.json"
+  # flash-1gpu at batch 32: its CSA compressed-KV stack passes 2^31 elements between 16K (1.4G) and 64K (5.6G); at
+  # 128K (11.3G) the decode call asked for a second copy of it (run M)
+  [ "${MEM_1GPU:-1}" = 1 ] && timeout 200 python3 -W ignore scripts/decode_memory.py --model flash-1gpu --batch 32 \
+    --contexts "${MEM_CONTEXTS:-16K,64K,128K}" --attention-impl pallas > "$out/decode_memory_1gpu.json" 2>&1
+  tail -4 "$out/decode_memory_1gpu.json"
   for f in /tmp/xla_dump/*jit__decode*after_optimizations-buffer-assignment.txt; do
     grep "^allocation" "$f" | sort -t' ' -k4 -n -r | head -6 | cut -c1-200
     grep -o "value: <[0-9]* [^ ]* @[0-9]*> (size=[0-9]*,offset=[0-9]*): [a-z0-9]*\[[0-9,]*\]" "$f" \
