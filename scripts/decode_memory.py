@@ -36,11 +36,7 @@ def main():
     for ctx in _parse_ints(a.contexts):
         bench = JaxDecodeBench(cfg, model, RunOptions(attention_impl=a.attention_impl), a.batch, ctx, a.k)
         eng = bench.engine
-        held = ctx - 2 * a.k
-        bench._occupy(held, np.random.default_rng(0))
-        for s in range(a.batch):
-            eng.tables.reserve(s, held, held + a.k)
-        state, pt, swa = bench._decode_args(held)
+        state, pt, swa = bench.decode_args(ctx - 2 * a.k, np.random.default_rng(0))
         compiled = eng.steps.decode.lower(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
                                           swa).compile()
         m = compiled.memory_analysis()

@@ -298,12 +298,16 @@ class JaxDecodeBench:
             sch.slots[s] = req
             eng.tables.reserve(s, held, held)  # full pages for [0, held), SWA pages of the window
 
-    def _decode_args(self, held: int):
-        """The decode step's arguments for every slot at position `held` (what EngineCore.step passes)."""
+    def decode_args(self, held: int, rng):
+        """Every slot decoding at position `held` with its next k positions reserved: the decode step's arguments
+        (what EngineCore.step passes)."""
         import numpy as np
 
         from v4jax.engine import steps as S
         from v4jax.engine.core import _snapshot
+        self._occupy(held, rng)
+        for slot in range(self.batch):
+            self.engine.tables.reserve(slot, held, held + self.k)
         eng, s = self.engine, self.engine.layout.max_slots
         z = lambda dt=np.int32: np.zeros(s, dt)
         state = S.DecodeState(z(), np.full(s, held, np.int32), np.ones(s, bool), np.full(s, 1 << 20, np.int32),
@@ -319,10 +323,7 @@ class JaxDecodeBench:
 
         k, eng = self.k, self.engine
         held = context - 2 * k
-        self._occupy(held, rng)
-        for s in range(self.batch):
-            eng.tables.reserve(s, held, held + k)
-        state, pt, swa = self._decode_args(held)
+        state, pt, swa = self.decode_args(held, rng)
         t0 = time.perf_counter()
         out = eng.steps.decode(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt, swa)  # compiles this variant
         jax.block_until_ready(out)
