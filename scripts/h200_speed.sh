@@ -92,6 +92,11 @@ slice)
   # at batch 1 / 32 and 4K / 32K / 128K, the merged table. 256 new tokens: batch 32's prompts take 16 prefill
   # steps, and its first requests decode 8 tokens in each, so with 128 they finished before the last one started
   # (no steady window in run K)
+  # JAX's allocator may take 94 % of the GPU here (no torch in this stage; the default, 75 %, is 105 GB): batch 32 at
+  # 128K holds 49 GB of weights and 30 GB of pools, and the decode call's compile asked for a buffer the size of its
+  # largest pool array (21 GiB) on top (run M: out of memory; the plan itself aliases every pool, with 22 MB of
+  # temporaries, and a donated 21 GiB array is updated in place: scripts/check_donation.py)
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.94}
   stamp "flash-1gpu generate"
   timeout 310 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
     --prefill 32K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 225 \
@@ -140,15 +145,26 @@ memory)
   tail -3 "$out/decode_memory.json"
   # flash-1gpu at batch 32: its CSA compressed-KV stack passes 2^31 elements between 16K (1.4G) and 64K (5.6G); at
   # 128K (11.3G) the decode call asked for a second copy of it (run M)
-  [ "${MEM_1GPU:-1}" = 1 ] && timeout 200 python3 -W ignore scripts/decode_memory.py --model flash-1gpu --batch 32 \
+  [ "${MEM_1GPU:-1}" = 1 ] && XLA_FLAGS="--xla_dump_to=/tmp/xla_dump_1gpu --xla_dump_hlo_module_re=jit__decode" \
+    timeout 240 python3 -W ignore scripts/decode_memory.py --model flash-1gpu --batch 32 \
     --contexts "${MEM_CONTEXTS:-16K,64K,128K}" --attention-impl pallas > "$out/decode_memory_1gpu.json" 2>&1
   tail -4 "$out/decode_memory_1gpu.json"
-  for f in /tmp/xla_dump/*jit__decode*after_optimizations-buffer-assignment.txt; do
-    grep "^allocation" "$f" | sort -t' ' -k4 -n -r | head -6 | cut -c1-200
-    grep -o "value: <[0-9]* [^ ]* @[0-9]*> (size=[0-9]*,offset=[0-9]*): [a-z0-9]*\[[0-9,]*\]" "$f" \
-      | awk -F'size=' '{split($2,a,","); print a[1], $0}' | sort -n -r | head -25
+  for d in /tmp/xla_dump /tmp/xla_dump_1gpu; do
+    for f in "$d"/*jit__decode*after_optimizations-buffer-assignment.txt; do
+      echo "== $f"
+      grep "^allocation" "$f" | sort -t' ' -k4 -n -r | head -6 | cut -c1-200
+      grep -o "value: <[0-9]* [^ ]* @[0-9]*> (size=[0-9]*,offset=[0-9]*): [a-z0-9]*\[[0-9,]*\]" "$f" \
+        | awk -F'size=' '{split($2,a,","); print a[1], $0}' | sort -n -r | head -25
+    done
   done > "$out/decode_buffers.txt"
-  head -40 "$out/decode_buffers.txt"
+  # the instructions that make or take an array the size of the largest pool stack, flat or stacked (what copies it)
+  for f in /tmp/xla_dump_1gpu/*jit__decode*after_optimizations.txt; do
+    echo "== $f"
+    grep -n "\[22020096,512\]\|\[21,1048576,512\]\|copy\|cuda_graph\|input_output_alias" "$f" | grep -v "^.*metadata={}$" \
+      | cut -c1-400 | head -60
+  done > "$out/decode_copies.txt" 2>&1
+  head -60 "$out/decode_buffers.txt"
+  head -80 "$out/decode_copies.txt"
   ;;
 engine)
   stamp "engine GPU tests"
