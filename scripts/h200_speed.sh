@@ -40,6 +40,11 @@ mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false V4JAX_COMPILATION_CACHE=off
 quiet() { grep -v "Warn\|^[EW][0-9]\{4\} \|slow_operation\|^\*\*\*\|Very slow\|^$\|warn(" ; }
 t0=$(date +%s)
+# flash-1gpu's decode rows let JAX's allocator take 94 % of the GPU (the default, 75 %, is 105 GB; no torch there):
+# batch 32 at 128K holds 49 GB of weights and 30 GB of pools, and its decode call asked for a buffer the size of
+# its largest pool array (21 GiB) on top (run M: out of memory). The plan aliases every pool with 22 MB of
+# temporaries, and a donated 21 GiB array is updated in place (scripts/check_donation.py).
+mem_fraction=${MEM_FRACTION:-0.94}
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 summary() {
   python3 - "$1" <<'EOF' 2>&1 | tail -80
@@ -92,17 +97,13 @@ slice)
   # at batch 1 / 32 and 4K / 32K / 128K, the merged table. 256 new tokens: batch 32's prompts take 16 prefill
   # steps, and its first requests decode 8 tokens in each, so with 128 they finished before the last one started
   # (no steady window in run K)
-  # JAX's allocator may take 94 % of the GPU here (no torch in this stage; the default, 75 %, is 105 GB): batch 32 at
-  # 128K holds 49 GB of weights and 30 GB of pools, and the decode call's compile asked for a buffer the size of its
-  # largest pool array (21 GiB) on top (run M: out of memory; the plan itself aliases every pool, with 22 MB of
-  # temporaries, and a donated 21 GiB array is updated in place: scripts/check_donation.py)
-  export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.94}
   stamp "flash-1gpu generate"
   timeout 310 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
     --prefill 32K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 225 \
     --out "$out/flash-1gpu/generate" 2>&1 | quiet | tail -12
   stamp "flash-1gpu decode"
-  timeout 240 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 240 python3 -W ignore -m v4jax.bench decode \
+    --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
     --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 200 \
     --out "$out/flash-1gpu/decode" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
   summary "$out/flash-1gpu/decode/decode.json" | head -20
@@ -173,7 +174,7 @@ engine)
   echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
   ;;
 table)
-  # one call (timeouts add up to 560 s): the flash-slice decode and generate rows and flash-1gpu decode at 4K /
+  # one call (timeouts add up to 590 s): the flash-slice decode and generate rows and flash-1gpu decode at 4K /
   # 128K (HF columns: the slice stage; HF's code does not change with this tree)
   timeout 40 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k sinkhorn -p no:cacheprovider 2>&1 | tail -1
   stamp "flash-slice decode at 4K, profiled"
@@ -191,8 +192,9 @@ table)
     --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 180 --out "$out/gen_slice" \
     2>&1 | quiet | tail -8
   stamp "flash-1gpu decode at 4K / 128K"
-  timeout 130 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
-    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 110 \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 160 python3 -W ignore -m v4jax.bench decode \
+    --model flash-1gpu --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 145 \
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
   ;;
 prefill)
