@@ -205,7 +205,11 @@ def _backend() -> str:
 
 
 def _sinkhorn_pallas(comb, iters, eps):
-    """pallas_kernels.sinkhorn: the whole loop in one launch (XLA runs it as ~80 small kernels per layer)."""
+    """pallas_kernels.sinkhorn: the whole loop in one launch (XLA runs it as ~80 small kernels per layer).
+    Measured and not kept: one Triton kernel for all of mHC's collapse after its matmul (the streams' RMS, the
+    sigmoids, the softmax, this loop and the collapse; one program per 4 tokens reading the streams twice in chunks
+    of 1024) took 10 us a launch at batch 1 and 23 us at 32 on the H200, against ~16 us for XLA's ten kernels: its
+    loads and this loop's divides run one after another, and the flash-slice step was no faster."""
     return importlib.import_module("pallas_kernels.sinkhorn").sinkhorn(comb, iters, eps)
 
 
