@@ -161,8 +161,8 @@ memory)
   # the instructions that make or take an array the size of the largest pool stack, flat or stacked (what copies it)
   for f in /tmp/xla_dump_1gpu/*jit__decode*after_optimizations.txt; do
     echo "== $f"
-    grep -n "\[22020096,512\]\|\[21,1048576,512\]\|copy\|cuda_graph\|input_output_alias" "$f" | grep -v "^.*metadata={}$" \
-      | cut -c1-400 | head -60
+    grep -n "\[22020096,512\]\|\[21,1048576,512\]\|copy\|cuda_graph\|input_output_alias" "$f" \
+      | grep -v "^.*metadata={}$" | cut -c1-400 | head -60
   done > "$out/decode_copies.txt" 2>&1
   head -60 "$out/decode_buffers.txt"
   head -80 "$out/decode_copies.txt"
