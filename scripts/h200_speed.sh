@@ -144,8 +144,8 @@ memory)
     scripts/decode_memory.py --model flash-slice --batch 32 --contexts 128K --attention-impl pallas \
     > "$out/decode_memory.json" 2>&1
   tail -3 "$out/decode_memory.json"
-  # flash-1gpu at batch 32: its CSA compressed-KV stack passes 2^31 elements between 16K (1.4G) and 64K (5.6G); at
-  # 128K (11.3G) the decode call asked for a second copy of it (run M)
+  # flash-1gpu at batch 32 (its CSA compressed-KV stack: 1.4G / 5.6G / 11.3G elements; run M7: every plan aliases
+  # its pools, 17-22 MB of temporaries), then the instructions that make or take an array of the stack's size
   [ "${MEM_1GPU:-1}" = 1 ] && XLA_FLAGS="--xla_dump_to=/tmp/xla_dump_1gpu --xla_dump_hlo_module_re=jit__decode" \
     timeout 240 python3 -W ignore scripts/decode_memory.py --model flash-1gpu --batch 32 \
     --contexts "${MEM_CONTEXTS:-16K,64K,128K}" --attention-impl pallas > "$out/decode_memory_1gpu.json" 2>&1
