@@ -3,7 +3,7 @@ array (and the same through a [n, R/n, K] stack flattened inside, as the pools a
 memory before and after each call. An array updated in place adds nothing to the peak; one that is not asks for a
 second copy of itself.
 
-    python scripts/check_donation.py [--gib 1,4,4.5,8,21]
+    python scripts/check_donation.py [--gib 1,3.9,4.1,8,21] [--layers 21]
 """
 from __future__ import annotations
 
