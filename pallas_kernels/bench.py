@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib
 import json
 import os
@@ -25,7 +24,7 @@ import platform
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

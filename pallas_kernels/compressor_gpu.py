@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import _compat
-from ._common import F32, next_pow2, round_up
+from ._common import F32, round_up
 from .compressor import _dims, finish_entry, project_f32
 
 _CB = 32   # channels per program (per half)

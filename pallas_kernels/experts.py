@@ -19,7 +19,7 @@ each token) runs in XLA, in the reference's order.
 
   x [M, D]; weights, experts [M, k] (-1 = none); w1, w3 [E, I, D] or a layer stack [n, E, I, D] with `layer`;
   w2 likewise [E, D, I] / [n, E, D, I].
-`routed_experts_ref` is the jnp reference (the gather form of v4jax.layers.routed_experts, same maths).
+`routed_experts_ref` is the jnp reference (the gather form of v4jax.model.layers.routed_experts, same maths).
 """
 from __future__ import annotations
 

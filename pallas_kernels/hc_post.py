@@ -2,11 +2,11 @@
 
 In XLA it is a per-token [N, N] x [N, D] matmul: on the H200 86 ms of a 128K flash-slice prefill (about a quarter
 of the bandwidth its bytes allow) and two kernels per call in decode. Written for XLA as N multiply-adds it made
-XLA:GPU (JAX 0.11.2) fail to compile the batch-1 4096-token prefill (v4jax.layers.hc_post); a Triton kernel does
+XLA:GPU (JAX 0.11.2) fail to compile the batch-1 4096-token prefill (v4jax.model.layers.hc_post); a Triton kernel does
 not go through XLA's emitters.
 
   grid (M / BM, D / BD): program (i, c) reads f [BM, BD] and the N streams x[:, j, BD] of its BM tokens once, with
-  post [BM, N] and comb [BM, N, N], and writes the N output streams. Rounded as v4jax.layers.hc_post (HF's):
+  post [BM, N] and comb [BM, N, N], and writes the N output streams. Rounded as v4jax.model.layers.hc_post (HF's):
   post and comb cast to x's dtype, post_k * f rounded, the sum over j accumulated in f32 and rounded, then added.
   Blocks past M (M not a multiple of BM) are masked by Pallas.
 
@@ -31,7 +31,7 @@ BLOCK_TOKENS, BLOCK_D = 16, 128
 
 
 def hc_post_ref(f, x, post, comb):
-  """The XLA form (v4jax.layers.hc_post)."""
+  """The XLA form (v4jax.model.layers.hc_post)."""
   dt = x.dtype
   out = post.astype(dt)[..., None] * f[..., None, :] + jnp.einsum("...jk,...jd->...kd", comb.astype(dt), x)
   return out.astype(dt)

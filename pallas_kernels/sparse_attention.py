@@ -19,7 +19,6 @@ Implementations behind `sparse_attention`:
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import experts as X  # noqa: E402
-from v4jax import layers as L  # noqa: E402
+from v4jax.model import layers as L  # noqa: E402
 from v4jax.bench.profile import summarize  # noqa: E402
 
 

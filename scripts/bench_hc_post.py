@@ -1,4 +1,4 @@
-"""mHC's expansion: the XLA form (a per-token [4, 4] x [4, D] matmul, v4jax.layers.hc_post) against the Pallas kernel
+"""mHC's expansion: the XLA form (a per-token [4, 4] x [4, D] matmul, v4jax.model.layers.hc_post) against the Pallas kernel
 (pallas_kernels/hc_post.py, over a few block shapes), at decode batches and on a prefill chunk of Flash's width,
 bf16: wall time per call (median) and, on a GPU, kernel time and launches per call from a profiler trace, with the
 bandwidth the bytes (f and x read, the output written) allow (v4jax.bench.profile.time_call). The same inputs

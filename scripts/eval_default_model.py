@@ -14,7 +14,7 @@ Measures, over non-overlapping held-out windows of seq_len + 1 tokens (the train
   * the MTP head's top-1 accuracy (position i predicts token i+2) and loss;
   * three greedy and three sampled continuations of held-out prompts (a plain full-forward loop), written in
     BENCHMARKS.md's layout: each prompt shown from its last speech, the continuation between ⟦ ⟧.
-The checkpoint is read with checkpoints.open_checkpoint and assigned with v4jax.weights.load_tensors (the
+The checkpoint is read with checkpoints.open_checkpoint and assigned with v4jax.model.weights.load_tensors (the
 loader every checkpoint goes through). Runs on CPU (a few minutes) or GPU.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def load_model(ckpt_dir: str, dtype):
 
     from checkpoints import open_checkpoint
     from v4jax.model import Transformer
-    from v4jax.weights import load_tensors
+    from v4jax.model.weights import load_tensors
 
     ckpt = open_checkpoint(ckpt_dir)
     cfg = ckpt.cfg
@@ -80,7 +80,7 @@ def heldout_prompts(held_text: str, n: int = 3, chars: int = 400, titles: bool =
     """n prompts from the held-out plays' modern editions: the text up to and including the first speaker
     heading (a line like 'ANGELO.') after one third of the play, starting at a line boundary ~`chars` before.
     With titles=True: [(prompt, play title)]."""
-    from v4jax.data import split_documents
+    from v4jax.training.data import split_documents
     docs = [d for d in split_documents(held_text) if "by William Shakespeare" in d[:200]] or \
         split_documents(held_text)
     out = []
@@ -126,9 +126,9 @@ def main(argv=None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from v4jax import data as D
+    from v4jax.training import data as D
     from v4jax.model import RunOptions
-    from v4jax.train import cross_entropy, forward_with_aux, indexer_terms
+    from v4jax.training.train import cross_entropy, forward_with_aux, indexer_terms
 
     t0 = time.time()
     cfg, model = load_model(args.ckpt, args.dtype)

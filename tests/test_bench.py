@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from v4jax.cache.layout import full_page_size
 from v4jax import bench, memory
 from v4jax.bench import small_config
 
@@ -69,7 +70,7 @@ def test_random_pools_fill_every_element():
     from v4jax.bench import decode as D
 
     cfg = small_config()
-    p = C.PoolLayout.default_page_size(cfg)
+    p = full_page_size(cfg)
     LAYOUT = C.PoolLayout(page_size=p, swa_page_size=math.gcd(p, 64), n_pages=6, n_swa_pages=5, max_slots=2,
                           max_pages_per_seq=3, max_swa_pages_per_seq=2)
     zeros = C.init_pools
@@ -155,7 +156,7 @@ def test_profile_attributes_kernels_to_model_lines():
     import jax
     import jax.numpy as jnp
 
-    from v4jax import layers as L
+    from v4jax.model import layers as L
     from v4jax.bench.profile import hlo_sources
 
     def f(x, w):
@@ -163,5 +164,5 @@ def test_profile_attributes_kernels_to_model_lines():
 
     text = jax.jit(f).lower(jnp.ones((4, 256)), jnp.ones((256,))).compile().as_text()
     where = set(hlo_sources(text).values())
-    assert any("v4jax/layers.py" in w and "(rms_norm)" in w for w in where), where
-    assert any("v4jax/layers.py" in w and "(swiglu)" in w for w in where), where
+    assert any("v4jax/model/layers.py" in w and "(rms_norm)" in w for w in where), where
+    assert any("v4jax/model/layers.py" in w and "(swiglu)" in w for w in where), where

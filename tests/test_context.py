@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from sharding import context
-from v4jax import layers as L
+from v4jax.model import layers as L
 from v4jax.model import attention_core
-from v4jax.ops import ops_for
+from v4jax.model.ops import ops_for
 
 AXIS = "context"
 

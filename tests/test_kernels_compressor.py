@@ -8,9 +8,6 @@
 * lowering for TPU (Mosaic) and CUDA (Triton) at Flash sizes (Dm 4096; d 512 CSA/HCA, d 128 indexer).
 """
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +99,7 @@ def _decode_step_matches(rng, kernel, ref, W, kv, sc, pos, B, Dm, rd, m, wdtype)
 def test_finish_entry_rounds_like_the_model(rng):
   """entry_dtype=bf16: the same roundings as the model's XLA path (pooled window and normed entry in bf16, RoPE
   math in f32), bit for bit on the same pooled values; entry_dtype=f32 keeps everything in f32."""
-  from v4jax import layers as L
+  from v4jax.model import layers as L
   d, half = 64, 8
   pooled = jnp.asarray(rng.standard_normal((5, d)) * 3, jnp.float32)
   w = jnp.asarray(rng.standard_normal(d), jnp.float32)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import experts_grouped as G
-from v4jax import layers as L
+from v4jax.model import layers as L
 
 
 def xla_grouped(rows, w, sizes):
@@ -33,7 +33,7 @@ def test_grouped_experts_are_not_chosen_off_hopper():
 
 
 def test_the_pallas_ops_take_the_grouped_form_for_a_prefill_chunk(monkeypatch):
-    from v4jax import ops
+    from v4jax.model import ops
     calls = []
 
     def matmul(rows, w, sizes, blocks=G.BLOCKS):

@@ -191,7 +191,7 @@ def test_grouped_experts_gpu(M, k, E, I, D):
   assert XG.supported(x, w1)
   out = jax.jit(lambda *a: XG.routed_experts(*a, 10.0, layer=1))(x, wt, ex, w1, w2, w3)
   # the dense form as the reference (the gather form's [M, k, I, D] weights would need 190 GB here)
-  L = importlib.import_module("v4jax.layers")
+  L = importlib.import_module("v4jax.model.layers")
   ref = np.asarray(jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="dense"))(x, wt, ex, w1[1], w2[1], w3[1]),
                    np.float64)
   # the kernel rounds its matmul outputs to bf16 (h1, h3 and each expert's output): ~1e-2 of the scale

@@ -9,9 +9,6 @@ approx_max_k method. Lowering for TPU and CUDA.
 """
 import functools
 import importlib
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _compat
-from v4jax import layers as L
+from v4jax.model import layers as L
 
 LL = importlib.import_module("pallas_kernels.layer_linear")
 

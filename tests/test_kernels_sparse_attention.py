@@ -7,9 +7,6 @@ memory = NaN; HLO interpreter: outputs = NaN), and every element is checked (fin
 """
 import functools
 import importlib
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp

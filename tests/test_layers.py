@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_reference as H
-from v4jax import layers as L
+from v4jax.model import layers as L
 from v4jax.config import CSA, HCA
 from v4jax.model import topk_mask
 

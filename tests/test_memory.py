@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from v4jax.cache.layout import full_page_size
 from v4jax import cache as C
 from v4jax import memory as M
 from v4jax.config import preset
@@ -165,7 +166,7 @@ def test_expected_active_experts():
 def test_per_token_equals_init_pools(dtype, fmt):
     """The report's per-token figure = what init_pools allocates per full page / P for the compressed pools."""
     cfg = preset("tiny")  # sliding, CSA(4), HCA(16), CSA(4); P = 256
-    p = C.PoolLayout.default_page_size(cfg)
+    p = full_page_size(cfg)
 
     def nbytes(n_pages):
         lay = C.PoolLayout(page_size=p, swa_page_size=64, n_pages=n_pages, n_swa_pages=2, max_slots=2,

@@ -103,7 +103,7 @@ def test_quant_roundtrips_match_storage_formats():
     import jax.numpy as jnp
     import ml_dtypes
     from checkpoints.formats import dequant_fp8_blocks, quant_fp8_blocks
-    from v4jax import quant
+    from v4jax.model import quant
 
     x = np.random.default_rng(0).normal(size=(6, 256)).astype(np.float32) * np.array([1e-3, 1, 30, 500, 2, 7])[:, None]
     w8, s8 = quant_fp8_blocks(x, block=(1, 128))

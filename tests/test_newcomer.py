@@ -151,7 +151,7 @@ def test_no_warnings_from_our_code(ckpt, tmp_path):
         llm = LLM(str(d), dtype="float32", max_model_len=64, max_num_seqs=2)
         llm.logits([1, 2, 3])
         SamplingParams(max_tokens=3, temperature=0.5, stop_token_ids=[1])
-        from v4jax.weights import model_to_official
+        from v4jax.model.weights import model_to_official
         model_to_official(llm.model)
         M.format_report(M.report(llm.config, 256))
     # Flax attributes some deprecations of its API to its own files (the `.value` setter warns from

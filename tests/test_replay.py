@@ -1,4 +1,4 @@
-"""The replay benchmark (v4jax.replay): prefix reuse on a multi-turn and an agentic trace, the same tokens on every
+"""The replay benchmark (v4jax.bench.replay): prefix reuse on a multi-turn and an agentic trace, the same tokens on every
 layout, the report's columns. CPU, the tiny preset in float32.
 
 One module fixture replays both traces on the three layouts (one engine per layout). Compilation dominates on CPU
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from v4jax import LLM
-from v4jax import replay as R
+from v4jax.bench import replay as R
 
 PAGE = 64
 SLOTS = 4

@@ -1,4 +1,4 @@
-"""CPU smoke tests of the default-model training (v4jax/train.py, scripts/train_default_model.py)."""
+"""CPU smoke tests of the default-model training (v4jax/training/train.py, scripts/train_default_model.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v4jax.train import (Trainer, default_model_config, routed_bias_keys, smoke_model_config,
+from v4jax.training.train import (Trainer, default_model_config, routed_bias_keys, smoke_model_config,
                          smoke_train_config, synthetic_tokens)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +54,7 @@ def test_smoke_export_loads(smoke_run):
 
     from checkpoints import open_checkpoint
     from v4jax.model import Transformer
-    from v4jax.weights import load_tensors
+    from v4jax.model.weights import load_tensors
 
     tmp, _, _ = smoke_run
     ckpt = open_checkpoint(tmp / "export")
@@ -79,7 +79,7 @@ def test_smoke_export_loads(smoke_run):
 def test_resume_is_exact(tmp_path, smoke_run):
     """Save after 2 steps, continue 2 more; a fresh trainer restored from the save reproduces them exactly
     (same jit cache as the smoke run: same config)."""
-    from v4jax.data import batches
+    from v4jax.training.data import batches
 
     cfg, tc = smoke_model_config(2048), smoke_train_config(steps=STEPS)
     toks = synthetic_tokens(50_000, 2048)
@@ -106,7 +106,7 @@ def test_resume_is_exact(tmp_path, smoke_run):
 
 def test_auto_steps_inside_warmup_is_exact(smoke_run):
     """Fixing the step count during the warmup (--auto-steps) gives the run that started with that count."""
-    from v4jax.data import batches
+    from v4jax.training.data import batches
 
     cfg = smoke_model_config(2048)
     toks = synthetic_tokens(50_000, 2048)

@@ -130,7 +130,7 @@ def load_model(spec: str | None, dtype, seed: int = 0,
         raise FileNotFoundError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                                 f"checkpoint directory{hint}")
     from checkpoints import open_checkpoint, orbax_io
-    from v4jax.weights import load_tensors
+    from v4jax.model.weights import load_tensors
 
     cfg = _read_config(spec)
     if orbax_io.is_orbax_dir(spec):  # written by `v4jax convert`, restored onto this mesh

@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("generate", "what LLM.generate users see: compile, prefill against the FLOP roofline, "
                                     "decode ms/step (v4jax.bench.generate)"),
                        ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)"),
-                       ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.replay)"),
+                       ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.bench.replay)"),
                        ("serve", "open-loop load against a running v4jax serve (v4jax.serve.bench)"),
                        ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)")):
         # Everything after the name, -h included, goes to the benchmark's own parser.
@@ -289,7 +289,7 @@ def _bench(args) -> int:
         from v4jax.serve.bench import main as serve_bench_main
         return serve_bench_main(args.extra)
     if args.bench == "replay":
-        from v4jax.replay import main as replay_main
+        from v4jax.bench.replay import main as replay_main
         return replay_main(args.extra)
     if args.bench == "table":
         from v4jax.bench.table import main as table_main

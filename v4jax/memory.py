@@ -35,6 +35,7 @@ import dataclasses
 import math
 import os
 
+from v4jax.cache.layout import engine_layout, full_page_size, page_multiple  # noqa: F401
 from v4jax.config import CSA, HCA, SLIDING, ModelConfig
 
 FORMATS = ("bf16", "f32", "fp8", "fp4")
@@ -245,36 +246,6 @@ def _dtype_fmt(dtype) -> str:
         return _fmt(dtype)
     import numpy as np
     return {2: "bf16", 4: "f32"}[np.dtype(dtype).itemsize]
-
-
-def full_page_size(cfg: ModelConfig, requested: int | None = None) -> int:
-    """P: the requested page size (default 256) rounded up to a multiple of every compression ratio."""
-    return -(-(requested or 256) // cfg.lcm_ratio()) * cfg.lcm_ratio()
-
-
-def page_multiple(cfg: ModelConfig, page_size: int, dtype=None) -> int:
-    """The engine allocates full pages in multiples of this, so that every compressed pool holds whole TPU HBM
-    tiles of rows (32 bytes of rows: 8 f32 / 16 bf16 rows): the TPU kernels DMA whole tiles, and a pool ending
-    mid-tile is padded, i.e. copied, on every call (the HCA pool of 2 rows per Flash page needs 8 pages)."""
-    tile = 32 // {"bf16": 2, "f32": 4}.get(_dtype_fmt(dtype), 1)
-    mult = 1
-    for m in cfg.ratios_in_use:
-        mult = math.lcm(mult, tile // math.gcd(tile, page_size // m))
-    return mult
-
-
-def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: int = 8, prefill_chunk: int = 256,
-                  decode_steps: int = 8, data_shards: int = 1) -> tuple[int, int, int]:
-    """(P, Ps, SWA pages) of the engine's paged layout (Engine.__init__ calls this). Over `data_shards` shards
-    (the mesh's `data` axis) each shard holds max_num_seqs / data_shards slots and its own SWA pages for them."""
-    p = full_page_size(cfg, page_size)
-    ps = math.gcd(p, 64)
-    # Per decoding slot a window plus 2k tokens (the scheduler dispatches the next k-step call before the host
-    # has read how far the current one got), plus one prefill chunk for the one request prefilling (per shard:
-    # each shard's SWA pages serve its own slots only).
-    slots = -(-max_num_seqs // data_shards)
-    n_swa = slots * (-(-(cfg.window_size + 2 * decode_steps) // ps) + 1) + -(-prefill_chunk // ps) + 1
-    return p, ps, data_shards * n_swa
 
 
 def pool_budget(cfg: ModelConfig, budget_bytes: int, *, page_size: int | None = None, max_num_seqs: int = 8,

@@ -487,7 +487,7 @@ def decode_main(argv=None) -> int:
     print(f"[{time.perf_counter() - t_start:6.1f}s] model initialised", flush=True)
     run_opts = RunOptions(attention_impl=a.attention_impl)
     if a.sinkhorn_unroll:
-        from v4jax import layers
+        from v4jax.model import layers
         layers.SINKHORN_UNROLL = True
         res.data["sinkhorn"] = "unrolled"
     rng = np.random.default_rng(a.seed)

@@ -14,7 +14,7 @@ _KEEP_FP32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score
 
 def _jax_param(model, official: str):
     """The JAX model's array of one official tensor (a slice of its stack / expert axis)."""
-    from v4jax.weights import official_to_path
+    from v4jax.model.weights import official_to_path
     path, index = official_to_path(official, model.cfg)
     node = model
     for p in path:

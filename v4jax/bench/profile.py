@@ -63,7 +63,7 @@ def _stack_frames(hlo_text: str) -> dict[int, tuple[str, int]]:
 
 def hlo_sources(hlo_text: str) -> dict[str, str]:
     """HLO instruction -> where in our code it comes from: the two innermost frames under v4jax/ or pallas_kernels/
-    of the instruction's stack (`v4jax/layers.py:25 (rms_norm) < v4jax/model.py:412 (__call__)`), else the last
+    of the instruction's stack (`v4jax/model/layers.py:25 (rms_norm) < v4jax/model/transformer.py:412 (__call__)`), else the last
     part of its JAX name stack."""
     frames, out = _stack_frames(hlo_text), {}
     for line in hlo_text.splitlines():

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
-from v4jax.memory import full_page_size
 
 F32 = jnp.float32
 
@@ -107,10 +106,6 @@ class PoolLayout:
     # slots data_shards blocks (the contract: v4jax.cache.pages.PageTables)
     data_shards: int = 1
     context_shards: int = 1
-
-    @staticmethod
-    def default_page_size(cfg: ModelConfig, requested: int | None = None) -> int:
-        return full_page_size(cfg, requested)
 
 
 def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:

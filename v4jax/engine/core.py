@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import warnings
 from typing import Sequence
 
@@ -22,13 +21,13 @@ import numpy as np
 from flax import nnx
 
 from v4jax import cache as C
-from v4jax.cache.boundary import init_boundary_store, store_bytes
+from v4jax.cache.boundary import init_boundary_store
 from v4jax.cache.pages import PageTables
 from v4jax.cache.prefix import PrefixCache
 from v4jax.config import ModelConfig
 from v4jax.engine import steps as S
 from v4jax.engine.scheduler import MAX_PREFILL_ROWS, PREFILLING, RUNNING, Request, Scheduler, chunk_bucket
-from v4jax.memory import engine_layout, page_multiple
+from v4jax.cache.layout import pool_layout
 from v4jax.model import RunOptions, Transformer
 from v4jax.sampling import SamplingParams
 
@@ -60,55 +59,6 @@ class _InFlight:
     state: S.DecodeState
     running: list  # (slot, Request)
     fed: dict  # slot -> the request's `fed` when the call was dispatched
-
-
-def pool_cost(cfg: ModelConfig, dtype, p: int, ps: int, n_swa: int, slots: int, caching: bool) -> tuple[int, int]:
-    """(fixed bytes, bytes per full page) of the engine's pools over the whole mesh, from the pools' own shapes:
-    the window pages, compressor states and (caching) boundary store are fixed; each full page adds its rows of
-    the token and compressed pools."""
-    def total(n_pages):
-        lay = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
-                           max_pages_per_seq=1, max_swa_pages_per_seq=1)
-        pools = jax.eval_shape(lambda: C.init_pools(cfg, lay, dtype))
-        extra = store_bytes(jax.eval_shape(lambda: init_boundary_store(pools, n_swa))) if caching else 0
-        return sum(C.pool_bytes(pools).values()) + extra
-    one, two = total(1), total(2)
-    return one - (two - one), two - one
-
-
-def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: int = 1, n_ctx: int = 1) -> C.PoolLayout:
-    """The engine's pool layout for these options over a mesh of `n_data` x `n_ctx` (data, context) shards: page
-    sizes, SWA pages per shard, full pages (every slot's whole context, or what memory_budget_bytes holds; in
-    whole TPU tiles in every block)."""
-    slots = options.max_num_seqs
-    dense = options.kv_layout == "dense"
-    caching = options.enable_prefix_caching and not dense
-    p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, options.decode_steps, n_data)
-    if caching:
-        # window tails the prefix cache may keep (LRU beyond that): four per slot
-        n_swa += 4 * slots * (-(-cfg.window_size // ps) + 1)
-    max_pages = -(-max_model_len // p)
-    max_swa = -(-max_model_len // ps)
-    n_blocks = n_data * n_ctx  # full pages per block: what one device of a (data, context) pair holds
-    if dense:
-        n_pages, n_swa = n_blocks * (slots // n_data) * -(-max_pages // n_ctx), slots * max_swa
-    else:
-        mult = math.lcm(page_multiple(cfg, p, dtype), n_blocks)  # whole TPU tiles in every block
-        n_pages = -(-slots * max_pages // mult) * mult
-        budget = options.memory_budget_bytes
-        if budget:
-            fixed, per_page = pool_cost(cfg, dtype, p, ps, n_swa, slots, caching)
-            n_pages = int((budget - fixed) // per_page)
-            if n_pages < 1:
-                raise ValueError(f"memory_budget_bytes={budget} is below the fixed pools ({fixed} bytes: window "
-                                 f"and compressor state for {slots} slots) plus one page ({per_page} bytes)")
-            if n_pages < n_blocks:
-                raise ValueError(f"memory_budget_bytes={budget} holds {n_pages} full pages: fewer than one per "
-                                 f"block of the mesh's data x context ({n_blocks})")
-            n_pages -= n_pages % (mult if n_pages >= mult else n_blocks)
-    return C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
-                        max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa, data_shards=n_data,
-                        context_shards=n_ctx)
 
 
 class EngineCore:

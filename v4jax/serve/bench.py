@@ -1,7 +1,7 @@
 """`v4jax bench serve`: an open-loop load generator against a running `v4jax serve`.
 
     v4jax bench serve --url http://127.0.0.1:8000 --rate 4 --num-requests 64 --prompt-len 32 --output-len 16:64
-    v4jax bench serve --replay multi_turn --step-s 0.05          # a trace of v4jax.replay, steps -> seconds
+    v4jax bench serve --replay multi_turn --step-s 0.05          # a trace of v4jax.bench.replay, steps -> seconds
 
 Requests arrive as a Poisson process at `--rate` per second (`inf`: all at once), whatever the server's
 progress (open loop), each a streamed `/v1/completions` call with a token-id prompt, `ignore_eos` (so outputs
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests open at once "
                    "(default: no limit, a pure open loop)")
-    p.add_argument("--replay", default=None, help="replay a v4jax.replay trace instead: shared_system, "
+    p.add_argument("--replay", default=None, help="replay a v4jax.bench.replay trace instead: shared_system, "
                    "multi_turn, long_docs or agentic")
     p.add_argument("--replay-scale", type=float, default=1.0, help="the trace's length scale")
     p.add_argument("--step-s", type=float, default=0.05, help="seconds per trace step (replay arrivals)")
@@ -150,7 +150,7 @@ async def _synthetic(client, a, model: str, rng: random.Random) -> list[Result]:
 
 
 async def _replayed(client, a, model: str) -> list[Result]:
-    from v4jax.replay import TRACES, make_traces
+    from v4jax.bench.replay import TRACES, make_traces
     if a.replay not in TRACES:
         raise SystemExit(f"--replay {a.replay!r}: traces are {', '.join(TRACES)}")
     trace = make_traces([a.replay], a.vocab, a.seed, a.replay_scale)[0]

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharding import context
-from v4jax import layers as L
-from v4jax import quant
+from v4jax.model import layers as L
+from v4jax.model import quant
 from v4jax.cache.pools import LOGICAL_AXES as POOL_AXES
 from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
-from v4jax.layers import index_scores  # noqa: F401  (re-exported: the indexer's scores)
-from v4jax.ops import OPS, Ops, ops_for
+from v4jax.model.layers import index_scores  # noqa: F401  (re-exported: the indexer's scores)
+from v4jax.model.ops import OPS, Ops, ops_for
 
 F32 = jnp.float32
 
@@ -59,7 +59,7 @@ class Buffer(nnx.Variable):
 class RunOptions:
     """Static numerics switches of a forward pass."""
     quant_sim: bool = False  # the official FP8 KV / FP4 indexer / FP8 activation rounding (reference §9.1)
-    attention_impl: str = "xla"  # "xla" | "pallas": the ops table of the cached path (v4jax.ops)
+    attention_impl: str = "xla"  # "xla" | "pallas": the ops table of the cached path (v4jax.model.ops)
     # sharding.MeshRules (mesh + logical-axis table) when the model runs on a mesh: the MoE's routed experts and
     # the Pallas calls run per shard (shard_map) and the steps replicate what the host reads; None = one device
     mesh_rules: Any = None

@@ -1,6 +1,6 @@
 """Replay benchmark (prefix cache): request traces against three engine layouts.
 
-    python -m v4jax.replay [--model MODEL] [--trace NAME[,NAME]] [--scale S] [--out DIR]
+    python -m v4jax.bench.replay [--model MODEL] [--trace NAME[,NAME]] [--scale S] [--out DIR]
 
 Each trace is replayed on `kv_layout="dense"` (every slot owns a contiguous max_model_len span: the generic
 baseline), on `kv_layout="paged"` without the prefix cache, and on paged with the prefix cache. One engine per
@@ -246,8 +246,8 @@ def budget_for_pages(cfg, options, max_model_len: int, dtype, n_pages: int) -> i
     arithmetic (v4jax.engine.core.pool_cost)."""
     import math
 
-    from v4jax.engine.core import pool_cost, pool_layout
-    from v4jax.memory import page_multiple, parse_mesh
+    from v4jax.cache.layout import page_multiple, pool_cost, pool_layout
+    from v4jax.memory import parse_mesh
     mesh = parse_mesh(options.mesh)
     n_data, n_ctx = mesh.get("data", 1), mesh.get("context", 1)
     lay = pool_layout(cfg, dataclasses.replace(options, memory_budget_bytes=None), dtype, max_model_len, n_data,
@@ -538,7 +538,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m v4jax.replay", formatter_class=_Formatter,
+        prog="python -m v4jax.bench.replay", formatter_class=_Formatter,
         description="Replay synthetic request traces (shared system prompt, multi-turn chats, long documents, "
                     "agentic sessions) against the dense, paged and paged + prefix-cache engine layouts; report "
                     "peak pool memory, throughput, TTFT / TPOT percentiles and prefix-cache reuse (Markdown table "
@@ -647,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = a.out or os.environ.get("OUT") or "bench_out"
     os.makedirs(out_dir, exist_ok=True)
     meta = {
-        "command": "python -m v4jax.replay " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m v4jax.bench.replay " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
         "python": platform.python_version(), "model": llm.source, "dtype": dtype, "page_size": page,
         "max_model_len": llm.max_model_len, "max_num_seqs": a.max_num_seqs, "prefill_chunk": a.prefill_chunk,

@@ -26,15 +26,15 @@ forms itself.
       shards merge (the kernels' partial states cost a write and a read of o in f32, so only then).
   sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
   experts(x, weights, experts, w1, w2, w3, limit, layer=None, form=None) -> [M, D] f32: the routed experts'
-      weighted sum (v4jax.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of another shard's
+      weighted sum (v4jax.model.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of another shard's
       expert, weight 0); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the layer's experts are
       used, else [E, ...]; form: the XLA form where the XLA forms run (None: by size).
   project(x, ws) -> [[..., O_k] f32 or None]: x @ w.T for several weights of one input in one launch, each
       w an L.LayerOf of a layer stack [n, O_k, D] (None for a weight the kernel does not take: the caller
       projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule).
-  hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.layers.hc_post).
+  hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post).
   linear(x, w, layer, groups) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a layer stack
-      w [n, O, D] (v4jax.layers.linear, groups included); off a mesh only (on one the projections are XLA's,
+      w [n, O, D] (v4jax.model.layers.linear, groups included); off a mesh only (on one the projections are XLA's,
       partitioned by the rules).
 Kernels are looked up in their modules at call time (tests patch them to count calls).
 """
@@ -47,7 +47,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from v4jax import layers as L
+from v4jax.model import layers as L
 
 F32 = jnp.float32
 

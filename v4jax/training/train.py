@@ -1,6 +1,6 @@
 """Training the embedded default model: a small DeepSeek-V4 with every architectural feature switched on.
 
-    from v4jax.train import Trainer, default_model_config, default_train_config
+    from v4jax.training.train import Trainer, default_model_config, default_train_config
     trainer = Trainer(default_model_config(), default_train_config(steps=1800))
     for step, batch in ...: metrics = trainer.step(batch)
 
@@ -20,7 +20,7 @@ affects selection). Hash-routed layers use their fixed token -> experts table.
 Mixed precision: float32 master weights and AdamW state; the forward runs with the parameters cast to the
 dtypes of a `compute_dtype` model (bfloat16 on GPU: norms, mHC, router, compressor stay float32 as in the
 model), gradients arrive in float32.
-Deterministic given the seed: init from `nnx.Rngs(seed)`, batches from `v4jax.data.batches(seed)`, no dropout;
+Deterministic given the seed: init from `nnx.Rngs(seed)`, batches from `v4jax.training.data.batches(seed)`, no dropout;
 on GPU set XLA_FLAGS=--xla_gpu_deterministic_ops=true before importing jax (scripts/train_default_model.py
 does).
 Checkpoints: one `.npz` holding the float32 parameters (official-ish dotted model paths), the optimizer
@@ -369,7 +369,7 @@ class Trainer:
 
     def official_tensors(self) -> dict[str, np.ndarray]:
         """Every tensor under its official checkpoint name (float32; tid2eid int32)."""
-        from v4jax.weights import model_to_official
+        from v4jax.model.weights import model_to_official
         return model_to_official(self.model())
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

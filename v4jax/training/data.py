@@ -33,7 +33,7 @@ BOS_ID = 0
 EOS_ID = 1
 DOC_SEPARATOR = EOS_TOKEN
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 DEFAULT_SEED = 1234
 DEFAULT_HELDOUT_FRAC = 0.08
 

@@ -1,0 +1,1 @@
+"""The default model's recipe: the data pipeline (data.py) and the trainer (train.py)."""
