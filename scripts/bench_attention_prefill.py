@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import bench as KB
+from v4jax.bench import kernels as KB
 
 SA = importlib.import_module("pallas_kernels.sparse_attention")  # the package's name is the function
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import bench as KB
+from v4jax.bench import kernels as KB
 from pallas_kernels import indexer as IX
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192

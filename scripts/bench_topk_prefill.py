@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import bench as KB
+from v4jax.bench import kernels as KB
 
 TK = importlib.import_module("pallas_kernels.topk")
 

@@ -12,7 +12,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 quiet() { grep -v "Warn\|^[EW][0-9]\{4\} \|slow_operation\|^\*\*\*\|Very slow\|^$"; }
 timeout 330 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
   > "$out/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/pytest_gpu.log"
-timeout 170 python3 -W ignore scripts/bench_kernels.py --harness trace --repeats 3 --out "$out/k" 2>&1 \
+timeout 170 python3 -W ignore -m v4jax.bench kernels --harness trace --repeats 3 --out "$out/k" 2>&1 \
   | grep "pallas\|backend\|MISMATCH"
 for impl in xla pallas; do
   timeout 65 python3 -W ignore -m v4jax.bench decode --attention-impl $impl --batches 32 --contexts 128K \

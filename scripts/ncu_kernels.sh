@@ -2,7 +2,7 @@
 # Nsight Compute on the GPU kernels (the H200 machine is Firecracker, where ncu reads the hardware counters):
 # registers, spills (local-memory sectors), global-load sectors per request (is the row gather vectorised?),
 # DRAM bytes and time, occupancy and stall reasons, for the sparse attention and indexer kernels
-# (per-kernel times of everything else: scripts/bench_kernels.py --harness trace).
+# (per-kernel times of everything else: v4jax bench kernels --harness trace).
 #   bash scripts/ncu_kernels.sh $OUT        -> $OUT/ncu_<kernel>.txt
 set -u
 out=${1:-.}
@@ -22,4 +22,4 @@ run() {  # name, kernel regex, launches, python args...
 }
 run attention "sparse" 4 scripts/tune_kernels.py --only attention --harness trace --repeats 1 \
   --attention-configs 64:16:4:2:1 32:64:8:2:1 32:16:4:3:1 16:64:4:2:1
-run indexer "indexer" 2 scripts/bench_kernels.py --only indexer --harness trace --repeats 1
+run indexer "indexer" 2 -m v4jax.bench kernels --only indexer --harness trace --repeats 1

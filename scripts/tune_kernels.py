@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from pallas_kernels import bench as KB  # noqa: E402
+from v4jax.bench import kernels as KB  # noqa: E402
 from pallas_kernels import indexer as IX  # noqa: E402
 
 SA = importlib.import_module("pallas_kernels.sparse_attention")

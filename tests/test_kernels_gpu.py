@@ -1,7 +1,7 @@
 """GPU-specific kernels (Pallas Triton) compiled and run on a real GPU, against the references.
 
 Run on the device machine:  python -m pytest -q -m gpu tests/test_kernels_gpu.py
-(Correctness only; timing is scripts/bench_kernels.py.)
+(Correctness only; timing is `v4jax bench kernels`.)
 """
 import functools
 import importlib

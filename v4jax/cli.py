@@ -148,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
                        ("generate", "what LLM.generate users see: compile, prefill against the FLOP roofline, "
                                     "decode ms/step (v4jax.bench.generate)"),
-                       ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)"),
+                       ("kernels", "Pallas kernel timings against their jnp references (v4jax.bench.kernels)"),
                        ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.bench.replay)"),
-                       ("serve", "open-loop load against a running v4jax serve (v4jax.serve.bench)"),
+                       ("serve", "open-loop load against a running v4jax serve (v4jax.bench.serve)"),
                        ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)")):
         # Everything after the name, -h included, goes to the benchmark's own parser.
         p = bsub.add_parser(name, add_help=False, allow_abbrev=False, help=text, description=text)
@@ -286,7 +286,7 @@ def _serve(args) -> int:
 
 def _bench(args) -> int:
     if args.bench == "serve":
-        from v4jax.serve.bench import main as serve_bench_main
+        from v4jax.bench.serve import main as serve_bench_main
         return serve_bench_main(args.extra)
     if args.bench == "replay":
         from v4jax.bench.replay import main as replay_main
@@ -300,7 +300,7 @@ def _bench(args) -> int:
     if args.bench == "generate":
         from v4jax.bench import generate_main
         return generate_main(args.extra)
-    from pallas_kernels.bench import main as kernels_main
+    from v4jax.bench.kernels import main as kernels_main
     return kernels_main(args.extra)
 
 
