@@ -136,6 +136,30 @@ def test_routed_experts_gpu(M, k, E, I, D):
   assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
 
 
+@pytest.mark.parametrize("n,layer,M,E,dup", [(1, 0, 5, 256, False), (1, 0, 5, 255, False), (1, 0, 5, 256, True),
+                                             (3, 2, 4, 256, False), (20, 19, 32, 16, False)])
+def test_routed_experts_gpu_large_stacks(n, layer, M, E, dup):
+  """Flash-sized experts in layer stacks at 2**31 elements (32-bit offsets in Pallas' Triton lowering) and past it
+  (64-bit), the last expert (the highest offsets) and a repeated expert within a token."""
+  X = importlib.import_module("pallas_kernels.experts")
+  k, I, D = 6, 2048, 4096
+  ks = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
+  w1, w3 = (0.05 * jax.random.normal(kk, (n, E, I, D), jnp.bfloat16) for kk in ks[1:3])
+  w2 = 0.05 * jax.random.normal(ks[3], (n, E, D, I), jnp.bfloat16)
+  if dup:
+    ex = jax.random.randint(ks[4], (M, k), 0, E).at[0, 1].set(0).at[0, 0].set(0)
+  else:
+    ex = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:k])(jax.random.split(ks[4], M))
+  ex = ex.at[M - 1, 0].set(E - 1)
+  wt = jax.random.uniform(ks[5], (M, k))
+  out = np.asarray(jax.jit(lambda *a: X.routed_experts(*a, 10.0, layer=jnp.int32(layer)))(x, wt, ex, w1, w2, w3),
+                   np.float64)
+  ref = np.asarray(jax.jit(lambda *a: X.routed_experts_ref(*a, 10.0))(x, wt, ex, w1[layer], w2[layer], w3[layer]),
+                   np.float64)
+  assert np.all(np.abs(out - ref) <= 2e-2 + 2e-2 * np.abs(ref))
+
+
 @pytest.mark.parametrize("M,O,D,G,n", [(1, 1024, 4096, 1, 4), (32, 512, 4096, 1, 4), (1, 32768, 1024, 1, 2),
                                        (32, 8192, 4096, 8, 3), (1, 8192, 4096, 8, 3),
                                        (5, 48, 64, 1, 1)])
