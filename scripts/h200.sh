@@ -59,6 +59,7 @@ case $stage in
 check|depth1|depth2|serve|multigpu|ncu) ;;
 *) export V4JAX_COMPILATION_CACHE=off ;;
 esac
+gpu="gpu and not slow"   # the GPU tests of a stage (the slow ones: python -m pytest -q -m "gpu and slow" tests)
 quiet() { grep -v "Warn\|^[EW][0-9]\{4\} \|slow_operation\|^\*\*\*\|Very slow\|^$\|warn(" ; }
 t0=$(date +%s)
 # flash-1gpu's decode rows let JAX's allocator take 94 % of the GPU (the default, 75 %, is 105 GB; no torch there):
@@ -94,7 +95,7 @@ slice)
   # 32K and 128K, the generate rows and the 128K prefill through LLM.generate, the merged table
   if [ "${KERNEL_TESTS:-0}" = 1 ]; then
     stamp "GPU tests of the top-k and sparse attention kernels"
-    timeout 90 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "topk or sparse" -p no:cacheprovider 2>&1 \
+    timeout 90 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "topk or sparse" -p no:cacheprovider 2>&1 \
       | tail -2
   fi
   stamp "flash-slice decode, HF at 4K"
@@ -150,10 +151,11 @@ candidates)
   # ~70 s: several projections of one input in one launch (v4jax bench kernels --sweep fused_projections), mHC's
   # expansion as a Pallas kernel (--sweep hc_post), their GPU tests
   stamp "GPU tests of the projection and mHC-expansion kernels"
-  timeout 120 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "layer_linear or hc_post" \
+  timeout 120 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "layer_linear or hc_post" \
     -p no:cacheprovider 2>&1 | tail -2
   stamp "projections of one input"
-  timeout 150 python3 -W ignore -m v4jax.bench kernels --sweep fused_projections --out "$out/fused" 2>&1 | quiet | tail -6
+  timeout 150 python3 -W ignore -m v4jax.bench kernels --sweep fused_projections --out "$out/fused" 2>&1 | quiet \
+    | tail -6
   stamp "mHC expansion"
   timeout 90 python3 -W ignore -m v4jax.bench kernels --sweep hc_post --out "$out/hc_post" 2>&1 | quiet | tail -3
   ;;
@@ -198,7 +200,7 @@ engine)
 table)
   # one call (timeouts add up to 590 s): the flash-slice decode and generate rows and flash-1gpu decode at 4K /
   # 128K (HF columns: the slice stage; HF's code does not change with this tree)
-  timeout 40 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k sinkhorn -p no:cacheprovider 2>&1 | tail -1
+  timeout 40 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k sinkhorn -p no:cacheprovider 2>&1 | tail -1
   stamp "flash-slice decode at 4K, profiled"
   timeout 90 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
     --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 75 --out "$out/slice_4k" 2>&1 \
@@ -221,7 +223,7 @@ table)
   ;;
 prefill)
   stamp "GPU tests of the grouped experts, sparse attention and indexer kernels"
-  timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "grouped or sparse or indexer" \
+  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "grouped or sparse or indexer" \
     -p no:cacheprovider --tb=short 2>&1 | grep -v "^  \|^$" | tail -15
   stamp "prefill experts bench"
   [ "${SWEEP:-1}" = 1 ] && timeout 150 python3 -W ignore -m v4jax.bench kernels --sweep prefill_experts \
@@ -239,7 +241,8 @@ prefill)
   ;;
 sweep)
   stamp "top-k on a prefill chunk"
-  timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep topk_prefill 2>&1 | quiet | tee "$out/topk_prefill.txt" | tail -6
+  timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep topk_prefill 2>&1 | quiet \
+    | tee "$out/topk_prefill.txt" | tail -6
   stamp "sparse attention on a prefill chunk"
   timeout 440 python3 -W ignore -m v4jax.bench kernels --sweep attention_prefill --tokens 8192 \
     ${ATTN_CONFIGS:+--configs $ATTN_CONFIGS} 2>&1 | quiet | tee "$out/attention_prefill.txt" \
@@ -262,7 +265,7 @@ repeat)
   ;;
 tune)
   stamp "GPU tests of the projection and top-k kernels"
-  timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "layer_linear or topk or sinkhorn" -p no:cacheprovider \
+  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "layer_linear or topk or sinkhorn" -p no:cacheprovider \
     2>&1 | tail -3
   if [ "${SWEEP:-1}" = 1 ]; then
     stamp "projection kernel sweep"
@@ -279,7 +282,7 @@ tune)
   ;;
 4k)
   stamp "GPU kernel tests"
-  timeout 240 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  timeout 240 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -3
   stamp "flash-slice decode at 4K"
   timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
     --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 130 --out "$out/slice_4k" 2>&1 \
@@ -294,7 +297,7 @@ check)
   # ~9 of the 10 minutes, in order of importance, each under its own time limit: the GPU tests (kernels vs
   # references, engine greedy Pallas == XLA), the kernel table from profiler traces, engine decode at batch 32 / 128K
   # with XLA and with Pallas attention
-  timeout 330 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
+  timeout 330 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
     > "$out/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/pytest_gpu.log"
   timeout 170 python3 -W ignore -m v4jax.bench kernels --harness trace --repeats 3 --out "$out/k" 2>&1 \
     | grep "pallas\|backend\|MISMATCH"
@@ -325,7 +328,7 @@ EOF
   ;;
 depth2)
   stamp "gpu tests"
-  timeout 330 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
+  timeout 330 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
     > "$out/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/pytest_gpu.log"
   stamp "flash-slice decode"
   timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,128K \

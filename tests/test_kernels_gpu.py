@@ -136,6 +136,7 @@ def test_routed_experts_gpu(M, k, E, I, D):
   assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
 
 
+@pytest.mark.slow   # up to 40 GB of weights per case: python -m pytest -q -m "gpu and slow" tests/test_kernels_gpu.py
 @pytest.mark.parametrize("n,layer,M,E,dup", [(1, 0, 5, 256, False), (1, 0, 5, 255, False), (1, 0, 5, 256, True),
                                              (3, 2, 4, 256, False), (20, 19, 32, 16, False)])
 def test_routed_experts_gpu_large_stacks(n, layer, M, E, dup):
