@@ -1,7 +1,7 @@
 """GPU-specific kernels (Pallas Triton) compiled and run on a real GPU, against the references.
 
 Run on the device machine:  python -m pytest -q -m gpu tests/test_kernels_gpu.py
-(Correctness only; timing is scripts/bench_kernels.py.)
+(Correctness only; timing is `v4jax bench kernels`.)
 """
 import functools
 import importlib
@@ -134,6 +134,31 @@ def test_routed_experts_gpu(M, k, E, I, D):
   # that rounds the other way moves outputs by ~1e-3 of their scale, so the bound is relative to the scale
   ref = np.asarray(X.routed_experts_ref(x, wt, ex, w1, w2, w3, 10.0), np.float64)
   assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
+
+
+@pytest.mark.slow   # up to 40 GB of weights per case: python -m pytest -q -m "gpu and slow" tests/test_kernels_gpu.py
+@pytest.mark.parametrize("n,layer,M,E,dup", [(1, 0, 5, 256, False), (1, 0, 5, 255, False), (1, 0, 5, 256, True),
+                                             (3, 2, 4, 256, False), (20, 19, 32, 16, False)])
+def test_routed_experts_gpu_large_stacks(n, layer, M, E, dup):
+  """Flash-sized experts in layer stacks at 2**31 elements (32-bit offsets in Pallas' Triton lowering) and past it
+  (64-bit), the last expert (the highest offsets) and a repeated expert within a token."""
+  X = importlib.import_module("pallas_kernels.experts")
+  k, I, D = 6, 2048, 4096
+  ks = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
+  w1, w3 = (0.05 * jax.random.normal(kk, (n, E, I, D), jnp.bfloat16) for kk in ks[1:3])
+  w2 = 0.05 * jax.random.normal(ks[3], (n, E, D, I), jnp.bfloat16)
+  if dup:
+    ex = jax.random.randint(ks[4], (M, k), 0, E).at[0, 1].set(0).at[0, 0].set(0)
+  else:
+    ex = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:k])(jax.random.split(ks[4], M))
+  ex = ex.at[M - 1, 0].set(E - 1)
+  wt = jax.random.uniform(ks[5], (M, k))
+  out = np.asarray(jax.jit(lambda *a: X.routed_experts(*a, 10.0, layer=jnp.int32(layer)))(x, wt, ex, w1, w2, w3),
+                   np.float64)
+  ref = np.asarray(jax.jit(lambda *a: X.routed_experts_ref(*a, 10.0))(x, wt, ex, w1[layer], w2[layer], w3[layer]),
+                   np.float64)
+  assert np.all(np.abs(out - ref) <= 2e-2 + 2e-2 * np.abs(ref))
 
 
 @pytest.mark.parametrize("M,O,D,G,n", [(1, 1024, 4096, 1, 4), (32, 512, 4096, 1, 4), (1, 32768, 1024, 1, 2),

@@ -498,7 +498,7 @@ def test_queue_bound_turns_excess_into_429(served):
 
 
 def test_bench_serve_against_the_server(served, tmp_path):
-    from v4jax.serve import bench
+    from v4jax.bench import serve as bench
     args = bench._parser().parse_args(["--url", served.url, "--api-key", KEY, "--num-requests", "8", "--rate", "inf",
                                        "--prompt-len", "5:8", "--output-len", "4:12", "--vocab", "2048"])
     rep = asyncio.run(bench.run(args))

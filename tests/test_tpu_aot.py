@@ -31,7 +31,7 @@ KERNELS = ["sparse_attention T=1", "sparse_attention T=2", "indexer_scores", "to
 def report():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([LIBTPU_DIR, ROOT]), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tpu_aot_check.py")], env=env, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "v4jax.cli", "bench", "tpu-aot"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
     assert lines, r.stdout[-3000:] + r.stderr[-3000:]
@@ -49,11 +49,11 @@ def test_kernel_compiles_for_tpu(report, kernel):
 
 def test_flash_pod_plan_compiles_on_a_v5p_slice():
     """Flash's prefill and decode steps compiled for v5p-16 (8 chips, tensor=8) with abstract weights and pools:
-    the compiled arguments are the analytic weights + pools per device (scripts/tpu_pod_plan.py)."""
+    the compiled arguments are the analytic weights + pools per device (`v4jax bench tpu-plan`)."""
     import json
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([LIBTPU_DIR, ROOT]), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tpu_pod_plan.py"), "--preset", "flash",
+    r = subprocess.run([sys.executable, "-m", "v4jax.cli", "bench", "tpu-plan", "--preset", "flash",
                         "--topology", "v5p:2x2x2", "--mesh", "tensor=8", "--slots", "8", "--context", "4096"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     rows = [json.loads(ln[len("PLAN "):]) for ln in r.stdout.splitlines() if ln.startswith("PLAN ")]

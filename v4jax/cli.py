@@ -142,16 +142,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
-                       help="benchmarks (decode, kernels, replay, serve)",
+                       help="benchmarks (decode, generate, kernels, mesh, replay, serve, table, tpu-aot, tpu-plan)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
                        ("generate", "what LLM.generate users see: compile, prefill against the FLOP roofline, "
                                     "decode ms/step (v4jax.bench.generate)"),
-                       ("kernels", "Pallas kernel timings against their jnp references (pallas_kernels.bench)"),
+                       ("kernels", "Pallas kernel timings against their jnp references, and their tile sweeps "
+                                   "(--tune, --sweep NAME; v4jax.bench.kernels)"),
+                       ("mesh", "decode on device meshes against one device: same tokens, ms/step, scaling "
+                                "(v4jax.bench.mesh)"),
                        ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.bench.replay)"),
-                       ("serve", "open-loop load against a running v4jax serve (v4jax.serve.bench)"),
-                       ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)")):
+                       ("serve", "open-loop load against a running v4jax serve (v4jax.bench.serve)"),
+                       ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)"),
+                       ("tpu-aot", "every Pallas TPU kernel and the engine's steps compiled for a TPU with libtpu on "
+                                   "a CPU machine (v4jax.bench.tpu_aot)"),
+                       ("tpu-plan", "a preset's engine steps compiled for a TPU pod slice: memory per device "
+                                    "(v4jax.bench.tpu_aot)")):
         # Everything after the name, -h included, goes to the benchmark's own parser.
         p = bsub.add_parser(name, add_help=False, allow_abbrev=False, help=text, description=text)
         p.set_defaults(func=_bench, passthrough=True)
@@ -285,23 +292,17 @@ def _serve(args) -> int:
 
 
 def _bench(args) -> int:
-    if args.bench == "serve":
-        from v4jax.serve.bench import main as serve_bench_main
-        return serve_bench_main(args.extra)
-    if args.bench == "replay":
-        from v4jax.bench.replay import main as replay_main
-        return replay_main(args.extra)
-    if args.bench == "table":
-        from v4jax.bench.table import main as table_main
-        return table_main(args.extra)
-    if args.bench == "decode":
-        from v4jax.bench import decode_main
-        return decode_main(args.extra)
-    if args.bench == "generate":
-        from v4jax.bench import generate_main
-        return generate_main(args.extra)
-    from pallas_kernels.bench import main as kernels_main
-    return kernels_main(args.extra)
+    import importlib
+    module, func = BENCHMARKS[args.bench]
+    return getattr(importlib.import_module(module), func)(args.extra)
+
+
+# `v4jax bench NAME` -> (module, function of argv)
+BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4jax.bench.generate", "generate_main"),
+              "kernels": ("v4jax.bench.kernels", "main"), "mesh": ("v4jax.bench.mesh", "main"),
+              "replay": ("v4jax.bench.replay", "main"), "serve": ("v4jax.bench.serve", "main"),
+              "table": ("v4jax.bench.table", "main"), "tpu-aot": ("v4jax.bench.tpu_aot", "aot_main"),
+              "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main")}
 
 
 def _convert(args) -> int:

@@ -4,16 +4,24 @@
                roofline and the HF peer
   generate.py  `v4jax bench generate`: what a user of LLM.generate sees (first-call compile time, prefill and
                decode ms/step through the API)
-  kernels.py   `v4jax bench kernels`: the kernel table (pallas_kernels.bench)
+  kernels.py   `v4jax bench kernels`: the kernel table (each Pallas kernel against its reference and the roofline)
+  serve.py     `v4jax bench serve`: an open-loop load generator against a running `v4jax serve`
+  replay.py    `v4jax bench replay`: request traces against dense / paged / paged + prefix cache
+  table.py     `v4jax bench table`: one markdown table from decode.json / generate.json files
+  profile.py   what a jitted call runs on the device, from a profiler trace
   memory.py    `v4jax memory`: pool bytes per kind
   hf_peer.py   transformers' implementation on the same weights (the only module that imports torch)
 """
 from v4jax.bench.decode import decode_main, markdown, measure_bandwidth, roofline_bytes, small_config
-from v4jax.bench.kernels import kernels_main
 from v4jax.bench.memory import memory_main
 
 __all__ = ["decode_main", "generate_main", "kernels_main", "markdown", "measure_bandwidth", "memory_main",
            "roofline_bytes", "small_config"]
+
+
+def kernels_main(argv=None) -> int:
+    from v4jax.bench.kernels import main as run
+    return run(argv)
 
 
 def generate_main(argv=None) -> int:

@@ -1,9 +1,11 @@
-"""python -m v4jax.bench {decode,generate,kernels,memory} [options]"""
+"""python -m v4jax.bench {decode,generate,kernels,mesh,replay,serve,table,tpu-aot,tpu-plan,memory} [options]: the same
+as `v4jax bench NAME` (and `v4jax memory` for memory)."""
+import importlib
 import sys
 
-from v4jax.bench import decode_main, generate_main, kernels_main, memory_main
+from v4jax.cli import BENCHMARKS
 
-COMMANDS = {"decode": decode_main, "generate": generate_main, "kernels": kernels_main, "memory": memory_main}
+COMMANDS = {**BENCHMARKS, "memory": ("v4jax.bench.memory", "memory_main")}
 
 
 def main(argv=None) -> int:
@@ -11,7 +13,8 @@ def main(argv=None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python -m v4jax.bench {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]](argv[1:])
+    module, func = COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), func)(argv[1:])
 
 
 if __name__ == "__main__":

@@ -410,6 +410,42 @@ def _plan(batches, contexts, long_b1) -> list[tuple[int, int]]:
     return first + rest
 
 
+def memory_plan(cfg, name: str, batches, contexts, k: int, attention_impl: str) -> int:
+    """The decode call's device memory as XLA plans it: arguments, outputs, how much of the donated pools the
+    outputs alias, and temporaries, against the largest pool array (a donated pool that is not aliased, or a
+    temporary the size of a pool array, doubles that array's memory inside the call). One JSON line per batch and
+    context, an engine sized for it, freed before the next."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from v4jax import cache as C
+    from v4jax.model import RunOptions, Transformer
+
+    model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, mtp=False)
+    for batch in batches:
+        for ctx in contexts:
+            bench = JaxDecodeBench(cfg, model, RunOptions(attention_impl=attention_impl), batch, ctx, k)
+            eng = bench.engine
+            state, pt, swa = bench.decode_args(ctx - 2 * k, np.random.default_rng(0))
+            compiled = eng.steps.decode.lower(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
+                                              swa).compile()
+            m = compiled.memory_analysis()
+            largest = max(jax.tree.leaves(eng.pools), key=lambda x: x.nbytes)
+            out = {"model": name, "batch": batch, "context": ctx, "device": jax.devices()[0].device_kind,
+                   "pool_bytes": sum(C.pool_bytes(eng.pools).values()),
+                   "largest_pool_array": [largest.nbytes, list(largest.shape), str(largest.dtype)]}
+            for f in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes"):
+                out[f] = getattr(m, f, None)
+            print(json.dumps(out), flush=True)
+            del bench, eng, compiled
+            gc.collect()
+    return 0
+
+
 def decode_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="v4jax bench decode", description=__doc__.split("\n\n")[1])
     ap.add_argument("--model", default="flash-slice", help="preset name or HF config directory")
@@ -437,6 +473,9 @@ def decode_main(argv=None) -> int:
                     "launches)")
     ap.add_argument("--profile", action="store_true", help="trace each row's decode call: kernels per call and "
                     "per layer, device copies, the heaviest kernels (GPU)")
+    ap.add_argument("--memory-plan", action="store_true", help="instead of timing: the decode call's device "
+                    "memory as XLA plans it (arguments, outputs, aliased pools, temporaries), one JSON line per "
+                    "batch and context (--batches, --contexts, --k, --attention-impl)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + (a.deadline_s if a.deadline_s else 1e9)
@@ -464,6 +503,8 @@ def decode_main(argv=None) -> int:
     contexts = _parse_ints(a.contexts) if a.contexts else contexts
     long_b1 = _parse_ints(a.long_b1) if a.long_b1 is not None else long_b1
     hf_ctx = _parse_ints(a.hf_contexts) if a.hf_contexts else hf_ctx
+    if a.memory_plan:
+        return memory_plan(cfg, name, batches, contexts, k, a.attention_impl)
     out_dir = a.out or os.environ.get("OUT") or "bench_out"
     dev = jax.devices()[0]
     on_gpu = dev.platform == "gpu"

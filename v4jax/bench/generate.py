@@ -15,6 +15,16 @@
 * every row's prefill against the FLOP roofline (v4jax.bench.flops): the FLOPs its prompts need over its
   prefill time, as a share of the bf16 matmul rate measured on the same device at the start.
 Results (JSON + markdown) go to --out after every row.
+
+Two diagnostics instead of the rows:
+* `--profile-prefill`: where a prefill's time goes. One `generate` of a `--prefill`-token prompt (default 128K;
+  max_tokens=1, chunks of `--prefill-chunk`) traced with the profiler, the third such call (the second can be slow
+  on a GPU); prints the kernel families by GPU time and each kernel's time per line of the model
+  (v4jax.bench.profile.summarize, from the compiled program of the last chunk).
+* `--repeat-check`: four identical `generate` calls (a 16-token prompt, 16 new tokens) with every compile logged,
+  and how the arguments and the trace context (JAX's config states that key its caches) of each call's first
+  prefill differ from the first call's: a difference there is what makes a later call compile again. (JAX's
+  explain-cache-misses is left off: on JAX 0.11.2 with it on, lowering a Pallas Triton kernel's reduction fails.)
 """
 from __future__ import annotations
 
@@ -130,11 +140,20 @@ def generate_main(argv=None) -> int:
     ap.add_argument("--cache", default="off", choices=("on", "off"), help="the persistent compilation cache")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-prefill", action="store_true", help="instead of the rows: a profile of one "
+                    "prefill of a --prefill-token prompt (default 128K) in chunks of --prefill-chunk")
+    ap.add_argument("--repeat-check", action="store_true", help="instead of the rows: four identical generate "
+                    "calls, compiles logged, and what differs in each call's prefill arguments from the first's")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + (a.deadline_s or 1e9)
     if a.cache == "off":
         os.environ["V4JAX_COMPILATION_CACHE"] = "off"
+    if a.profile_prefill:
+        return profile_prefill(a.model, (_parse_ints(a.prefill) or (131072,))[0], a.prefill_chunk,
+                               a.attention_impl, a.dtype)
+    if a.repeat_check:
+        return repeat_check(a.model, a.attention_impl, a.dtype)
     import jax
     import numpy as np
 
@@ -191,4 +210,104 @@ def generate_main(argv=None) -> int:
     data["total_s"] = time.perf_counter() - t_start
     write()
     print(markdown(data), flush=True)
+    return 0
+
+
+def profile_prefill(model: str, prompt: int, chunk: int, impl: str, dtype: str = "bfloat16") -> int:
+    """`--profile-prefill` (see the module's docstring)."""
+    import jax
+    import numpy as np
+
+    from v4jax import LLM, SamplingParams
+    from v4jax.bench.profile import summarize
+
+    llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=prompt + chunk, prefill_chunk=chunk,
+              attention_impl=impl, enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    fresh = lambda: [rng.integers(2, llm.config.vocab_size, prompt).tolist()]  # noqa: E731
+    t0 = time.perf_counter()
+    llm.generate(fresh(), sp)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.generate(fresh(), sp)
+    second = time.perf_counter() - t0
+    # the last prefill call's arguments (kept as they are: converting them per call cost ~100 ms a call), to
+    # compile its program's text
+    eng, seen = llm.engine, {}
+    jitted = eng.steps.prefill
+
+    def recording(spec, *args):
+        seen["args"] = (spec,) + args
+        return jitted(spec, *args)
+
+    eng.steps = dataclasses.replace(eng.steps, prefill=recording)
+    t0 = time.perf_counter()
+    llm.generate(fresh(), sp)
+    wall = time.perf_counter() - t0   # the third call: the second can be slow on a GPU (BENCHMARKS, "Repeated calls")
+    print(f"generate: first {first:.2f} s, second {second:.2f} s, third {wall:.3f} s", flush=True)
+    eng.steps = dataclasses.replace(eng.steps, prefill=jitted)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                            if isinstance(x, jax.Array) else x, seen["args"][1:])
+    hlo = jitted.lower(seen["args"][0], *abstract).compile().as_text()
+    prof = summarize(lambda: llm.generate(fresh(), sp), repeats=1, top=40, hlo_text=hlo)
+    print(json.dumps({"model": model, "prompt": prompt, "chunk": chunk, "impl": impl, "first_s": first,
+                      "second_s": second, "wall_s": wall, "compiled_variants": jitted._cache_size(),
+                      "kernels": prof.get("kernels"), "kernel_ms": prof.get("kernel_ms"),
+                      "copy_ms": prof.get("copy_ms")}))
+    for name, n, ms in prof.get("top", []):
+        print(f"{ms:9.2f} ms {n:6.0f}x  {name}")
+    print("by line of the model:")
+    for name, n, ms in prof.get("by_source", []):
+        print(f"{ms:9.2f} ms {n:6.0f}x  {name}")
+    return 0
+
+
+def repeat_check(model: str, impl: str, dtype: str = "bfloat16") -> int:
+    """`--repeat-check` (see the module's docstring)."""
+    import logging
+
+    import jax
+    import numpy as np
+    from jax._src import config as jax_config
+
+    from v4jax import LLM, SamplingParams
+
+    jax.config.update("jax_log_compiles", True)
+    logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
+    llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=4096, attention_impl=impl)
+    eng = llm.engine
+    jitted = eng.steps.prefill
+    signatures = []
+
+    def describe(leaf):
+        if not isinstance(leaf, jax.Array):
+            return ("python", type(leaf).__name__, leaf if np.isscalar(leaf) else None)
+        return (str(jax.typeof(leaf)), str(leaf.sharding), leaf.committed, str(leaf.format.layout))
+
+    def recording(spec, *args):
+        paths, _ = jax.tree_util.tree_flatten_with_path(args)
+        context = {f"config {n}": str(c) for n, c in zip(jax_config.trace_context_names(),
+                                                         jax_config.trace_context())}
+        leaves = {jax.tree_util.keystr(p): describe(x) for p, x in paths}
+        signatures.append({"spec": (hash(spec), id(spec)), **context, **leaves})
+        return jitted(spec, *args)
+
+    eng.steps = dataclasses.replace(eng.steps, prefill=recording)
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    firsts = []
+    for i in range(4):
+        print(f"==== generate call {i}", flush=True)
+        firsts.append(len(signatures))
+        t0 = time.perf_counter()
+        llm.generate([rng.integers(2, llm.config.vocab_size, 16).tolist()], sp)
+        print(f"==== generate call {i}: {time.perf_counter() - t0:.2f} s; prefill variants {jitted._cache_size()}",
+              flush=True)
+    for i in range(1, 4):
+        x, y = signatures[firsts[0]], signatures[firsts[i]]
+        diff = [(k, x.get(k), y.get(k)) for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
+        print(f"==== prefill arguments of call {i} vs call 0: {len(diff)} of {len(y)} differ")
+        for k, u, v in diff[:20]:
+            print(f"  {k}\n    call 0: {u}\n    call {i}: {v}")
     return 0

@@ -52,7 +52,8 @@ def _stack_frames(hlo_text: str) -> dict[int, tuple[str, int]]:
     locs = {}
     for i, v in tables["FileLocations"].items():
         path = tables["FileNames"].get(num(v, "file_name_id"), "?").strip('"')
-        short = path[path.rfind("/", 0, path.rfind("/")) + 1:]
+        at = max(path.rfind(f) for f in _MODEL_FILES)   # v4jax/model/layers.py; else the last two parts
+        short = path[at:] if at >= 0 else path[path.rfind("/", 0, path.rfind("/")) + 1:]
         fn = tables["FunctionNames"].get(num(v, "function_name_id"), "?").strip('"')
         locs[i] = (path, f"{short}:{num(v, 'line')} ({fn})")
     frames = {}

@@ -7,7 +7,7 @@
 
 Modules: engine (the interface the orchestrator drives), orchestrator (threads and queues; text and stop strings
 from v4jax.detokenize), protocol (request checks), openai / jetstream (routes), metrics, chat (templates), app
-(FastAPI + uvicorn), options (flags), bench (`v4jax bench serve`, the load generator)."""
+(FastAPI + uvicorn), options (flags). The load generator, `v4jax bench serve`, is v4jax.bench.serve."""
 from v4jax.serve.options import ServerOptions
 
 

@@ -1,7 +1,9 @@
-"""Decode on a mesh against one device: greedy tokens equal, ms/step through `LLM.generate`, scaling per mesh.
+"""`v4jax bench mesh`: decode on a mesh against one device: greedy tokens equal, ms/step through `LLM.generate`,
+scaling per mesh.
 
-    python scripts/mesh_bench.py --model flash-slice --meshes tensor=2,expert=2,data=2 --batches 1,32 \
+    v4jax bench mesh --model flash-slice --meshes "tensor=2;expert=2;data=2" --batches 1,32 \
         --context 4096 --new 32 --out $OUT
+    v4jax bench mesh --model tiny --dtype float32 --meshes "tensor=2;expert=2" --batches 1,4 --context 64   (CPU)
 
 For each mesh (`;`-separated specs, e.g. "tensor=8;expert=8;data=2,tensor=4"): one LLM on the mesh, the same
 random prompts as the single-device run, greedy; a row per batch size with the decode ms/step (time of
@@ -32,7 +34,7 @@ def _row(llm, prompts, new: int) -> tuple[float, list]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="v4jax bench mesh", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="flash-slice")
     ap.add_argument("--meshes", default="tensor=2;expert=2;data=2", help="';'-separated mesh specs")
     ap.add_argument("--batches", default="1,32")
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
     meshes = [m.strip() for m in a.meshes.split(";") if m.strip()]
     os.makedirs(a.out, exist_ok=True)
     dev = jax.devices()[0]
-    data = {"command": "python scripts/mesh_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    data = {"command": "v4jax bench mesh " + " ".join(argv if argv is not None else sys.argv[1:]),
             "device": f"{len(jax.devices())} x {dev.platform} {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
             "model": a.model, "rows": []}
     rng = np.random.default_rng(0)
@@ -93,7 +95,3 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "mesh.json"), "w") as fh:
         json.dump(data, fh, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

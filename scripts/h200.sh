@@ -1,0 +1,437 @@
+#!/usr/bin/env bash
+# The one device driver: the tables of BENCHMARKS.md are re-made by its stages, one device call per stage (each
+# inside the 10-minute limit). Everything lands under $OUT (default ./h200_out).
+#   bash scripts/h200.sh STAGE [N]
+# Decode and prefill at depth (Pallas ops; V4JAX_COMPILATION_CACHE=off):
+#   slice      flash-slice (KERNEL_TESTS=1: the top-k / sparse-attention GPU tests first): decode at batch 1 / 32 and
+#              4K / 32K / 128K, 1M at batch 1 (jitted call, engine loop, a profile at 4K), HF at 4K (batch 1 / 32)
+#              and at batch 1 / 32K and 128K; generate rows and the 128K prefill; the merged table (v4jax bench table)
+#   1gpu       flash-1gpu (43 layers): first generate (compile), generate rows, 32K prefill, decode at batch 1 / 32
+#              and 4K / 32K / 128K; the merged table
+#   table      in one call: flash-slice decode (4K profiled, 32K, 128K, 1M at batch 1) and generate rows with the
+#              128K prefill, flash-1gpu decode at 4K and 128K
+#   4k         the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per step from a profile)
+#              and of flash-1gpu
+#   graphs     the decode call as one CUDA graph (V4JAX_DECODE_GRAPHS=loop) against XLA's default command buffers:
+#              jitted call, engine loop and LLM.generate of flash-slice at 4K / 128K
+#   engine     the engine GPU tests (Pallas engine = XLA engine, a second generate compiles nothing)
+#   memory     the decode call's memory plan (v4jax bench decode --memory-plan) with its largest temporaries from
+#              XLA's buffer assignment (flash-slice), then flash-1gpu's at batch 32 and 16K / 64K / 128K
+#              (MEM_1GPU=0 skips it; MEM_CONTEXTS sets its contexts)
+#   repeat     four generate calls in one process (v4jax bench generate --repeat-check; compiles logged), with and
+#              without XLA's command buffers, then the engine GPU test (TEST_S=0 skips it)
+#   prefill    the prefill kernels' GPU tests, the experts sweep (v4jax bench kernels --sweep prefill_experts;
+#              SWEEP=0 skips), a profile of a 128K flash-slice prompt (v4jax bench generate --profile-prefill),
+#              the 128K prefill through generate
+# Kernels:
+#   check      GPU tests (kernels, engine), the kernel table from profiler traces ($OUT/k/bench_kernels.{md,json}),
+#              engine decode with XLA and Pallas attention at batch 32 / 128K ($OUT/d{xla,pallas})
+#   candidates the one-launch projections and the mHC-expansion kernel against the forms they replace: GPU tests
+#              and v4jax bench kernels --sweep fused_projections / hc_post
+#   tune       the projection kernel's sweep (--sweep layer_linear; SWEEP=0 skips it), the Sinkhorn sweep (--tune
+#              --only sinkhorn), their and the top-k GPU tests, batch 1 / 32 at 4K of flash-slice with each
+#              kernel's time per line of the model
+#   sweep      a prefill chunk's top-k per stage and its sparse attention per tile (--sweep topk_prefill /
+#              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks tiles; the indexer's
+#              is v4jax bench kernels --sweep indexer_prefill)
+#   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
+# Depth (BENCHMARKS.md "Depth"):
+#   depth1     flash-1gpu: first-generate compile, decode rows (jit + engine loop, kernel launches per layer from a
+#              profiler trace), generate at 4K
+#   depth2     GPU tests; flash-slice: decode rows, mHC Sinkhorn loop vs unrolled (launches), generate rows and
+#              the 128K prefill
+# Serving and meshes:
+#   serve      `v4jax serve` and `v4jax bench serve` on one machine (carry [".whl"]: the server's wheels), then
+#              SIGTERM and a check that the server drained and exited 0 -> $OUT/server.log, $OUT/metrics.txt,
+#              $OUT/r<RATE>/serve_bench.{md,json}. MODEL, SERVE_ARGS, RATES, BENCH_ARGS, WARMUP, PORT override;
+#              a CPU dry run of the default model: SKIP_WHEELS=1 MODEL= SERVE_ARGS="--max-model-len 512" RATES="4"
+#              WARMUP=4 BENCH_ARGS="--num-requests 16 --prompt-len 32 --output-len 16 --vocab 2048" \
+#              bash scripts/h200.sh serve
+#   multigpu N decode on N = 2 / 4 / 8 GPUs against one (v4jax bench mesh; kind nvidia-h200-xN) ->
+#              $OUT/mesh_<model>/mesh.json. CPU dry run: v4jax bench mesh --model tiny --dtype float32 \
+#              --meshes "tensor=2;expert=2" --batches 1,4 --context 64
+set -u
+stage=${1:-slice}
+out=${OUT:-./h200_out}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+case $stage in
+check|depth1|depth2|serve|multigpu|ncu) ;;
+*) export V4JAX_COMPILATION_CACHE=off ;;
+esac
+gpu="gpu and not slow"   # the GPU tests of a stage (the slow ones: python -m pytest -q -m "gpu and slow" tests)
+quiet() { grep -v "Warn\|^[EW][0-9]\{4\} \|slow_operation\|^\*\*\*\|Very slow\|^$\|warn(" ; }
+t0=$(date +%s)
+# flash-1gpu's decode rows let JAX's allocator take 94 % of the GPU (the default, 75 %, is 105 GB; no torch there):
+# batch 32 at 128K holds 49 GB of weights and 30 GB of pools, and its decode call asked for a buffer the size of
+# its largest pool array (21 GiB) on top (run M: out of memory). The plan aliases every pool with 22 MB of
+# temporaries, and a donated 21 GiB array is updated in place (run M8).
+mem_fraction=${MEM_FRACTION:-0.94}
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+summary() {
+  python3 - "$1" <<'EOF' 2>&1 | tail -80
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    p = r.get("profile") or {}
+    print(r["batch"], r["context"], "jit ms/step", round(r.get("ms_per_step", -1), 3), "engine", r.get("generate_step_ms_per_step"),
+          "roofline", r.get("roofline_ms"), "kernels/step", p.get("kernels"), "kernels/layer/step",
+          p.get("kernels_per_layer_step"), "copies", p.get("copies"), "copy_ms", p.get("copy_ms"))
+    for name, n, ms in (p.get("top") or [])[:5]:
+        print("   ", name, n, round(ms, 3))
+    for name, n, ms in (p.get("by_source") or [])[:30]:
+        print("    src", round(ms, 4), n, name)
+for h in d.get("hf", []):
+    print("hf", h)
+EOF
+}
+case "$stage" in
+slice)
+  # one call (timeouts add up to 535 s; KERNEL_TESTS=1 adds the kernels' GPU tests, 90 s more, past one call's
+  # limit of 600 s with the rest; run M: 94 s for five decode rows with HF at 4K,
+  # the last two past a deadline of 120 s; run L: 88 s for the decode rows with HF at 4K,
+  # 63 s for HF at 32K / 128K, 207 s for the generate rows at 4K, 32K and 128K, compiles included): the kernels' GPU
+  # tests, every flash-slice decode row (jitted call, engine loop, a profile per row) with HF at 4K, HF at batch 1 /
+  # 32K and 128K, the generate rows and the 128K prefill through LLM.generate, the merged table
+  if [ "${KERNEL_TESTS:-0}" = 1 ]; then
+    stamp "GPU tests of the top-k and sparse attention kernels"
+    timeout 90 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "topk or sparse" -p no:cacheprovider 2>&1 \
+      | tail -2
+  fi
+  stamp "flash-slice decode, HF at 4K"
+  timeout 165 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,32K,128K \
+    --long-b1 1M --hf on --hf-contexts 4K --iters 5 --gen-iters 3 --profile --attention-impl pallas \
+    --deadline-s 155 --out "$out/flash-slice/decode" 2>&1 | quiet | grep "^|" | tail -9
+  summary "$out/flash-slice/decode/decode.json" | head -40
+  stamp "HF at batch 1, 32K and 128K"
+  timeout 100 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1 --contexts 32K --long-b1 "" \
+    --hf on --hf-contexts 32K,128K --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 95 \
+    --out "$out/flash-slice/hf-long" 2>&1 | quiet | grep "^|" | tail -4
+  stamp "flash-slice generate"
+  timeout 270 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 32K,128K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 230 \
+    --out "$out/flash-slice/generate" 2>&1 | quiet | tail -8
+  python3 -m v4jax.bench.table "$out/flash-slice"
+  ;;
+1gpu)
+  # one call (timeouts add up to 550 s; run K: init + first generate 52 s, the batch-1 4K row ~70 s, batch 32 ~100
+  # s, decode at batch 1 ~95 s): flash-1gpu's first generate (compile), generate rows and the 32K prefill, decode
+  # at batch 1 / 32 and 4K / 32K / 128K, the merged table. 256 new tokens: batch 32's prompts take 16 prefill
+  # steps, and its first requests decode 8 tokens in each, so with 128 they finished before the last one started
+  # (no steady window in run K)
+  stamp "flash-1gpu generate"
+  timeout 310 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
+    --prefill 32K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 225 \
+    --out "$out/flash-1gpu/generate" 2>&1 | quiet | tail -12
+  stamp "flash-1gpu decode"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 240 python3 -W ignore -m v4jax.bench decode \
+    --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 200 \
+    --out "$out/flash-1gpu/decode" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
+  summary "$out/flash-1gpu/decode/decode.json" | head -20
+  python3 -m v4jax.bench.table "$out/flash-1gpu"
+  ;;
+graphs)
+  # XLA's command buffers over the whole decode call (V4JAX_DECODE_GRAPHS=loop: the k-step loop and the layer scan
+  # as one CUDA graph) against XLA's default set (xla): the jitted call and the engine loop at batch 1 / 32 and 4K /
+  # 128K, and LLM.generate at 4K, of flash-slice; then a side-by-side summary
+  for mode in xla loop; do
+    stamp "decode graphs: $mode"
+    V4JAX_DECODE_GRAPHS=$mode timeout 120 python3 -W ignore -m v4jax.bench decode --model flash-slice \
+      --batches 1,32 --contexts 4K,128K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas \
+      --deadline-s 110 --out "$out/graphs-$mode/decode" 2>&1 | quiet | grep "^|" | tail -4
+    V4JAX_DECODE_GRAPHS=$mode timeout 110 python3 -W ignore -m v4jax.bench generate --model flash-slice \
+      --batches 1,32 --contexts 4K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 100 \
+      --out "$out/graphs-$mode/generate" 2>&1 | quiet | grep "^|" | tail -2
+  done
+  python3 -m v4jax.bench.table "$out/graphs-xla=graphs-xla" "$out/graphs-loop=graphs-loop" 2>&1 | grep "^|" \
+    | cut -d'|' -f2-9
+  ;;
+candidates)
+  # ~70 s: several projections of one input in one launch (v4jax bench kernels --sweep fused_projections), mHC's
+  # expansion as a Pallas kernel (--sweep hc_post), their GPU tests
+  stamp "GPU tests of the projection and mHC-expansion kernels"
+  timeout 120 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "layer_linear or hc_post" \
+    -p no:cacheprovider 2>&1 | tail -2
+  stamp "projections of one input"
+  timeout 150 python3 -W ignore -m v4jax.bench kernels --sweep fused_projections --out "$out/fused" 2>&1 | quiet \
+    | tail -6
+  stamp "mHC expansion"
+  timeout 90 python3 -W ignore -m v4jax.bench kernels --sweep hc_post --out "$out/hc_post" 2>&1 | quiet | tail -3
+  ;;
+memory)
+  # the decode call's memory plan at flash-slice batch 32 / 128K (v4jax bench decode --memory-plan) and, from XLA's
+  # buffer
+  # assignment, the largest values of its temporary allocation: what asks for a second copy of a pool array
+  stamp "decode memory plan"
+  XLA_FLAGS="--xla_dump_to=/tmp/xla_dump --xla_dump_hlo_module_re=jit__decode" timeout 150 python3 -W ignore \
+    -m v4jax.bench decode --memory-plan --model flash-slice --batches 32 --contexts 128K --attention-impl pallas \
+    > "$out/decode_memory.json" 2>&1
+  tail -3 "$out/decode_memory.json"
+  # flash-1gpu at batch 32 (its CSA compressed-KV stack: 1.4G / 5.6G / 11.3G elements; run M7: every plan aliases
+  # its pools, 17-22 MB of temporaries), then the instructions that make or take an array of the stack's size
+  [ "${MEM_1GPU:-1}" = 1 ] && XLA_FLAGS="--xla_dump_to=/tmp/xla_dump_1gpu --xla_dump_hlo_module_re=jit__decode" \
+    timeout 240 python3 -W ignore -m v4jax.bench decode --memory-plan --model flash-1gpu --batches 32 \
+    --contexts "${MEM_CONTEXTS:-16K,64K,128K}" --attention-impl pallas > "$out/decode_memory_1gpu.json" 2>&1
+  tail -4 "$out/decode_memory_1gpu.json"
+  for d in /tmp/xla_dump /tmp/xla_dump_1gpu; do
+    for f in "$d"/*jit__decode*after_optimizations-buffer-assignment.txt; do
+      echo "== $f"
+      grep "^allocation" "$f" | sort -t' ' -k4 -n -r | head -6 | cut -c1-200
+      grep -o "value: <[0-9]* [^ ]* @[0-9]*> (size=[0-9]*,offset=[0-9]*): [a-z0-9]*\[[0-9,]*\]" "$f" \
+        | awk -F'size=' '{split($2,a,","); print a[1], $0}' | sort -n -r | head -25
+    done
+  done > "$out/decode_buffers.txt"
+  # the instructions that make or take an array the size of the largest pool stack, flat or stacked (what copies it)
+  for f in /tmp/xla_dump_1gpu/*jit__decode*after_optimizations.txt; do
+    echo "== $f"
+    grep -n "\[22020096,512\]\|\[21,1048576,512\]\|copy\|cuda_graph\|input_output_alias" "$f" \
+      | grep -v "^.*metadata={}$" | cut -c1-400 | head -60
+  done > "$out/decode_copies.txt" 2>&1
+  head -60 "$out/decode_buffers.txt"
+  head -80 "$out/decode_copies.txt"
+  ;;
+engine)
+  stamp "engine GPU tests"
+  timeout "${TEST_S:-400}" python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider \
+    > "$out/pytest_gpu.log" 2>&1
+  echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
+  ;;
+table)
+  # one call (timeouts add up to 590 s): the flash-slice decode and generate rows and flash-1gpu decode at 4K /
+  # 128K (HF columns: the slice stage; HF's code does not change with this tree)
+  timeout 40 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k sinkhorn -p no:cacheprovider 2>&1 | tail -1
+  stamp "flash-slice decode at 4K, profiled"
+  timeout 90 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
+    --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 75 --out "$out/slice_4k" 2>&1 \
+    | quiet | grep "^|" | tail -4
+  summary "$out/slice_4k/decode.json"
+  stamp "flash-slice decode at 32K / 128K, and 1M at batch 1"
+  timeout 100 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 32K,128K \
+    --long-b1 1M --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 85 --out "$out/slice_long" \
+    2>&1 | quiet | grep "^|" | tail -7
+  stamp "flash-slice generate"
+  # (each row's first pass compiles its shapes, ~25 s: the 128K prefill row needs ~170 s from the start)
+  timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 180 --out "$out/gen_slice" \
+    2>&1 | quiet | tail -8
+  stamp "flash-1gpu decode at 4K / 128K"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 160 python3 -W ignore -m v4jax.bench decode \
+    --model flash-1gpu --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 145 \
+    --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
+  ;;
+prefill)
+  stamp "GPU tests of the grouped experts, sparse attention and indexer kernels"
+  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "grouped or sparse or indexer" \
+    -p no:cacheprovider --tb=short 2>&1 | grep -v "^  \|^$" | tail -15
+  stamp "prefill experts bench"
+  [ "${SWEEP:-1}" = 1 ] && timeout 150 python3 -W ignore -m v4jax.bench kernels --sweep prefill_experts \
+    --tokens 8192 --out "$out" 2>&1 | quiet \
+    | grep "^M=" | cut -c1-220
+  stamp "128K flash-slice prefill profile"
+  timeout 240 python3 -W ignore -m v4jax.bench generate --profile-prefill --model flash-slice --prefill 128K \
+    --prefill-chunk 8192 --attention-impl pallas 2>&1 | quiet \
+    | tee "$out/profile_prefill.txt" | head -50
+  stamp "128K flash-slice prefill through generate"
+  timeout 170 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1 --contexts 4K \
+    --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 160 --out "$out/gen_slice" \
+    > "$out/gen_slice.log" 2>&1
+  echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
+  ;;
+sweep)
+  stamp "top-k on a prefill chunk"
+  timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep topk_prefill 2>&1 | quiet \
+    | tee "$out/topk_prefill.txt" | tail -6
+  stamp "sparse attention on a prefill chunk"
+  timeout 440 python3 -W ignore -m v4jax.bench kernels --sweep attention_prefill --tokens 8192 \
+    ${ATTN_CONFIGS:+--configs $ATTN_CONFIGS} 2>&1 | quiet | tee "$out/attention_prefill.txt" \
+    | tail -40
+  ;;
+repeat)
+  stamp "repeated generate calls: what the second one traces or compiles"
+  timeout 100 python3 -W ignore -m v4jax.bench generate --repeat-check --model flash-slice \
+    --attention-impl pallas > "$out/repeat.log" 2>&1
+  grep "^====\|Compiling\|Error" "$out/repeat.log" | cut -c1-200 | tail -30
+  # the same with XLA's command buffers (CUDA graphs) off: a graph is recorded on a thunk's second run
+  stamp "again, command buffers off"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 100 python3 -W ignore -m v4jax.bench generate \
+    --repeat-check --model flash-slice --attention-impl pallas > "$out/repeat_nocb.log" 2>&1
+  grep "^====\|Error" "$out/repeat_nocb.log" | cut -c1-200 | tail -10
+  [ "${TEST_S:-300}" = 0 ] && exit 0
+  stamp "engine GPU test"
+  timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1
+  echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
+  ;;
+tune)
+  stamp "GPU tests of the projection and top-k kernels"
+  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "layer_linear or topk or sinkhorn" -p no:cacheprovider \
+    2>&1 | tail -3
+  if [ "${SWEEP:-1}" = 1 ]; then
+    stamp "projection kernel sweep"
+    timeout 240 python3 -W ignore -m v4jax.bench kernels --sweep layer_linear --out "$out/ll" 2>&1 | quiet | tail -14
+  fi
+  stamp "Sinkhorn sweep"
+  timeout 120 python3 -W ignore -m v4jax.bench kernels --tune --only sinkhorn --harness trace --repeats 3 \
+    --out "$out/sinkhorn" 2>&1 | quiet | grep "sinkhorn M"
+  stamp "flash-slice decode at 4K"
+  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
+    --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 130 --out "$out/slice_4k" 2>&1 \
+    | quiet | grep "^|" | tail -4
+  summary "$out/slice_4k/decode.json"
+  ;;
+4k)
+  stamp "GPU kernel tests"
+  timeout 240 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  stamp "flash-slice decode at 4K"
+  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K --long-b1 "" \
+    --hf off --iters 5 --gen-iters 3 --profile --attention-impl pallas --deadline-s 130 --out "$out/slice_4k" 2>&1 \
+    | quiet | grep "^|" | tail -4
+  summary "$out/slice_4k/decode.json"
+  stamp "flash-1gpu decode at 4K"
+  timeout 220 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K --long-b1 "" \
+    --hf off --iters 3 --gen-iters 2 --attention-impl pallas --deadline-s 200 --out "$out/1gpu_4k" 2>&1 | quiet \
+    | grep "^|\|Error\|error" | tail -4
+  ;;
+check)
+  # ~9 of the 10 minutes, in order of importance, each under its own time limit: the GPU tests (kernels vs
+  # references, engine greedy Pallas == XLA), the kernel table from profiler traces, engine decode at batch 32 / 128K
+  # with XLA and with Pallas attention
+  timeout 330 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
+    > "$out/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/pytest_gpu.log"
+  timeout 170 python3 -W ignore -m v4jax.bench kernels --harness trace --repeats 3 --out "$out/k" 2>&1 \
+    | grep "pallas\|backend\|MISMATCH"
+  for impl in xla pallas; do
+    timeout 65 python3 -W ignore -m v4jax.bench decode --attention-impl $impl --batches 32 --contexts 128K \
+      --long-b1 "" --hf off --iters 5 --deadline-s 50 --out "$out/d$impl" 2>&1 | quiet | grep "^|" | tail -2
+  done
+  ;;
+depth1)
+  stamp "flash-1gpu generate"
+  timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1 --contexts 4K --new 32 \
+    --out "$out/g1" 2>&1 | quiet | tail -12
+  stamp "flash-1gpu decode"
+  timeout 330 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 5 --gen-iters 2 --profile --deadline-s 300 --out "$out/d1" 2>&1 | quiet \
+    | grep "^|\|Error\|error" | tail -8
+  python3 - "$out/d1/decode.json" <<'EOF' 2>&1 | tail -12
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    p = r.get("profile") or {}
+    print(r["batch"], r["context"], "ms/step", round(r.get("ms_per_step", -1), 3), "engine", r.get("generate_step_ms_per_step"),
+          "compile", round(r.get("compile_s", -1), 1), "kernels/layer/step", p.get("kernels_per_layer_step"),
+          "copies", p.get("copies"), "copy_ms", p.get("copy_ms"))
+    for name, n, ms in (p.get("top") or [])[:6]:
+        print("   ", name, n, round(ms, 3))
+EOF
+  ;;
+depth2)
+  stamp "gpu tests"
+  timeout 330 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
+    > "$out/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/pytest_gpu.log"
+  stamp "flash-slice decode"
+  timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 --contexts 4K,128K \
+    --long-b1 "" --hf off --iters 5 --gen-iters 2 --profile --deadline-s 130 --out "$out/d2" 2>&1 | quiet \
+    | grep "^|" | tail -6
+  stamp "flash-slice Sinkhorn unrolled"
+  timeout 60 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1 --contexts 4K --long-b1 "" \
+    --hf off --iters 5 --gen-iters 0 --profile --sinkhorn-unroll --out "$out/d2s" 2>&1 | quiet | grep "^|" | tail -2
+  stamp "flash-slice generate"
+  timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
+    --prefill 128K --new 32 --deadline-s 180 --out "$out/g2" 2>&1 | quiet | tail -10
+  ;;
+serve)
+  # `v4jax serve` and `v4jax bench serve` on one machine, then SIGTERM and a check that the server drained and
+  # exited 0 (the variables: see the header)
+  MODEL=${MODEL-flash-slice}
+  SERVE_ARGS=${SERVE_ARGS:---max-num-seqs 32 --max-model-len 1024 --prefill-chunk 512}
+  RATES=${RATES:-8 16}
+  BENCH_ARGS=${BENCH_ARGS:---num-requests 160 --prompt-len 512 --output-len 64:256 --vocab 129280}
+  WARMUP=${WARMUP:-8}  # requests of the same shapes before the first measured run: they compile its buckets
+  PORT=${PORT:-8123}
+  if [ -z "${SKIP_WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:.
+  fi
+  python3 -c "import jax, fastapi, uvicorn; print('jax', jax.__version__, jax.devices(), 'fastapi', fastapi.__version__)" \
+    || exit 1
+  stamp "starting v4jax serve ${MODEL:-(default model)}"
+  python3 -W ignore -m v4jax.cli serve $MODEL --port "$PORT" --no-access-log $SERVE_ARGS > "$out/server.log" 2>&1 &
+  pid=$!
+  python3 - "$PORT" "$pid" <<'EOF' || { stamp "server did not come up"; tail -20 "$out/server.log"; kill -9 "$pid"; exit 1; }
+import os, sys, time, httpx
+port, pid = int(sys.argv[1]), int(sys.argv[2])
+deadline = time.monotonic() + 240
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(1)
+    try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+EOF
+  stamp "server up"
+  for rate in $RATES; do
+    stamp "bench serve: Poisson $rate/s"
+    timeout 150 python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate "$rate" $BENCH_ARGS \
+      --warmup-requests "$WARMUP" --out "$out/r$rate" 2>&1 | grep -v "^ \|^{\|^}"
+    WARMUP=0  # compiled once is enough
+  done
+  python3 -c "import httpx, sys; open(sys.argv[2], 'w').write(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" \
+    "$PORT" "$out/metrics.txt"
+  grep -E "^v4jax_(pool_used_pages|num_requests|request_finished|generation_tokens_total|prompt_tokens_total)" \
+    "$out/metrics.txt" | grep -v _created
+  stamp "SIGTERM"
+  kill -TERM "$pid"
+  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  if kill -0 "$pid" 2>/dev/null; then stamp "server still running 30 s after SIGTERM"; kill -9 "$pid"; fi
+  wait "$pid"; stamp "server exit code $?"
+  tail -5 "$out/server.log"
+  ;;
+multigpu)
+  # decode on N = 2 / 4 / 8 GPUs against one (v4jax bench mesh), one device call per machine kind
+  export NCCL_NVLS_ENABLE=0
+  case ${2:-2} in
+  2) meshes="tensor=2;expert=2;data=2" ;;
+  4) meshes="tensor=4;expert=4;data=2,tensor=2" ;;
+  8) meshes="tensor=8;expert=8;data=2,tensor=2,expert=2;data=4,tensor=2" ;;
+  *) echo "multigpu: N is 2, 4 or 8"; exit 2 ;;
+  esac
+  for model in flash-slice flash-1gpu; do
+    timeout 280 python3 -W ignore -m v4jax.bench mesh --model $model --meshes "$meshes" --batches 1,32,128 \
+      --context 4096 --new 32 --out "$out/mesh_$model" 2>&1 | grep "^|\|x gpu\|Error" | tail -16
+  done
+  ;;
+ncu)
+  # Nsight Compute on the sparse attention and indexer kernels (the H200 machine is Firecracker, where ncu reads the
+  # hardware counters): registers, spills (local-memory sectors), global-load sectors per request (is the row
+  # gather vectorised?), DRAM bytes and time, occupancy and stall reasons
+  metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,\
+l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum,\
+l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,\
+smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size,\
+launch__shared_mem_per_block_dynamic,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  ncu_run() {  # name, kernel regex, launches, arguments of v4jax bench kernels...
+    local name=$1 regex=$2 count=$3; shift 3
+    timeout 200 ncu --clock-control none -k "regex:$regex" --launch-count "$count" --metrics "$metrics" \
+      --section WarpStateStats python3 -W ignore -m v4jax.bench kernels "$@" > "$out/ncu_$name.txt" 2>&1
+    echo "$name rc=$?"; grep -E "^  [a-z_]+.*\(|gpu__time|registers|local_op|global_op|dram__bytes|Stall|warps_active|hmma" \
+      "$out/ncu_$name.txt" | head -60
+  }
+  ncu_run attention "sparse" 4 --tune --only attention --harness trace --repeats 1 \
+    --attention-configs 64:16:4:2:1 32:64:8:2:1 32:16:4:3:1 16:64:4:2:1
+  ncu_run indexer "indexer" 2 --only indexer --harness trace --repeats 1
+  ;;
+*)
+  sed -n '2,/^set -u/p' "$0" | sed '$d'
+  exit 2
+  ;;
+esac
+stamp done

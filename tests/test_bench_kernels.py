@@ -1,0 +1,40 @@
+"""`v4jax bench kernels` on CPU (interpret mode, --small shapes): the table, a --tune sweep and a --sweep run end to
+end and write their files; the kernels package imports nothing of the benchmarks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from v4jax.bench import kernels_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_kernel_table_small(tmp_path):
+    assert kernels_main(["--small", "--only", "topk", "--iters", "1", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_kernels.json").read_text())["results"]
+    assert [r["kernel"] for r in rows] == ["topk", "topk"] and all(r["ok"] for r in rows)
+    assert "| topk |" in (tmp_path / "bench_kernels.md").read_text()
+
+
+def test_tune_and_sweep_small(tmp_path):
+    assert kernels_main(["--tune", "--small", "--only", "sinkhorn", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "tune_kernels.json").read_text())["rows"]
+    assert rows and {r["kernel"] for r in rows} == {"sinkhorn"}
+    assert kernels_main(["--sweep", "fused_projections", "--small", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "bench_fused_projections.json").read_text())["rows"][0]
+    assert row["max_abs_diff"] < 0.5 and {"separate", "fused", "multi"} <= set(row)
+
+
+def test_kernels_import_nothing_but_the_config():
+    """DESIGN §2: pallas_kernels imports nothing from v4jax but v4jax.config (the benchmark sits above it)."""
+    code = ("import importlib, pkgutil, sys, pallas_kernels\n"
+            "for m in pkgutil.iter_modules(pallas_kernels.__path__):\n"
+            "    importlib.import_module('pallas_kernels.' + m.name)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('v4jax') and m != 'v4jax.config'))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] in ("[]", "['v4jax']"), r.stdout

@@ -1,0 +1,618 @@
+"""Tile sweeps of the GPU kernels: `v4jax bench kernels --tune` and `v4jax bench kernels --sweep NAME`.
+
+The block sizes, warps and stages in pallas_kernels/ are the winners of these sweeps (see the comments there and
+BENCHMARKS.md). Each sweep prints one line per config; a config the compiler rejects (registers, shared memory)
+is reported, not fatal.
+
+  --tune [--only topk indexer attention sinkhorn]   decode-sized sweeps with the kernel benchmark's harness
+                                                    (--harness, --iters, --repeats), and the top-k pipeline's
+                                                    stages timed one by one          -> OUT/tune_kernels.json
+  --sweep layer_linear        the decode projections (pallas_kernels/layer_linear.py) over blocks, warps, stages
+                              and split-K target, Flash shapes at 1 and 32 tokens -> OUT/bench_layer_linear.json
+  --sweep fused_projections   several projections of one input as one launch against one launch each
+                                                                                 -> OUT/bench_fused_projections.json
+  --sweep hc_post             mHC's expansion: XLA's form against the Pallas kernel -> OUT/bench_hc_post.json
+  --sweep experts             few-token routed experts: XLA's gather form against pallas_kernels.experts
+                                                                                 -> OUT/experts.json
+  --sweep prefill_experts     a prefill chunk's routed experts: XLA dense / grouped against the Hopper ragged
+                              matmul (--tokens M, default 8192)                 -> OUT/prefill_experts.json
+  --sweep topk_prefill        the top-k of a prefill chunk's indexer scores (--tokens N --keys S --k K)
+  --sweep attention_prefill   sparse attention on a prefill chunk per tile (--tokens T, --configs
+                              HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ...)
+  --sweep indexer_prefill     indexer scores on a prefill chunk per tile (--tokens T --keys S)
+
+`--small` (tune, layer_linear, fused_projections, hc_post): tiny shapes in interpret mode on a CPU, to check the
+code end to end; the numbers mean nothing there. The other sweeps run on a GPU only. Times are GPU kernel time
+from a profiler trace unless said otherwise.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import itertools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def _kb():
+    from v4jax.bench import kernels
+    return kernels
+
+
+# ---- --tune: decode-sized tile sweeps with the kernel benchmark's harness ------------------------------------------
+
+def _time(fn, args, a):
+    KB = _kb()
+    try:
+        if a.harness == "trace":
+            total, per_kernel = KB.time_trace(fn, args, repeats=a.repeats)
+            if len(per_kernel) > 1:
+                print("    kernels (us): " + ", ".join(f"{k[:48]} {v * 1e6:.1f}" for k, v in per_kernel.items()),
+                      flush=True)
+            return total * 1e6
+        return KB.time_fn(fn, args, iters=a.iters, repeats=a.repeats, harness=a.harness) * 1e6
+    except Exception as e:  # noqa: BLE001 - a config the compiler rejects (registers, shared memory) is reported
+        return f"error: {type(e).__name__}: {str(e)[:200]}"
+
+
+def _us(us, gbps=None):
+    if isinstance(us, str):
+        return us
+    return f"{us:8.1f} us" + (f" {gbps:6.0f} GB/s" if gbps is not None else "")
+
+
+def topk_stages(a, interp):
+    TK = importlib.import_module("pallas_kernels.topk")
+    rows = []
+    shapes = [(1, 4096, 64), (4, 4096, 64)] if a.small else [(1, 262144, 512), (64, 262144, 512)]
+    for N, S, k in shapes:
+        x = jax.random.normal(jax.random.key(N), (N, S), F32)
+        n_groups, cap = TK._threshold_params(S, k)
+        c = -(-S // n_groups)
+        gmax = jnp.max(x.reshape(N, c, n_groups), axis=1)
+        tau = TK._kth_largest(gmax, k, interpret=interp)
+        chunk = min(1024, n_groups)
+        vals, idx, cnt = TK._compact(x, tau, cap, interpret=interp, chunk=chunk)
+        stages = {
+            "harness overhead (x[:, :1] + 1)": (lambda x: x[:, :1] + 1, (x,)),
+            "full pipeline (topk)": (lambda x: TK._topk_threshold(x, k, interpret=interp), (x,)),
+            "lax.top_k (values + indices)": (lambda x: lax.top_k(x, k), (x,)),
+            "topk_ref (XLA path)": (lambda x: TK.topk_ref(x[:, None], k), (x,)),
+            "stage 1: strided group maxima": (lambda x: jnp.max(x.reshape(N, c, n_groups), axis=1), (x,)),
+            "stage 2: k-th of group maxima (Pallas bisection)":
+                (lambda g: TK._kth_largest(g, k, interpret=interp), (gmax,)),
+            "alt stage 2: k-th of group maxima (lax.top_k)": (lambda g: lax.top_k(g, k)[0][:, k - 1], (gmax,)),
+            "stage 3: compaction kernel":
+                (lambda x, t: TK._compact(x, t, cap, interpret=interp, chunk=chunk), (x, tau)),
+            "stage 4: overflow redo kernel (no row overflows)":
+                (lambda x, v, i, n: TK._redo_overflow(x, v, i, n, k, interpret=interp, chunk=chunk),
+                 (x, vals, idx, cnt)),
+            "stage 5: rank-scatter kernel": (lambda v, i, n: TK._rank_scatter(v, i, n, k, interpret=interp),
+                                             (vals, idx, cnt)),
+            "alt stage 4+5: lax.cond(overflow) + lax.sort of the candidates":
+                (lambda v, i, n: lax.cond(jnp.any(n > cap), lambda _: TK._order_and_pad(v * 2, i, k),
+                                          lambda _: TK._order_and_pad(v, i, k), None), (vals, idx, cnt)),
+        }
+        for name, (fn, args) in stages.items():
+            us = _time(fn, args, a)
+            rows.append(dict(kernel="topk", shape=f"N={N} S={S} k={k}", config=name, us=us))
+            print(f"topk N={N:3d} {name:62s} {_us(us)}", flush=True)
+    return rows
+
+
+def _ref_row(rows, case, a):
+    us = _time(case.ref, case.args, a)
+    rows.append(dict(kernel=case.kernel, shape=case.config, config="XLA reference", us=us,
+                     GBps=case.bytes / (us * 1e3) if not isinstance(us, str) else None))
+    print(f"{case.kernel} {case.config}: XLA reference {_us(us)}", flush=True)
+
+
+def indexer_sweep(a, interp):
+    IX = importlib.import_module("pallas_kernels.indexer")
+    rows = []
+    cases = [c for c in _kb().indexer_cases(a.small, interp) if c.kernel == "indexer_scores"
+             and (a.small or "B=32 ctx=65536" in c.config or "B=64 ctx=131072" in c.config)]
+    grid = [(128, 4, 2, 2)] if a.small else list(itertools.product((128,), (4, 8), (2, 3), (1, 2, 4, 8)))
+    for case in cases:
+        _ref_row(rows, case, a)
+        for sb, nw, ns, ni in grid:
+            fn = functools.partial(IX._indexer_scores_gpu, sb=sb, num_warps=nw, num_stages=ns, n_inner=ni,
+                                   interpret=interp)
+            us = _time(fn, case.args, a)
+            gbps = case.bytes / (us * 1e3) if not isinstance(us, str) else None
+            rows.append(dict(kernel="indexer_scores", shape=case.config,
+                             config=dict(sb=sb, num_warps=nw, num_stages=ns, n_inner=ni), us=us, GBps=gbps))
+            print(f"indexer_scores {case.config:40s} sb={sb:3d} w={nw} s={ns} inner={ni}: {_us(us, gbps)}",
+                  flush=True)
+    return rows
+
+
+def attention_sweep(a, interp):
+    SA = importlib.import_module("pallas_kernels.sparse_attention")
+    rows = []
+    cases = _kb().attention_cases(a.small, interp)
+    if not a.small:
+        cases = [c for c in cases if "T=1" in c.config and "ctx=131072" in c.config and "B=32" in c.config]
+    if a.attention_configs:
+        grid = [tuple(int(v) for v in c.split(":")) for c in a.attention_configs]
+    elif a.small:
+        grid = [(32, 16, 4, 2, 2)]
+    else:
+        grid = list(itertools.product((64,), (16, 32), (4, 8), (2,), (1, 2, 4, 8)))
+    for case in cases:
+        _ref_row(rows, case, a)
+        scale = case.args[0].shape[-1] ** -0.5
+        for blk, hb, nw, ns, split in grid:
+            fn = functools.partial(SA._sparse_attention_gpu, scale=scale, block=blk, heads=hb, num_warps=nw,
+                                   num_stages=ns, n_split=split, interpret=interp)
+            us = _time(fn, case.args, a)
+            gbps = case.bytes / (us * 1e3) if not isinstance(us, str) else None
+            rows.append(dict(kernel="sparse_attention", shape=case.config,
+                             config=dict(block=blk, heads=hb, num_warps=nw, num_stages=ns, n_split=split), us=us,
+                             GBps=gbps))
+            print(f"sparse_attention {case.config:50s} blk={blk:2d} hb={hb:2d} w={nw} s={ns} split={split}: "
+                  f"{_us(us, gbps)}", flush=True)
+    return rows
+
+
+def sinkhorn_sweep(a, interp):
+    """mHC Sinkhorn at decode sizes: tokens per program and warps (one token is a thread's 20 serial iterations)."""
+    SK = importlib.import_module("pallas_kernels.sinkhorn")
+    rows = []
+    grid = [(128, 1)] if a.small else list(itertools.product((32, 64, 128), (1, 2, 4)))
+    for m in ((2,) if a.small else (1, 32, 256)):
+        comb = jnp.exp(jax.random.normal(jax.random.key(m), (m, 4, 4), F32))
+        for block, nw in grid:
+            if nw * 32 > block and not a.small:
+                continue
+            fn = functools.partial(SK.sinkhorn, iters=20, eps=1e-6, block=block, num_warps=nw,
+                                   interpret=interp or None)
+            us = _time(fn, (comb,), a)
+            rows.append(dict(kernel="sinkhorn", shape=f"M={m}", config=dict(block=block, num_warps=nw), us=us))
+            print(f"sinkhorn M={m:4d} block={block:3d} w={nw}: {_us(us)}", flush=True)
+    return rows
+
+
+TUNE = {"topk": topk_stages, "indexer": indexer_sweep, "attention": attention_sweep, "sinkhorn": sinkhorn_sweep}
+
+
+def tune(a, out_dir: str) -> int:
+    """`--tune`: the sweeps of TUNE (a.only picks), written to out_dir/tune_kernels.json."""
+    interp = jax.default_backend() == "cpu"
+    t0 = time.time()
+    bw = _kb().measure_bandwidth((64 << 20) if a.small else (4 << 30), repeats=5)
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__} copy bandwidth {bw / 1e9:.0f} GB/s",
+          flush=True)
+    rows = []
+    for name, f in TUNE.items():
+        if not a.only or name in a.only:
+            rows += f(a, interp)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "tune_kernels.json"), "w") as fh:
+        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_GBps=bw / 1e9, iters=a.iters,
+                       harness=a.harness, repeats=a.repeats, seconds=time.time() - t0, rows=rows), fh, indent=1)
+    print(f"wrote {out_dir}/tune_kernels.json in {time.time() - t0:.0f} s")
+    return 0
+
+
+# ---- --sweep layer_linear -------------------------------------------------------------------------------------------
+
+# (name, O, D, groups) of the Flash projections a decode step runs per layer
+# (wkv [512, 4096] and the indexer's wq_b [8192, 1024] have the shapes of the first and third, halved / quartered)
+LAYER_LINEAR_SHAPES = [("wq_a / compressor", 1024, 4096, 1), ("wq_b", 32768, 1024, 1),
+                       ("wo_a (8 groups)", 8192, 4096, 8), ("wo_b", 4096, 8192, 1), ("shared w1 / w3", 2048, 4096, 1),
+                       ("shared w2", 4096, 2048, 1)]
+
+
+def layer_linear(a, out_dir: str) -> int:
+    """The decode projections over their block sizes, warps, stages and split-K target. Each case reads a stack of
+    layers one after another (as the layer scan does), so that the weights come from HBM, not L2; bytes = one
+    layer's weight. Writes the table and the best config per case (after every case: a call cut short by its time
+    limit keeps what it measured)."""
+    from pallas_kernels import layer_linear as LL
+    from v4jax.bench.profile import summarize
+
+    def stack_for(o, d, groups, m):
+        layers = 2 if a.small else max(4, -(-(256 << 20) // (o * d * 2)))  # >= 256 MB per stack: past the L2
+        k = jax.random.split(jax.random.key(o + d + m), 2)
+        w = (0.05 * jax.random.normal(k[0], (layers, o, d), F32)).astype(BF16)
+        x = jax.random.normal(k[1], (m, groups, d) if groups > 1 else (m, d), BF16)
+        return x, w, layers
+
+    def save():
+        with open(os.path.join(out_dir, "bench_layer_linear.json"), "w") as f:
+            json.dump({"rows": rows, "best": best, "device": str(jax.devices()[0])}, f, indent=1)
+
+    if a.small:
+        shapes, tokens = [("small", 64, 256, 1), ("small grouped", 64, 256, 2)], [1]
+        configs = [(16, 128, 4, 2, 264), (32, 128, 4, 2, 132)]
+    else:
+        shapes, tokens = LAYER_LINEAR_SHAPES, [1, 32]
+        configs = list(itertools.product([16, 32, 64], [256, 512, 1024], [4, 8], [2], [264])) + \
+            [(16, 512, 4, 3, 264), (32, 256, 4, 3, 264), (16, 512, 4, 2, 132), (16, 512, 4, 2, 528),
+             (32, 256, 4, 2, 132), (32, 256, 4, 2, 528)]
+    rows, best = [], {}
+    for (name, o, d, g), m in itertools.product(shapes, tokens):
+        x, w, layers = stack_for(o, d, g, m)
+        mb = o * d * 2 / 1e6
+        for r, c, nw, ns, mp in configs:
+            def run(x, w, r=r, c=c, nw=nw, ns=ns, mp=mp, g=g, layers=layers):
+                def body(i, acc):
+                    y = LL.layer_linear(x, w, i, g, rows=r, cols=c, num_warps=nw, num_stages=ns, min_programs=mp)
+                    return acc + y.reshape(-1)[:8].astype(F32)
+                return lax.fori_loop(0, layers, body, jnp.zeros((8,), F32))
+            fn = jax.jit(run)
+            cfg = f"rows {r} cols {c} warps {nw} stages {ns} programs {mp}"
+            try:
+                s = summarize(lambda: jax.block_until_ready(fn(x, w)), repeats=2, top=4)
+            except Exception as e:  # noqa: BLE001 - a block shape Triton refuses: say so, go on
+                rows.append({"shape": name, "tokens": m, "config": cfg, "error": str(e)[:200]})
+                continue
+            if "kernel_ms" not in s:
+                rows.append({"shape": name, "tokens": m, "config": cfg, **s})
+                continue
+            us = s["kernel_ms"] * 1e3 / layers
+            row = {"shape": name, "O": o, "D": d, "groups": g, "tokens": m, "config": cfg, "us_per_layer": us,
+                   "GB/s": mb / us * 1e3, "kernels_per_layer": s["kernels"] / layers}
+            rows.append(row)
+            key = f"{name} x{m}"
+            if key not in best or us < best[key]["us_per_layer"]:
+                best[key] = row
+            print(f"{key}: {cfg}: {us:.1f} us, {mb / us * 1e3:.0f} GB/s", flush=True)
+        save()
+    save()
+    print("best per case:")
+    for k, r in best.items():
+        print(f"  {k}: {r['config']}: {r['us_per_layer']:.1f} us, {r['GB/s']:.0f} GB/s")
+    return 0
+
+
+# ---- --sweep fused_projections --------------------------------------------------------------------------------------
+
+# (group, [(projection, O)]) of one Flash layer's decode step that read the same [tokens, D] input
+FUSED_GROUPS = [("CSA attention input", [("wq_a", 1024), ("wkv", 512), ("compressor wkv", 1024),
+                                         ("compressor wgate", 1024), ("indexer compressor wkv", 256),
+                                         ("indexer compressor wgate", 256)]),
+                ("HCA attention input", [("wq_a", 1024), ("wkv", 512), ("compressor wkv", 512),
+                                         ("compressor wgate", 512)]),
+                ("shared expert", [("w1", 2048), ("w3", 2048)])]
+
+
+def fused_projections(a, out_dir: str) -> int:
+    """Does one launch per group of decode projections that share an input beat one launch per projection? (It
+    did: the ops table's `project` runs them so.) A group of projections of one input (a CSA layer's wq_a, wkv and
+    the two compressors' wkv / wgate; the shared expert's w1 / w3) as separate launches on separate layer stacks,
+    against one launch on the stacks concatenated along the outputs and one launch on the separate stacks
+    (`layer_linears`: a program picks its weight by its block index), each over a stack of layers one after
+    another (HBM, not L2), at 1 and 32 tokens: wall time per layer (median of calls) and, on a GPU, kernel time
+    and launches per layer from a profiler trace (v4jax.bench.profile.time_call)."""
+    from pallas_kernels import layer_linear as LL
+    from v4jax.bench.profile import said, time_call
+
+    def stacks(outs, d, m):
+        total = sum(outs)
+        layers = 2 if a.small else max(4, -(-(512 << 20) // (total * d * 2)))  # >= 512 MB per variant
+        key = jax.random.split(jax.random.key(total + m), len(outs) + 1)
+        sep = [(0.05 * jax.random.normal(k, (layers, o, d), F32)).astype(BF16) for k, o in zip(key[1:], outs)]
+        return jax.random.normal(key[0], (m, d), BF16), sep, jnp.concatenate(sep, axis=1), layers
+
+    def separate(x, sep, layers):
+        def body(i, acc):
+            return acc + sum(jnp.sum(LL.layer_linear(x, w, i)[:, :8], axis=0) for w in sep)
+        return lax.fori_loop(0, layers, body, jnp.zeros((8,), F32))
+
+    def fused(x, cat, outs, layers):
+        def body(i, acc):
+            y = LL.layer_linear(x, cat, i)
+            starts = [sum(outs[:j]) for j in range(len(outs))]
+            return acc + sum(jnp.sum(y[:, s:s + 8], axis=0) for s in starts)
+        return lax.fori_loop(0, layers, body, jnp.zeros((8,), F32))
+
+    def multi(x, sep, layers):
+        def body(i, acc):
+            return acc + sum(jnp.sum(y[:, :8], axis=0) for y in LL.layer_linears(x, sep, i))
+        return lax.fori_loop(0, layers, body, jnp.zeros((8,), F32))
+
+    d = 256 if a.small else 4096
+    groups = [(g, [(n, o // 16) for n, o in p]) for g, p in FUSED_GROUPS[:1]] if a.small else FUSED_GROUPS
+    rows = []
+    for (group, projs), m in [(g, m) for g in groups for m in ((1,) if a.small else (1, 32))]:
+        outs = [o for _, o in projs]
+        x, sep, cat, layers = stacks(outs, d, m)
+        mb = sum(outs) * d * 2 / 1e6
+        f_sep = jax.jit(lambda x, sep, layers=layers: separate(x, sep, layers))
+        f_cat = jax.jit(lambda x, cat, outs=outs, layers=layers: fused(x, cat, outs, layers))
+        f_multi = jax.jit(lambda x, sep, layers=layers: multi(x, sep, layers))
+        ref, got = f_sep(x, sep), f_cat(x, cat)  # equal to rounding (the split of D follows the output count)
+        row = {"group": group, "projections": [n for n, _ in projs], "outs": outs, "D": d, "tokens": m,
+               "layers": layers, "MB_per_layer": mb, "max_abs_diff": float(jnp.max(jnp.abs(ref - got))),
+               "max_abs_diff_multi": float(jnp.max(jnp.abs(ref - f_multi(x, sep))))}
+        variants = (("separate", lambda: f_sep(x, sep)), ("fused", lambda: f_cat(x, cat)),
+                    ("multi", lambda: f_multi(x, sep)))
+        for name, fn in variants:
+            row[name] = time_call(fn, 3 if a.small else 20, per=layers, mb=mb)
+        rows.append(row)
+        print(f"{group} x{m} ({mb:.0f} MB/layer), per layer: " + "; ".join(said(n, row[n]) for n, _ in variants),
+              flush=True)
+        with open(os.path.join(out_dir, "bench_fused_projections.json"), "w") as f:
+            json.dump({"rows": rows, "device": str(jax.devices()[0])}, f, indent=1, default=str)
+    return 0
+
+
+# ---- --sweep hc_post ------------------------------------------------------------------------------------------------
+
+HC_POST_BLOCKS = [(16, 128, 4), (32, 128, 4), (16, 256, 8), (8, 512, 8)]  # (tokens, columns, warps) per program
+
+
+def hc_post(a, out_dir: str) -> int:
+    """mHC's expansion: the XLA form (a per-token [4, 4] x [4, D] matmul, v4jax.model.layers.hc_post) against the
+    Pallas kernel (pallas_kernels/hc_post.py, over a few block shapes), at decode batches and on a prefill chunk
+    of Flash's width, bf16: wall time per call (median) and, on a GPU, kernel time and launches per call from a
+    profiler trace, with the bandwidth the bytes (f and x read, the output written) allow. The same inputs every
+    call: at decode sizes they sit in the L2, as in the model; a prefill chunk's 600 MB do not."""
+    from pallas_kernels import hc_post as HP
+    from v4jax.bench.profile import said, time_call
+
+    d = 256 if a.small else 4096
+    rows = []
+    for m in ((1, 5) if a.small else (1, 32, 8192)):
+        k = jax.random.split(jax.random.key(m), 4)
+        args = (jax.random.normal(k[0], (m, d), BF16), jax.random.normal(k[1], (m, 4, d), BF16),
+                2 * jax.nn.sigmoid(jax.random.normal(k[2], (m, 4))),
+                jax.nn.softmax(jax.random.normal(k[3], (m, 4, 4)), axis=-1))
+        mb = m * 9 * d * 2 / 1e6  # f and x read, the output written
+        row = {"tokens": m, "D": d, "MB_per_call": mb}
+        variants = [("xla", HP.hc_post_ref)] + [
+            (f"pallas {bm}x{bd} w{w}", functools.partial(HP.hc_post, block_tokens=bm, block_d=bd, num_warps=w))
+            for bm, bd, w in (HC_POST_BLOCKS[:1] if a.small else HC_POST_BLOCKS)]
+        for name, fn in variants:
+            run = jax.jit(fn)
+            row[name] = time_call(lambda run=run: run(*args), 3 if a.small else 10, mb=mb)
+        rows.append(row)
+        print(f"tokens {m}: " + "; ".join(said(n, row[n]) for n, _ in variants), flush=True)
+        with open(os.path.join(out_dir, "bench_hc_post.json"), "w") as fh:
+            json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
+    return 0
+
+
+# ---- --sweep experts, --sweep prefill_experts -----------------------------------------------------------------------
+
+def experts_case(M, k, E, I, D):
+    """Tokens, uniform routing (k distinct experts per token) and the weights of E experts of Flash's sizes."""
+    ks = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(ks[0], (M, D), BF16)
+    w1, w3 = (0.05 * jax.random.normal(kk, (E, I, D), BF16) for kk in ks[1:3])
+    w2 = 0.05 * jax.random.normal(ks[3], (E, D, I), BF16)
+    ex = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:k])(jax.random.split(ks[4], M)).astype(jnp.int32)
+    return x, jax.random.uniform(ks[5], (M, k)), ex, w1, w2, w3
+
+
+def experts(a, out_dir: str) -> int:
+    """Few-token routed experts (flash sizes: D 4096, I 2048, 6 active; E = 16 and 256, M = 1, 4, 32): XLA's gather
+    form against pallas_kernels.experts over block sizes and warps. Bytes = each routed (token, expert) pair's
+    three weight matrices once."""
+    from pallas_kernels import experts as X
+    from v4jax.bench.profile import summarize
+    from v4jax.model import layers as L
+
+    rows = []
+    k, I, D = 6, 2048, 4096
+    for E, M in [(16, 1), (256, 1), (256, 4), (256, 32)]:
+        args = experts_case(M, k, E, I, D)
+        gbytes = M * k * 3 * I * D * 2 / 1e9
+        forms = {"xla_gather": jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="gather"))}
+        for (ur, uc), (dr, dc), nw, ns in itertools.product([(16, 512), (32, 256), (8, 1024)],
+                                                            [(16, 512), (32, 256)], [4, 8], [2]):
+            forms[f"pallas up{ur}x{uc} down{dr}x{dc} w{nw} s{ns}"] = jax.jit(
+                lambda *a, u=(ur, uc), d=(dr, dc), nw=nw, ns=ns: X.routed_experts(
+                    *a, 10.0, up=u, down=d, num_warps=nw, num_stages=ns))
+        for name, fn in forms.items():
+            try:
+                s = summarize(lambda: jax.block_until_ready(fn(*args)), repeats=5, top=4)
+            except Exception as e:  # noqa: BLE001 - a block shape Triton refuses: say so, go on
+                rows.append({"E": E, "M": M, "form": name, "error": str(e)[:200]})
+                continue
+            ms = s.get("kernel_ms", float("nan"))
+            rows.append({"E": E, "M": M, "form": name, "kernel_ms": ms, "kernels": s.get("kernels"),
+                         "GB/s": gbytes / ms * 1e3 if ms else None, "top": s.get("top")})
+            print(f"E={E} M={M} {name}: {ms:.4f} ms, {gbytes / ms * 1e3:.0f} GB/s", flush=True)
+    with open(os.path.join(out_dir, "experts.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+def prefill_experts(a, out_dir: str) -> int:
+    """A prefill chunk's routed experts (flash sizes: D 4096, I 2048, 16 experts, 6 active; --tokens M, default
+    8192) with skewed routing (as a router gives): XLA's dense form (every expert over every token) and grouped
+    form against the grouped form on JAX's Hopper ragged matmul (ragged_dot_mgpu, block sizes swept); FLOPs = the
+    routed (token, expert) pairs' three matmuls."""
+    from pallas_kernels import experts_grouped as G
+    from v4jax.bench.profile import summarize
+    from v4jax.model import layers as L
+
+    def case(M, k, E, I, D):
+        x, _, _, w1, w2, w3 = experts_case(M, k, E, I, D)
+        ks = jax.random.split(jax.random.key(1), 2)
+        logits = jax.random.normal(ks[0], (M, E)) + 2.0 * jax.random.normal(ks[1], (E,))
+        w, ex = jax.lax.top_k(jax.nn.softmax(logits), k)
+        return x, w, ex.astype(jnp.int32), w1, w2, w3
+
+    k, E, I, D = 6, 16, 2048, 4096
+    rows = []
+    for M in a.tokens or [8192]:
+        args = case(M, k, E, I, D)
+        tflop = M * k * 3 * 2 * I * D / 1e12
+        ref = jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="dense"))(*args)
+        forms = {"xla_dense": jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="dense")),
+                 "xla_grouped": jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="grouped"))}
+        for bm, bn, steps, gbn in [(128, 128, 4, 4), (128, 128, 4, 8), (128, 128, 4, 16), (128, 128, 6, 4),
+                                   (128, 128, 3, 8), (128, 64, 4, 8), (64, 128, 4, 8)]:
+            cfg = G.Blocks(bm, bn, 64, steps, gbn)
+            forms[f"mgpu m{bm} n{bn} s{steps} g{gbn}"] = jax.jit(
+                lambda *a, cfg=cfg: G.routed_experts(*a, 10.0, blocks=cfg))
+        for name, fn in forms.items():
+            try:
+                out = fn(*args)
+                err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+                s = summarize(lambda: jax.block_until_ready(fn(*args)), repeats=3, top=6)
+            except Exception as e:  # noqa: BLE001 - a block shape the compiler refuses (shared memory)
+                rows.append({"M": M, "form": name, "error": str(e)[:300]})
+                print(f"M={M} {name}: error {str(e)[:200]}", flush=True)
+                continue
+            ms = s.get("kernel_ms", float("nan"))
+            rows.append({"M": M, "form": name, "kernel_ms": ms, "TFLOP/s": tflop / ms * 1e3, "rel_err": err,
+                         "top": s.get("top")})
+            print(f"M={M} {name}: {ms:.3f} ms, {tflop / ms * 1e3:.0f} TFLOP/s (routed FLOPs), rel err {err:.2e}",
+                  flush=True)
+    with open(os.path.join(out_dir, "prefill_experts.json"), "w") as f:
+        json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+# ---- --sweep topk_prefill, attention_prefill, indexer_prefill -------------------------------------------------------
+
+def topk_prefill(a, out_dir: str) -> int:
+    """The GPU top-k on a prefill chunk's indexer scores: by default the last 8192-token chunk of a 128K prompt
+    (--tokens 8192 rows of --keys 32768 scores, each row's scores past its causal n_valid -inf, --k 512), with the
+    candidates ordered by one XLA sort of each row's (what `topk` does from _SORT_ROWS rows on) and by the
+    rank-and-scatter kernel (what it does for fewer rows), per kernel. Both checked against the reference."""
+    TK = importlib.import_module("pallas_kernels.topk")
+    N = (a.tokens or [8192])[0]
+    S, K = a.keys or 32768, a.k or 512
+    x = jax.random.normal(jax.random.key(0), (1, N, S), F32)
+    n_valid = (4 * S - N + jnp.arange(N) + 1) // 4
+    scores = jnp.where(jnp.arange(S)[None, None, :] < n_valid[None, :, None], x, -jnp.inf)
+    ref = np.asarray(jax.jit(TK.topk_ref, static_argnums=1)(scores, K))
+    sort_rows = TK._SORT_ROWS
+    try:
+        for name, rows in (("threshold + sort of the candidates (now: from TK._SORT_ROWS rows)", sort_rows),
+                           ("threshold + rank-and-scatter", N + 1)):
+            TK._SORT_ROWS = rows                      # read when traced: each form is a fresh function
+            fn = lambda s: TK.topk(s, K)  # noqa: E731
+            out = np.asarray(jax.jit(fn)(scores))
+            sec, per_kernel = _kb().time_trace(fn, (scores,), repeats=3)
+            stages = ", ".join(f"{k[:40]} {v * 1e3:.2f}"
+                               for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6])
+            print(f"{name}: {sec * 1e3:7.2f} ms  equal to the reference: {bool(np.array_equal(out, ref))}\n"
+                  f"    ms by kernel: {stages}", flush=True)
+    finally:
+        TK._SORT_ROWS = sort_rows
+    return 0
+
+
+def attention_prefill(a, out_dir: str) -> int:
+    """The GPU sparse-attention kernel on a prefill chunk: by default the last 8192-token chunk (--tokens) of a
+    128K prompt, 64 heads x 512, per tile (--configs HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ...), against the XLA
+    reference's outputs. Three cases: a CSA layer (each query's 128-token window + 512 selected entries of
+    32768), an HCA layer (the window + every entry closed before the query: 960-1024 of them), and an HCA chunk
+    ending at 72K with rows as wide as the 128K bucket's (where skipping the blocks past a query's last valid row,
+    skip_tail, pays). TFLOP/s counts the valid rows (QK and PV)."""
+    SA = importlib.import_module("pallas_kernels.sparse_attention")
+    T = (a.tokens or [8192])[0]
+    configs = [tuple(int(v) for v in c.split(":")) for c in a.configs or []] or \
+        [(*c, 0) for c in itertools.product((16, 32), (4, 8), (64,), (2,))] + [(16, 4, 64, 2, 1), (32, 8, 64, 2, 1)]
+    H, D, W, B, ctx = 64, 512, 128, 1, 131072
+    ks = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(ks[0], (B, T, H, D), BF16)
+    sink = jax.random.normal(ks[1], (H,), F32)
+    pos = ctx - T + jnp.arange(T)                                     # the chunk's positions
+    swa = jax.random.normal(ks[2], (ctx, D), BF16)                    # one row per position (a page table of 1s)
+
+    def window(p):
+        w = p[:, None] - W + 1 + jnp.arange(W)[None, :]
+        return jnp.where(w >= 0, w, -1).astype(jnp.int32)[None]
+
+    n_csa, n_hca = ctx // 4, ctx // 128
+    csa = jax.random.normal(ks[3], (n_csa, D), BF16)
+    sel = jax.random.randint(ks[4], (T, 512), 0, n_csa)
+    hca = jax.random.normal(ks[5], (n_hca, D), BF16)
+    e = jnp.arange(n_hca)[None, :]
+    mid = 73728 - T + jnp.arange(T)   # a chunk ending at 72K whose rows are as wide as the 128K bucket's
+    cases = {
+        "csa": (q, swa, window(pos), csa, jnp.where(sel < ((pos + 1) // 4)[:, None], sel, -1).astype(jnp.int32)[None],
+                sink),
+        "hca": (q, swa, window(pos), hca, jnp.where(e < ((pos + 1) // 128)[:, None], e, -1).astype(jnp.int32)[None],
+                sink),
+        "hca-mid": (q, swa, window(mid), hca,
+                    jnp.where(e < ((mid + 1) // 128)[:, None], e, -1).astype(jnp.int32)[None], sink),
+    }
+    scale = D ** -0.5
+    for name, args in cases.items():
+        rows = int(np.asarray((args[2] >= 0).sum() + (args[4] >= 0).sum()))
+        flops = 4 * rows * H * D
+        ref_fn = jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale))
+        sl = lambda x, i: x[:, i:i + 512]  # noqa: E731
+        ref = np.concatenate([np.asarray(ref_fn(sl(args[0], i), args[1], sl(args[2], i), args[3], sl(args[4], i),
+                                                args[5]).astype(F32)) for i in range(0, T, 512)], axis=1)
+        print(f"{name}: T={T} valid rows {rows / 1e6:.2f} M, {flops / 1e12:.3f} TFLOP", flush=True)
+        for hb, nw, blk, ns, skip in configs:
+            fn = functools.partial(SA._sparse_attention_gpu, scale=scale, heads=hb, num_warps=nw, block=blk,
+                                   num_stages=ns, skip_tail=bool(skip))
+            tag = f"  {name} heads={hb} warps={nw} block={blk} stages={ns} skip_tail={skip}:"
+            try:
+                out = np.asarray(jax.jit(fn)(*args).astype(F32))
+                err = float(np.max(np.abs(out - ref)))
+                sec, _ = _kb().time_trace(fn, args, repeats=3)
+                print(f"{tag} {sec * 1e3:7.2f} ms {flops / sec / 1e12:6.1f} TFLOP/s  max err {err:.2e}", flush=True)
+            except Exception as ex:  # noqa: BLE001 - a tile Triton cannot lower or fit is reported, not fatal
+                print(f"{tag} failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+    return 0
+
+
+def indexer_prefill(a, out_dir: str) -> int:
+    """The GPU indexer-scores kernel on a prefill chunk: by default the last 8192-token chunk (--tokens) of a 128K
+    prompt (--keys 32768 compressed keys, 64 heads x 128, each query's keys up to its causal n_valid), per tile,
+    against the XLA reference's outputs. TFLOP/s counts valid (query, key) pairs."""
+    IX = importlib.import_module("pallas_kernels.indexer")
+    T = (a.tokens or [8192])[0]
+    S = a.keys or 32768
+    Hi, Di, B = 64, 128, 1
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (B, T, Hi, Di), BF16)
+    w = jax.random.normal(ks[1], (B, T, Hi), F32) * Hi ** -0.5
+    pool = jax.random.normal(ks[2], (S, Di), BF16)
+    rows = jnp.arange(S, dtype=jnp.int32)[None]
+    pos = 4 * S - T + jnp.arange(T)                    # the chunk's positions; 4x-compressed keys closed so far
+    n_valid = ((pos + 1) // 4).astype(jnp.int32)[None]
+    args = (q, w, pool, rows, n_valid)
+    pairs = int(np.asarray(n_valid).sum())
+    flops = 2 * pairs * Hi * Di
+    ref_fn = jax.jit(IX.indexer_scores_ref)   # by slices of queries: the whole chunk's logits would be 68 GB
+    ref = np.concatenate([np.asarray(ref_fn(q[:, i:i + 512], w[:, i:i + 512], pool, rows, n_valid[:, i:i + 512]))
+                          for i in range(0, T, 512)], axis=1)
+    ok = np.isfinite(ref)
+    print(f"T={T} S={S} valid pairs {pairs / 1e6:.1f} M, {flops / 1e12:.3f} TFLOP", flush=True)
+    for cfg in [dict(tq=tq, num_warps=nw, num_stages=ns) for tq in (16, 32, 64) for nw in (4, 8) for ns in (2, 3)]:
+        fn = functools.partial(IX._indexer_scores_gpu, **cfg)
+        try:
+            out = np.asarray(jax.jit(fn)(*args))
+            err = float(np.max(np.abs(out[ok] - ref[ok]))) if ok.any() else 0.0
+            same_mask = bool(np.array_equal(np.isfinite(out), ok))
+            sec, _ = _kb().time_trace(fn, args, repeats=3)
+            print(f"{cfg}: {sec * 1e3:7.2f} ms {flops / sec / 1e12:6.1f} TFLOP/s  max err {err:.2e} "
+                  f"mask {same_mask}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a config Triton cannot lower is reported, not fatal
+            print(f"{cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+    return 0
+
+
+SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
+          "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
+          "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill}
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post")   # the sweeps with a --small form
+
+
+def sweep(a, out_dir: str) -> int:
+    """`--sweep NAME`: one sweep of SWEEPS, its files written to out_dir."""
+    if a.small and a.sweep not in SMALL_SWEEPS:
+        raise SystemExit(f"--sweep {a.sweep} runs on a GPU only (--small: {', '.join(SMALL_SWEEPS)})")
+    os.makedirs(out_dir, exist_ok=True)
+    return SWEEPS[a.sweep](a, out_dir)

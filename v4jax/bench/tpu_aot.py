@@ -1,0 +1,218 @@
+"""Compiles for a real TPU on a CPU machine (libtpu AOT: XLA-TPU + Mosaic), nothing allocated:
+
+`v4jax bench tpu-aot`: every Pallas TPU kernel (at the Flash shapes) and the engine's jitted steps. Lowering
+(`jax.export(..., platforms=["tpu"])`, in CI) does not run Mosaic's own checks (tile alignment of DMA slices, VMEM
+limits); this does. Prints one line per kernel (OK with the compiled memory analysis, or the error) and exits 1
+if any failed.
+
+`v4jax bench tpu-plan`: the engine's prefill and decode steps of a preset for a TPU pod slice, with abstract
+weights and pools sharded by sharding/rules.py. Prints, per device, XLA's memory_analysis() beside the analytic
+bytes of the weights and pools as the mesh splits them: one JSON line per step (`PLAN {...}`).
+
+  pip install --no-deps --target .libtpu libtpu==0.0.42.1   # aside: with libtpu importable JAX looks for a TPU
+  PYTHONPATH=.libtpu:. JAX_PLATFORMS=cpu v4jax bench tpu-aot [--topology v5e:2x2] [--only NAME ...]
+  PYTHONPATH=.libtpu:. JAX_PLATFORMS=cpu v4jax bench tpu-plan --preset flash --topology v5p:2x2x2 --mesh tensor=8
+  PYTHONPATH=.libtpu:. JAX_PLATFORMS=cpu v4jax bench tpu-plan --preset pro --topology v5p:4x4x2 \
+      --mesh tensor=8,expert=4
+
+tests/test_tpu_aot.py (-m slow) runs both (the Flash plan).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import math
+import os
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+SA = importlib.import_module("pallas_kernels.sparse_attention")
+IX = importlib.import_module("pallas_kernels.indexer")
+TK = importlib.import_module("pallas_kernels.topk")
+C = importlib.import_module("pallas_kernels.compressor")
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+
+
+def cases():
+    B, H, D, W, K, Hi, Di, Dm = 32, 64, 512, 128, 512, 64, 128, 4096
+    S = 131072 // 4
+    A = jax.ShapeDtypeStruct
+    out = {}
+    for T in (1, 2):
+        out[f"sparse_attention T={T} (CSA, B={B})"] = (
+            functools.partial(SA._sparse_attention_tpu, scale=D ** -0.5),
+            (A((B, T, H, D), BF16), A((B * W, D), BF16), A((B, T, W), I32), A((B * S, D), BF16),
+             A((B, T, K), I32), A((H,), F32)))
+    out["indexer_scores (B=32, 128K)"] = (
+        IX._indexer_scores_tpu, (A((B, 1, Hi, Di), BF16), A((B, 1, Hi), F32), A((B * S, Di), BF16),
+                                 A((B, S), I32), A((B, 1), I32)))
+    out["topk (approx_max_k + verify, B=32)"] = (functools.partial(TK._topk_approx, k=512), (A((B, 1, S), F32),))
+    for name, m, ov, d in (("CSA main", 4, True, 512), ("HCA", 128, False, 512), ("CSA indexer", 4, True, 128)):
+        coff = 2 if ov else 1
+        rd = 64
+        kw = dict(ratio=m, overlap=ov, eps=1e-6)
+        state = (A((B, coff * m, coff * d), F32), A((B, coff * m, coff * d), F32))
+        weights = (A((coff * d, Dm), BF16), A((coff * d, Dm), BF16), A((m, coff * d), F32), A((d,), F32))
+        out[f"compressor_decode {name}"] = (
+            functools.partial(C._compressor_decode_tpu, **kw),
+            (A((B, Dm), BF16), A((B,), I32)) + state + weights + ((A((B, rd // 2), F32), A((B, rd // 2), F32)),))
+        T = 1024
+        E = T // m + 2
+        out[f"compressor_prefill {name} (T={T})"] = (
+            functools.partial(C._compressor_prefill_tpu, **kw),
+            (A((4, T, Dm), BF16), A((4,), I32), A((4,), I32), A((4, coff * m, coff * d), F32),
+             A((4, coff * m, coff * d), F32)) + weights + (A((4, E, rd // 2), F32), A((4, E, rd // 2), F32)))
+    out.update(engine_cases())
+    return out
+
+
+def engine_cases():
+    """The engine's jitted prefill and decode steps (XLA attention path) for the `tiny` preset: every op the
+    serving loop uses, compiled for the TPU."""
+    from v4jax import LLM
+    from v4jax.engine import steps as S
+    eng = LLM("tiny", dtype="bfloat16", max_num_seqs=4, max_model_len=512, prefill_chunk=64).engine
+    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
+    s = eng.layout.max_slots
+    z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
+    state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
+                          S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s)))
+    pt, swa = eng.tables.full[:, :2], eng.tables.swa
+    samp = S.SamplingState(z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1))
+    batch = S.PrefillBatch(np.zeros((1, 64), np.int32), z(1), z(1), z(1, bool), z(1))
+    return {
+        "engine decode step (tiny, XLA attention)": (
+            functools.partial(S._decode, eng.spec),
+            jax.tree.map(spec, (eng._leaves, eng.pools, eng.store, state, pt, swa))),
+        "engine prefill step (tiny, XLA attention, chunk 64)": (
+            functools.partial(S._prefill, eng.spec),
+            jax.tree.map(spec, (eng._leaves, eng.pools, eng.store, batch, pt[:1], swa[:1], samp))),
+    }
+
+
+def aot_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="v4jax bench tpu-aot", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--topology", default="v5e:2x2")
+    ap.add_argument("--only", nargs="*", default=None, help="substrings of kernel names")
+    a = ap.parse_args(argv)
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=a.topology)
+    mesh = Mesh(np.array(topo.devices[:1]), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    failed = 0
+    for name, (fn, shapes) in cases().items():
+        if a.only and not any(s in name for s in a.only):
+            continue
+        args = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+        try:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):   # lowering rules ask the chip kind
+                traced = jax.jit(fn).trace(*args)
+            mem = traced.lower().compile().memory_analysis()
+            print(f"OK    {name}: temp {getattr(mem, 'temp_size_in_bytes', '?')} B", flush=True)
+        except Exception as e:  # noqa: BLE001 - every kernel is tried; the failures are listed
+            failed += 1
+            msg = str(e).strip().splitlines()
+            print(f"FAIL  {name}: {type(e).__name__}: {' | '.join(msg[:3])[:400]}", flush=True)
+            if os.environ.get("V4JAX_AOT_TRACEBACK"):
+                traceback.print_exc()
+    print(f"{topo.devices[0].device_kind} ({a.topology}): {failed} failed")
+    return 1 if failed else 0
+
+
+def per_device_bytes(abstract_tree, shardings) -> int:
+    """Bytes one device holds of a tree of arrays placed by these shardings."""
+    total = 0
+    for a, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+        total += math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: int, chunk: int, k: int):
+    from jax.experimental import topologies
+
+    from sharding import MeshRules, make_mesh
+    from sharding.place import state_shardings
+    from v4jax import cache as C
+    from v4jax.config import preset
+    from v4jax.engine import steps as S
+    from v4jax.cache.layout import engine_layout, page_multiple
+    from v4jax.model import RunOptions, Transformer
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    mr = MeshRules(make_mesh(mesh_spec, topo.devices))
+    cfg = preset(preset_name)
+    dtype = jnp.bfloat16
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=False))  # no MTP run
+    graphdef, state = nnx.split(abstract)
+    leaves, treedef = jax.tree.flatten(state)
+    sh_leaves = jax.tree.leaves(state_shardings(state, mr))
+    leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(leaves, sh_leaves)]
+
+    # the engine's layout (EngineCore): full pages in data x context blocks, SWA pages per data shard
+    n_data, n_ctx = mr.mesh.shape["data"], mr.mesh.shape["context"]
+    p, ps, n_swa = engine_layout(cfg, None, slots, chunk, k, n_data)
+    max_pages, max_swa = -(-context // p), -(-context // ps)
+    mult = math.lcm(page_multiple(cfg, p, dtype), n_data * n_ctx)
+    layout = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=-(-slots * max_pages // mult) * mult,
+                          n_swa_pages=n_swa, max_slots=slots, max_pages_per_seq=max_pages,
+                          max_swa_pages_per_seq=max_swa, data_shards=n_data, context_shards=n_ctx)
+    pools = jax.eval_shape(lambda: C.init_pools(cfg, layout, dtype))
+    pool_sh = C.pool_shardings(pools, mr.sharding)
+    pools = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), pools, pool_sh)
+    from v4jax.cache.boundary import BoundaryStore
+    store = BoundaryStore(layers=tuple(None for _ in pools.stacks))  # prefix cache off
+    spec = S.StepSpec(graphdef, treedef, cfg, layout, RunOptions(mesh_rules=mr), k, context, False)
+    rep = mr.replicated
+    A = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
+    i32, f32 = jnp.int32, jnp.float32
+    samp = lambda n: S.SamplingState(A((n,), f32), A((n,), f32), A((n,), i32), A((n,), i32), A((n,), i32),  # noqa
+                                     A((n,), i32))
+    state = S.DecodeState(A((slots,), i32), A((slots,), i32), A((slots,), jnp.bool_), A((slots,), i32),
+                          A((slots, S.MAX_STOP), i32), samp(slots))
+    batch = S.PrefillBatch(A((1, chunk), i32), A((1,), i32), A((1,), i32), A((1,), jnp.bool_), A((1,), i32))
+    steps = {
+        "decode": (functools.partial(S._decode, spec),
+                   (leaves, pools, store, state, A((slots, max_pages), i32), A((slots, max_swa), i32))),
+        "prefill": (functools.partial(S._prefill, spec),
+                    (leaves, pools, store, batch, A((1, max_pages), i32), A((1, max_swa), i32), samp(1))),
+    }
+    weights_dev = per_device_bytes(leaves, sh_leaves)
+    pools_dev = per_device_bytes(pools, pool_sh)
+    for name, (fn, args) in steps.items():
+        t0 = time.time()
+        row = dict(step=name, preset=preset_name, topology=topology, device_kind=topo.devices[0].device_kind,
+                   devices=len(topo.devices), mesh=mesh_spec, slots=slots, context=context,
+                   chunk=chunk if name == "prefill" else None, weights_per_device=weights_dev,
+                   pools_per_device=pools_dev)
+        try:
+            compiled = jax.jit(fn, donate_argnums=(1, 2)).trace(*args).lower().compile()
+            mem = compiled.memory_analysis()
+            row.update(ok=True, **{f: int(getattr(mem, f)) for f in (
+                "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                "generated_code_size_in_bytes") if getattr(mem, f, None) is not None})
+        except Exception as e:  # noqa: BLE001 - an OOM or a compile error is the finding
+            row.update(ok=False, error=f"{type(e).__name__}: {' | '.join(str(e).strip().splitlines()[:3])[:600]}")
+        row["compile_seconds"] = round(time.time() - t0, 1)
+        print("PLAN " + json.dumps(row), flush=True)
+
+
+def plan_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="v4jax bench tpu-plan", description=__doc__.split("\n\n")[2])
+    ap.add_argument("--preset", default="flash")
+    ap.add_argument("--topology", default="v5p:2x2x2")
+    ap.add_argument("--mesh", default="tensor=8")
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    a = ap.parse_args(argv)
+    plan(a.preset, a.topology, a.mesh, a.slots, a.context, a.chunk, a.decode_steps)
+    return 0
