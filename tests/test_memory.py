@@ -302,3 +302,30 @@ def test_pools_per_device_divide_over_data_and_context():
     assert budget.layout.n_pages % 6 == 0 and budget.total <= 3_000_000
     with pytest.raises(ValueError, match="does not split over the mesh's data=3"):
         pools("data=3")
+
+
+def test_pool_figures_import_no_model():
+    """memory.py reads the pools' bytes from v4jax.cache (the model only for weights, inside those functions);
+    neither the cache nor the engine imports memory (DESIGN §2)."""
+    import ast
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def imports(path, top_level_only=False):
+        tree = ast.parse(open(os.path.join(root, path)).read())
+        nodes = tree.body if top_level_only else ast.walk(tree)
+        out = set()
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+        return out
+
+    top = imports("v4jax/memory.py", top_level_only=True)
+    assert {m.split(".")[1] for m in top if m.startswith("v4jax.")} == {"cache", "config"}, top
+    for package in ("v4jax/cache", "v4jax/engine"):
+        for name in os.listdir(os.path.join(root, package)):
+            if name.endswith(".py"):
+                assert not {m for m in imports(f"{package}/{name}") if m.startswith("v4jax.memory")}, name
