@@ -109,6 +109,19 @@ def spec_for(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh
     return PartitionSpec(*out)
 
 
+def split_factor(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh_shape: dict[str, int],
+                 rules: dict | None = None) -> int:
+    """How many ways spec_for splits an array over a mesh of these axis sizes (axes left out have size 1): its
+    bytes on one device are its bytes / this. No devices needed (the memory report and the fit check use it)."""
+    import types
+    mesh = types.SimpleNamespace(shape={a: int(mesh_shape.get(a, 1)) for a in MESH_AXES})
+    f = 1
+    for entry in spec_for(tuple(logical), tuple(shape), mesh, rules):
+        for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+            f *= mesh.shape[axis]
+    return f
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshRules:
     """A mesh and the rules table: what the model, the pools and the steps need to place arrays. Hashable, so it

@@ -8,11 +8,15 @@ one JSON line per check.
     python tests/mesh_worker.py --meshes data=2,tensor=2,expert=2 tensor=8:pallas [--checkpoint DIR [--memory-mesh M]]
     python tests/mesh_worker.py --context-meshes context=2,tensor=4 context=4:pallas
     python tests/mesh_worker.py --tpu-export data=2,tensor=4 --experts-meshes expert=4,tensor=2
+    python tests/mesh_worker.py --pool-meshes data=2,context=2,tensor=2
 
 `MESH:pallas` runs attention_impl="pallas" (kernels in interpret mode).
 """
 import argparse
+import contextlib
+import dataclasses
 import gc
+import io
 import json
 import time
 
@@ -25,7 +29,7 @@ from flax import nnx  # noqa: E402
 
 from sharding.place import addressable_bytes_per_device  # noqa: E402
 from v4jax import LLM, SamplingParams  # noqa: E402
-from v4jax.memory import engine_pool_bytes  # noqa: E402
+from v4jax import memory as M  # noqa: E402
 
 # Short prompts, one prefill chunk and one page each, so every run compiles one prefill and one decode program.
 PROMPTS = [[3, 4, 5] * 5, [7, 8] * 6, [11, 12, 13]]
@@ -56,16 +60,15 @@ def param_bytes(model) -> tuple[int, int]:
 
 def pool_report(llm, mesh, admitted_shards) -> dict:
     """How the engine's pools were split: the row axis spec of a compressed pool, the token pool and the SWA pool,
-    the largest share of the pool bytes (pools and boundary store) on one device, beside memory.engine_pool_bytes'
-    per-device estimate; the prefix-cache hit tokens and the data shards that admitted requests."""
+    the largest share of the pool bytes (pools and boundary store) on one device, beside memory.engine_pools'
+    per-device figure; the prefix-cache hit tokens and the data shards that admitted requests."""
     eng = llm.engine
     lp = eng.pools.stacks[1]  # a CSA stack: [layers, rows, K]
     spec = lambda a: [str(x) for x in tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))]  # noqa
     tree = (eng.pools, eng.store)
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     most = max(addressable_bytes_per_device(tree).values())
-    opts = {k: v for k, v in MESH_OPTIONS.items() if k != "max_model_len"}
-    estimate = engine_pool_bytes(llm.config, MESH_OPTIONS["max_model_len"], mesh=mesh, **opts)["per_device"]
+    estimate = M.engine_pools(llm.config, llm.options, llm.max_model_len, llm.dtype).per_device
     return dict(kv_spec=spec(lp.kv), tokens_spec=spec(eng.pools.tokens), swa_spec=spec(lp.swa),
                 pool_device_fraction=most / total, pool_device_bytes=most, pool_device_estimate=estimate,
                 hit_tokens=llm.stats()["prefix_cache"]["hit_tokens"], data_shards=sorted(set(admitted_shards)))
@@ -296,6 +299,50 @@ def experts_per_shard(meshes):
         pallas_experts.routed_experts = real
 
 
+# The memory command against engines on meshes: LLM options as `v4jax memory` flags, and the variants built
+POOL_OPTIONS = dict(dtype="float32", max_num_seqs=8, max_model_len=256, page_size=16, prefill_chunk=32,
+                    decode_steps=4)
+POOL_VARIANTS = {"paged+prefix": {}, "paged": dict(enable_prefix_caching=False), "dense": dict(kv_layout="dense"),
+                 "budget+prefix": dict(memory_budget_bytes=3_300_000)}
+
+
+def memory_flags(options: dict) -> list[str]:
+    out = []
+    for k, v in options.items():
+        flag = "--" + k.replace("_", "-")
+        out += [flag if v else "--no-" + flag[2:]] if isinstance(v, bool) else [flag, str(v)]
+    return out
+
+
+def pool_bytes(meshes):
+    """`v4jax memory --json` with each variant's options on each mesh, against the engine built with them (an
+    EngineCore over the same LLM's model, as LLM.engine builds it): the bytes of its pools and boundary store in
+    all, and the most on one device (its arrays' shards)."""
+    from v4jax.cli import main as cli
+    from v4jax.engine import EngineCore
+    for mesh in meshes:
+        t0 = time.time()
+        llm = LLM("tiny", mesh=mesh, **POOL_OPTIONS)
+        rows = {}
+        for name, variant in POOL_VARIANTS.items():
+            eng = EngineCore(llm.config, llm.model, dataclasses.replace(llm.options, **variant), llm.run_options,
+                             llm.max_model_len)
+            tree = (eng.pools, eng.store)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                rc = cli(["memory", "--model", "tiny", "--json", "--mesh", mesh,
+                          *memory_flags(dict(POOL_OPTIONS, **variant))])
+            got = json.loads(out.getvalue())["engine_pools"] if rc == 0 else {}
+            rows[name] = dict(rc=rc, total=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)),
+                              per_device=max(addressable_bytes_per_device(tree).values()),
+                              reported_total=got.get("total"), reported_per_device=got.get("per_device"),
+                              n_pages=eng.layout.n_pages, reported_n_pages=got.get("n_pages"))
+            del eng, tree
+        emit(check="pool_bytes", mesh=mesh, variants=rows, seconds=round(time.time() - t0, 1))
+        del llm
+        release()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--meshes", nargs="*", default=[])
@@ -304,6 +351,7 @@ def main():
     ap.add_argument("--tpu-export", nargs="*", default=[], help="meshes to export the decode and prefill steps on "
                     "for TPU")
     ap.add_argument("--experts-meshes", nargs="*", default=[], help="meshes for experts_per_shard")
+    ap.add_argument("--pool-meshes", nargs="*", default=[], help="meshes for pool_bytes")
     ap.add_argument("--checkpoint", default=None, help="an HF-format directory of the tiny preset's weights: the "
                     "mesh runs and the TPU export load it (else they create the preset's weights in their shards)")
     ap.add_argument("--orbax", default=None, help="an orbax checkpoint of the same weights to restore onto "
@@ -341,6 +389,8 @@ def main():
         tpu_export(a.tpu_export, a.checkpoint or "tiny")
     if a.experts_meshes:
         experts_per_shard(a.experts_meshes)
+    if a.pool_meshes:
+        pool_bytes(a.pool_meshes)
     if not a.meshes:
         return
     t0 = time.time()

@@ -113,11 +113,19 @@ def test_memory_reports_weights_and_pools_per_device(capsys):
     rc, out, _ = _run(capsys, "memory", "--model", "flash", "--context", "64K", "--mesh", "expert=8")
     assert rc == 0
     assert "| **KV per context token (B)** | **6880** |" in out  # the pool report (bf16 column)
-    assert "## Per device (expert=8: 8 device(s)" in out and "| weights | 542.00 GiB | 80.00 GiB |" in out
+    assert "## Per device (expert=8: 8 device(s)" in out and "| weights | | | 542.00 GiB | 80.00 GiB |" in out
+    # the engine's pools for LLM's options (max_model_len: the model's 1M), every pool a row
+    assert "8 slots x max_model_len=1048576; 32768 full pages of 256 tokens" in out
+    assert "| pool c4_index | 32768 pages of 256 tokens | 344064 | 10.50 GiB | 10.50 GiB |" in out
     rc, out, _ = _run(capsys, "memory", "--model", "tiny", "--context", "1K", "--json", "--mesh", "tensor=2")
     d = json.loads(out)
     assert rc == 0 and d["mesh"] == {"tensor": 2} and 0 < d["weights"]["per_device"] < d["weights"]["total"]
-    assert d["engine_pools"]["total"] > 0 and d["reports"][0]["context_tokens"] == 1024
+    assert d["engine_pools"]["total"] == d["engine_pools"]["per_device"] > 0  # tensor holds copies of the pools
+    assert d["reports"][0]["context_tokens"] == 1024
+    # --budget-gib is memory_budget_bytes in GiB
+    rc, out, _ = _run(capsys, "memory", "--model", "tiny", "--json", "--budget-gib", "0.01", "--dtype", "float32")
+    pools = json.loads(out)["engine_pools"]
+    assert rc == 0 and pools["total"] <= 0.01 * (1 << 30) < pools["total"] + pools["per_page_bytes"]
 
 
 def test_generate_prints_streamed_and_batched(capsys, monkeypatch):

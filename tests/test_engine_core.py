@@ -9,11 +9,11 @@ import pytest
 
 import hf_reference as H
 from checkpoints import write_official_checkpoint
+from sharding import parse_mesh_spec
 from v4jax import LLM, SamplingParams
 from v4jax.api import EngineOptions
 from v4jax.config import preset
 from v4jax.cache.layout import pool_layout
-from v4jax.memory import parse_mesh
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 
@@ -106,7 +106,7 @@ def test_budget_for_pages_is_what_the_engine_allocates(mesh, caching):
     from v4jax.bench.replay import budget_for_pages
     cfg = preset("tiny")
     opts = EngineOptions(max_num_seqs=4, max_model_len=256, enable_prefix_caching=caching, mesh=mesh)
-    shards = parse_mesh(mesh)
+    shards = parse_mesh_spec(mesh)
     n_data, n_ctx = shards.get("data", 1), shards.get("context", 1)
     for want in (8, 40):
         budget = budget_for_pages(cfg, opts, 256, jnp.float32, want)

@@ -9,12 +9,15 @@ arithmetic that gives them, and the rounding is checked against the printed figu
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from v4jax.cache.layout import full_page_size
+from v4jax.api import EngineOptions
+from v4jax.cache.layout import engine_layout, full_page_size, page_multiple, pool_sizes
 from v4jax import cache as C
 from v4jax import memory as M
 from v4jax.config import preset
@@ -187,44 +190,75 @@ def test_per_token_equals_init_pools(dtype, fmt):
     assert state == pr["state_csa"] + pr["state_csa_index"] + pr["state_hca"]
 
 
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("name", ["tiny", "flash"])
+@pytest.mark.parametrize("dtype,fmt", [("bfloat16", "bf16"), ("float32", "f32")])
+def test_report_agrees_with_pool_sizes(name, dtype, fmt, caching):
+    """Where both apply (bf16 / f32 entries, the main layers: the engine allocates no MTP pool), the analytical
+    report and the engine's layout (pool_sizes, off the pools' own shapes) give the same bytes: a full page of P
+    tokens holds P x the per-token figure of each compressed pool and of the token ids; a SWA page of Ps tokens Ps
+    window entries of every layer (plus, with the prefix cache, half of every CSA compressor's state: the
+    boundary row of that page); a slot the report's compressor state per request."""
+    cfg = preset(name)
+    p, ps, n_swa = engine_layout(cfg, None, 2)
+    lay = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=3, n_swa_pages=n_swa, max_slots=2,
+                       max_pages_per_seq=2, max_swa_pages_per_seq=2)
+    sizes = pool_sizes(cfg, lay, dtype, caching)
+    r = M.report(cfg, p, 1, fmt)
+    assert sizes["c4_kv"].unit_bytes == p * r.per_token["csa_kv"]
+    assert sizes["c4_index"].unit_bytes == p * r.per_token["csa_index"]
+    assert sizes["c128_kv"].unit_bytes == p * r.per_token["hca_kv"]
+    assert sizes["tokens"].unit_bytes == p * M.TOKEN_ID_BYTES
+    assert sum(sizes[k].unit_bytes for k in ("c4_kv", "c4_index", "c128_kv", "tokens")) == p * r.per_token_total
+    pr = r.per_request
+    assert sizes["compressor_state"].unit_bytes == pr["state_csa"] + pr["state_csa_index"] + pr["state_hca"]
+    boundary = r.n_csa * sum(M.compressor_state_bytes(cfg, "csa", 4).values()) // 2 if caching else 0
+    assert sizes["swa"].unit_bytes == pr["swa"] // cfg.window_size * ps + boundary
+    assert sizes["swa"].units == n_swa and sizes["c4_kv"].units == 3 and sizes["compressor_state"].units == 2
+    # one device: all of it
+    assert all(s.device_bytes == s.bytes for s in sizes.values())
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_pool_budget_matches_engine(dtype):
+def test_engine_pools_match_the_engine_under_a_budget(dtype):
     from v4jax.api import LLM
     budget = 3_000_000
-    # pool_budget counts the pools of an engine without the prefix cache (its tails: memory.engine_pool_bytes)
     llm = LLM("tiny", dtype=dtype, memory_budget_bytes=budget, max_num_seqs=3, enable_prefix_caching=False)
     eng = llm.engine
-    pb = M.pool_budget(llm.config, budget, max_num_seqs=3, dtype=dtype)
-    assert (pb.page_size, pb.swa_page_size, pb.n_swa_pages, pb.n_pages) == (
-        eng.layout.page_size, eng.layout.swa_page_size, eng.layout.n_swa_pages, eng.layout.n_pages)
-    assert pb.pool_bytes == sum(C.pool_bytes(eng.pools).values()) <= budget
-    assert pb.tokens == pb.n_pages * pb.page_size
+    pools = M.engine_pools(llm.config, llm.options, llm.max_model_len, dtype)
+    assert pools.layout == eng.layout
+    assert pools.total == sum(C.pool_bytes(eng.pools).values()) <= budget
     # one more page would not fit
-    assert pb.pool_bytes + pb.per_page_bytes > budget
+    assert pools.total + pools.per_page_bytes > budget
+    assert pools.fixed_bytes + eng.layout.n_pages * pools.per_page_bytes == pools.total
 
 
-def test_pool_budget_flash_numbers():
+def test_engine_pools_flash_numbers():
     # Flash bf16 engine defaults (8 slots, P = 256, chunk 256, k = 8): per page = 256 * (6880 + 4) B.
     cfg = preset("flash")
-    pb = M.pool_budget(cfg, 100 * GiB)
-    assert pb.page_size == 256 and pb.per_page_bytes == 256 * 6884
+    pools = M.engine_pools(cfg, EngineOptions(memory_budget_bytes=100 * GiB, enable_prefix_caching=False), T1M)
+    lay = pools.layout
+    assert lay.page_size == 256 and pools.per_page_bytes == 256 * 6884
     # SWA: 8 decoding slots x (ceil((128 + 8) / 64) + 1) pages, plus ceil(256 / 64) + 1 for the one prefilling
     # request = 37 pages of 64 tokens x 1 KiB x 43 layers.
     swa = (8 * 4 + 5) * 64 * 1024 * 43
-    assert pb.fixed_bytes == swa + 8 * (21 * 80 + 20 * 512) * 1024
+    assert lay.n_swa_pages == 37 and pools.sizes["swa"].bytes == swa
+    assert pools.fixed_bytes == swa + 8 * (21 * 80 + 20 * 512) * 1024
     # in multiples of 8 pages (the HCA pool's 2 rows per page -> whole 16-row bf16 TPU tiles)
-    assert pb.n_pages == (100 * GiB - pb.fixed_bytes) // pb.per_page_bytes // 8 * 8
+    assert lay.n_pages == (100 * GiB - pools.fixed_bytes) // pools.per_page_bytes // 8 * 8
+    # without a budget: every slot's whole context
+    assert M.engine_pools(cfg, EngineOptions(), T1M).layout.n_pages == 8 * T1M // 256
 
 
 @pytest.mark.parametrize("budget", [None, pytest.param(3_000_000, marks=pytest.mark.slow)])  # budget case: -m slow
 def test_pools_hold_whole_tpu_tiles(budget):
     """Pages come in multiples of page_multiple, so every compressed pool is whole TPU tiles of rows (16 bf16
-    rows) and the TPU kernels never pad (copy) a pool; the budget arithmetic mirrors the engine's."""
+    rows) and the TPU kernels never pad (copy) a pool; the budget arithmetic is the engine's."""
     from v4jax.api import LLM
     cfg = preset("tiny")
-    assert M.page_multiple(cfg, 256, "bf16") == 1                      # CSA 64, HCA 16 rows per page
-    assert M.page_multiple(cfg, 16, "bf16") == 16 and M.page_multiple(cfg, 16, "f32") == 8   # HCA: 1 row
-    assert M.page_multiple(preset("flash"), 256, "bf16") == 8         # HCA 128: 2 rows per page
+    assert page_multiple(cfg, 256, "bf16") == 1                      # CSA 64, HCA 16 rows per page
+    assert page_multiple(cfg, 16, "bf16") == 16 and page_multiple(cfg, 16, "f32") == 8   # HCA: 1 row
+    assert page_multiple(preset("flash"), 256, "bf16") == 8         # HCA 128: 2 rows per page
     llm = LLM("tiny", page_size=16, max_num_seqs=3, max_model_len=120, memory_budget_bytes=budget,
               enable_prefix_caching=False)
     eng = llm.engine
@@ -234,8 +268,8 @@ def test_pools_hold_whole_tpu_tiles(budget):
             if pool is not None:
                 assert pool.shape[1] % 16 == 0
     if budget:
-        pb = M.pool_budget(cfg, budget, page_size=16, max_num_seqs=3, dtype="bfloat16")
-        assert pb.n_pages == eng.layout.n_pages and pb.pool_bytes == sum(C.pool_bytes(eng.pools).values()) <= budget
+        pools = M.engine_pools(cfg, llm.options, llm.max_model_len, "bfloat16")
+        assert pools.layout == eng.layout and pools.total == sum(C.pool_bytes(eng.pools).values()) <= budget
     # 15 prompt tokens (one prefill chunk on one page) and 4 decoded ones, across the first 16-token page's end
     out = llm.generate([[3, 4, 5] * 5], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].token_ids) == 4
@@ -244,18 +278,54 @@ def test_pools_hold_whole_tpu_tiles(budget):
 def test_pools_per_device_divide_over_data_and_context():
     """Over a mesh the engine's pools are split: SWA pages, boundary rows and compressor state over `data`, full
     pages over `data` x `context` (whose counts are rounded up to equal blocks); `tensor` and `expert` hold
-    copies. tests/test_sharding.py checks the arrays of real engines on data meshes."""
+    copies. tests/test_sharding.py checks the figures against the arrays of real engines on meshes."""
     cfg = preset("tiny")
-    kw = dict(max_num_seqs=8, prefill_chunk=64, decode_steps=4, dtype="float32")
-    one = M.engine_pool_bytes(cfg, 1024, **kw)
-    assert one["per_device"] == one["total"] == M.engine_pool_bytes(cfg, 1024, mesh="tensor=4,expert=2", **kw)["total"]
+    opts = EngineOptions(max_num_seqs=8, prefill_chunk=64, decode_steps=4)
+
+    def pools(mesh, **kw):
+        return M.engine_pools(cfg, dataclasses.replace(opts, mesh=mesh, **kw), 1024, "float32")
+
+    one = pools(None)
+    assert one.per_device == one.total == pools("tensor=4,expert=2").total == pools("tensor=4,expert=2").per_device
     for mesh, data, blocks in (("data=2,tensor=2", 2, 2), ("data=4", 4, 4), ("data=2,context=2", 2, 4)):
-        got = M.engine_pool_bytes(cfg, 1024, mesh=mesh, **kw)
-        assert got["n_pages"] % blocks == 0
-        assert got["per_device"] == (got["swa"] + got["state"]) // data + got["pages"] // blocks, mesh
-        assert got["per_device"] < one["per_device"] / data * 1.5, mesh  # SWA per shard: one prefill chunk each
+        for caching in (True, False):
+            got = pools(mesh, enable_prefix_caching=caching)
+            lay = got.layout
+            assert lay.n_pages % blocks == 0 and (lay.data_shards, lay.context_shards) == (data, blocks // data)
+            fixed = got.sizes["swa"].bytes + got.sizes["compressor_state"].bytes
+            assert got.per_device == fixed // data + (got.total - fixed) // blocks, mesh
+            assert got.per_device < pools(None, enable_prefix_caching=caching).per_device / data * 1.5, mesh
     # with data shards every shard has its own SWA pages for its slots and one prefill chunk
-    p, ps, n_swa = M.engine_layout(cfg, None, 8, 64, 4)
-    assert M.engine_layout(cfg, None, 8, 64, 4, 2)[2] == 2 * M.engine_layout(cfg, None, 4, 64, 4)[2] > n_swa
-    pb = M.pool_budget(cfg, 3_000_000, max_num_seqs=8, dtype="float32", data_shards=2, context_shards=3)
-    assert pb.n_pages % 6 == 0 and pb.pool_bytes <= 3_000_000
+    p, ps, n_swa = engine_layout(cfg, None, 8, 64, 4)
+    assert engine_layout(cfg, None, 8, 64, 4, 2)[2] == 2 * engine_layout(cfg, None, 4, 64, 4)[2] > n_swa
+    budget = pools("data=2,context=3", memory_budget_bytes=3_000_000, enable_prefix_caching=False)
+    assert budget.layout.n_pages % 6 == 0 and budget.total <= 3_000_000
+    with pytest.raises(ValueError, match="does not split over the mesh's data=3"):
+        pools("data=3")
+
+
+def test_pool_figures_import_no_model():
+    """memory.py reads the pools' bytes from v4jax.cache (the model only for weights, inside those functions);
+    neither the cache nor the engine imports memory (DESIGN §2)."""
+    import ast
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def imports(path, top_level_only=False):
+        tree = ast.parse(open(os.path.join(root, path)).read())
+        nodes = tree.body if top_level_only else ast.walk(tree)
+        out = set()
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+        return out
+
+    top = imports("v4jax/memory.py", top_level_only=True)
+    assert {m.split(".")[1] for m in top if m.startswith("v4jax.")} == {"cache", "config"}, top
+    for package in ("v4jax/cache", "v4jax/engine"):
+        for name in os.listdir(os.path.join(root, package)):
+            if name.endswith(".py"):
+                assert not {m for m in imports(f"{package}/{name}") if m.startswith("v4jax.memory")}, name

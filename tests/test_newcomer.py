@@ -101,31 +101,54 @@ def test_too_big_preset_fails_before_allocating(monkeypatch):
 def test_pools_that_do_not_fit_suggest_a_budget(monkeypatch):
     llm = LLM("tiny", dtype="float32", max_num_seqs=8, max_model_len=4096)
     weights = M.model_weight_bytes(llm.model)
-    pools = M.engine_pool_bytes(llm.config, 4096, max_num_seqs=8, dtype="float32")["total"]
+    pools = M.engine_pools(llm.config, llm.options, 4096, "float32").total
     monkeypatch.setenv(M.MEMORY_ENV, str(weights + pools // 2))
     with pytest.raises(M.DeviceMemoryError, match=r"max_num_seqs=8 x max_model_len=4096 .*memory_budget_bytes=\d+"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert llm._engine is None
 
 
-def test_engine_pool_bytes_match_the_engine():
-    """The estimate the pool check uses is within 10% of what the engine allocates (pools, prefix-cache rows)."""
-    import jax
+def _memory_json(capsys, argv) -> dict:
+    from v4jax.cli import main
+    capsys.readouterr()
+    assert main(["memory", "--model", "tiny", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
 
-    from v4jax import cache as C
-    for opts in (dict(max_num_seqs=2, max_model_len=200, prefill_chunk=32, decode_steps=4),
-                 dict(max_num_seqs=2, max_model_len=200, enable_prefix_caching=False),
-                 dict(max_num_seqs=3, max_model_len=100, kv_layout="dense", page_size=16),
-                 dict(max_num_seqs=2, max_model_len=256, memory_budget_bytes=3 << 20, enable_prefix_caching=False),
-                 dict(max_num_seqs=2, max_model_len=256, memory_budget_bytes=3 << 20)):
-        llm = LLM("tiny", dtype="float32", **opts)
-        eng = llm.engine
-        got = sum(C.pool_bytes(eng.pools).values())
-        store = getattr(eng, "store", None)
-        got += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(store)) if store is not None else 0
-        want = M.engine_pool_bytes(llm.config, llm.max_model_len, dtype="float32",
-                                   **{k: v for k, v in opts.items() if k != "max_model_len"})["total"]
-        assert 0.9 * got <= want <= 1.1 * got, (opts, want, got)
+
+def _engine_bytes(eng) -> int:
+    """Bytes of the engine's pools and boundary store, from its arrays."""
+    import jax
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((eng.pools, eng.store)))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(max_num_seqs=2, max_model_len=200, prefill_chunk=32, decode_steps=4),
+    dict(max_num_seqs=2, max_model_len=200, enable_prefix_caching=False),
+    dict(max_num_seqs=3, max_model_len=100, kv_layout="dense", page_size=16),
+    dict(max_num_seqs=3, max_model_len=100, kv_layout="dense", page_size=16, enable_prefix_caching=False),
+    dict(max_num_seqs=2, max_model_len=256, memory_budget_bytes=3 << 20, enable_prefix_caching=False),
+    dict(max_num_seqs=2, max_model_len=256, memory_budget_bytes=3 << 20)])
+def test_memory_command_reports_the_engines_bytes(capsys, opts):
+    """`v4jax memory --json` with an LLM's options reports exactly the bytes of the engine that LLM builds: its
+    pools and boundary store (paged and dense, prefix cache on and off, sized by max_model_len or a budget); the
+    fit check reads the same figure. Over meshes: tests/test_sharding.py (test_memory_command_per_device)."""
+    llm = LLM("tiny", dtype="float32", **opts)
+    flags = ["--dtype", "float32"]
+    for k, v in opts.items():
+        flag = "--" + k.replace("_", "-")
+        flags += [flag, str(v)] if not isinstance(v, bool) else [flag if v else "--no-" + flag[2:]]
+    got = _memory_json(capsys, flags)["engine_pools"]
+    eng = llm.engine
+    assert got["total"] == got["per_device"] == _engine_bytes(eng), opts
+    assert (got["n_pages"], got["n_swa_pages"], got["page_size"]) == (
+        eng.layout.n_pages, eng.layout.n_swa_pages, eng.layout.page_size)
+    assert got["max_model_len"] == llm.max_model_len
+    pools = M.engine_pools(llm.config, llm.options, llm.max_model_len, llm.dtype)
+    assert pools.total == got["total"] and pools.layout == eng.layout
+    if opts.get("memory_budget_bytes"):  # the pages that fit, in whole TPU tiles
+        from v4jax.cache.layout import page_multiple
+        mult = page_multiple(llm.config, got["page_size"], "float32")
+        assert got["total"] <= opts["memory_budget_bytes"] < got["total"] + mult * got["per_page_bytes"]
 
 
 def test_device_memory_bytes_override_and_host(monkeypatch):

@@ -167,23 +167,22 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("memory", parents=[common], formatter_class=_Formatter,
                        help="weights and KV-pool bytes, per device", description=_wrap(
                            "Bytes of the KV pools per kind, per token and per request (bf16 and the FP8 / FP4 "
-                           "layouts), the weights, and what one device of a mesh holds. Per-device figures are an "
-                           "estimate: routed experts are split over the mesh's `expert` axis, their width and the "
-                           "vocabulary over `tensor`, slots with their compressor state and SWA pages over "
-                           "`data`, full pages of the KV pools over `data` x `context`; everything else is counted "
-                           "on every device."))
+                           "layouts: --context, --requests, --format), the weights, and the pools an engine built "
+                           "with the given LLM options allocates (the engine's own layout: exactly its bytes), in all "
+                           "and on one device of the mesh: routed experts are split over the mesh's `expert` axis, "
+                           "their width and the vocabulary over `tensor`, slots with their compressor state and SWA "
+                           "pages over `data`, full pages of the KV pools over `data` x `context`; everything else "
+                           "is counted on every device."))
     m.add_argument("--model", default="flash", help="preset name or HF-format directory (its config.json)")
-    m.add_argument("--context", type=_tokens, default=1 << 20, help="tokens per request (e.g. 4096, 64K, 1M)")
-    m.add_argument("--requests", type=_positive_int, default=1, help="requests held at once")
+    m.add_argument("--context", type=_tokens, default=1 << 20, help="tokens per request of the per-token report "
+                   "(e.g. 4096, 64K, 1M)")
+    m.add_argument("--requests", type=_positive_int, default=1, help="requests held at once (per-token report)")
     m.add_argument("--format", default="bf16,fp8,fp4", help="comma list of bf16, f32, fp8, fp4 pool layouts "
                    "(fp4 = FP8 KV + FP4 indexer keys)")
-    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights dtype")
-    m.add_argument("--mesh", default=None, help="devices per mesh axis, e.g. expert=8 or data=2,tensor=4 "
-                   "(axes: data, context, tensor, expert; default: one device)")
     m.add_argument("--budget-gib", type=float, default=None,
-                   help="also: pages and tokens that fit in this pool budget (GiB) with the engine's layout")
-    m.add_argument("--max-num-seqs", type=_positive_int, default=8, help="decode slots of the engine")
+                   help="--memory-budget-bytes in GiB: the engine's pools sized to this budget (over the whole mesh)")
     m.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_llm_arguments(m)  # the engine's options, as LLM(...) takes them
     m.set_defaults(func=_memory)
 
     c = sub.add_parser("convert", parents=[common], formatter_class=_Formatter,
@@ -316,9 +315,20 @@ def _memory(args) -> int:
     import dataclasses
     import json
 
+    from sharding.rules import parse_mesh_spec
     from v4jax import memory as M
+    from v4jax.api import EngineOptions
     from v4jax.config import PRESETS, preset
+    from v4jax.serve.options import llm_kwargs
 
+    kw = llm_kwargs(args)
+    dtype = kw.pop("dtype")
+    if args.budget_gib is not None:
+        if kw["memory_budget_bytes"] is not None:
+            raise ValueError("give --budget-gib or --memory-budget-bytes, not both")
+        kw["memory_budget_bytes"] = int(args.budget_gib * M.GiB)
+    options = EngineOptions(**kw)
+    mesh = parse_mesh_spec(options.mesh)
     if args.model in PRESETS:
         cfg = preset(args.model)
     elif os.path.isdir(args.model) or os.path.isfile(args.model):
@@ -327,36 +337,28 @@ def _memory(args) -> int:
     else:
         raise FileNotFoundError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                                 "directory with a config.json")
-    mesh = M.parse_mesh(args.mesh)
     n_dev = 1
     for v in mesh.values():
         n_dev *= v
     fmts = [f.strip() for f in args.format.split(",") if f.strip()]
     reps = [M.report(cfg, args.context, args.requests, f) for f in fmts]
-    wdt = 2 if args.dtype == "bfloat16" else 4
+    wdt = 2 if dtype == "bfloat16" else 4
     weights = M.param_bytes(cfg, wdt)["total"]
     w_dev = M.weight_bytes_on_mesh(cfg, mesh, wdt)
-    pools = M.engine_pool_bytes(cfg, args.context, max_num_seqs=args.max_num_seqs, dtype=args.dtype, mesh=mesh)
+    # the engine's pools for these options (LLM's max_model_len: the option, at most the model's)
+    max_model_len = min(options.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+    pools = M.engine_pools(cfg, options, max_model_len, dtype)
     limit, source = M.device_memory_bytes()
-    budget = (M.pool_budget(cfg, int(args.budget_gib * M.GiB), max_num_seqs=args.max_num_seqs, dtype=args.dtype)
-              if args.budget_gib else None)
     if args.json:
         out = {"model": args.model, "mesh": mesh, "reports": [dataclasses.asdict(r) for r in reps],
-               "weights": {"dtype": args.dtype, "total": weights, "per_device": w_dev},
-               "engine_pools": pools, "device_memory": {"bytes": limit, "source": source}}
-        if budget is not None:
-            out["budget"] = dataclasses.asdict(budget)
+               "weights": {"dtype": dtype, "total": weights, "per_device": w_dev},
+               "engine_pools": pools.as_dict(), "device_memory": {"bytes": limit, "source": source}}
         print(json.dumps(out, indent=1))
         return 0
     print(M.format_report(reps, title=f"## {args.model}: {args.requests} request(s) x {args.context} tokens"))
     print()
-    mesh_s = ",".join(f"{k}={v}" for k, v in mesh.items()) or "one device"
-    print(M.format_device_table(weights, w_dev, pools, mesh_s, n_dev, args.dtype, args.max_num_seqs, args.context,
-                                limit, source))
-    if budget is not None:
-        print(f"\nEngine pools in {args.budget_gib} GiB ({args.dtype}, {args.max_num_seqs} slots): {budget.n_pages} "
-              f"full pages of {budget.page_size} tokens = {budget.tokens} tokens; {budget.per_page_bytes} B per "
-              f"page; fixed {budget.fixed_bytes / M.MiB:.1f} MiB (SWA pages + compressor state)")
+    mesh_s = ",".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "one device"
+    print(M.format_device_table(weights, w_dev, pools, mesh_s, n_dev, dtype, limit, source))
     return 0
 
 

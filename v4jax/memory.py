@@ -22,11 +22,14 @@ Pool kinds (names used in every dict below):
   tokens       token ids, int32
 The MTP layer (a sliding layer in the released models) is counted apart, under `mtp`.
 
-`pool_budget` does the engine's arithmetic (v4jax.engine.Engine._pages_for_budget, cache.init_pools): how many
-full pages of P tokens fit in a byte budget once the fixed pools (SWA pages, compressor states) are paid for.
+The report above is analytical: bytes per context token and per request in any format, including those the
+engine does not allocate yet (FP8 / FP4). What an engine allocates comes from its own layout, never from these
+formulas: `engine_pools` reads v4jax.cache.layout (`pool_layout`: pages and slots for the engine's options,
+`pool_sizes`: every pool's bytes off its shapes, over the whole mesh and on one device of it), so the memory
+command, the fit check (`check_engine_fits`) and admission (memory_budget_bytes) agree with the engine to the byte.
 `decode_read_bytes` is reference serving_systems.md §1.2: what one decode step must read per sequence.
 `param_bytes` / `decode_weight_bytes` count the weights (the roofline of v4jax.bench).
-`device_memory_bytes`, `model_weight_bytes` / `weight_bytes_per_device`, `engine_pool_bytes` and the
+`device_memory_bytes`, `model_weight_bytes` / `weight_bytes_per_device` / `weight_bytes_on_mesh` and the
 `check_*_fit` functions compare what a model and its pools need with what a device holds, before allocating.
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ import dataclasses
 import math
 import os
 
-from v4jax.cache.layout import engine_layout, full_page_size, page_multiple  # noqa: F401
+from v4jax.cache.layout import FULL_PAGE_POOLS, PoolLayout, PoolSize, mesh_shards, pool_layout, pool_sizes
 from v4jax.config import CSA, HCA, SLIDING, ModelConfig
 
 FORMATS = ("bf16", "f32", "fp8", "fp4")
@@ -223,63 +226,6 @@ def format_report(rep: MemoryReport | list[MemoryReport], title: str | None = No
     return "\n".join(lines)
 
 
-# ---- the engine's layout: pages that fit a budget ----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class PoolBudget:
-    page_size: int  # P, tokens per full page
-    swa_page_size: int
-    n_swa_pages: int
-    per_page_bytes: int  # every compressed pool's rows of one full page, plus its token ids
-    fixed_bytes: int  # pools that do not scale with pages: SWA pages, compressor states
-    n_pages: int  # full pages that fit, in multiples of page_multiple where at least one multiple fits
-    tokens: int  # n_pages * P
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.fixed_bytes + max(self.n_pages, 0) * self.per_page_bytes
-
-
-def _dtype_fmt(dtype) -> str:
-    if dtype is None:
-        return "bf16"
-    if isinstance(dtype, str):
-        return _fmt(dtype)
-    import numpy as np
-    return {2: "bf16", 4: "f32"}[np.dtype(dtype).itemsize]
-
-
-def pool_budget(cfg: ModelConfig, budget_bytes: int, *, page_size: int | None = None, max_num_seqs: int = 8,
-                prefill_chunk: int = 256, decode_steps: int = 8, dtype="bf16", data_shards: int = 1,
-                context_shards: int = 1) -> PoolBudget:
-    """How many full pages (and tokens) the engine's pools hold in `budget_bytes` (pools only: weights and
-    activations are not in the budget). Same arithmetic as Engine._pages_for_budget, from the formulas above:
-    per page = P * (KV bytes per token + 4 B of token id); fixed = SWA pages of every main layer + every slot's
-    compressor state. The engine allocates no MTP pool (it does not run MTP), so none is counted. This is the
-    engine with enable_prefix_caching=False; the prefix cache's window tails and boundary rows come on top
-    (engine_pool_bytes counts them). The budget is the pools' bytes over the whole mesh; over a mesh's `data`
-    (and `context`) axes the full pages come in data_shards x context_shards equal blocks (one per device of a
-    (data, context) pair) and every shard has its own SWA pages (engine_layout)."""
-    f = _dtype_fmt(dtype)
-    p, ps, n_swa = engine_layout(cfg, page_size, max_num_seqs, prefill_chunk, decode_steps, data_shards)
-    main, idx = main_entry_bytes(cfg, f), index_key_bytes(cfg, f)
-    per_page = p * TOKEN_ID_BYTES
-    fixed = 0
-    for kind, m in _layers(cfg):
-        fixed += n_swa * ps * main
-        if kind == CSA:
-            per_page += (p // m) * (main + idx)
-        elif kind == HCA:
-            per_page += (p // m) * main
-        fixed += max_num_seqs * sum(compressor_state_bytes(cfg, kind, m).values())
-    n_pages = int((budget_bytes - fixed) // per_page)
-    blocks = data_shards * context_shards
-    mult = math.lcm(page_multiple(cfg, p, dtype), blocks)
-    if n_pages > 0:
-        n_pages -= n_pages % (mult if n_pages >= mult else blocks)
-    return PoolBudget(page_size=p, swa_page_size=ps, n_swa_pages=n_swa, per_page_bytes=per_page, fixed_bytes=fixed,
-                      n_pages=n_pages, tokens=n_pages * p)
-
-
 # ---- decode traffic (reference serving_systems.md §1.2) ----------------------------------------------
 def decode_read_bytes(cfg: ModelConfig, context_tokens: int, fmt: str = "bf16") -> dict[str, int]:
     """Pool bytes one decode step must read for ONE sequence holding `context_tokens` tokens: the indexer scans
@@ -461,61 +407,19 @@ def abstract_model(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True):
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dt, mtp=mtp))
 
 
-MESH_AXES = ("data", "context", "tensor", "expert")  # sharding/rules.py's
-
-
-def parse_mesh(mesh) -> dict[str, int]:
-    """"expert=8" / "data=2,tensor=4" / {"tensor": 2} / a jax Mesh / None -> {axis: devices} (axes of size 1
-    left out)."""
-    if mesh is None or mesh == "":
-        return {}
-    if hasattr(mesh, "shape") and hasattr(mesh, "devices"):  # a jax Mesh
-        return {k: int(v) for k, v in dict(mesh.shape).items() if v > 1}
-    if isinstance(mesh, str):
-        out = {}
-        for kv in mesh.split(","):
-            if not kv.strip():
-                continue
-            k, sep, v = kv.partition("=")
-            if not sep or not v.strip().isdigit():
-                raise ValueError(f"mesh {mesh!r}: expected axis=devices pairs such as 'expert=8' or "
-                                 "'data=2,tensor=4'")
-            out[k.strip()] = int(v)
-        mesh = out
-    mesh = dict(mesh)
-    bad = sorted(set(mesh) - set(MESH_AXES))
-    if bad:
-        raise ValueError(f"unknown mesh axes {bad}; known: {list(MESH_AXES)}")
-    if any(int(v) < 1 for v in mesh.values()):
-        raise ValueError(f"mesh {mesh}: every axis needs >= 1 device")
-    return {k: int(v) for k, v in mesh.items() if int(v) > 1}
-
-
-def _shard_factor(logical, shape, mesh_shape: dict[str, int]) -> int:
-    """How many ways sharding/rules.py splits one array (its spec_for on a mesh of these axis sizes)."""
-    import types
-
-    from sharding.rules import MESH_AXES as AXES, spec_for
-    mesh = types.SimpleNamespace(shape={a: mesh_shape.get(a, 1) for a in AXES})
-    f = 1
-    for entry in spec_for(tuple(logical), tuple(shape), mesh):
-        for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-            f *= mesh.shape[axis]
-    return f
-
-
 def weight_bytes_per_device(model, mesh=None) -> int:
-    """Bytes of the model's weights on one device of `mesh` ("expert=8", {"tensor": 2}, a jax Mesh or None):
+    """Bytes of the model's weights on one device of `mesh` ("expert=8", {"tensor": 2} or None):
     each parameter divided as sharding/rules.py splits it (by the logical axes it was created with). `model` may
     be abstract (see abstract_model)."""
     import numpy as np
     from flax import nnx
 
     from sharding.place import variable_axes
-    shape = parse_mesh(mesh)
+    from sharding.rules import parse_mesh_spec, split_factor
+    shape = parse_mesh_spec(mesh)
     total = 0
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        f = _shard_factor(variable_axes(var, ".".join(map(str, path))), var.shape, shape) if shape else 1
+        f = split_factor(variable_axes(var, ".".join(map(str, path))), var.shape, shape) if shape else 1
         total += -(-math.prod(var.shape) * np.dtype(var.dtype).itemsize // f)
     return int(total)
 
@@ -572,56 +476,68 @@ def weight_bytes_on_mesh(cfg: ModelConfig, mesh=None, dtype_bytes: int = 2) -> i
     """weight_bytes_per_device without building the abstract model (instant for any config): every parameter
     array, as the model creates it, split as sharding/rules.py splits it. tests/test_newcomer.py checks it
     against weight_bytes_per_device of the abstract model."""
-    shape = parse_mesh(mesh)
+    from sharding.rules import parse_mesh_spec, split_factor
+    shape = parse_mesh_spec(mesh)
     total = 0
     for dims, itemsize, logical in _param_arrays(cfg, dtype_bytes):
-        f = _shard_factor(logical, dims, shape) if shape else 1
+        f = split_factor(logical, dims, shape) if shape else 1
         total += math.prod(dims) * itemsize // f
     return int(total)
 
 
-def engine_pool_bytes(cfg: ModelConfig, max_model_len: int, *, max_num_seqs: int = 8, page_size: int | None = None,
-                      prefill_chunk: int = 256, decode_steps: int = 8, kv_layout: str = "paged",
-                      memory_budget_bytes: int | None = None, enable_prefix_caching: bool = True, dtype="bf16",
-                      mesh=None) -> dict[str, int]:
-    """The engine's pool bytes for these LLM options (an estimate from the same arithmetic as pool_budget, plus
-    what the prefix cache keeps: four window tails per slot and the CSA compressors' boundary rows beside the
-    window pages): {"swa", "state", "pages", "total", "per_device", "n_pages", "page_size"}. Per device: the
-    per-slot compressor state, the SWA pages and the boundary rows are split over the mesh's `data` axis, the full
-    pages (token ids and every compressed pool) over `data` x `context` (v4jax.cache.pages.PageTables); `tensor`
-    and `expert` hold copies."""
-    f = _dtype_fmt(dtype)
-    axes = parse_mesh(mesh)
-    data, ctx = axes.get("data", 1), axes.get("context", 1)
-    if max_num_seqs % data:
-        data = 1  # the engine refuses this mesh; estimate the pools unsplit
-    pb = pool_budget(cfg, 0, page_size=page_size, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
-                     decode_steps=decode_steps, dtype=f, data_shards=data, context_shards=ctx)
-    p, ps = pb.page_size, pb.swa_page_size
-    main = main_entry_bytes(cfg, f)
-    n_layers = len(_layers(cfg))
-    state = pb.fixed_bytes - pb.n_swa_pages * ps * main * n_layers
-    max_pages = -(-max_model_len // p)
-    blocks = data * ctx
-    if kv_layout == "dense":
-        n_swa, n_pages = max_num_seqs * -(-max_model_len // ps), blocks * (max_num_seqs // data) * -(-max_pages // ctx)
-    else:
-        n_swa, mult = pb.n_swa_pages, math.lcm(page_multiple(cfg, p, f), blocks)
-        n_pages = -(-max_num_seqs * max_pages // mult) * mult
-    boundary = 0
-    if enable_prefix_caching and kv_layout != "dense":
-        n_swa += 4 * max_num_seqs * (-(-cfg.window_size // ps) + 1)
-        for kind, m in _layers(cfg):
-            if kind == CSA:
-                st = compressor_state_bytes(cfg, kind, m)
-                boundary += n_swa * (st["csa"] + st["csa_index"]) // 2  # m of the 2m state rows per row id
-    swa = n_swa * ps * main * n_layers + boundary
-    if memory_budget_bytes and kv_layout != "dense":  # the pages that fit once the fixed pools are paid for
-        n_pages = max(int((memory_budget_bytes - swa - state) // pb.per_page_bytes), 0)
-        n_pages -= n_pages % (mult if n_pages >= mult else blocks)
-    pages = n_pages * pb.per_page_bytes
-    return {"swa": swa, "state": state, "pages": pages, "n_pages": n_pages, "page_size": p,
-            "total": swa + state + pages, "per_device": (swa + state) // data + pages // blocks}
+@dataclasses.dataclass(frozen=True)
+class EnginePools:
+    """The pools of an engine built with given options, as v4jax.cache.layout lays them out: the layout (pages,
+    slots, the mesh's data x context) and every pool's size (`pool_sizes`: units, bytes over the whole mesh and on
+    one device of it). `total` is exactly what the engine allocates (pools and boundary store), `per_device` what
+    one device of its mesh holds."""
+    layout: PoolLayout
+    sizes: dict[str, PoolSize]  # by pool name (pool_sizes)
+    kv_layout: str
+    caching: bool  # the prefix cache (its window tails and boundary rows are in the `swa` pool)
+    max_model_len: int
+
+    @property
+    def total(self) -> int:
+        return sum(s.bytes for s in self.sizes.values())
+
+    @property
+    def per_device(self) -> int:
+        return sum(s.device_bytes for s in self.sizes.values())
+
+    @property
+    def per_page_bytes(self) -> int:
+        """Bytes of one full page: its token ids and its rows of every compressed pool."""
+        return sum(self.sizes[k].unit_bytes for k in FULL_PAGE_POOLS if k in self.sizes)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """The pools that do not grow with full pages: SWA pages (and boundary rows), compressor states."""
+        return self.total - self.layout.n_pages * self.per_page_bytes
+
+    def as_dict(self) -> dict:
+        lay = self.layout
+        return {"max_model_len": self.max_model_len, "max_num_seqs": lay.max_slots, "kv_layout": self.kv_layout,
+                "enable_prefix_caching": self.caching,
+                "mesh": {"data": lay.data_shards, "context": lay.context_shards},
+                "page_size": lay.page_size, "swa_page_size": lay.swa_page_size, "n_pages": lay.n_pages,
+                "n_swa_pages": lay.n_swa_pages, "tokens": lay.n_pages * lay.page_size,
+                "per_page_bytes": self.per_page_bytes, "fixed_bytes": self.fixed_bytes,
+                "pools": {k: {"units": s.units, "unit": s.unit, "unit_bytes": s.unit_bytes, "bytes": s.bytes,
+                              "device_bytes": s.device_bytes} for k, s in self.sizes.items()},
+                "total": self.total, "per_device": self.per_device}
+
+
+def engine_pools(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16") -> EnginePools:
+    """The pools an engine built with `options` (an api.EngineOptions, or anything with its fields: max_num_seqs,
+    kv_layout, page_size, prefill_chunk, decode_steps, memory_budget_bytes, enable_prefix_caching, mesh) and
+    `max_model_len` allocates, in `dtype` (the model's), from the layout the engine itself uses. Nothing is
+    allocated. A mesh whose `data` axis does not divide max_num_seqs is a ValueError, as in the engine."""
+    n_data, n_ctx = mesh_shards(options.mesh)
+    lay = pool_layout(cfg, options, dtype, max_model_len, n_data, n_ctx)
+    caching = bool(options.enable_prefix_caching) and options.kv_layout != "dense"
+    return EnginePools(layout=lay, sizes=pool_sizes(cfg, lay, dtype, caching), kv_layout=options.kv_layout,
+                       caching=caching, max_model_len=max_model_len)
 
 
 def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int) -> str:
@@ -675,35 +591,41 @@ def check_pools_fit(pool_bytes: int, *, free: int | None = None, source: str = "
         "budget; requests queue for pages), a lower max_model_len or max_num_seqs, or a mesh with a `data` axis")
 
 
-def check_engine_fits(cfg: ModelConfig, options, max_model_len: int, dtype="bf16", weight_bytes: int = 0) -> None:
-    """Before an LLM builds its engine: the pools its options ask for (engine_pool_bytes, per device of its mesh)
-    against the device memory still free (the weights, `weight_bytes`, already placed). `options` is an
-    api.EngineOptions."""
-    opt = {k: getattr(options, k) for k in ("max_num_seqs", "page_size", "prefill_chunk", "decode_steps",
-                                            "kv_layout", "memory_budget_bytes", "enable_prefix_caching", "mesh")
-           if hasattr(options, k)}
-    pools = engine_pool_bytes(cfg, max_model_len, dtype=dtype, **opt)
+def check_engine_fits(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16", weight_bytes: int = 0) -> None:
+    """Before an LLM builds its engine: the pools its options ask for on one device of its mesh (engine_pools, the
+    engine's own layout) against the device memory still free (the weights, `weight_bytes`, already placed).
+    `options` is an api.EngineOptions."""
+    pools = engine_pools(cfg, options, max_model_len, dtype)
     free, source = device_free_bytes(in_use=weight_bytes)
     if free is None:
         return
     budget = None
-    if not opt.get("memory_budget_bytes") and opt.get("kv_layout", "paged") == "paged":
+    if not options.memory_budget_bytes and options.kv_layout == "paged":
         # memory_budget_bytes counts the pools over the whole mesh; 80% of one device's free memory per device
-        budget = max(int(0.8 * free * pools["total"] / max(pools["per_device"], 1)), 0)
-    check_pools_fit(pools["per_device"], free=free, source=source, max_model_len=max_model_len,
-                    max_num_seqs=opt.get("max_num_seqs", 8), budget_hint=budget)
+        budget = max(int(0.8 * free * pools.total / max(pools.per_device, 1)), 0)
+    check_pools_fit(pools.per_device, free=free, source=source, max_model_len=max_model_len,
+                    max_num_seqs=options.max_num_seqs, budget_hint=budget)
 
 
-def format_device_table(weights: int, weights_per_device: int, pools: dict, mesh: str, n_devices: int, dtype: str,
-                        max_num_seqs: int, context: int, limit: int | None, source: str) -> str:
-    """Markdown: weights and the engine's pools, in all and per device of the mesh, against one device's memory."""
-    need = weights_per_device + pools["per_device"]
-    lines = [f"## Per device ({mesh}: {n_devices} device(s), weights in {dtype}; an estimate)", "",
-             "| | all devices | per device |", "|---|---|---|",
-             f"| weights | {_human(weights)} | {_human(weights_per_device)} |",
-             f"| engine pools ({max_num_seqs} slots x {context} tokens, {pools['n_pages']} pages of "
-             f"{pools['page_size']}) | {_human(pools['total'])} | {_human(pools['per_device'])} |",
-             f"| **weights + pools** | {_human(weights + pools['total'])} | **{_human(need)}** |"]
+def format_device_table(weights: int, weights_per_device: int, pools: EnginePools, mesh: str, n_devices: int,
+                        dtype: str, limit: int | None, source: str) -> str:
+    """Markdown: weights and the engine's pools (every pool, as the engine allocates it), in all and per device of
+    the mesh, against one device's memory."""
+    lay = pools.layout
+    need = weights_per_device + pools.per_device
+    cache = ", prefix cache" if pools.caching else ""
+    lines = [f"## Per device ({mesh}: {n_devices} device(s), weights and pools in {dtype})", "",
+             f"Engine pools ({pools.kv_layout}{cache}): {lay.max_slots} slots x max_model_len={pools.max_model_len}; "
+             f"{lay.n_pages} full pages of {lay.page_size} tokens ({lay.n_pages * lay.page_size} tokens, "
+             f"{pools.per_page_bytes} B a page), {lay.n_swa_pages} SWA pages of {lay.swa_page_size} tokens.", "",
+             "| | units | bytes per unit | all devices | per device |", "|---|---|---|---|---|",
+             f"| weights | | | {_human(weights)} | {_human(weights_per_device)} |"]
+    for name, s in pools.sizes.items():
+        unit = "slots" if s.unit == "slot" else f"pages of {s.unit}"
+        lines.append(f"| pool {name} | {s.units} {unit} | {s.unit_bytes} | {_human(s.bytes)} | "
+                     f"{_human(s.device_bytes)} |")
+    lines += [f"| engine pools | | | {_human(pools.total)} | {_human(pools.per_device)} |",
+              f"| **weights + pools** | | | {_human(weights + pools.total)} | **{_human(need)}** |"]
     if limit is not None:
         verdict = "fits" if need <= 0.9 * limit else "does NOT fit"
         lines += ["", f"This machine's device: {_human(limit)} ({source}): {verdict} "

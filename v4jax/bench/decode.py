@@ -265,12 +265,16 @@ class JaxDecodeBench:
     """One engine per batch size (max_num_seqs = batch, max_model_len = the largest context of that batch; no
     prefix cache), its pools filled with random values and every slot holding a request that is decoding."""
 
-    def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0):
+    @staticmethod
+    def options(batch: int, max_context: int, k: int):
         from v4jax.api import EngineOptions
+        return EngineOptions(max_num_seqs=batch, decode_steps=k, max_model_len=max_context,
+                             enable_prefix_caching=False)
+
+    def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0):
         from v4jax.engine import EngineCore
         self.cfg, self.batch, self.k = cfg, batch, k
-        opts = EngineOptions(max_num_seqs=batch, decode_steps=k, max_model_len=max_context,
-                             enable_prefix_caching=False)
+        opts = self.options(batch, max_context, k)
         t0 = time.perf_counter()
         with _random_pools(cfg.vocab_size, seed):
             self.engine = EngineCore(cfg, model, opts, run_options, max_context)
@@ -609,8 +613,7 @@ def decode_main(argv=None) -> int:
         t_row = time.perf_counter()
         try:
             if b not in benches:
-                lay = M.pool_budget(cfg, 0, max_num_seqs=b, decode_steps=k)
-                need = lay.fixed_bytes + b * -(-max_ctx[b] // lay.page_size) * lay.per_page_bytes
+                need = M.engine_pools(cfg, JaxDecodeBench.options(b, max_ctx[b], k), max_ctx[b], model.dtype).total
                 free = _device_free_bytes()
                 temp = _decode_temp_bytes(cfg, b, max_ctx[b])
                 if free is not None and need + temp + (1 << 30) > free:

@@ -241,23 +241,19 @@ def unit_bytes(core) -> dict:
 
 def budget_for_pages(cfg, options, max_model_len: int, dtype, n_pages: int) -> int:
     """memory_budget_bytes for which the engine allocates `n_pages` full pages (rounded up to whole TPU tiles in
-    every block of the mesh's data x context, v4jax.memory.page_multiple): the engine's fixed pools (SWA pages of
-    every data shard, compressor states, boundary store) plus n_pages x bytes per full page, by the engine's own
-    arithmetic (v4jax.engine.core.pool_cost)."""
+    every block of the mesh's data x context, v4jax.cache.layout.page_multiple): the bytes of the engine's pools
+    (pool_layout, pool_sizes) with that many pages: SWA pages of every data shard with their boundary rows,
+    compressor states, and the full pages."""
     import math
 
-    from v4jax.cache.layout import page_multiple, pool_cost, pool_layout
-    from v4jax.memory import parse_mesh
-    mesh = parse_mesh(options.mesh)
-    n_data, n_ctx = mesh.get("data", 1), mesh.get("context", 1)
+    from v4jax.cache.layout import mesh_shards, page_multiple, pool_layout, pool_sizes
+    n_data, n_ctx = mesh_shards(options.mesh)
     lay = pool_layout(cfg, dataclasses.replace(options, memory_budget_bytes=None), dtype, max_model_len, n_data,
                       n_ctx)
     caching = options.enable_prefix_caching and options.kv_layout == "paged"
     mult = math.lcm(page_multiple(cfg, lay.page_size, dtype), n_data * n_ctx)
-    n_pages = -(-n_pages // mult) * mult
-    fixed, per_page = pool_cost(cfg, dtype, lay.page_size, lay.swa_page_size, lay.n_swa_pages, lay.max_slots,
-                                caching)
-    return fixed + n_pages * per_page
+    lay = dataclasses.replace(lay, n_pages=-(-n_pages // mult) * mult)
+    return sum(s.bytes for s in pool_sizes(cfg, lay, dtype, caching).values())
 
 
 # ---- the replay loop -------------------------------------------------------------------------------------------
@@ -490,7 +486,7 @@ def _same_tokens(out: dict, outputs: dict) -> None:
 
 
 def _page_size(llm) -> int:
-    from v4jax.memory import full_page_size
+    from v4jax.cache.layout import full_page_size
     return full_page_size(llm.config, llm.options.page_size)
 
 
@@ -616,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from v4jax.api import LLM
     from v4jax.config import PRESETS, ModelConfig, preset
-    from v4jax.memory import full_page_size
+    from v4jax.cache.layout import full_page_size
 
     names = list(TRACES) if a.trace == "all" else [n.strip() for n in a.trace.split(",") if n.strip()]
     bad = [n for n in names if n not in TRACES]

@@ -1,5 +1,6 @@
-"""The one source of pool shapes and bytes: page sizes, how many pages of each kind an engine holds, and what
-they cost. The memory report, admission, the replay budget and the server's fit check all read it."""
+"""The one source of pool shapes and bytes: page sizes, how many pages of each kind an engine holds, what they
+cost and how they split over a mesh. The engine (`pool_layout`), admission (memory_budget_bytes), the memory report
+and the fit check before an engine is built (v4jax.memory), and the replay budget all read it."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +9,22 @@ import math
 import jax
 import numpy as np
 
-from v4jax.cache.boundary import init_boundary_store, store_bytes
-from v4jax.cache.pools import PoolLayout, init_pools, pool_bytes
+from v4jax.cache.boundary import LOGICAL_AXES as BOUNDARY_AXES, init_boundary_store
+from v4jax.cache.pools import LOGICAL_AXES, PoolLayout, init_pools
 from v4jax.config import ModelConfig
 
 
+_DTYPE_NAMES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}  # the memory report's names
 _NAMED_ITEMSIZE = {"bf16": 2, "bfloat16": 2, "f32": 4, "float32": 4, "fp32": 4}
+# The pools that grow by full pages (the rest: SWA pages with their boundary rows, per-slot compressor state)
+FULL_PAGE_POOLS = ("c4_kv", "c4_index", "c128_kv", "tokens")
+
+
+def mesh_shards(mesh) -> tuple[int, int]:
+    """(data, context) sizes of a mesh spec: "data=2,context=2,tensor=2", {"data": 2}, or None (1, 1)."""
+    from sharding.rules import parse_mesh_spec
+    shape = parse_mesh_spec(mesh)
+    return int(shape.get("data", 1)), int(shape.get("context", 1))
 
 
 def full_page_size(cfg: ModelConfig, requested: int | None = None) -> int:
@@ -47,25 +58,24 @@ def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: 
     return p, ps, data_shards * n_swa
 
 
-def pool_cost(cfg: ModelConfig, dtype, p: int, ps: int, n_swa: int, slots: int, caching: bool) -> tuple[int, int]:
-    """(fixed bytes, bytes per full page) of the engine's pools over the whole mesh, from the pools' own shapes:
-    the window pages, compressor states and (caching) boundary store are fixed; each full page adds its rows of
+def pool_cost(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> tuple[int, int]:
+    """(fixed bytes, bytes per full page) of the engine's pools over the whole mesh (pool_sizes): the window pages
+    (with their boundary rows when caching) and the compressor states are fixed; each full page adds its rows of
     the token and compressed pools."""
-    def total(n_pages):
-        lay = PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
-                         max_pages_per_seq=1, max_swa_pages_per_seq=1)
-        pools = jax.eval_shape(lambda: init_pools(cfg, lay, dtype))
-        extra = store_bytes(jax.eval_shape(lambda: init_boundary_store(pools, n_swa))) if caching else 0
-        return sum(pool_bytes(pools).values()) + extra
-    one, two = total(1), total(2)
-    return one - (two - one), two - one
+    sizes = pool_sizes(cfg, layout, dtype, caching)
+    per_page = sum(sizes[k].unit_bytes for k in FULL_PAGE_POOLS if k in sizes)
+    fixed = sum(s.bytes for k, s in sizes.items() if k not in FULL_PAGE_POOLS)
+    return fixed, per_page
 
 
 def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: int = 1, n_ctx: int = 1) -> PoolLayout:
     """The engine's pool layout for these options over a mesh of `n_data` x `n_ctx` (data, context) shards: page
     sizes, SWA pages per shard, full pages (every slot's whole context, or what memory_budget_bytes holds; in
-    whole TPU tiles in every block)."""
+    whole TPU tiles in every block). `options`: an api.EngineOptions (or anything with its fields)."""
     slots = options.max_num_seqs
+    if slots % n_data:
+        raise ValueError(f"max_num_seqs={slots} does not split over the mesh's data={n_data} (each data shard "
+                         f"holds max_num_seqs / {n_data} slots): use a multiple of {n_data}")
     dense = options.kv_layout == "dense"
     caching = options.enable_prefix_caching and not dense
     p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, options.decode_steps, n_data)
@@ -82,7 +92,9 @@ def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: in
         n_pages = -(-slots * max_pages // mult) * mult
         budget = options.memory_budget_bytes
         if budget:
-            fixed, per_page = pool_cost(cfg, dtype, p, ps, n_swa, slots, caching)
+            fixed, per_page = pool_cost(cfg, PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_blocks,
+                                                        n_swa_pages=n_swa, max_slots=slots, max_pages_per_seq=1,
+                                                        max_swa_pages_per_seq=1), dtype, caching)
             n_pages = int((budget - fixed) // per_page)
             if n_pages < 1:
                 raise ValueError(f"memory_budget_bytes={budget} is below the fixed pools ({fixed} bytes: window "
@@ -98,40 +110,72 @@ def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: in
 
 @dataclasses.dataclass(frozen=True)
 class PoolSize:
-    """One pool's size: `units` pages (or slots) of `unit_bytes` each, over the whole mesh."""
+    """One pool's size: `units` pages (or slots) of `unit_bytes` each, over the whole mesh; `device_bytes` of it
+    on one device of the mesh (device_split)."""
     units: int
     unit_bytes: int
     unit: str  # what one unit is: "256 tokens", "slot"
+    device_bytes: int | None = None  # None: all of it (one device)
+
+    def __post_init__(self):
+        if self.device_bytes is None:
+            object.__setattr__(self, "device_bytes", self.bytes)
 
     @property
     def bytes(self) -> int:
         return self.units * self.unit_bytes
 
 
+def device_split(logical: tuple, shape: tuple, layout: PoolLayout) -> int:
+    """How many ways the engine splits one pool array (its logical axes, v4jax.cache.LOGICAL_AXES or the boundary
+    store's) over a mesh of the layout's `data` x `context` (sharding.rules.spec_for, the table the engine places
+    pools by): per-slot compressor state, SWA pages and boundary rows over `data`; full pages (token ids, every
+    compressed pool) over `data` x `context` (v4jax.cache.pages.PageTables); the mesh's `tensor` and `expert` axes
+    hold copies. A dimension the axes do not divide stays whole."""
+    if layout.data_shards == layout.context_shards == 1:
+        return 1
+    from sharding.rules import split_factor
+    return split_factor(logical, shape, {"data": layout.data_shards, "context": layout.context_shards})
+
+
 def pool_sizes(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> dict[str, PoolSize]:
     """Every pool an engine with this layout holds, by the names of `stats()["pools"]`, read off the pools' own
     shapes (init_pools under eval_shape): `swa` (window pages; with the prefix cache, each page's boundary-state
     row rides in it), `c4_kv`, `c4_index`, `c128_kv` (full pages: the rows of one page in every layer of that
-    kind), `tokens` (full pages), `compressor_state` (slots). The sum is exactly what the engine allocates."""
+    kind), `tokens` (full pages), `compressor_state` (slots). The sum is exactly what the engine allocates; each
+    pool's `device_bytes` what one device of its mesh holds (device_split)."""
+    dtype = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     pools = jax.eval_shape(lambda: init_pools(cfg, layout, dtype))
-    nbytes = lambda a: 0 if a is None else a.size * a.dtype.itemsize
-    full = {"c4_kv": 0, "c4_index": 0, "c128_kv": 0}
-    swa = state = 0
+    arrays = {k: [] for k in ("swa", "c4_kv", "c4_index", "c128_kv", "tokens", "compressor_state")}
     for lp in pools.stacks:
-        swa += nbytes(lp.swa)
-        state += sum(nbytes(getattr(lp, f)) for f in ("state_kv", "state_score", "idx_state_kv", "idx_state_score"))
+        arrays["swa"].append(("swa", lp.swa))
+        for f in ("state_kv", "state_score", "idx_state_kv", "idx_state_score"):
+            arrays["compressor_state"].append((f, getattr(lp, f)))
         if lp.idx is not None:
-            full["c4_kv"] += nbytes(lp.kv)
-            full["c4_index"] += nbytes(lp.idx)
+            arrays["c4_kv"].append(("kv", lp.kv))
+            arrays["c4_index"].append(("idx", lp.idx))
         elif lp.kv is not None:
-            full["c128_kv"] += nbytes(lp.kv)
+            arrays["c128_kv"].append(("kv", lp.kv))
+    arrays["tokens"].append(("tokens", pools.tokens))
+    logical = dict(LOGICAL_AXES)
     if caching:
-        swa += store_bytes(jax.eval_shape(lambda: init_boundary_store(pools, layout.n_swa_pages)))
-    page = f"{layout.page_size} tokens"
-    out = {"swa": PoolSize(layout.n_swa_pages, swa // layout.n_swa_pages, f"{layout.swa_page_size} tokens")}
-    for name, b in full.items():
-        if b:
-            out[name] = PoolSize(layout.n_pages, b // layout.n_pages, page)
-    out["tokens"] = PoolSize(layout.n_pages, nbytes(pools.tokens) // layout.n_pages, page)
-    out["compressor_state"] = PoolSize(layout.max_slots, state // layout.max_slots, "slot")
+        store = jax.eval_shape(lambda: init_boundary_store(pools, layout.n_swa_pages))
+        logical["boundary"] = BOUNDARY_AXES
+        arrays["swa"] += [("boundary", a) for d in store.layers if d is not None for a in d.values()]
+
+    def nbytes(name):
+        return sum(a.size * a.dtype.itemsize for _, a in arrays[name] if a is not None)
+
+    def device_bytes(name):
+        return sum(a.size * a.dtype.itemsize // device_split(logical[f], a.shape, layout)
+                   for f, a in arrays[name] if a is not None)
+
+    page, units = f"{layout.page_size} tokens", {"swa": layout.n_swa_pages, "compressor_state": layout.max_slots}
+    unit = {"swa": f"{layout.swa_page_size} tokens", "compressor_state": "slot"}
+    out = {}
+    for name in arrays:
+        b = nbytes(name)
+        if b or name in ("swa", "tokens", "compressor_state"):
+            n = units.get(name, layout.n_pages)
+            out[name] = PoolSize(n, b // n, unit.get(name, page), device_bytes(name))
     return out
