@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -152,6 +151,3 @@ def common_compute_dtype(*dtypes):
   """bf16 only if every operand is bf16; f32 otherwise."""
   return jnp.bfloat16 if all(jnp.dtype(d) == jnp.bfloat16 for d in dtypes) else F32
 
-
-def as_np(x):
-  return np.asarray(jax.device_get(x))

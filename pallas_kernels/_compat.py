@@ -5,7 +5,6 @@ so the kernel modules can import plain names.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 import jax
@@ -57,11 +56,6 @@ def interpret_arg(interpret, default_mode: str):
   if mode not in ("tpu", "hlo"):
     raise ValueError(f"interpret must be a bool, 'tpu' or 'hlo', got {interpret!r}")
   return tpu_interpret_params() if mode == "tpu" else True
-
-
-@functools.lru_cache(maxsize=None)
-def warn_once(msg: str) -> None:
-  warnings.warn(msg, stacklevel=3)
 
 
 def tpu_abstract_mesh(device_kind: str = "TPU v6 lite"):

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharding import context
+from sharding.rules import POOL_AXES
 from v4jax.model import layers as L
 from v4jax.model import quant
-from v4jax.cache.pools import LOGICAL_AXES as POOL_AXES
 from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
 from v4jax.model.layers import index_scores  # noqa: F401  (re-exported: the indexer's scores)
 from v4jax.model.ops import OPS, Ops, ops_for
