@@ -30,13 +30,6 @@ F32 = jnp.float32
 BLOCK_TOKENS, BLOCK_D = 16, 128
 
 
-def hc_post_ref(f, x, post, comb):
-    """The XLA form (v4jax.model.layers.hc_post)."""
-    dt = x.dtype
-    out = post.astype(dt)[..., None] * f[..., None, :] + jnp.einsum("...jk,...jd->...kd", comb.astype(dt), x)
-    return out.astype(dt)
-
-
 def supported(f, x) -> bool:
     """D divisible by a power-of-two block of >= 16."""
     return f.ndim == 2 and x.ndim == 3 and pow2_block(x.shape[-1], BLOCK_D) is not None
@@ -56,7 +49,8 @@ def _kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int):
 
 def hc_post(f, x, post, comb, *, interpret=None, block_tokens: int = BLOCK_TOKENS, block_d: int = BLOCK_D,
             num_warps: int = 4):
-    """The Pallas form of `hc_post_ref` for f [M, D], x [M, N, D] (callers flatten their leading axes)."""
+    """The Pallas form of v4jax.model.layers.hc_post (the reference) for f [M, D], x [M, N, D] (callers flatten
+    their leading axes)."""
     if interpret is None:
         interpret = backend() == "cpu"
     if not supported(f, x):

@@ -15,6 +15,7 @@ from pallas_kernels import _compat
 from pallas_kernels import compressor as C
 from pallas_kernels import compressor_gpu as CG
 from pallas_kernels import indexer as IX
+from v4jax.model import layers as L
 TK = importlib.import_module("pallas_kernels.topk")
 
 SA = importlib.import_module("pallas_kernels.sparse_attention")
@@ -116,7 +117,7 @@ def test_compressor_decode_gpu(m, ov, d, Dm, B):
 def test_sinkhorn_gpu(shape):
     SK = importlib.import_module("pallas_kernels.sinkhorn")
     comb = jax.nn.softmax(jax.random.normal(jax.random.key(0), (*shape, 4, 4)), -1) + 1e-6
-    _close(jax.jit(lambda c: SK.sinkhorn(c, 20, 1e-6))(comb), SK.sinkhorn_ref(comb, 20, 1e-6), 1e-6)
+    _close(jax.jit(lambda c: SK.sinkhorn(c, 20, 1e-6))(comb), L.sinkhorn(comb, 20, 1e-6), 1e-6)
 
 
 @pytest.mark.parametrize("M,k,E,I,D", [(1, 6, 16, 2048, 4096), (5, 6, 64, 2048, 4096), (32, 6, 16, 2048, 4096),
@@ -132,7 +133,7 @@ def test_routed_experts_gpu(M, k, E, I, D):
     out = jax.jit(lambda *a: X.routed_experts(*a, 10.0))(x, wt, ex, w1, w2, w3)
     # the hidden activation is rounded to bf16 in both, from f32 sums taken in different orders: an element of h
     # that rounds the other way moves outputs by ~1e-3 of their scale, so the bound is relative to the scale
-    ref = np.asarray(X.routed_experts_ref(x, wt, ex, w1, w2, w3, 10.0), np.float64)
+    ref = np.asarray(L.routed_experts(x, wt, ex, w1, w2, w3, 10.0, form="gather"), np.float64)
     assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
 
 
@@ -173,7 +174,7 @@ def test_hc_post_gpu(M):
     post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (M, 4)))
     comb = jax.nn.softmax(jax.random.normal(k[3], (M, 4, 4)), axis=-1)
     out = np.asarray(jax.jit(HP.hc_post)(f, x, post, comb), np.float32)
-    ref = np.asarray(jax.jit(HP.hc_post_ref)(f, x, post, comb), np.float32)
+    ref = np.asarray(jax.jit(L.hc_post)(f, x, post, comb), np.float32)
     assert np.mean(out == ref) > 0.99  # the sum over j in another order: one bf16 ulp at a rounding boundary
     np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
 
@@ -191,7 +192,6 @@ def test_grouped_experts_gpu(M, k, E, I, D):
     assert XG.supported(x, w1)
     out = jax.jit(lambda *a: XG.routed_experts(*a, 10.0, layer=1))(x, wt, ex, w1, w2, w3)
     # the dense form as the reference (the gather form's [M, k, I, D] weights would need 190 GB here)
-    L = importlib.import_module("v4jax.model.layers")
     ref = np.asarray(jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="dense"))(x, wt, ex, w1[1], w2[1], w3[1]),
                      np.float64)
     # the kernel rounds its matmul outputs to bf16 (h1, h3 and each expert's output): ~1e-2 of the scale
