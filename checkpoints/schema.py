@@ -146,9 +146,5 @@ def official_shapes(cfg: ModelConfig, include_mtp: bool) -> dict[str, tuple[int,
     return {k: v.shape for k, v in official_specs(cfg, include_mtp).items()}
 
 
-def is_mtp_name(official: str) -> bool:
-    return official.startswith("mtp.")
-
-
 __all__ = ["CheckpointError", "TensorSpec", "official_specs", "official_shapes", "scale_name", "scale_shape",
            "packed_fp4_shape", "FP8", "FP4", "BF16", "F32", "I64", "SLIDING", "CSA", "HCA"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -15,143 +14,140 @@ MASK_FLOOR = -1e30
 
 
 def round_up(x: int, m: int) -> int:
-  return (x + m - 1) // m * m
+    return (x + m - 1) // m * m
 
 
 def next_pow2(x: int) -> int:
-  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def pow2_block(n: int, want: int) -> int | None:
-  """The largest power of two <= want that divides n (and is >= 16, Triton's smallest tile), or None."""
-  b = want
-  while b >= 16:
-    if n % b == 0:
-      return b
-    b //= 2
-  return None
+    """The largest power of two <= want that divides n (and is >= 16, Triton's smallest tile), or None."""
+    b = want
+    while b >= 16:
+        if n % b == 0:
+            return b
+        b //= 2
+    return None
 
 
 def pad_last(x: jax.Array, size: int, value) -> jax.Array:
-  """Pads the last axis of x up to `size` with `value` (no-op when already that size)."""
-  n = x.shape[-1]
-  if n == size:
-    return x
-  if n > size:
-    raise ValueError(f"cannot pad {n} down to {size}")
-  pad = [(0, 0)] * (x.ndim - 1) + [(0, size - n)]
-  return jnp.pad(x, pad, constant_values=value)
+    """Pads the last axis of x up to `size` with `value` (no-op when already that size)."""
+    n = x.shape[-1]
+    if n == size:
+        return x
+    if n > size:
+        raise ValueError(f"cannot pad {n} down to {size}")
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, size - n)]
+    return jnp.pad(x, pad, constant_values=value)
 
 
 def tile_rows(dtype) -> int:
-  """Rows of one TPU HBM tile of a [rows, d] array: 8 for 32-bit, 16 for bf16 (two rows packed per sublane).
-  Mosaic only DMAs slices of such an array that start on a tile (a CPU-side libtpu compile rejects the rest)."""
-  return 8 * (4 // jnp.dtype(dtype).itemsize)
+    """Rows of one TPU HBM tile of a [rows, d] array: 8 for 32-bit, 16 for bf16 (two rows packed per sublane).
+    Mosaic only DMAs slices of such an array that start on a tile (a CPU-side libtpu compile rejects the rest)."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
 def gather_groups(rows: jax.Array, group: int, n_pool_rows: int):
-  """For DMA gathers in tile-aligned groups of `group` rows (group = tile_rows of the pool): per group, whether
-  it is ONE whole tile -- its ids are consecutive valid rows starting on a tile boundary, or all -1 (then tile 0
-  is fetched, finite pool data that the kernel masks out) -- and which tile. Otherwise the kernel fetches, row by
-  row, the tile holding each row and picks the row out on chip. rows [..., n] with n % group == 0.
-  Returns (flag, tile), int32 [..., n // group]."""
-  *lead, n = rows.shape
-  rg = rows.reshape(*lead, n // group, group)
-  first = rg[..., 0]
-  consec = jnp.all(rg == first[..., None] + jnp.arange(group, dtype=rows.dtype), axis=-1)
-  consec &= (first >= 0) & (first + group <= n_pool_rows) & (first % group == 0)
-  allinv = jnp.all(rg < 0, axis=-1) & (n_pool_rows >= group)
-  flag = (consec | allinv).astype(jnp.int32)
-  tile = jnp.where(consec, first // group, 0).astype(jnp.int32)
-  return flag, tile
+    """For DMA gathers in tile-aligned groups of `group` rows (group = tile_rows of the pool): per group, whether
+    it is ONE whole tile -- its ids are consecutive valid rows starting on a tile boundary, or all -1 (then tile 0
+    is fetched, finite pool data that the kernel masks out) -- and which tile. Otherwise the kernel fetches, row by
+    row, the tile holding each row and picks the row out on chip. rows [..., n] with n % group == 0.
+    Returns (flag, tile), int32 [..., n // group]."""
+    *lead, n = rows.shape
+    rg = rows.reshape(*lead, n // group, group)
+    first = rg[..., 0]
+    consec = jnp.all(rg == first[..., None] + jnp.arange(group, dtype=rows.dtype), axis=-1)
+    consec &= (first >= 0) & (first + group <= n_pool_rows) & (first % group == 0)
+    allinv = jnp.all(rg < 0, axis=-1) & (n_pool_rows >= group)
+    flag = (consec | allinv).astype(jnp.int32)
+    tile = jnp.where(consec, first // group, 0).astype(jnp.int32)
+    return flag, tile
 
 
 def tiled_view(pool: jax.Array, rows_per_tile: int) -> jax.Array:
-  """pool [R, d] -> [R / t, t, d] (a bitcast on TPU: the same bytes), padded to whole tiles if R is not."""
-  R = pool.shape[0]
-  Rp = round_up(R, rows_per_tile)
-  if Rp != R:
-    pool = jnp.pad(pool, ((0, Rp - R), (0, 0)))
-  return pool.reshape(Rp // rows_per_tile, rows_per_tile, pool.shape[-1])
+    """pool [R, d] -> [R / t, t, d] (a bitcast on TPU: the same bytes), padded to whole tiles if R is not."""
+    R = pool.shape[0]
+    Rp = round_up(R, rows_per_tile)
+    if Rp != R:
+        pool = jnp.pad(pool, ((0, Rp - R), (0, 0)))
+    return pool.reshape(Rp // rows_per_tile, rows_per_tile, pool.shape[-1])
 
 
 def tpu_gather_start(pool3, rows_smem, flag_smem, tile_smem, row0, buf, stage, sem, *, n, wait):
-  """Starts (or waits for) the DMAs that bring rows ids[row0 : row0 + n] of the tiled pool view `pool3`
-  [R/t, t, d] on chip: a whole-tile group straight into buf [n, d]; any other row's tile into stage[j] [t, d]
-  (tpu_gather_finish picks the row out). DMA sources are whole tiles, as Mosaic requires."""
-  t = pool3.shape[1]
+    """Starts (or waits for) the DMAs that bring rows ids[row0 : row0 + n] of the tiled pool view `pool3`
+    [R/t, t, d] on chip: a whole-tile group straight into buf [n, d]; any other row's tile into stage[j] [t, d]
+    (tpu_gather_finish picks the row out). DMA sources are whole tiles, as Mosaic requires."""
+    t = pool3.shape[1]
 
-  def one_group(g, carry):
-    gi = row0 // t + g
-    flag = flag_smem[0, gi]
+    def one_group(g, carry):
+        gi = row0 // t + g
+        flag = flag_smem[0, gi]
 
-    @pl.when(flag == 1)
-    def _():
-      cp = pltpu.make_async_copy(pool3.at[tile_smem[0, gi]], buf.at[pl.ds(pl.multiple_of(g * t, t), t)], sem)
-      cp.wait() if wait else cp.start()
+        @pl.when(flag == 1)
+        def _():
+            cp = pltpu.make_async_copy(pool3.at[tile_smem[0, gi]], buf.at[pl.ds(pl.multiple_of(g * t, t), t)], sem)
+            cp.wait() if wait else cp.start()
 
-    @pl.when(flag == 0)
-    def _():
-      for j in range(t):
-        r = jnp.maximum(rows_smem[0, row0 + g * t + j], 0)
-        cp = pltpu.make_async_copy(pool3.at[r // t], stage.at[g * t + j], sem)
-        cp.wait() if wait else cp.start()
+        @pl.when(flag == 0)
+        def _():
+            for j in range(t):
+                r = jnp.maximum(rows_smem[0, row0 + g * t + j], 0)
+                cp = pltpu.make_async_copy(pool3.at[r // t], stage.at[g * t + j], sem)
+                cp.wait() if wait else cp.start()
 
-    return carry
+        return carry
 
-  lax.fori_loop(0, n // t, one_group, 0)
+    lax.fori_loop(0, n // t, one_group, 0)
 
 
 def tpu_gather_finish(ids, flag_smem, row0, buf, stage, *, n):
-  """After tpu_gather_start(wait=True): the rows of non-tile groups, picked out of their tiles into buf. ids
-  [1, n] int32: this part's row ids (lanes). Per group of t rows one one-hot matmul, P [t, t*t] @ tiles [t*t, d]
-  (Mosaic cannot slice packed bf16 rows at a dynamic offset; a select per row unrolled t*n/t times was slow to
-  compile). P has one 1 per row, so the product is exact."""
-  t = stage.shape[1]
-  d = stage.shape[-1]
-  c = lax.broadcasted_iota(jnp.int32, (t * t, t), 0)
-  j = lax.broadcasted_iota(jnp.int32, (t * t, t), 1)
-  prec = lax.Precision.HIGHEST if stage.dtype == F32 else None
-  for g in range(n // t):
-    @pl.when(flag_smem[0, row0 // t + g] == 0)
-    def _():
-      r = jnp.maximum(ids[:, g * t:(g + 1) * t], 0)                        # [1, t]
-      pt = (c == j * t + r % t).astype(stage.dtype)                        # [t*t, t]: P transposed
-      tiles = stage[pl.ds(g * t, t)].reshape(t * t, d)
-      rows = lax.dot_general(pt, tiles, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=F32)
-      buf[pl.ds(g * t, t), :] = rows.astype(buf.dtype)
+    """After tpu_gather_start(wait=True): the rows of non-tile groups, picked out of their tiles into buf. ids
+    [1, n] int32: this part's row ids (lanes). Per group of t rows one one-hot matmul, P [t, t*t] @ tiles [t*t, d]
+    (Mosaic cannot slice packed bf16 rows at a dynamic offset; a select per row unrolled t*n/t times was slow to
+    compile). P has one 1 per row, so the product is exact."""
+    t = stage.shape[1]
+    d = stage.shape[-1]
+    c = lax.broadcasted_iota(jnp.int32, (t * t, t), 0)
+    j = lax.broadcasted_iota(jnp.int32, (t * t, t), 1)
+    prec = lax.Precision.HIGHEST if stage.dtype == F32 else None
+    for g in range(n // t):
+        @pl.when(flag_smem[0, row0 // t + g] == 0)
+        def _():
+            r = jnp.maximum(ids[:, g * t:(g + 1) * t], 0)                        # [1, t]
+            pt = (c == j * t + r % t).astype(stage.dtype)                        # [t*t, t]: P transposed
+            tiles = stage[pl.ds(g * t, t)].reshape(t * t, d)
+            rows = lax.dot_general(pt, tiles, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=F32)
+            buf[pl.ds(g * t, t), :] = rows.astype(buf.dtype)
 
 
 def dot_f32(a, b, dims):
-  """dot_general with f32 accumulation; f32 operands get full precision (no TF32/bf16 passes)."""
-  prec = jax.lax.Precision.HIGHEST if (a.dtype == F32 or b.dtype == F32) else None
-  return jax.lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=F32)
+    """dot_general with f32 accumulation; f32 operands get full precision (no TF32/bf16 passes)."""
+    prec = jax.lax.Precision.HIGHEST if (a.dtype == F32 or b.dtype == F32) else None
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=F32)
 
 
 def mm_nt(a, b):
-  """a [M, K] @ b[N, K].T -> [M, N] f32."""
-  return dot_f32(a, b, ((1,), (1,)))
+    """a [M, K] @ b[N, K].T -> [M, N] f32."""
+    return dot_f32(a, b, ((1,), (1,)))
 
 
 def mm_nn(a, b):
-  """a [M, K] @ b[K, N] -> [M, N] f32."""
-  return dot_f32(a, b, ((1,), (0,)))
+    """a [M, K] @ b[K, N] -> [M, N] f32."""
+    return dot_f32(a, b, ((1,), (0,)))
 
 
 def pv_matmul(p, v):
-  """p [M, C] f32 @ v [C, N] -> [M, N] f32, accurate to ~2^-17 relative for bf16 v: p is split into a bf16
-  high part and a bf16 residual, so both products run on bf16 matrix units with exact products."""
-  if v.dtype == jnp.bfloat16:
-    p_hi = p.astype(jnp.bfloat16)
-    p_lo = (p - p_hi.astype(F32)).astype(jnp.bfloat16)
-    return mm_nn(p_hi, v) + mm_nn(p_lo, v)
-  return mm_nn(p, v.astype(F32))
+    """p [M, C] f32 @ v [C, N] -> [M, N] f32, accurate to ~2^-17 relative for bf16 v: p is split into a bf16
+    high part and a bf16 residual, so both products run on bf16 matrix units with exact products."""
+    if v.dtype == jnp.bfloat16:
+        p_hi = p.astype(jnp.bfloat16)
+        p_lo = (p - p_hi.astype(F32)).astype(jnp.bfloat16)
+        return mm_nn(p_hi, v) + mm_nn(p_lo, v)
+    return mm_nn(p, v.astype(F32))
 
 
 def common_compute_dtype(*dtypes):
-  """bf16 only if every operand is bf16; f32 otherwise."""
-  return jnp.bfloat16 if all(jnp.dtype(d) == jnp.bfloat16 for d in dtypes) else F32
+    """bf16 only if every operand is bf16; f32 otherwise."""
+    return jnp.bfloat16 if all(jnp.dtype(d) == jnp.bfloat16 for d in dtypes) else F32
 
-
-def as_np(x):
-  return np.asarray(jax.device_get(x))

@@ -19,7 +19,8 @@ each token) runs in XLA, in the reference's order.
 
   x [M, D]; weights, experts [M, k] (-1 = none); w1, w3 [E, I, D] or a layer stack [n, E, I, D] with `layer`;
   w2 likewise [E, D, I] / [n, E, D, I].
-`routed_experts_ref` is the jnp reference (the gather form of v4jax.model.layers.routed_experts, same maths).
+The jnp reference is the gather form of v4jax.model.layers.routed_experts (pairs of no expert given expert 0 and
+weight 0), which takes `swiglu` from here.
 """
 from __future__ import annotations
 
@@ -43,21 +44,9 @@ DOWN_ROWS, DOWN_COLS = 16, 512
 
 
 def swiglu(h1, h3, limit):
-    """Clamped SwiGLU in f32 (the model's): silu(min(h1, limit)) * clip(h3, -limit, limit)."""
+    """Clamped SwiGLU in f32 (the model's, v4jax.model.layers.swiglu): silu(min(h1, limit)) * clip(h3, -limit,
+    limit)."""
     return jax.nn.silu(jnp.minimum(h1, limit)) * jnp.clip(h3, -limit, limit)
-
-
-def routed_experts_ref(x, weights, experts, w1, w2, w3, limit):
-    """sum_k weights[m, k] * FFN_{experts[m, k]}(x[m]) in f32 [M, D] over the pairs of an expert (ids in [0, E));
-    the hidden activation rounded to x's dtype."""
-    dt = x.dtype
-    chosen = (experts >= 0) & (experts < w1.shape[0])
-    weights, experts = jnp.where(chosen, weights, 0.0), jnp.where(chosen, experts, 0)
-    g1, g3, g2 = w1[experts].astype(dt), w3[experts].astype(dt), w2[experts].astype(dt)  # [M, k, ...]
-    h = swiglu(jnp.einsum("md,mkid->mki", x, g1, preferred_element_type=F32),
-               jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit).astype(dt)
-    y = jnp.einsum("mki,mkdi->mkd", h, g2, preferred_element_type=F32)
-    return jnp.sum(y * weights[..., None], axis=1)
 
 
 def supported(x, w1) -> bool:
@@ -113,7 +102,9 @@ def _down_kernel(layer_ref, offs_ref, h_ref, w2_ref, y_ref, *, n_exp, n_out, row
 
 def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interpret=None, num_warps: int = 4,
                    num_stages: int = 2, up=(UP_ROWS, UP_COLS), down=(DOWN_ROWS, DOWN_COLS)):
-    """`routed_experts_ref` as two Pallas kernels (Triton on GPU; interpret=None: the HLO interpreter on CPU).
+    """sum_k weights[m, k] * FFN_{experts[m, k]}(x[m]) in f32 [M, D] over the pairs of an expert (ids in [0, E)),
+    the hidden activation rounded to x's dtype, as two Pallas kernels (Triton on GPU; interpret=None: the HLO
+    interpreter on CPU).
     With `layer` (an int32 scalar), w1/w2/w3 are layer stacks and layer `layer`'s experts are read in place.
     Shapes must pass `supported`."""
     if interpret is None:

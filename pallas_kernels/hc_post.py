@@ -30,47 +30,41 @@ F32 = jnp.float32
 BLOCK_TOKENS, BLOCK_D = 16, 128
 
 
-def hc_post_ref(f, x, post, comb):
-  """The XLA form (v4jax.model.layers.hc_post)."""
-  dt = x.dtype
-  out = post.astype(dt)[..., None] * f[..., None, :] + jnp.einsum("...jk,...jd->...kd", comb.astype(dt), x)
-  return out.astype(dt)
-
-
 def supported(f, x) -> bool:
-  """D divisible by a power-of-two block of >= 16."""
-  return f.ndim == 2 and x.ndim == 3 and pow2_block(x.shape[-1], BLOCK_D) is not None
+    """D divisible by a power-of-two block of >= 16."""
+    return f.ndim == 2 and x.ndim == 3 and pow2_block(x.shape[-1], BLOCK_D) is not None
 
 
 def _kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int):
-  dt = o_ref.dtype
-  rnd = lambda v: v.astype(dt).astype(F32)
-  f = f_ref[...].astype(F32)
-  xs = [x_ref[:, j, :].astype(F32) for j in range(n)]
-  for k in range(n):
-    mixed = rnd(comb_ref[:, 0, k])[:, None] * xs[0]
-    for j in range(1, n):
-      mixed = mixed + rnd(comb_ref[:, j, k])[:, None] * xs[j]
-    o_ref[:, k, :] = (rnd(rnd(post_ref[:, k])[:, None] * f) + rnd(mixed)).astype(dt)
+    dt = o_ref.dtype
+    rnd = lambda v: v.astype(dt).astype(F32)
+    f = f_ref[...].astype(F32)
+    xs = [x_ref[:, j, :].astype(F32) for j in range(n)]
+    for k in range(n):
+        mixed = rnd(comb_ref[:, 0, k])[:, None] * xs[0]
+        for j in range(1, n):
+            mixed = mixed + rnd(comb_ref[:, j, k])[:, None] * xs[j]
+        o_ref[:, k, :] = (rnd(rnd(post_ref[:, k])[:, None] * f) + rnd(mixed)).astype(dt)
 
 
 def hc_post(f, x, post, comb, *, interpret=None, block_tokens: int = BLOCK_TOKENS, block_d: int = BLOCK_D,
             num_warps: int = 4):
-  """The Pallas form of `hc_post_ref` for f [M, D], x [M, N, D] (callers flatten their leading axes)."""
-  if interpret is None:
-    interpret = backend() == "cpu"
-  if not supported(f, x):
-    raise ValueError(f"f {f.shape}, x {x.shape}: expected [M, D] and [M, N, D] with D a multiple of a power-of-two "
-                     f"block of at least 16")
-  m, n, d = x.shape
-  bm = min(block_tokens, next_pow2(m))
-  bd = pow2_block(d, block_d)
-  kw = dict(interpret=True) if interpret else dict(compiler_params=TritonCompilerParams(num_warps=num_warps,
-                                                                                       num_stages=1))
-  return pl.pallas_call(
-      functools.partial(_kernel, n=n),
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(pl.cdiv(m, bm), d // bd),
-      in_specs=[pl.BlockSpec((bm, bd), lambda i, c: (i, c)), pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)),
-                pl.BlockSpec((bm, n), lambda i, c: (i, 0)), pl.BlockSpec((bm, n, n), lambda i, c: (i, 0, 0))],
-      out_specs=pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)), name="v4_hc_post", **kw,
-  )(f, x, post.astype(F32), comb.astype(F32))
+    """The Pallas form of v4jax.model.layers.hc_post (the reference) for f [M, D], x [M, N, D] (callers flatten
+    their leading axes)."""
+    if interpret is None:
+        interpret = backend() == "cpu"
+    if not supported(f, x):
+        raise ValueError(f"f {f.shape}, x {x.shape}: expected [M, D] and [M, N, D] with D a multiple of a power-of-two "
+                         f"block of at least 16")
+    m, n, d = x.shape
+    bm = min(block_tokens, next_pow2(m))
+    bd = pow2_block(d, block_d)
+    kw = dict(interpret=True) if interpret else dict(compiler_params=TritonCompilerParams(num_warps=num_warps,
+                                                                                         num_stages=1))
+    return pl.pallas_call(
+        functools.partial(_kernel, n=n),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(pl.cdiv(m, bm), d // bd),
+        in_specs=[pl.BlockSpec((bm, bd), lambda i, c: (i, c)), pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)),
+                  pl.BlockSpec((bm, n), lambda i, c: (i, 0)), pl.BlockSpec((bm, n, n), lambda i, c: (i, 0, 0))],
+        out_specs=pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)), name="v4_hc_post", **kw,
+    )(f, x, post.astype(F32), comb.astype(F32))

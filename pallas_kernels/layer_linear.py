@@ -42,90 +42,90 @@ MIN_PROGRAMS = 264  # two per SM of the H200's 132
 
 
 def supported(x, w, groups: int = 1) -> bool:
-  """At most MAX_TOKENS tokens; O / groups and D divisible by power-of-two blocks of >= 16."""
-  n_out, d = w.shape[-2:]
-  m = x.size // (x.shape[-1] * groups)
-  return (m <= MAX_TOKENS and n_out % groups == 0 and _pow2_block(n_out // groups, ROWS) is not None
-          and _pow2_block(d, COLS) is not None)
+    """At most MAX_TOKENS tokens; O / groups and D divisible by power-of-two blocks of >= 16."""
+    n_out, d = w.shape[-2:]
+    m = x.size // (x.shape[-1] * groups)
+    return (m <= MAX_TOKENS and n_out % groups == 0 and _pow2_block(n_out // groups, ROWS) is not None
+            and _pow2_block(d, COLS) is not None)
 
 
 def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks):
-  *w_refs, y_ref = refs
-  j, s = pl.program_id(0), pl.program_id(1)
-  cdt = x_ref.dtype
-  gemv = x_ref.shape[1] == 1
+    *w_refs, y_ref = refs
+    j, s = pl.program_id(0), pl.program_id(1)
+    cdt = x_ref.dtype
+    gemv = x_ref.shape[1] == 1
 
-  def project(w_ref, row0, grp):  # this block's rows row0 .. of w [n*O, D] against x[grp]
-    def body(c, acc):
-      col = (s * chunks + c) * cols
-      w = w_ref[pl.ds(row0, rows), pl.ds(col, cols)]
-      if gemv:  # y_ref is [rows]
-        return acc + jnp.sum(x_ref[grp, 0, pl.ds(col, cols)].astype(F32)[None, :] * w.astype(F32), axis=1)
-      return acc + mm_nt(x_ref[grp, :, pl.ds(col, cols)], w.astype(cdt))
+    def project(w_ref, row0, grp):  # this block's rows row0 .. of w [n*O, D] against x[grp]
+        def body(c, acc):
+            col = (s * chunks + c) * cols
+            w = w_ref[pl.ds(row0, rows), pl.ds(col, cols)]
+            if gemv:  # y_ref is [rows]
+                return acc + jnp.sum(x_ref[grp, 0, pl.ds(col, cols)].astype(F32)[None, :] * w.astype(F32), axis=1)
+            return acc + mm_nt(x_ref[grp, :, pl.ds(col, cols)], w.astype(cdt))
 
-    y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))
+        y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))
 
-  if len(w_refs) == 1:
-    project(w_refs[0], layer_ref[0] * n_outs[0] + j * rows, j * rows // group_rows)
-    return
-  for w_ref, start, n_out in zip(w_refs, starts, n_outs):  # blocks start .. start + n_out / rows: this weight's
-    @pl.when((j >= start) & (j < start + n_out // rows))
-    def _(w_ref=w_ref, start=start, n_out=n_out):
-      project(w_ref, layer_ref[0] * n_out + (j - start) * rows, 0)
+    if len(w_refs) == 1:
+        project(w_refs[0], layer_ref[0] * n_outs[0] + j * rows, j * rows // group_rows)
+        return
+    for w_ref, start, n_out in zip(w_refs, starts, n_outs):  # blocks start .. start + n_out / rows: this weight's
+        @pl.when((j >= start) & (j < start + n_out // rows))
+        def _(w_ref=w_ref, start=start, n_out=n_out):
+            project(w_ref, layer_ref[0] * n_out + (j - start) * rows, 0)
 
 
 def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs):
-  """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch."""
-  if interpret is None:
-    interpret = backend() == "cpu"
-  if not all(supported(x, w, groups) for w in ws) or len({w.shape[-1] for w in ws}) != 1:
-    raise ValueError(f"x {x.shape}, w {[w.shape for w in ws]}, {groups} groups: at most {MAX_TOKENS} tokens, one "
-                     f"input width and power-of-two blocks of at least 16")
-  d = x.shape[-1]
-  n_outs = tuple(w.shape[-2] for w in ws)
-  rows = _pow2_block(math.gcd(*n_outs) // groups, rows)
-  cols = _pow2_block(d, cols)
-  m = x.size // (d * groups)
-  tb = 1 if m == 1 else max(16, next_pow2(m))
-  x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
-  layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
-  wfs = [w.reshape(-1, d) for w in ws]
-  total = sum(n_outs)
-  starts = tuple(sum(n_outs[:k]) // rows for k in range(len(ws)))
-  n_chunks = d // cols
-  splits = 1
-  while (total // rows) * splits < min_programs and n_chunks % (2 * splits) == 0:
-    splits *= 2
-  full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-  kw = dict(interpret=True) if interpret else dict(
-      compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
-  parts = pl.pallas_call(
-      functools.partial(_kernel, starts=starts, n_outs=n_outs, group_rows=n_outs[0] // groups, rows=rows,
-                        cols=cols, chunks=n_chunks // splits),
-      out_shape=jax.ShapeDtypeStruct((splits, tb, total), F32), grid=(total // rows, splits),
-      in_specs=[full(layer), full(x2)] + [full(w) for w in wfs],
-      out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)), name="v4_layer_linear",
-      **kw,
-  )(layer, x2, *wfs)
-  y = parts[0] if splits == 1 else jnp.sum(parts, axis=0)
-  return y if tb == m else y[:m]
+    """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch."""
+    if interpret is None:
+        interpret = backend() == "cpu"
+    if not all(supported(x, w, groups) for w in ws) or len({w.shape[-1] for w in ws}) != 1:
+        raise ValueError(f"x {x.shape}, w {[w.shape for w in ws]}, {groups} groups: at most {MAX_TOKENS} tokens, one "
+                         f"input width and power-of-two blocks of at least 16")
+    d = x.shape[-1]
+    n_outs = tuple(w.shape[-2] for w in ws)
+    rows = _pow2_block(math.gcd(*n_outs) // groups, rows)
+    cols = _pow2_block(d, cols)
+    m = x.size // (d * groups)
+    tb = 1 if m == 1 else max(16, next_pow2(m))
+    x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
+    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    wfs = [w.reshape(-1, d) for w in ws]
+    total = sum(n_outs)
+    starts = tuple(sum(n_outs[:k]) // rows for k in range(len(ws)))
+    n_chunks = d // cols
+    splits = 1
+    while (total // rows) * splits < min_programs and n_chunks % (2 * splits) == 0:
+        splits *= 2
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    kw = dict(interpret=True) if interpret else dict(
+        compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
+    parts = pl.pallas_call(
+        functools.partial(_kernel, starts=starts, n_outs=n_outs, group_rows=n_outs[0] // groups, rows=rows,
+                          cols=cols, chunks=n_chunks // splits),
+        out_shape=jax.ShapeDtypeStruct((splits, tb, total), F32), grid=(total // rows, splits),
+        in_specs=[full(layer), full(x2)] + [full(w) for w in wfs],
+        out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)), name="v4_layer_linear",
+        **kw,
+    )(layer, x2, *wfs)
+    y = parts[0] if splits == 1 else jnp.sum(parts, axis=0)
+    return y if tb == m else y[:m]
 
 
 def layer_linear(x, w, layer=None, groups: int = 1, *, interpret=None, num_warps: int = 4, num_stages: int = 2,
                  rows: int = ROWS, cols: int = COLS, min_programs: int = MIN_PROGRAMS):
-  """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
-  interpreter on CPU); with `groups`, group by group (see the module doc). Shapes must pass `supported`."""
-  y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs)
-  n_out = w.shape[-2]
-  if groups > 1:
-    return y.reshape(*x.shape[:-2], groups, n_out // groups)
-  return y.reshape(*x.shape[:-1], n_out)
+    """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
+    interpreter on CPU); with `groups`, group by group (see the module doc). Shapes must pass `supported`."""
+    y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs)
+    n_out = w.shape[-2]
+    if groups > 1:
+        return y.reshape(*x.shape[:-2], groups, n_out // groups)
+    return y.reshape(*x.shape[:-1], n_out)
 
 
 def layer_linears(x, ws, layer=None, *, interpret=None, num_warps: int = 4, num_stages: int = 2, rows: int = ROWS,
                   cols: int = COLS, min_programs: int = MIN_PROGRAMS):
-  """[x @ w[layer].T for w in ws] in f32, in one launch (projections of one input; every w [O_k, D] or a stack
-  [n, O_k, D] of the same n and D, each passing `supported`)."""
-  y = _call(x, list(ws), layer, 1, interpret, num_warps, num_stages, rows, cols, min_programs)
-  cuts = [sum(w.shape[-2] for w in ws[:k]) for k in range(len(ws) + 1)]
-  return [y[:, a:b].reshape(*x.shape[:-1], b - a) for a, b in zip(cuts, cuts[1:])]
+    """[x @ w[layer].T for w in ws] in f32, in one launch (projections of one input; every w [O_k, D] or a stack
+    [n, O_k, D] of the same n and D, each passing `supported`)."""
+    y = _call(x, list(ws), layer, 1, interpret, num_warps, num_stages, rows, cols, min_programs)
+    cuts = [sum(w.shape[-2] for w in ws[:k]) for k in range(len(ws) + 1)]
+    return [y[:, a:b].reshape(*x.shape[:-1], b - a) for a, b in zip(cuts, cuts[1:])]

@@ -7,8 +7,8 @@ each entry's producers per consumer, and the compile grows exponentially with th
 
 Here the N*N entries of each token are N*N separate vectors of a block of tokens (the input is laid out
 entry-major, [N*N, M]), and the whole loop runs on them in registers: one launch per mHC. The arithmetic is the
-reference's, in the same order (sums over the row or column left to right), so the result matches `sinkhorn_ref`
-to rounding.
+reference's (v4jax.model.layers.sinkhorn), in the same order (sums over the row or column left to right), so the
+result matches it to rounding.
 """
 from __future__ import annotations
 
@@ -26,17 +26,6 @@ BLOCK = 128  # tokens per program on TPU: one lane row
 # on GPU a thread runs one token's serial iterations: 32 tokens per one-warp program (H200, scripts/tune_kernels.py
 # --only sinkhorn: 4.6-4.9 us at 1, 32 and 256 tokens; 128 tokens per one-warp program took 10.6-14.9 us)
 GPU_BLOCK = 32
-
-
-def sinkhorn_ref(comb, iters: int, eps: float):
-    """comb [..., N, N] f32: one column normalisation, then iters - 1 (row, column) normalisations."""
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-
-    def step(c, _):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps), None
-
-    return jax.lax.scan(step, comb, None, length=iters - 1)[0]
 
 
 def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float):
@@ -58,7 +47,8 @@ def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float):
 
 def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None = None, block: int | None = None,
              num_warps: int = 1):
-    """The Pallas version of `sinkhorn_ref` (same signature). interpret=None: interpret on CPU; gpu=None: a
+    """The Pallas version of v4jax.model.layers.sinkhorn (same signature): comb [..., N, N] f32, one column
+    normalisation, then iters - 1 (row, column) normalisations. interpret=None: interpret on CPU; gpu=None: a
     Triton kernel when this process runs on a GPU (set it to lower for another platform). block: tokens per
     program (a power of two; default GPU_BLOCK on GPU, BLOCK otherwise)."""
     if interpret is None:

@@ -38,64 +38,64 @@ _REF_BYTES_LIMIT = 1 << 28  # chunk the reference over T when the gathered rows 
 
 
 def _ref_block(q, sets, sink, scale):
-  """q [B, t, H, D]; sets: list of (pool, rows [B, t, J]). Returns (o [B, t, H, D] f32, lse [B, t, H] f32)."""
-  hi = lax.Precision.HIGHEST
-  scores, keys = [], []
-  for pool, rows in sets:
-    valid = rows >= 0
-    k = jnp.take(pool, jnp.where(valid, rows, 0), axis=0)  # [B, t, J, D]
-    k = jnp.where(valid[..., None], k, jnp.zeros((), k.dtype))
-    s = jnp.einsum("bthd,btjd->bthj", q, k, preferred_element_type=F32, precision=hi) * scale
-    scores.append(jnp.where(valid[:, :, None, :], s, -jnp.inf))
-    keys.append(k)
-  s = jnp.concatenate(scores, axis=-1)
-  k = jnp.concatenate(keys, axis=2)
-  sink = sink.astype(F32)[None, None, :]
-  m = jnp.maximum(jnp.max(s, axis=-1), sink)
-  m = jnp.maximum(m, MASK_FLOOR)
-  p = jnp.exp(s - m[..., None])
-  den = jnp.sum(p, axis=-1) + jnp.exp(sink - m)
-  num = jnp.einsum("bthj,btjd->bthd", p, k.astype(F32), precision=hi)
-  return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0), m + jnp.log(den)
+    """q [B, t, H, D]; sets: list of (pool, rows [B, t, J]). Returns (o [B, t, H, D] f32, lse [B, t, H] f32)."""
+    hi = lax.Precision.HIGHEST
+    scores, keys = [], []
+    for pool, rows in sets:
+        valid = rows >= 0
+        k = jnp.take(pool, jnp.where(valid, rows, 0), axis=0)  # [B, t, J, D]
+        k = jnp.where(valid[..., None], k, jnp.zeros((), k.dtype))
+        s = jnp.einsum("bthd,btjd->bthj", q, k, preferred_element_type=F32, precision=hi) * scale
+        scores.append(jnp.where(valid[:, :, None, :], s, -jnp.inf))
+        keys.append(k)
+    s = jnp.concatenate(scores, axis=-1)
+    k = jnp.concatenate(keys, axis=2)
+    sink = sink.astype(F32)[None, None, :]
+    m = jnp.maximum(jnp.max(s, axis=-1), sink)
+    m = jnp.maximum(m, MASK_FLOOR)
+    p = jnp.exp(s - m[..., None])
+    den = jnp.sum(p, axis=-1) + jnp.exp(sink - m)
+    num = jnp.einsum("bthj,btjd->bthd", p, k.astype(F32), precision=hi)
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0), m + jnp.log(den)
 
 
 def _sets(swa_pool, swa_rows, cmp_pool, cmp_rows):
-  sets = [(swa_pool, swa_rows)]
-  if cmp_pool is not None and cmp_rows is not None and cmp_rows.shape[-1] > 0:
-    sets.append((cmp_pool, cmp_rows))
-  return sets
+    sets = [(swa_pool, swa_rows)]
+    if cmp_pool is not None and cmp_rows is not None and cmp_rows.shape[-1] > 0:
+        sets.append((cmp_pool, cmp_rows))
+    return sets
 
 
 def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, return_lse=False):
-  """jnp reference. q [B, T, H, D]; pools [R, D]; rows [B, T, J] int32 (-1 = none); sink [H] f32."""
-  B, T, H, D = q.shape
-  sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
-  J = sum(r.shape[-1] for _, r in sets)
-  per_t = B * J * D * 4 * 2
-  tc = T
-  if per_t * T > _REF_BYTES_LIMIT:
-    tc = max(1, _REF_BYTES_LIMIT // per_t)
-    while T % tc:
-      tc -= 1
-  if tc == T:
-    o, lse = _ref_block(q, sets, sink, scale)
-  else:
-    o, lse = _ref_chunked(q, sets, sink, scale, tc)
-  return (o, lse) if return_lse else o.astype(q.dtype)
+    """jnp reference. q [B, T, H, D]; pools [R, D]; rows [B, T, J] int32 (-1 = none); sink [H] f32."""
+    B, T, H, D = q.shape
+    sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
+    J = sum(r.shape[-1] for _, r in sets)
+    per_t = B * J * D * 4 * 2
+    tc = T
+    if per_t * T > _REF_BYTES_LIMIT:
+        tc = max(1, _REF_BYTES_LIMIT // per_t)
+        while T % tc:
+            tc -= 1
+    if tc == T:
+        o, lse = _ref_block(q, sets, sink, scale)
+    else:
+        o, lse = _ref_chunked(q, sets, sink, scale, tc)
+    return (o, lse) if return_lse else o.astype(q.dtype)
 
 
 def _ref_chunked(q, sets, sink, scale, tc):
-  B, T, H, D = q.shape
-  n = T // tc
+    B, T, H, D = q.shape
+    n = T // tc
 
-  def split(x):  # [B, T, ...] -> [n, B, tc, ...]
-    return jnp.moveaxis(x.reshape(B, n, tc, *x.shape[2:]), 1, 0)
+    def split(x):  # [B, T, ...] -> [n, B, tc, ...]
+        return jnp.moveaxis(x.reshape(B, n, tc, *x.shape[2:]), 1, 0)
 
-  qs = split(q)
-  rows = [split(r) for _, r in sets]
-  pools = [p for p, _ in sets]
-  o, lse = lax.map(lambda a: _ref_block(a[0], list(zip(pools, a[1])), sink, scale), (qs, rows))
-  return jnp.moveaxis(o, 0, 1).reshape(B, T, H, D), jnp.moveaxis(lse, 0, 1).reshape(B, T, H)
+    qs = split(q)
+    rows = [split(r) for _, r in sets]
+    pools = [p for p, _ in sets]
+    o, lse = lax.map(lambda a: _ref_block(a[0], list(zip(pools, a[1])), sink, scale), (qs, rows))
+    return jnp.moveaxis(o, 0, 1).reshape(B, T, H, D), jnp.moveaxis(lse, 0, 1).reshape(B, T, H)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -107,116 +107,116 @@ _TPU_CHUNK = 128   # rows per online-softmax step (lane-dense scores [H, 128])
 
 def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa_hbm, cmp_hbm, o_ref, lse_ref,
                 buf, stage, sem, m_ref, l_ref, acc_ref, *, n_swa_chunks, n_chunks, scale, chunk):
-  def copy(i, slot, wait):
-    args = (rows_smem, flag_smem, tile_smem, i * chunk, buf.at[slot], stage.at[slot], sem.at[slot])
+    def copy(i, slot, wait):
+        args = (rows_smem, flag_smem, tile_smem, i * chunk, buf.at[slot], stage.at[slot], sem.at[slot])
 
-    @pl.when(i < n_swa_chunks)
-    def _():
-      tpu_gather_start(swa_hbm, *args, n=chunk, wait=wait)
+        @pl.when(i < n_swa_chunks)
+        def _():
+            tpu_gather_start(swa_hbm, *args, n=chunk, wait=wait)
 
-    if n_chunks > n_swa_chunks:
-      @pl.when(i >= n_swa_chunks)
-      def _():
-        tpu_gather_start(cmp_hbm, *args, n=chunk, wait=wait)
+        if n_chunks > n_swa_chunks:
+            @pl.when(i >= n_swa_chunks)
+            def _():
+                tpu_gather_start(cmp_hbm, *args, n=chunk, wait=wait)
 
-  sink = sink_ref[...].astype(F32)                     # [H, 1]
-  m0 = jnp.maximum(sink, MASK_FLOOR)
-  m_ref[...] = m0
-  l_ref[...] = jnp.exp(sink - m0)
-  acc_ref[...] = jnp.zeros_like(acc_ref)
-  q = q_ref[...]
-  cdt = common_compute_dtype(q.dtype, buf.dtype)
-  q = q.astype(cdt)
+    sink = sink_ref[...].astype(F32)                     # [H, 1]
+    m0 = jnp.maximum(sink, MASK_FLOOR)
+    m_ref[...] = m0
+    l_ref[...] = jnp.exp(sink - m0)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+    q = q_ref[...]
+    cdt = common_compute_dtype(q.dtype, buf.dtype)
+    q = q.astype(cdt)
 
-  copy(0, 0, wait=False)
+    copy(0, 0, wait=False)
 
-  def body(i, carry):
-    slot = i % 2
+    def body(i, carry):
+        slot = i % 2
 
-    @pl.when(i + 1 < n_chunks)
-    def _():
-      copy(i + 1, 1 - slot, wait=False)
+        @pl.when(i + 1 < n_chunks)
+        def _():
+            copy(i + 1, 1 - slot, wait=False)
 
-    copy(i, slot, wait=True)
-    ids = rows_vmem[:, pl.ds(pl.multiple_of(i * chunk, chunk), chunk)]   # [1, C]
-    tpu_gather_finish(ids, flag_smem, i * chunk, buf.at[slot], stage.at[slot], n=chunk)
-    k = buf[slot]                                       # [C, D]
-    s = mm_nt(q, k.astype(cdt)) * scale                 # [H, C] f32
-    valid = ids >= 0                                    # [1, C]
-    s = jnp.where(valid, s, -jnp.inf)
-    m_prev = m_ref[...]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new)
-    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + pv_matmul(p, k)
-    m_ref[...] = m_new
-    return carry
+        copy(i, slot, wait=True)
+        ids = rows_vmem[:, pl.ds(pl.multiple_of(i * chunk, chunk), chunk)]   # [1, C]
+        tpu_gather_finish(ids, flag_smem, i * chunk, buf.at[slot], stage.at[slot], n=chunk)
+        k = buf[slot]                                       # [C, D]
+        s = mm_nt(q, k.astype(cdt)) * scale                 # [H, C] f32
+        valid = ids >= 0                                    # [1, C]
+        s = jnp.where(valid, s, -jnp.inf)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(s - m_new)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + pv_matmul(p, k)
+        m_ref[...] = m_new
+        return carry
 
-  lax.fori_loop(0, n_chunks, body, 0)
-  l = l_ref[...]
-  o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
-  lse_ref[...] = m_ref[...] + jnp.log(l)
+    lax.fori_loop(0, n_chunks, body, 0)
+    l = l_ref[...]
+    o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+    lse_ref[...] = m_ref[...] + jnp.log(l)
 
 
 def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                           return_lse=False):
-  B, T, H, D = q.shape
-  C = _TPU_CHUNK
-  G = tile_rows(swa_pool.dtype)
-  sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
-  if len(sets) == 2 and cmp_pool.dtype != swa_pool.dtype:
-    cmp_pool = cmp_pool.astype(swa_pool.dtype)
-  padded, flags, tiles = [], [], []
-  for pool, rows in ((swa_pool, swa_rows),) + (((cmp_pool, cmp_rows),) if len(sets) == 2 else ()):
-    r = pad_last(rows.astype(jnp.int32), round_up(max(rows.shape[-1], 1), C), -1)
-    f, g = gather_groups(r, G, pool.shape[0])
-    padded.append(r), flags.append(f), tiles.append(g)
-  swa_pool = tiled_view(swa_pool, G)
-  cmp_pool = tiled_view(cmp_pool, G) if len(sets) == 2 else None
-  n_swa_chunks = padded[0].shape[-1] // C
-  rows = jnp.concatenate(padded, axis=-1)
-  flag = jnp.concatenate(flags, axis=-1)
-  tile = jnp.concatenate(tiles, axis=-1)
-  n_rows = rows.shape[-1]
-  n_chunks = n_rows // C
-  has_cmp = len(sets) == 2
-  cmp_arg = cmp_pool if has_cmp else swa_pool
+    B, T, H, D = q.shape
+    C = _TPU_CHUNK
+    G = tile_rows(swa_pool.dtype)
+    sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
+    if len(sets) == 2 and cmp_pool.dtype != swa_pool.dtype:
+        cmp_pool = cmp_pool.astype(swa_pool.dtype)
+    padded, flags, tiles = [], [], []
+    for pool, rows in ((swa_pool, swa_rows),) + (((cmp_pool, cmp_rows),) if len(sets) == 2 else ()):
+        r = pad_last(rows.astype(jnp.int32), round_up(max(rows.shape[-1], 1), C), -1)
+        f, g = gather_groups(r, G, pool.shape[0])
+        padded.append(r), flags.append(f), tiles.append(g)
+    swa_pool = tiled_view(swa_pool, G)
+    cmp_pool = tiled_view(cmp_pool, G) if len(sets) == 2 else None
+    n_swa_chunks = padded[0].shape[-1] // C
+    rows = jnp.concatenate(padded, axis=-1)
+    flag = jnp.concatenate(flags, axis=-1)
+    tile = jnp.concatenate(tiles, axis=-1)
+    n_rows = rows.shape[-1]
+    n_chunks = n_rows // C
+    has_cmp = len(sets) == 2
+    cmp_arg = cmp_pool if has_cmp else swa_pool
 
-  kernel = functools.partial(_tpu_kernel, n_swa_chunks=n_swa_chunks, n_chunks=n_chunks, scale=float(scale),
-                             chunk=C)
-  # SMEM blocks are [1, n] slices of [B*T, 1, n] arrays (TPU block rule: last two dims full or (8, 128)-aligned).
-  smem = lambda n: pl.BlockSpec((None, 1, n), lambda b, t: (b * T + t, 0, 0), memory_space=pltpu.SMEM)
-  in_specs = [
-      smem(n_rows), smem(n_rows // G), smem(n_rows // G),
-      pl.BlockSpec((None, None, H, D), lambda b, t: (b, t, 0, 0)),
-      pl.BlockSpec((H, 1), lambda b, t: (0, 0)),
-      pl.BlockSpec((None, None, 1, n_rows), lambda b, t: (b, t, 0, 0)),
-      pl.BlockSpec(memory_space=_compat.ANY),
-      pl.BlockSpec(memory_space=_compat.ANY),
-  ]
-  o, lse = pl.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct((B, T, H, D), F32 if return_lse else q.dtype),
-                 jax.ShapeDtypeStruct((B, T, H, 1), F32)),
-      grid=(B, T),
-      in_specs=in_specs,
-      out_specs=(pl.BlockSpec((None, None, H, D), lambda b, t: (b, t, 0, 0)),
-                 pl.BlockSpec((None, None, H, 1), lambda b, t: (b, t, 0, 0))),
-      scratch_shapes=[
-          pltpu.VMEM((2, C, D), swa_pool.dtype),
-          pltpu.VMEM((2, C, G, D), swa_pool.dtype),     # the tiles of rows that are not in whole-tile runs
-          pltpu.SemaphoreType.DMA((2,)),
-          pltpu.VMEM((H, 1), F32),
-          pltpu.VMEM((H, 1), F32),
-          pltpu.VMEM((H, D), F32),
-      ],
-      compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel")),
-      interpret=_compat.interpret_arg(interpret, "hlo"),
-      name="v4_sparse_attention",
-  )(rows.reshape(B * T, 1, n_rows), flag.reshape(B * T, 1, -1), tile.reshape(B * T, 1, -1), q,
-    sink.astype(F32).reshape(H, 1), rows.reshape(B, T, 1, n_rows), swa_pool, cmp_arg)
-  return (o, lse[..., 0]) if return_lse else o
+    kernel = functools.partial(_tpu_kernel, n_swa_chunks=n_swa_chunks, n_chunks=n_chunks, scale=float(scale),
+                               chunk=C)
+    # SMEM blocks are [1, n] slices of [B*T, 1, n] arrays (TPU block rule: last two dims full or (8, 128)-aligned).
+    smem = lambda n: pl.BlockSpec((None, 1, n), lambda b, t: (b * T + t, 0, 0), memory_space=pltpu.SMEM)
+    in_specs = [
+        smem(n_rows), smem(n_rows // G), smem(n_rows // G),
+        pl.BlockSpec((None, None, H, D), lambda b, t: (b, t, 0, 0)),
+        pl.BlockSpec((H, 1), lambda b, t: (0, 0)),
+        pl.BlockSpec((None, None, 1, n_rows), lambda b, t: (b, t, 0, 0)),
+        pl.BlockSpec(memory_space=_compat.ANY),
+        pl.BlockSpec(memory_space=_compat.ANY),
+    ]
+    o, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((B, T, H, D), F32 if return_lse else q.dtype),
+                   jax.ShapeDtypeStruct((B, T, H, 1), F32)),
+        grid=(B, T),
+        in_specs=in_specs,
+        out_specs=(pl.BlockSpec((None, None, H, D), lambda b, t: (b, t, 0, 0)),
+                   pl.BlockSpec((None, None, H, 1), lambda b, t: (b, t, 0, 0))),
+        scratch_shapes=[
+            pltpu.VMEM((2, C, D), swa_pool.dtype),
+            pltpu.VMEM((2, C, G, D), swa_pool.dtype),     # the tiles of rows that are not in whole-tile runs
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.VMEM((H, 1), F32),
+            pltpu.VMEM((H, 1), F32),
+            pltpu.VMEM((H, D), F32),
+        ],
+        compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=_compat.interpret_arg(interpret, "hlo"),
+        name="v4_sparse_attention",
+    )(rows.reshape(B * T, 1, n_rows), flag.reshape(B * T, 1, -1), tile.reshape(B * T, 1, -1), q,
+      sink.astype(F32).reshape(H, 1), rows.reshape(B, T, 1, n_rows), swa_pool, cmp_arg)
+    return (o, lse[..., 0]) if return_lse else o
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -229,152 +229,152 @@ _GPU_SMS = 132         # H100/H200 SM count (used when the device does not say)
 
 
 def _gpu_gather_rows(pool_ref, ids, valid):
-  """Rows ids (masked by valid; other rows read as 0) of pool_ref [R, D] -> [len(ids), D].
-  Both axes use array indexers (a mixed array/slice indexer has no interpret-mode rule)."""
-  D = pool_ref.shape[-1]
-  cols = lax.broadcasted_iota(jnp.int32, (1, D), 1)
-  safe = jnp.where(valid, ids, 0)[:, None]
-  return _compat.pltriton.load(pool_ref.at[safe, cols], mask=valid[:, None], other=0.0)
+    """Rows ids (masked by valid; other rows read as 0) of pool_ref [R, D] -> [len(ids), D].
+    Both axes use array indexers (a mixed array/slice indexer has no interpret-mode rule)."""
+    D = pool_ref.shape[-1]
+    cols = lax.broadcasted_iota(jnp.int32, (1, D), 1)
+    safe = jnp.where(valid, ids, 0)[:, None]
+    return _compat.pltriton.load(pool_ref.at[safe, cols], mask=valid[:, None], other=0.0)
 
 
 def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref, *out_refs, scale, block,
                 n_w_blocks, n_c_blocks, n_split, final, skip_tail):
-  sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
-  q = q_ref[...]                                       # [hb, D]
-  cdt = common_compute_dtype(q.dtype, swa_ref.dtype)
-  q = q.astype(cdt)
-  hb = q.shape[0]
-  D = q.shape[1]
-  if final:
-    sink = sink_ref[...].astype(F32)                   # [hb]
-    m0 = jnp.maximum(sink, MASK_FLOOR)
-    l0 = jnp.exp(sink - m0)
-  else:
-    m0 = jnp.full((hb,), MASK_FLOOR, F32)
-    l0 = jnp.zeros((hb,), F32)
-  acc0 = jnp.zeros((hb, D), F32)
+    sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
+    q = q_ref[...]                                       # [hb, D]
+    cdt = common_compute_dtype(q.dtype, swa_ref.dtype)
+    q = q.astype(cdt)
+    hb = q.shape[0]
+    D = q.shape[1]
+    if final:
+        sink = sink_ref[...].astype(F32)                   # [hb]
+        m0 = jnp.maximum(sink, MASK_FLOOR)
+        l0 = jnp.exp(sink - m0)
+    else:
+        m0 = jnp.full((hb,), MASK_FLOOR, F32)
+        l0 = jnp.zeros((hb,), F32)
+    acc0 = jnp.zeros((hb, D), F32)
 
-  def run(rows_ref, pool_ref, n_blocks, carry, used=None):
-    lo = sp * n_blocks // n_split
-    hi = (sp + 1) * n_blocks // n_split
-    if used is not None:   # the blocks after the query's last valid row hold none: not visited
-      hi = jnp.minimum(hi, used)
+    def run(rows_ref, pool_ref, n_blocks, carry, used=None):
+        lo = sp * n_blocks // n_split
+        hi = (sp + 1) * n_blocks // n_split
+        if used is not None:   # the blocks after the query's last valid row hold none: not visited
+            hi = jnp.minimum(hi, used)
 
-    def body(j, carry):
-      m, l, acc = carry
-      ids = rows_ref[pl.ds(j * block, block)]           # [C]
-      valid = ids >= 0
-      k = _gpu_gather_rows(pool_ref, ids, valid)        # [C, D]
-      s = mm_nt(q, k.astype(cdt)) * scale               # [hb, C]
-      s = jnp.where(valid[None, :], s, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      alpha = jnp.exp(m - m_new)
-      p = jnp.exp(s - m_new[:, None])
-      l = alpha * l + jnp.sum(p, axis=1)
-      acc = alpha[:, None] * acc + pv_matmul(p, k)
-      return m_new, l, acc
+        def body(j, carry):
+            m, l, acc = carry
+            ids = rows_ref[pl.ds(j * block, block)]           # [C]
+            valid = ids >= 0
+            k = _gpu_gather_rows(pool_ref, ids, valid)        # [C, D]
+            s = mm_nt(q, k.astype(cdt)) * scale               # [hb, C]
+            s = jnp.where(valid[None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[:, None])
+            l = alpha * l + jnp.sum(p, axis=1)
+            acc = alpha[:, None] * acc + pv_matmul(p, k)
+            return m_new, l, acc
 
-    return lax.fori_loop(lo, hi, body, carry)
+        return lax.fori_loop(lo, hi, body, carry)
 
-  carry = (m0, l0, acc0)
-  carry = run(rows_w_ref, swa_ref, n_w_blocks, carry)
-  if n_c_blocks:
-    carry = run(rows_c_ref, cmp_ref, n_c_blocks, carry, used_c_ref[...] if skip_tail else None)
-  m, l, acc = carry
-  if final:
-    (o_ref,) = out_refs
-    o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
-  else:
-    acc_ref, m_ref, l_ref = out_refs
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    carry = (m0, l0, acc0)
+    carry = run(rows_w_ref, swa_ref, n_w_blocks, carry)
+    if n_c_blocks:
+        carry = run(rows_c_ref, cmp_ref, n_c_blocks, carry, used_c_ref[...] if skip_tail else None)
+    m, l, acc = carry
+    if final:
+        (o_ref,) = out_refs
+        o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
 
 
 def _gpu_supported(q, swa_pool, cmp_pool):
-  D = q.shape[-1]
-  pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
-  ok = pow2(D) and swa_pool.dtype in (jnp.bfloat16, F32)
-  if cmp_pool is not None:
-    ok = ok and cmp_pool.dtype == swa_pool.dtype
-  return ok
+    D = q.shape[-1]
+    pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
+    ok = pow2(D) and swa_pool.dtype in (jnp.bfloat16, F32)
+    if cmp_pool is not None:
+        ok = ok and cmp_pool.dtype == swa_pool.dtype
+    return ok
 
 
 def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                           n_split=None, block=_GPU_BLOCK, heads=_GPU_HEADS, num_warps=4, num_stages=2,
                           return_lse=False, skip_tail=False):
-  B, T, H, D = q.shape
-  C = block
-  hb = heads
-  Hp = round_up(H, hb)
-  qf = q.reshape(B * T, H, D)
-  sinkp = sink.astype(F32)
-  if Hp != H:
-    qf = jnp.pad(qf, ((0, 0), (0, Hp - H), (0, 0)))
-    sinkp = jnp.pad(sinkp, (0, Hp - H))
-  has_cmp = cmp_pool is not None and cmp_rows is not None and cmp_rows.shape[-1] > 0
-  rw = pad_last(swa_rows.reshape(B * T, -1).astype(jnp.int32), round_up(max(swa_rows.shape[-1], 1), C), -1)
-  if has_cmp:
-    if cmp_pool.dtype != swa_pool.dtype:
-      cmp_pool = cmp_pool.astype(swa_pool.dtype)
-    rc = pad_last(cmp_rows.reshape(B * T, -1).astype(jnp.int32), round_up(cmp_rows.shape[-1], C), -1)
-  else:
-    cmp_pool, rc = swa_pool, jnp.full((B * T, C), -1, jnp.int32)
-  n_w, n_c = rw.shape[-1] // C, (rc.shape[-1] // C if has_cmp else 0)
-  # per query, the compressed blocks up to its last valid row (an HCA prefill chunk's rows end at n_ready)
-  if skip_tail:
-    last = jnp.max(jnp.where(rc >= 0, jnp.arange(1, rc.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
-    used_c = (last + C - 1) // C                                           # [B*T]
-  else:
-    used_c = jnp.zeros((B * T,), jnp.int32)                                # (not read)
-  n_hb = Hp // hb
-  if n_split is None:
-    # split the entries only when the (head block, query) programs leave SMs idle: the partial states cost
-    # an f32 [H, D] write + read per split
-    n_sm = getattr(jax.devices()[0], "core_count", None) or _GPU_SMS
-    n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
-  final = n_split == 1 and not return_lse  # the partial states carry what lse needs
-  kernel = functools.partial(_gpu_kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
-                             n_split=n_split, final=final, skip_tail=skip_tail)
-  full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-  in_specs = [
-      pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0)),
-      pl.BlockSpec((hb,), lambda h, i, s: (h,)),
-      pl.BlockSpec((None, rw.shape[-1]), lambda h, i, s: (i, 0)),
-      pl.BlockSpec((None, rc.shape[-1]), lambda h, i, s: (i, 0)),
-      pl.BlockSpec((None,), lambda h, i, s: (i,)),
-      full(swa_pool),
-      full(cmp_pool),
-  ]
-  if final:
-    out_shape = jax.ShapeDtypeStruct((B * T, Hp, D), q.dtype)
-    out_specs = pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0))
-  else:
-    out_shape = (jax.ShapeDtypeStruct((B * T, n_split, Hp, D), F32),
-                 jax.ShapeDtypeStruct((B * T, n_split, Hp), F32),
-                 jax.ShapeDtypeStruct((B * T, n_split, Hp), F32))
-    out_specs = (pl.BlockSpec((None, None, hb, D), lambda h, i, s: (i, s, h, 0)),
-                 pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)),
-                 pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)))
-  out = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(n_hb, B * T, n_split), in_specs=in_specs, out_specs=out_specs,
-      compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=bool(interpret), name="v4_sparse_attention_gpu",
-  )(qf, sinkp, rw, rc, used_c, swa_pool, cmp_pool)
-  if final:
-    o = out
-    lse = None
-  else:
-    acc, m, l = out                                     # [N, S, Hp, D], [N, S, Hp]
-    sink_b = sinkp[None, :]
-    mx = jnp.maximum(jnp.max(m, axis=1), sink_b)
-    w = jnp.exp(m - mx[:, None, :])
-    den = jnp.sum(w * l, axis=1) + jnp.exp(sink_b - mx)
-    num = jnp.sum(w[..., None] * acc, axis=1)
-    o = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    lse = (jnp.maximum(mx, MASK_FLOOR) + jnp.log(den))[:, :H].reshape(B, T, H)
-  o = o[:, :H].reshape(B, T, H, D)
-  return (o, lse) if return_lse else o.astype(q.dtype)
+    B, T, H, D = q.shape
+    C = block
+    hb = heads
+    Hp = round_up(H, hb)
+    qf = q.reshape(B * T, H, D)
+    sinkp = sink.astype(F32)
+    if Hp != H:
+        qf = jnp.pad(qf, ((0, 0), (0, Hp - H), (0, 0)))
+        sinkp = jnp.pad(sinkp, (0, Hp - H))
+    has_cmp = cmp_pool is not None and cmp_rows is not None and cmp_rows.shape[-1] > 0
+    rw = pad_last(swa_rows.reshape(B * T, -1).astype(jnp.int32), round_up(max(swa_rows.shape[-1], 1), C), -1)
+    if has_cmp:
+        if cmp_pool.dtype != swa_pool.dtype:
+            cmp_pool = cmp_pool.astype(swa_pool.dtype)
+        rc = pad_last(cmp_rows.reshape(B * T, -1).astype(jnp.int32), round_up(cmp_rows.shape[-1], C), -1)
+    else:
+        cmp_pool, rc = swa_pool, jnp.full((B * T, C), -1, jnp.int32)
+    n_w, n_c = rw.shape[-1] // C, (rc.shape[-1] // C if has_cmp else 0)
+    # per query, the compressed blocks up to its last valid row (an HCA prefill chunk's rows end at n_ready)
+    if skip_tail:
+        last = jnp.max(jnp.where(rc >= 0, jnp.arange(1, rc.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
+        used_c = (last + C - 1) // C                                           # [B*T]
+    else:
+        used_c = jnp.zeros((B * T,), jnp.int32)                                # (not read)
+    n_hb = Hp // hb
+    if n_split is None:
+        # split the entries only when the (head block, query) programs leave SMs idle: the partial states cost
+        # an f32 [H, D] write + read per split
+        n_sm = getattr(jax.devices()[0], "core_count", None) or _GPU_SMS
+        n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
+    final = n_split == 1 and not return_lse  # the partial states carry what lse needs
+    kernel = functools.partial(_gpu_kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
+                               n_split=n_split, final=final, skip_tail=skip_tail)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    in_specs = [
+        pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0)),
+        pl.BlockSpec((hb,), lambda h, i, s: (h,)),
+        pl.BlockSpec((None, rw.shape[-1]), lambda h, i, s: (i, 0)),
+        pl.BlockSpec((None, rc.shape[-1]), lambda h, i, s: (i, 0)),
+        pl.BlockSpec((None,), lambda h, i, s: (i,)),
+        full(swa_pool),
+        full(cmp_pool),
+    ]
+    if final:
+        out_shape = jax.ShapeDtypeStruct((B * T, Hp, D), q.dtype)
+        out_specs = pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((B * T, n_split, Hp, D), F32),
+                     jax.ShapeDtypeStruct((B * T, n_split, Hp), F32),
+                     jax.ShapeDtypeStruct((B * T, n_split, Hp), F32))
+        out_specs = (pl.BlockSpec((None, None, hb, D), lambda h, i, s: (i, s, h, 0)),
+                     pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)),
+                     pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)))
+    out = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(n_hb, B * T, n_split), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=bool(interpret), name="v4_sparse_attention_gpu",
+    )(qf, sinkp, rw, rc, used_c, swa_pool, cmp_pool)
+    if final:
+        o = out
+        lse = None
+    else:
+        acc, m, l = out                                     # [N, S, Hp, D], [N, S, Hp]
+        sink_b = sinkp[None, :]
+        mx = jnp.maximum(jnp.max(m, axis=1), sink_b)
+        w = jnp.exp(m - mx[:, None, :])
+        den = jnp.sum(w * l, axis=1) + jnp.exp(sink_b - mx)
+        num = jnp.sum(w[..., None] * acc, axis=1)
+        o = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+        lse = (jnp.maximum(mx, MASK_FLOOR) + jnp.log(den))[:, :H].reshape(B, T, H)
+    o = o[:, :H].reshape(B, T, H, D)
+    return (o, lse) if return_lse else o.astype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -383,22 +383,22 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
 
 def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                      return_lse=False, valid_prefix=False):
-  """Pallas sparse attention; same contract as `sparse_attention_ref`.
+    """Pallas sparse attention; same contract as `sparse_attention_ref`.
 
-  valid_prefix: a hint that each query's valid compressed rows end where its -1s begin (HCA: every entry before
-  n_ready); the GPU kernel then stops each query's loop after its last valid block. On the H200, the last
-  8192-token chunk of a 128K prompt's HCA layer (rows as wide as its page bucket, all valid) took 10.1 ms with the
-  stop and 9.0 without; a chunk ending at 72K in the same bucket (~55 % valid) 6.3 and 8.9; a CSA layer's
-  selected rows (valid almost everywhere, not a prefix) 6.2 and 5.6 (scripts/bench_attention_prefill.py).
+    valid_prefix: a hint that each query's valid compressed rows end where its -1s begin (HCA: every entry before
+    n_ready); the GPU kernel then stops each query's loop after its last valid block. On the H200, the last
+    8192-token chunk of a 128K prompt's HCA layer (rows as wide as its page bucket, all valid) took 10.1 ms with the
+    stop and 9.0 without; a chunk ending at 72K in the same bucket (~55 % valid) 6.3 and 8.9; a CSA layer's
+    selected rows (valid almost everywhere, not a prefix) 6.2 and 5.6 (scripts/bench_attention_prefill.py).
 
-  GPU backend: the Triton kernel. TPU: the Mosaic kernel. interpret=True (or the CPU backend): the TPU-style
-  kernel in the HLO interpreter (fast; the tests also run it in the strict TPU interpret mode).
-  """
-  be = _compat.backend()
-  if be == "gpu" and not interpret and _gpu_supported(q, swa_pool, cmp_pool):
-    return _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
-                                 return_lse=return_lse, skip_tail=valid_prefix)
-  if be == "gpu" and not interpret:
-    return sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale, return_lse=return_lse)
-  return _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
-                               interpret=interpret or be != "tpu", return_lse=return_lse)
+    GPU backend: the Triton kernel. TPU: the Mosaic kernel. interpret=True (or the CPU backend): the TPU-style
+    kernel in the HLO interpreter (fast; the tests also run it in the strict TPU interpret mode).
+    """
+    be = _compat.backend()
+    if be == "gpu" and not interpret and _gpu_supported(q, swa_pool, cmp_pool):
+        return _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
+                                     return_lse=return_lse, skip_tail=valid_prefix)
+    if be == "gpu" and not interpret:
+        return sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale, return_lse=return_lse)
+    return _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
+                                 interpret=interpret or be != "tpu", return_lse=return_lse)

@@ -36,35 +36,35 @@ I32 = jnp.int32
 # --------------------------------------------------------------------------------------------------------------
 
 def _canon(x):
-  """f32, with -0.0 -> +0.0 (sorts compare floats in total order, so -0.0 would rank below an equal 0.0)."""
-  x = x.astype(F32)
-  return jnp.where(x == 0, jnp.zeros((), F32), x)
+    """f32, with -0.0 -> +0.0 (sorts compare floats in total order, so -0.0 would rank below an equal 0.0)."""
+    x = x.astype(F32)
+    return jnp.where(x == 0, jnp.zeros((), F32), x)
 
 
 def _order_and_pad(vals, idx, k):
-  """Sorts candidate (vals, idx) [N, C] by (value desc, index asc), keeps the first min(k, C), maps -inf
-  candidates to -1 and pads to k with -1."""
-  neg = -vals
-  neg, idx = lax.sort((neg, idx), dimension=1, num_keys=2)
-  kk = min(k, vals.shape[1])
-  out = jnp.where(neg[:, :kk] < jnp.inf, idx[:, :kk], -1).astype(I32)
-  return pad_last(out, k, -1)
+    """Sorts candidate (vals, idx) [N, C] by (value desc, index asc), keeps the first min(k, C), maps -inf
+    candidates to -1 and pads to k with -1."""
+    neg = -vals
+    neg, idx = lax.sort((neg, idx), dimension=1, num_keys=2)
+    kk = min(k, vals.shape[1])
+    out = jnp.where(neg[:, :kk] < jnp.inf, idx[:, :kk], -1).astype(I32)
+    return pad_last(out, k, -1)
 
 
 def _topk_rows_ref(x, k):
-  """Exact top-k of rows x [N, S] (canonicalised f32) with the tie rule: one sort of each row by (score desc,
-  index asc). Branch-free on purpose: lax.top_k's order among equal scores is implementation-defined, and fixing
-  it up behind a `lax.cond` cost a device-to-host copy of the predicate and a stream sync per call on GPU (every
-  CSA layer of a decode step whose rows are this short)."""
-  iota = lax.broadcasted_iota(I32, x.shape, 1)
-  return _order_and_pad(x, iota, k)
+    """Exact top-k of rows x [N, S] (canonicalised f32) with the tie rule: one sort of each row by (score desc,
+    index asc). Branch-free on purpose: lax.top_k's order among equal scores is implementation-defined, and fixing
+    it up behind a `lax.cond` cost a device-to-host copy of the predicate and a stream sync per call on GPU (every
+    CSA layer of a decode step whose rows are this short)."""
+    iota = lax.broadcasted_iota(I32, x.shape, 1)
+    return _order_and_pad(x, iota, k)
 
 
 def topk_ref(scores, k):
-  """Exact reference top-k. scores [B, T, S] -> int32 [B, T, k] (see module docstring for the rule)."""
-  *lead, S = scores.shape
-  x = _canon(scores.reshape(-1, S))
-  return _topk_rows_ref(x, int(k)).reshape(*lead, int(k))
+    """Exact reference top-k. scores [B, T, S] -> int32 [B, T, k] (see module docstring for the rule)."""
+    *lead, S = scores.shape
+    x = _canon(scores.reshape(-1, S))
+    return _topk_rows_ref(x, int(k)).reshape(*lead, int(k))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -72,159 +72,159 @@ def topk_ref(scores, k):
 # --------------------------------------------------------------------------------------------------------------
 
 def _sortable_key(x):
-  """int32 keys ordered like the (canonical, non-NaN) floats x: flip the magnitude bits of negatives."""
-  b = lax.bitcast_convert_type(x, I32)
-  return jnp.where(b >= 0, b, b ^ jnp.int32(0x7FFFFFFF))
+    """int32 keys ordered like the (canonical, non-NaN) floats x: flip the magnitude bits of negatives."""
+    b = lax.bitcast_convert_type(x, I32)
+    return jnp.where(b >= 0, b, b ^ jnp.int32(0x7FFFFFFF))
 
 
 def _threshold_params(S, kk):
-  n_groups = next_pow2(4 * kk)
-  cap = next_pow2(2 * kk)
-  return n_groups, cap
+    n_groups = next_pow2(4 * kk)
+    cap = next_pow2(2 * kk)
+    return n_groups, cap
 
 
 def _float_of_key(t):
-  """Inverse of `_sortable_key`."""
-  return lax.bitcast_convert_type(jnp.where(t >= 0, t, t ^ jnp.int32(0x7FFFFFFF)), F32)
+    """Inverse of `_sortable_key`."""
+    return lax.bitcast_convert_type(jnp.where(t >= 0, t, t ^ jnp.int32(0x7FFFFFFF)), F32)
 
 
 def _bisect_key(count, target):
-  """The largest int32 key t with count(lambda key: key >= t) >= target (target >= 1): the target-th largest
-  key, built from the top bit down in 32 counting passes."""
-  def bit(b, t):
-    cand = t ^ jnp.left_shift(jnp.int32(1), 31 - b)
-    return jnp.where(count(lambda key: key >= cand) >= target, cand, t)
-  return lax.fori_loop(0, 32, bit, jnp.int32(-2 ** 31))
+    """The largest int32 key t with count(lambda key: key >= t) >= target (target >= 1): the target-th largest
+    key, built from the top bit down in 32 counting passes."""
+    def bit(b, t):
+        cand = t ^ jnp.left_shift(jnp.int32(1), 31 - b)
+        return jnp.where(count(lambda key: key >= cand) >= target, cand, t)
+    return lax.fori_loop(0, 32, bit, jnp.int32(-2 ** 31))
 
 
 def _kth_kernel(g_ref, o_ref, *, kk):
-  g = g_ref[...]                                                          # [G]
-  fin = g > -jnp.inf
-  key = _sortable_key(jnp.where(g == 0, 0.0, g))
-  t = _bisect_key(lambda pred: jnp.sum((fin & pred(key)).astype(I32)), kk)
-  # fewer than kk finite maxima: -inf (all finite scores are candidates; a finite threshold would drop the
-  # smaller scores of the groups it covers, which may be in the top k)
-  o_ref[...] = jnp.where(jnp.sum(fin.astype(I32)) >= kk, _float_of_key(t), -jnp.inf)
+    g = g_ref[...]                                                          # [G]
+    fin = g > -jnp.inf
+    key = _sortable_key(jnp.where(g == 0, 0.0, g))
+    t = _bisect_key(lambda pred: jnp.sum((fin & pred(key)).astype(I32)), kk)
+    # fewer than kk finite maxima: -inf (all finite scores are candidates; a finite threshold would drop the
+    # smaller scores of the groups it covers, which may be in the top k)
+    o_ref[...] = jnp.where(jnp.sum(fin.astype(I32)) >= kk, _float_of_key(t), -jnp.inf)
 
 
 def _kth_largest(g, kk, *, interpret=False):
-  """k-th largest of each row of g [N, G] (-inf when fewer than kk are finite). One Pallas program per row
-  bisects the keys: 8.6 us of GPU time on the H200 (G = 2048, k = 512, N = 1 or 64), where `lax.top_k` took
-  15.3-16.6 us (more than the rest of the pipeline together at N = 1) and a pairwise count was slower still."""
-  N, G = g.shape
-  return pl.pallas_call(
-      functools.partial(_kth_kernel, kk=kk),
-      out_shape=jax.ShapeDtypeStruct((N,), F32),
-      grid=(N,),
-      in_specs=[pl.BlockSpec((None, G), lambda n: (n, 0))],
-      out_specs=pl.BlockSpec((None,), lambda n: (n,)),
-      compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
-      interpret=bool(interpret),
-      name="v4_topk_kth",
-  )(g.astype(F32))
+    """k-th largest of each row of g [N, G] (-inf when fewer than kk are finite). One Pallas program per row
+    bisects the keys: 8.6 us of GPU time on the H200 (G = 2048, k = 512, N = 1 or 64), where `lax.top_k` took
+    15.3-16.6 us (more than the rest of the pipeline together at N = 1) and a pairwise count was slower still."""
+    N, G = g.shape
+    return pl.pallas_call(
+        functools.partial(_kth_kernel, kk=kk),
+        out_shape=jax.ShapeDtypeStruct((N,), F32),
+        grid=(N,),
+        in_specs=[pl.BlockSpec((None, G), lambda n: (n, 0))],
+        out_specs=pl.BlockSpec((None,), lambda n: (n,)),
+        compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
+        interpret=bool(interpret),
+        name="v4_topk_kth",
+    )(g.astype(F32))
 
 
 def _compact_kernel(x_ref, tau_ref, cnt_in, cs_ref, ci_ref, cnt_ref, *, chunk, cap):
-  del cnt_in   # aliased with cnt_ref
-  n = pl.program_id(0)
-  c = pl.program_id(1)
-  s = x_ref[...]                                                           # [chunk]
-  m = (s >= tau_ref[...]) & (s > -jnp.inf)
-  mi = m.astype(I32)
-  rank = jnp.cumsum(mi) - 1
-  base = _compat.pltriton.atomic_add(cnt_ref, n, jnp.sum(mi))
-  pos = base + rank
-  ok = m & (pos < cap)
-  # masked-off lanes point past the row: never touched on GPU, and dropped (not clobbering slot 0 with its old
-  # value) by interpret mode's scatter
-  safe = jnp.where(ok, pos, cap)
-  _compat.pltriton.store(cs_ref.at[safe], jnp.where(s == 0, 0.0, s), mask=ok)   # -0.0 -> +0.0 (see _canon)
-  _compat.pltriton.store(ci_ref.at[safe], c * chunk + lax.broadcasted_iota(I32, (chunk,), 0), mask=ok)
+    del cnt_in   # aliased with cnt_ref
+    n = pl.program_id(0)
+    c = pl.program_id(1)
+    s = x_ref[...]                                                           # [chunk]
+    m = (s >= tau_ref[...]) & (s > -jnp.inf)
+    mi = m.astype(I32)
+    rank = jnp.cumsum(mi) - 1
+    base = _compat.pltriton.atomic_add(cnt_ref, n, jnp.sum(mi))
+    pos = base + rank
+    ok = m & (pos < cap)
+    # masked-off lanes point past the row: never touched on GPU, and dropped (not clobbering slot 0 with its old
+    # value) by interpret mode's scatter
+    safe = jnp.where(ok, pos, cap)
+    _compat.pltriton.store(cs_ref.at[safe], jnp.where(s == 0, 0.0, s), mask=ok)   # -0.0 -> +0.0 (see _canon)
+    _compat.pltriton.store(ci_ref.at[safe], c * chunk + lax.broadcasted_iota(I32, (chunk,), 0), mask=ok)
 
 
 def _compact(x, tau, cap, *, interpret=False, chunk=None):
-  """Scores x [N, S] >= tau[n] (and finite) into (vals [N, cap], idx [N, cap], count [N]); order within a row
-  is arbitrary (atomics); slots >= count are garbage; entries past cap are dropped (count still counts them)."""
-  N, S = x.shape
-  if chunk is None:
-    chunk = min(4096, S)
-  assert S % chunk == 0
-  kernel = functools.partial(_compact_kernel, chunk=chunk, cap=cap)
-  return pl.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct((N, cap), F32), jax.ShapeDtypeStruct((N, cap), I32),
-                 jax.ShapeDtypeStruct((N,), I32)),
-      grid=(N, S // chunk),
-      in_specs=[
-          pl.BlockSpec((None, chunk), lambda n, c: (n, c)),
-          pl.BlockSpec((None,), lambda n, c: (n,)),
-          pl.BlockSpec((N,), lambda n, c: (0,)),
-      ],
-      out_specs=(pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
-                 pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
-                 pl.BlockSpec((N,), lambda n, c: (0,))),
-      input_output_aliases={2: 2},
-      compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
-      interpret=bool(interpret),
-      name="v4_topk_compact",
-  )(x, tau, jnp.zeros((N,), I32))
+    """Scores x [N, S] >= tau[n] (and finite) into (vals [N, cap], idx [N, cap], count [N]); order within a row
+    is arbitrary (atomics); slots >= count are garbage; entries past cap are dropped (count still counts them)."""
+    N, S = x.shape
+    if chunk is None:
+        chunk = min(4096, S)
+    assert S % chunk == 0
+    kernel = functools.partial(_compact_kernel, chunk=chunk, cap=cap)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((N, cap), F32), jax.ShapeDtypeStruct((N, cap), I32),
+                   jax.ShapeDtypeStruct((N,), I32)),
+        grid=(N, S // chunk),
+        in_specs=[
+            pl.BlockSpec((None, chunk), lambda n, c: (n, c)),
+            pl.BlockSpec((None,), lambda n, c: (n,)),
+            pl.BlockSpec((N,), lambda n, c: (0,)),
+        ],
+        out_specs=(pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
+                   pl.BlockSpec((None, cap), lambda n, c: (n, 0)),
+                   pl.BlockSpec((N,), lambda n, c: (0,))),
+        input_output_aliases={2: 2},
+        compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
+        interpret=bool(interpret),
+        name="v4_topk_compact",
+    )(x, tau, jnp.zeros((N,), I32))
 
 
 def _redo_kernel(x_ref, cs_in, ci_in, cnt_in, cs_ref, ci_ref, cnt_ref, *, S, chunk, cap, kk):
-  """Rows whose candidates overflowed `cap`: exact selection (k-th key by bisection, then an ordered scan)."""
-  del cs_in, ci_in   # aliased with the outputs: rows that did not overflow keep their candidates
-  n = pl.program_id(0)
-  n_chunks = S // chunk
-  iota = lax.broadcasted_iota(I32, (chunk,), 0)
+    """Rows whose candidates overflowed `cap`: exact selection (k-th key by bisection, then an ordered scan)."""
+    del cs_in, ci_in   # aliased with the outputs: rows that did not overflow keep their candidates
+    n = pl.program_id(0)
+    n_chunks = S // chunk
+    iota = lax.broadcasted_iota(I32, (chunk,), 0)
 
-  def load(c):
-    x = x_ref[pl.ds(n * S + c * chunk, chunk)]
-    return jnp.where(x == 0, 0.0, x), x > -jnp.inf
+    def load(c):
+        x = x_ref[pl.ds(n * S + c * chunk, chunk)]
+        return jnp.where(x == 0, 0.0, x), x > -jnp.inf
 
-  def count(pred):
-    def body(c, acc):
-      x, fin = load(c)
-      return acc + jnp.sum((fin & pred(_sortable_key(x))).astype(I32))
-    return lax.fori_loop(0, n_chunks, body, jnp.int32(0))
+    def count(pred):
+        def body(c, acc):
+            x, fin = load(c)
+            return acc + jnp.sum((fin & pred(_sortable_key(x))).astype(I32))
+        return lax.fori_loop(0, n_chunks, body, jnp.int32(0))
 
-  @pl.when(cnt_in[...] > cap)
-  def _():
-    target = jnp.minimum(count(lambda key: key == key), kk)          # finite scores, at most kk
-    t = _bisect_key(count, target)
-    need = target - count(lambda key: key > t)                          # ties at t to take, lowest index first
+    @pl.when(cnt_in[...] > cap)
+    def _():
+        target = jnp.minimum(count(lambda key: key == key), kk)          # finite scores, at most kk
+        t = _bisect_key(count, target)
+        need = target - count(lambda key: key > t)                          # ties at t to take, lowest index first
 
-    def scan(c, carry):
-      w, n_eq = carry
-      x, fin = load(c)
-      key = _sortable_key(x)
-      eq = fin & (key == t)
-      take = (fin & (key > t)) | (eq & (n_eq + jnp.cumsum(eq.astype(I32)) <= need))
-      ti = take.astype(I32)
-      pos = jnp.where(take, w + jnp.cumsum(ti) - 1, cap)
-      _compat.pltriton.store(cs_ref.at[pos], x, mask=take)
-      _compat.pltriton.store(ci_ref.at[pos], c * chunk + iota, mask=take)
-      return w + jnp.sum(ti), n_eq + jnp.sum(eq.astype(I32))
+        def scan(c, carry):
+            w, n_eq = carry
+            x, fin = load(c)
+            key = _sortable_key(x)
+            eq = fin & (key == t)
+            take = (fin & (key > t)) | (eq & (n_eq + jnp.cumsum(eq.astype(I32)) <= need))
+            ti = take.astype(I32)
+            pos = jnp.where(take, w + jnp.cumsum(ti) - 1, cap)
+            _compat.pltriton.store(cs_ref.at[pos], x, mask=take)
+            _compat.pltriton.store(ci_ref.at[pos], c * chunk + iota, mask=take)
+            return w + jnp.sum(ti), n_eq + jnp.sum(eq.astype(I32))
 
-    lax.fori_loop(0, n_chunks, scan, (jnp.int32(0), jnp.int32(0)))
-    cnt_ref[...] = jnp.where(target > 0, target, 0)
+        lax.fori_loop(0, n_chunks, scan, (jnp.int32(0), jnp.int32(0)))
+        cnt_ref[...] = jnp.where(target > 0, target, 0)
 
 
 def _redo_overflow(x, vals, idx, count, kk, *, interpret=False, chunk):
-  N, S = x.shape
-  kernel = functools.partial(_redo_kernel, S=S, chunk=chunk, cap=vals.shape[1], kk=kk)
-  row = lambda a: pl.BlockSpec((None, a.shape[1]), lambda n: (n, 0))
-  return pl.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct(vals.shape, F32), jax.ShapeDtypeStruct(idx.shape, I32),
-                 jax.ShapeDtypeStruct(count.shape, I32)),
-      grid=(N,),
-      in_specs=[pl.BlockSpec((N * S,), lambda n: (0,)), row(vals), row(idx), pl.BlockSpec((None,), lambda n: (n,))],
-      out_specs=(row(vals), row(idx), pl.BlockSpec((None,), lambda n: (n,))),
-      input_output_aliases={1: 0, 2: 1, 3: 2},
-      compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
-      interpret=bool(interpret),
-      name="v4_topk_redo_overflow",
-  )(x.reshape(N * S), vals, idx, count)
+    N, S = x.shape
+    kernel = functools.partial(_redo_kernel, S=S, chunk=chunk, cap=vals.shape[1], kk=kk)
+    row = lambda a: pl.BlockSpec((None, a.shape[1]), lambda n: (n, 0))
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(vals.shape, F32), jax.ShapeDtypeStruct(idx.shape, I32),
+                   jax.ShapeDtypeStruct(count.shape, I32)),
+        grid=(N,),
+        in_specs=[pl.BlockSpec((N * S,), lambda n: (0,)), row(vals), row(idx), pl.BlockSpec((None,), lambda n: (n,))],
+        out_specs=(row(vals), row(idx), pl.BlockSpec((None,), lambda n: (n,))),
+        input_output_aliases={1: 0, 2: 1, 3: 2},
+        compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
+        interpret=bool(interpret),
+        name="v4_topk_redo_overflow",
+    )(x.reshape(N * S), vals, idx, count)
 
 
 # candidates per program: 32 puts 32 programs on a row of 1024 candidates (128: 25 us at N = 1 on the H200,
@@ -237,75 +237,75 @@ _RANK_INNER = 128    # candidates compared per loop step
 
 
 def _rank_kernel(cs_ref, ci_ref, cnt_ref, o_ref, *, k, cap, blk, inner):
-  p = pl.program_id(1)
-  m = jnp.minimum(cnt_ref[...], cap)                                    # candidates in this row
-  pos_i = p * blk + lax.broadcasted_iota(I32, (blk,), 0)
-  vi = cs_ref[pl.ds(p * blk, blk)]
-  ii = ci_ref[pl.ds(p * blk, blk)]
-  valid_i = pos_i < m
+    p = pl.program_id(1)
+    m = jnp.minimum(cnt_ref[...], cap)                                    # candidates in this row
+    pos_i = p * blk + lax.broadcasted_iota(I32, (blk,), 0)
+    vi = cs_ref[pl.ds(p * blk, blk)]
+    ii = ci_ref[pl.ds(p * blk, blk)]
+    valid_i = pos_i < m
 
-  def body(j, rank):
-    vj = cs_ref[pl.ds(j * inner, inner)]
-    ij = ci_ref[pl.ds(j * inner, inner)]
-    valid_j = j * inner + lax.broadcasted_iota(I32, (inner,), 0) < m
-    before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (ij[None, :] < ii[:, None]))
-    return rank + jnp.sum((before & valid_j[None, :]).astype(I32), axis=1)
+    def body(j, rank):
+        vj = cs_ref[pl.ds(j * inner, inner)]
+        ij = ci_ref[pl.ds(j * inner, inner)]
+        valid_j = j * inner + lax.broadcasted_iota(I32, (inner,), 0) < m
+        before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (ij[None, :] < ii[:, None]))
+        return rank + jnp.sum((before & valid_j[None, :]).astype(I32), axis=1)
 
-  rank = lax.fori_loop(0, (m + inner - 1) // inner, body, jnp.zeros((blk,), I32))
-  ok = valid_i & (rank < k)
-  _compat.pltriton.store(o_ref.at[jnp.where(ok, rank, k)], ii, mask=ok)
-  fill = (pos_i >= m) & (pos_i < k)                                     # fewer than k candidates: pad with -1
-  _compat.pltriton.store(o_ref.at[jnp.where(fill, pos_i, k)], jnp.full((blk,), -1, I32), mask=fill)
+    rank = lax.fori_loop(0, (m + inner - 1) // inner, body, jnp.zeros((blk,), I32))
+    ok = valid_i & (rank < k)
+    _compat.pltriton.store(o_ref.at[jnp.where(ok, rank, k)], ii, mask=ok)
+    fill = (pos_i >= m) & (pos_i < k)                                     # fewer than k candidates: pad with -1
+    _compat.pltriton.store(o_ref.at[jnp.where(fill, pos_i, k)], jnp.full((blk,), -1, I32), mask=fill)
 
 
 def _rank_scatter(vals, idx, count, k, *, interpret=False):
-  """Candidates (vals, idx)[:, :count] -> their first k by (value desc, index asc), -1 padded: [N, k]."""
-  N, cap = vals.shape
-  blk = min(_RANK_BLOCK, cap)
-  kernel = functools.partial(_rank_kernel, k=k, cap=cap, blk=blk, inner=min(_RANK_INNER, cap))
-  return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((N, k), I32),
-      grid=(N, cap // blk),
-      in_specs=[pl.BlockSpec((None, cap), lambda n, p: (n, 0)), pl.BlockSpec((None, cap), lambda n, p: (n, 0)),
-                pl.BlockSpec((None,), lambda n, p: (n,))],
-      out_specs=pl.BlockSpec((None, k), lambda n, p: (n, 0)),
-      compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
-      interpret=bool(interpret),
-      name="v4_topk_rank_scatter",
-  )(vals, idx, count)
+    """Candidates (vals, idx)[:, :count] -> their first k by (value desc, index asc), -1 padded: [N, k]."""
+    N, cap = vals.shape
+    blk = min(_RANK_BLOCK, cap)
+    kernel = functools.partial(_rank_kernel, k=k, cap=cap, blk=blk, inner=min(_RANK_INNER, cap))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((N, k), I32),
+        grid=(N, cap // blk),
+        in_specs=[pl.BlockSpec((None, cap), lambda n, p: (n, 0)), pl.BlockSpec((None, cap), lambda n, p: (n, 0)),
+                  pl.BlockSpec((None,), lambda n, p: (n,))],
+        out_specs=pl.BlockSpec((None, k), lambda n, p: (n, 0)),
+        compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
+        interpret=bool(interpret),
+        name="v4_topk_rank_scatter",
+    )(vals, idx, count)
 
 
 def _sort_candidates(vals, idx, count, k):
-  """Candidates (vals, idx)[:, :count] (slots past count hold garbage) -> their first k by (value desc, index
-  asc), -1 padded: [N, k]. Same result as `_rank_scatter`."""
-  vals = jnp.where(lax.broadcasted_iota(I32, vals.shape, 1) < count[:, None], vals, -jnp.inf)
-  return _order_and_pad(vals, idx, k)
+    """Candidates (vals, idx)[:, :count] (slots past count hold garbage) -> their first k by (value desc, index
+    asc), -1 padded: [N, k]. Same result as `_rank_scatter`."""
+    vals = jnp.where(lax.broadcasted_iota(I32, vals.shape, 1) < count[:, None], vals, -jnp.inf)
+    return _order_and_pad(vals, idx, k)
 
 
 def _topk_threshold(scores, k, *, interpret=False):
-  *lead, S = scores.shape
-  k = int(k)
-  x = scores.reshape(-1, S).astype(F32)      # not canonicalised here (a full pass): the kernels do it
-  kk = min(k, S)
-  n_groups, cap = _threshold_params(S, kk)
-  if S <= 2 * n_groups:
-    return _topk_rows_ref(_canon(x), k).reshape(*lead, k)
-  c = -(-S // n_groups)
-  xp = pad_last(x, c * n_groups, -jnp.inf)
-  N = x.shape[0]
-  gmax = jnp.max(xp.reshape(N, c, n_groups), axis=1)                     # strided groups {j, j+n, j+2n, ...}
-  tau = _kth_largest(gmax, kk, interpret=interpret)                       # >= kk scores are >= tau
-  # 1024 scores per compaction program: 256 programs on a 262,144-score row (4096: 64 programs, 12.7 us at N = 1)
-  chunk = min(1024, n_groups)
-  vals, idx, count = _compact(xp, tau, cap, interpret=interpret, chunk=chunk)
-  vals, idx, count = _redo_overflow(xp, vals, idx, count, kk, interpret=interpret, chunk=chunk)
-  if N >= _SORT_ROWS:
-    # many rows (a prefill chunk): one XLA sort of each row's candidates. The last 8192-token chunk of a 128K
-    # prompt (8192 rows of 32768, k = 512) on the H200: 0.53 ms, where the rank-and-scatter took 4.74
-    # (scripts/bench_topk_prefill.py); both equal to the reference.
-    return _sort_candidates(vals, idx, count, k).reshape(*lead, k)
-  return _rank_scatter(vals, idx, count, k, interpret=interpret).reshape(*lead, k)
+    *lead, S = scores.shape
+    k = int(k)
+    x = scores.reshape(-1, S).astype(F32)      # not canonicalised here (a full pass): the kernels do it
+    kk = min(k, S)
+    n_groups, cap = _threshold_params(S, kk)
+    if S <= 2 * n_groups:
+        return _topk_rows_ref(_canon(x), k).reshape(*lead, k)
+    c = -(-S // n_groups)
+    xp = pad_last(x, c * n_groups, -jnp.inf)
+    N = x.shape[0]
+    gmax = jnp.max(xp.reshape(N, c, n_groups), axis=1)                     # strided groups {j, j+n, j+2n, ...}
+    tau = _kth_largest(gmax, kk, interpret=interpret)                       # >= kk scores are >= tau
+    # 1024 scores per compaction program: 256 programs on a 262,144-score row (4096: 64 programs, 12.7 us at N = 1)
+    chunk = min(1024, n_groups)
+    vals, idx, count = _compact(xp, tau, cap, interpret=interpret, chunk=chunk)
+    vals, idx, count = _redo_overflow(xp, vals, idx, count, kk, interpret=interpret, chunk=chunk)
+    if N >= _SORT_ROWS:
+        # many rows (a prefill chunk): one XLA sort of each row's candidates. The last 8192-token chunk of a 128K
+        # prompt (8192 rows of 32768, k = 512) on the H200: 0.53 ms, where the rank-and-scatter took 4.74
+        # (scripts/bench_topk_prefill.py); both equal to the reference.
+        return _sort_candidates(vals, idx, count, k).reshape(*lead, k)
+    return _rank_scatter(vals, idx, count, k, interpret=interpret).reshape(*lead, k)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -313,33 +313,33 @@ def _topk_threshold(scores, k, *, interpret=False):
 # --------------------------------------------------------------------------------------------------------------
 
 def _topk_approx(scores, k, *, recall_target=0.95):
-  *lead, S = scores.shape
-  k = int(k)
-  x = _canon(scores.reshape(-1, S))
-  kk = min(k, S)
-  if S <= 4 * kk:
-    return _topk_rows_ref(x, k).reshape(*lead, k)
-  cv, ci = lax.approx_max_k(x, kk, recall_target=recall_target, aggregate_to_topk=False)
-  neg, ci_sorted = lax.sort((-cv, ci.astype(I32)), dimension=1, num_keys=2)
-  vk = -neg[:, kk - 1:kk]                                                 # k-th value among candidates
-  finite = lambda v: v > -jnp.inf
-  # exact iff every score >= vk (finite) is a candidate: then the candidates hold the true top-k and all ties.
-  n_row = jnp.sum((x >= vk) & finite(x), axis=1)
-  n_cand = jnp.sum((cv >= vk) & finite(cv), axis=1)
-  ok = jnp.all(n_row == n_cand)
-  fast = lambda _: pad_last(jnp.where(neg[:, :kk] < jnp.inf, ci_sorted[:, :kk], -1), k, -1)
-  slow = lambda _: _topk_rows_ref(x, k)
-  return lax.cond(ok, fast, slow, None).reshape(*lead, k)
+    *lead, S = scores.shape
+    k = int(k)
+    x = _canon(scores.reshape(-1, S))
+    kk = min(k, S)
+    if S <= 4 * kk:
+        return _topk_rows_ref(x, k).reshape(*lead, k)
+    cv, ci = lax.approx_max_k(x, kk, recall_target=recall_target, aggregate_to_topk=False)
+    neg, ci_sorted = lax.sort((-cv, ci.astype(I32)), dimension=1, num_keys=2)
+    vk = -neg[:, kk - 1:kk]                                                 # k-th value among candidates
+    finite = lambda v: v > -jnp.inf
+    # exact iff every score >= vk (finite) is a candidate: then the candidates hold the true top-k and all ties.
+    n_row = jnp.sum((x >= vk) & finite(x), axis=1)
+    n_cand = jnp.sum((cv >= vk) & finite(cv), axis=1)
+    ok = jnp.all(n_row == n_cand)
+    fast = lambda _: pad_last(jnp.where(neg[:, :kk] < jnp.inf, ci_sorted[:, :kk], -1), k, -1)
+    slow = lambda _: _topk_rows_ref(x, k)
+    return lax.cond(ok, fast, slow, None).reshape(*lead, k)
 
 
 def topk(scores, k, *, interpret=False):
-  """Exact top-k (same result as `topk_ref`). GPU: threshold + Triton kernels; TPU: approx_max_k candidates,
-  verified; CPU: topk_ref; interpret=True: the GPU algorithm with its Pallas kernels interpreted."""
-  be = _compat.backend()
-  if interpret:
-    return _topk_threshold(scores, k, interpret=True)
-  if be == "gpu":
-    return _topk_threshold(scores, k)
-  if be == "tpu":
-    return _topk_approx(scores, k)
-  return topk_ref(scores, k)
+    """Exact top-k (same result as `topk_ref`). GPU: threshold + Triton kernels; TPU: approx_max_k candidates,
+    verified; CPU: topk_ref; interpret=True: the GPU algorithm with its Pallas kernels interpreted."""
+    be = _compat.backend()
+    if interpret:
+        return _topk_threshold(scores, k, interpret=True)
+    if be == "gpu":
+        return _topk_threshold(scores, k)
+    if be == "tpu":
+        return _topk_approx(scores, k)
+    return topk_ref(scores, k)

@@ -1,8 +1,9 @@
 """Logical axes -> mesh axes. Changing a parallelism strategy is editing LOGICAL_RULES.
 
 Every parameter dimension carries a logical name where the model creates it (`logical_axes` metadata of its
-nnx.Param, the leading axis of a layer stack named "layers"); every pool dimension has one in
-v4jax.cache.LOGICAL_AXES. This table alone says which mesh axis, if any, each name is split over.
+nnx.Param, the leading axis of a layer stack named "layers"); every pool dimension has one in POOL_AXES below
+(v4jax.cache and the model's per-shard attention read it here). This table alone says which mesh axis, if any, each
+name is split over.
 
 Mesh axes by role: `data` (decode slots, their per-slot state and their pages), `context` (pages of a long sequence),
 `tensor` (heads, q/o low-rank, MLP width, vocab), `expert` (routed experts).
@@ -42,7 +43,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "hc_mix": None,  # mHC mixing rows ((2 + N) x N)
     "hc_embed": "tensor",  # mHC's flattened streams (N x D): the mixing weights' columns
     "hc_scale": None,
-    # pools (v4jax.cache.LOGICAL_AXES)
+    # pools (POOL_AXES, STORE_AXES)
     # Attention data parallelism: slots and their pages are split over `data` (full pages also over `context`),
     # one page allocator per block, so a device holds only its shard's pages (v4jax.cache.pages.PageTables).
     "slots": "data",  # per-slot compressor state (and the decode batch)
@@ -56,6 +57,21 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "state_dim": None,
 }
 
+
+# Logical axis names of every pool array (v4jax.cache.pools: pool field -> names of its dims) and of every array
+# of the boundary store (v4jax.cache.boundary). Here, beside the rules, so that the cache and the model read one
+# table (the model does not import the cache).
+POOL_AXES: dict[str, tuple[str, ...]] = {
+    "tokens": ("pages", "page_tokens"),
+    "swa": ("layers", "swa_rows", "head_dim"),
+    "kv": ("layers", "pool_rows", "head_dim"),
+    "idx": ("layers", "pool_rows", "index_head_dim"),
+    "state_kv": ("layers", "slots", "window", "state_dim"),
+    "state_score": ("layers", "slots", "window", "state_dim"),
+    "idx_state_kv": ("layers", "slots", "window", "state_dim"),
+    "idx_state_score": ("layers", "slots", "window", "state_dim"),
+}
+STORE_AXES = ("layers", "boundary_rows", "window", "state_dim")
 
 def parse_mesh_spec(spec: str | dict[str, int] | None) -> dict[str, int]:
     """`"data=2,tensor=4"` / a dict -> {axis: size}, checked against MESH_AXES."""

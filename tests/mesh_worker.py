@@ -258,14 +258,14 @@ def tpu_export(meshes, source="tiny"):
 
 
 def experts_per_shard(meshes):
-    """v4jax.model.routed_experts with the Pallas table on each mesh, from a layer stack as a scanned layer reads
+    """v4jax.model.moe.routed_experts with the Pallas table on each mesh, from a layer stack as a scanned layer reads
     it: the kernel runs per shard on the shard's experts (its calls counted at trace time, with the experts each
     saw), and the sum over the shards equals the single-device XLA forms. Six tokens of two experts of eight."""
     import jax.numpy as jnp
 
     from pallas_kernels import experts as pallas_experts
     from sharding import MeshRules
-    from v4jax.model import transformer as M
+    from v4jax.model import moe as M
     from v4jax.model.ops import OPS
 
     rng = np.random.default_rng(0)

@@ -1,6 +1,7 @@
-"""Context parallelism's merges (sharding/context.py) and the model's per-shard attention (v4jax.model.attention_core)
-equal the single-device computation. The shards are emulated on one device: jax.vmap with a named axis runs the
-same collectives as jax.shard_map does on a mesh (tests/mesh_worker.py runs the real meshes)."""
+"""Context parallelism's merges (sharding/context.py) and the model's per-shard attention
+(v4jax.model.attention.attention_core) equal the single-device computation. The shards are emulated on one device:
+jax.vmap with a named axis runs the same collectives as jax.shard_map does on a mesh (tests/mesh_worker.py runs the
+real meshes)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

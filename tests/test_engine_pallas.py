@@ -112,3 +112,18 @@ def test_pallas_engine_equals_xla_across_windows(window_crossing_runs):
         assert len(a.token_ids) == 18
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_the_pallas_table_per_backend():
+    # resolved once per forward pass, no backend branch inside an entry: on a GPU compress also takes the GPU decode
+    # kernel; on a TPU the entries whose kernels are written for Triton are the XLA table's, and say so
+    assert ops.ops_for("xla", "gpu") is ops.ops_for("xla", "tpu") is ops.XLA
+    assert ops.ops_for("pallas", "cpu") is ops.PALLAS and not ops.PALLAS.from_xla
+    gpu = ops.ops_for("pallas", "gpu")
+    assert gpu.compress is not ops.PALLAS.compress and gpu.experts is ops.PALLAS.experts
+    tpu = ops.ops_for("pallas", "tpu")
+    assert tpu.from_xla == ("experts", "linear", "project", "hc_post")
+    assert all(getattr(tpu, name) is getattr(ops.XLA, name) for name in tpu.from_xla)
+    assert tpu.compress is ops.PALLAS.compress and tpu.attend is ops.PALLAS.attend and tpu.per_shard
+    with pytest.raises(ValueError, match="attention_impl"):
+        ops.ops_for("triton")

@@ -1,4 +1,4 @@
-"""The few-token routed-experts kernels (pallas_kernels.experts) against their jnp reference and the model's
+"""The few-token routed-experts kernels (pallas_kernels.experts) against their jnp reference, the model's
 gather form, and their Triton lowering from this CPU machine (tests/test_engine_pallas.py checks that the engine's
 Pallas ops table runs them and keeps the XLA table's greedy outputs)."""
 import importlib
@@ -31,7 +31,6 @@ def test_matches_reference_f32(M, k, E, I, D, blocks):
     kw = {} if blocks is None else dict(up=blocks[0], down=blocks[1])
     out = np.asarray(X.routed_experts(*args, 1.5, interpret=True, **kw))  # limit 1.5: the clamp is active
     ref = np.asarray(L.routed_experts(*args, 1.5, form="gather"))
-    np.testing.assert_array_equal(np.asarray(X.routed_experts_ref(*args, 1.5)), ref)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -52,14 +51,13 @@ def test_pairs_of_no_expert_add_nothing():
     out = np.asarray(X.routed_experts(x, wt, ex, w1, w2, w3, 1.5, interpret=True))
     ref = np.asarray(L.routed_experts(x, jnp.where(ex >= 0, wt, 0.0), jnp.maximum(ex, 0), w1, w2, w3, 1.5,
                                       form="gather"))
-    np.testing.assert_array_equal(np.asarray(X.routed_experts_ref(x, wt, ex, w1, w2, w3, 1.5)), ref)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_matches_reference_bf16():
     args = _case(2, 3, 8, 64, 128, jnp.bfloat16)
     out = np.asarray(X.routed_experts(*args, 7.0, interpret=True))
-    np.testing.assert_allclose(out, np.asarray(X.routed_experts_ref(*args, 7.0)), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(out, np.asarray(L.routed_experts(*args, 7.0, form="gather")), rtol=2e-2, atol=2e-2)
 
 
 def test_unsupported_shapes_are_refused():

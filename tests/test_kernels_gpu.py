@@ -15,6 +15,7 @@ from pallas_kernels import _compat
 from pallas_kernels import compressor as C
 from pallas_kernels import compressor_gpu as CG
 from pallas_kernels import indexer as IX
+from v4jax.model import layers as L
 TK = importlib.import_module("pallas_kernels.topk")
 
 SA = importlib.import_module("pallas_kernels.sparse_attention")
@@ -24,11 +25,11 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _close(out, ref, tol):
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  assert not np.any(np.isnan(out))
-  np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
-  fin = np.isfinite(ref)
-  np.testing.assert_allclose(out[fin], ref[fin], rtol=tol, atol=tol)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert not np.any(np.isnan(out))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(out[fin], ref[fin], rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("B,T,H,D,W,K,dtype,n_split", [
@@ -38,102 +39,102 @@ def _close(out, ref, tol):
     (32, 1, 64, 512, 128, 512, jnp.bfloat16, 1),
 ])
 def test_sparse_attention_gpu(B, T, H, D, W, K, dtype, n_split):
-  ks = jax.random.split(jax.random.key(0), 8)
-  R1, R2 = B * W, B * 4 * K
-  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
-  swa = jax.random.normal(ks[1], (R1, D), dtype)
-  cmp = jax.random.normal(ks[2], (R2, D), dtype)
-  rw = jax.random.randint(ks[3], (B, T, W), -1, R1).astype(jnp.int32)
-  rc = jax.random.randint(ks[4], (B, T, K), -1, R2).astype(jnp.int32)
-  sink = jax.random.normal(ks[5], (H,), jnp.float32)
-  args = (q, swa, rw, cmp, rc, sink)
-  ref = SA.sparse_attention_ref(*args, scale=D ** -0.5)
-  out = jax.jit(functools.partial(SA._sparse_attention_gpu, scale=D ** -0.5, n_split=n_split))(*args)
-  _close(out.astype(jnp.float32), ref.astype(jnp.float32), 1e-5 if dtype == jnp.float32 else 2e-2)
-  pub = jax.jit(functools.partial(SA.sparse_attention, scale=D ** -0.5))(*args)
-  _close(pub.astype(jnp.float32), ref.astype(jnp.float32), 1e-5 if dtype == jnp.float32 else 2e-2)
+    ks = jax.random.split(jax.random.key(0), 8)
+    R1, R2 = B * W, B * 4 * K
+    q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+    swa = jax.random.normal(ks[1], (R1, D), dtype)
+    cmp = jax.random.normal(ks[2], (R2, D), dtype)
+    rw = jax.random.randint(ks[3], (B, T, W), -1, R1).astype(jnp.int32)
+    rc = jax.random.randint(ks[4], (B, T, K), -1, R2).astype(jnp.int32)
+    sink = jax.random.normal(ks[5], (H,), jnp.float32)
+    args = (q, swa, rw, cmp, rc, sink)
+    ref = SA.sparse_attention_ref(*args, scale=D ** -0.5)
+    out = jax.jit(functools.partial(SA._sparse_attention_gpu, scale=D ** -0.5, n_split=n_split))(*args)
+    _close(out.astype(jnp.float32), ref.astype(jnp.float32), 1e-5 if dtype == jnp.float32 else 2e-2)
+    pub = jax.jit(functools.partial(SA.sparse_attention, scale=D ** -0.5))(*args)
+    _close(pub.astype(jnp.float32), ref.astype(jnp.float32), 1e-5 if dtype == jnp.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("B,T,Hi,Di,S,dtype", [(2, 3, 16, 32, 300, jnp.float32), (4, 1, 64, 128, 8192, jnp.bfloat16),
                                                (1, 20, 64, 128, 1000, jnp.bfloat16)])
 def test_indexer_scores_gpu(B, T, Hi, Di, S, dtype):
-  ks = jax.random.split(jax.random.key(1), 8)
-  R = B * S
-  q = jax.random.normal(ks[0], (B, T, Hi, Di), dtype)
-  w = jax.random.normal(ks[1], (B, T, Hi), jnp.float32) * Hi ** -0.5
-  pool = jax.random.normal(ks[2], (R, Di), dtype)
-  rows = jax.random.randint(ks[3], (B, S), -1, R).astype(jnp.int32)
-  n_valid = jax.random.randint(ks[4], (B, T), 0, S + 1).astype(jnp.int32)
-  args = (q, w, pool, rows, n_valid)
-  ref = IX.indexer_scores_ref(*args)
-  _close(jax.jit(IX._indexer_scores_gpu)(*args), ref, 1e-4 if dtype == jnp.float32 else 1e-3)
-  _close(jax.jit(IX.indexer_scores)(*args), ref, 1e-4 if dtype == jnp.float32 else 1e-3)
+    ks = jax.random.split(jax.random.key(1), 8)
+    R = B * S
+    q = jax.random.normal(ks[0], (B, T, Hi, Di), dtype)
+    w = jax.random.normal(ks[1], (B, T, Hi), jnp.float32) * Hi ** -0.5
+    pool = jax.random.normal(ks[2], (R, Di), dtype)
+    rows = jax.random.randint(ks[3], (B, S), -1, R).astype(jnp.int32)
+    n_valid = jax.random.randint(ks[4], (B, T), 0, S + 1).astype(jnp.int32)
+    args = (q, w, pool, rows, n_valid)
+    ref = IX.indexer_scores_ref(*args)
+    _close(jax.jit(IX._indexer_scores_gpu)(*args), ref, 1e-4 if dtype == jnp.float32 else 1e-3)
+    _close(jax.jit(IX.indexer_scores)(*args), ref, 1e-4 if dtype == jnp.float32 else 1e-3)
 
 
 @pytest.mark.parametrize("N,S,k", [(1, 262144, 512), (64, 262144, 512), (8, 9000, 100), (4, 300, 512)])
 def test_topk_gpu(N, S, k):
-  x = np.array(jax.random.normal(jax.random.key(2), (N, 1, S), jnp.float32))
-  x[0, 0, : S // 2] = -np.inf
-  if N > 2:
-    x[1, 0] = np.round(x[1, 0] * 3) / 3
-    x[2, 0] = 0.5                                   # overflows the candidate buffer -> exact fallback
-  xs = jnp.asarray(x)
-  want = np.asarray(TK.topk_ref(xs, k))
-  np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(TK._topk_threshold, k=k))(xs)), want)
-  np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(TK.topk, k=k))(xs)), want)
+    x = np.array(jax.random.normal(jax.random.key(2), (N, 1, S), jnp.float32))
+    x[0, 0, : S // 2] = -np.inf
+    if N > 2:
+        x[1, 0] = np.round(x[1, 0] * 3) / 3
+        x[2, 0] = 0.5                                   # overflows the candidate buffer -> exact fallback
+    xs = jnp.asarray(x)
+    want = np.asarray(TK.topk_ref(xs, k))
+    np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(TK._topk_threshold, k=k))(xs)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(TK.topk, k=k))(xs)), want)
 
 
 @pytest.mark.parametrize("m,ov,d,Dm,B", [(4, True, 512, 4096, 64), (128, False, 512, 4096, 33), (4, True, 128, 256, 5)])
 def test_compressor_decode_gpu(m, ov, d, Dm, B):
-  coff = 2 if ov else 1
-  ks = jax.random.split(jax.random.key(3), 10)
-  x = jax.random.normal(ks[0], (B, Dm), jnp.bfloat16)
-  wkv = (jax.random.normal(ks[1], (coff * d, Dm)) * Dm ** -0.5).astype(jnp.bfloat16)
-  wg = (jax.random.normal(ks[2], (coff * d, Dm)) * Dm ** -0.5).astype(jnp.bfloat16)
-  ape = jax.random.normal(ks[3], (m, coff * d)) * 0.1
-  norm_w = 1 + 0.1 * jax.random.normal(ks[4], (d,))
-  kv = jax.random.normal(ks[5], (B, coff * m, coff * d))
-  sc = jax.random.normal(ks[6], (B, coff * m, coff * d))
-  pos = jax.random.randint(ks[7], (B,), -2, 10 * m).astype(jnp.int32)
-  cs = (jnp.cos(jnp.ones((B, 32))), jnp.sin(jnp.ones((B, 32))))
-  kw = dict(ratio=m, overlap=ov, eps=1e-6)
-  ref = jax.jit(functools.partial(C.compressor_decode_ref, **kw))(x, pos, kv, sc, wkv, wg, ape, norm_w, cs)
-  for f in (CG.compressor_decode_gpu, C.compressor_decode):
-    out = jax.jit(functools.partial(f, **kw))(x, pos, kv, sc, wkv, wg, ape, norm_w, cs)
+    coff = 2 if ov else 1
+    ks = jax.random.split(jax.random.key(3), 10)
+    x = jax.random.normal(ks[0], (B, Dm), jnp.bfloat16)
+    wkv = (jax.random.normal(ks[1], (coff * d, Dm)) * Dm ** -0.5).astype(jnp.bfloat16)
+    wg = (jax.random.normal(ks[2], (coff * d, Dm)) * Dm ** -0.5).astype(jnp.bfloat16)
+    ape = jax.random.normal(ks[3], (m, coff * d)) * 0.1
+    norm_w = 1 + 0.1 * jax.random.normal(ks[4], (d,))
+    kv = jax.random.normal(ks[5], (B, coff * m, coff * d))
+    sc = jax.random.normal(ks[6], (B, coff * m, coff * d))
+    pos = jax.random.randint(ks[7], (B,), -2, 10 * m).astype(jnp.int32)
+    cs = (jnp.cos(jnp.ones((B, 32))), jnp.sin(jnp.ones((B, 32))))
+    kw = dict(ratio=m, overlap=ov, eps=1e-6)
+    ref = jax.jit(functools.partial(C.compressor_decode_ref, **kw))(x, pos, kv, sc, wkv, wg, ape, norm_w, cs)
+    for f in (CG.compressor_decode_gpu, C.compressor_decode):
+        out = jax.jit(functools.partial(f, **kw))(x, pos, kv, sc, wkv, wg, ape, norm_w, cs)
+        np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
+        for o, r in zip((out[0], out[2], out[3]), (ref[0], ref[2], ref[3])):
+            _close(o, r, 1e-4)
+    # on a stack of two layers' states, updated in place at layer 1 (the engine's decode form)
+    kv2, sc2 = jnp.stack([sc, kv]), jnp.stack([kv, sc])
+    out = jax.jit(functools.partial(CG.compressor_decode_gpu, layer=jnp.int32(1), **kw))(
+        x, pos, kv2, sc2, wkv, wg, ape, norm_w, cs)
     np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
-    for o, r in zip((out[0], out[2], out[3]), (ref[0], ref[2], ref[3])):
-      _close(o, r, 1e-4)
-  # on a stack of two layers' states, updated in place at layer 1 (the engine's decode form)
-  kv2, sc2 = jnp.stack([sc, kv]), jnp.stack([kv, sc])
-  out = jax.jit(functools.partial(CG.compressor_decode_gpu, layer=jnp.int32(1), **kw))(
-      x, pos, kv2, sc2, wkv, wg, ape, norm_w, cs)
-  np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
-  for o, r in zip((out[0], out[2][1], out[3][1], out[2][0], out[3][0]), (ref[0], ref[2], ref[3], sc, kv)):
-    _close(o, r, 1e-4)
+    for o, r in zip((out[0], out[2][1], out[3][1], out[2][0], out[3][0]), (ref[0], ref[2], ref[3], sc, kv)):
+        _close(o, r, 1e-4)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (32, 1), (3, 300)])
 def test_sinkhorn_gpu(shape):
-  SK = importlib.import_module("pallas_kernels.sinkhorn")
-  comb = jax.nn.softmax(jax.random.normal(jax.random.key(0), (*shape, 4, 4)), -1) + 1e-6
-  _close(jax.jit(lambda c: SK.sinkhorn(c, 20, 1e-6))(comb), SK.sinkhorn_ref(comb, 20, 1e-6), 1e-6)
+    SK = importlib.import_module("pallas_kernels.sinkhorn")
+    comb = jax.nn.softmax(jax.random.normal(jax.random.key(0), (*shape, 4, 4)), -1) + 1e-6
+    _close(jax.jit(lambda c: SK.sinkhorn(c, 20, 1e-6))(comb), L.sinkhorn(comb, 20, 1e-6), 1e-6)
 
 
 @pytest.mark.parametrize("M,k,E,I,D", [(1, 6, 16, 2048, 4096), (5, 6, 64, 2048, 4096), (32, 6, 16, 2048, 4096),
                                        (3, 2, 8, 32, 64)])
 def test_routed_experts_gpu(M, k, E, I, D):
-  X = importlib.import_module("pallas_kernels.experts")
-  ks = jax.random.split(jax.random.key(0), 6)
-  x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
-  w1, w3 = (0.05 * jax.random.normal(kk, (E, I, D), jnp.bfloat16) for kk in ks[1:3])
-  w2 = 0.05 * jax.random.normal(ks[3], (E, D, I), jnp.bfloat16)
-  ex = jax.random.randint(ks[4], (M, k), 0, E).at[0, 1].set(0).at[0, 0].set(0)  # a repeated expert
-  wt = jax.random.uniform(ks[5], (M, k))
-  out = jax.jit(lambda *a: X.routed_experts(*a, 10.0))(x, wt, ex, w1, w2, w3)
-  # the hidden activation is rounded to bf16 in both, from f32 sums taken in different orders: an element of h
-  # that rounds the other way moves outputs by ~1e-3 of their scale, so the bound is relative to the scale
-  ref = np.asarray(X.routed_experts_ref(x, wt, ex, w1, w2, w3, 10.0), np.float64)
-  assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
+    X = importlib.import_module("pallas_kernels.experts")
+    ks = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
+    w1, w3 = (0.05 * jax.random.normal(kk, (E, I, D), jnp.bfloat16) for kk in ks[1:3])
+    w2 = 0.05 * jax.random.normal(ks[3], (E, D, I), jnp.bfloat16)
+    ex = jax.random.randint(ks[4], (M, k), 0, E).at[0, 1].set(0).at[0, 0].set(0)  # a repeated expert
+    wt = jax.random.uniform(ks[5], (M, k))
+    out = jax.jit(lambda *a: X.routed_experts(*a, 10.0))(x, wt, ex, w1, w2, w3)
+    # the hidden activation is rounded to bf16 in both, from f32 sums taken in different orders: an element of h
+    # that rounds the other way moves outputs by ~1e-3 of their scale, so the bound is relative to the scale
+    ref = np.asarray(L.routed_experts(x, wt, ex, w1, w2, w3, 10.0, form="gather"), np.float64)
+    assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
 
 
 @pytest.mark.slow   # up to 40 GB of weights per case: python -m pytest -q -m "gpu and slow" tests/test_kernels_gpu.py
@@ -165,59 +166,58 @@ def test_routed_experts_gpu_large_stacks(n, layer, M, E, dup):
                                        (32, 8192, 4096, 8, 3), (1, 8192, 4096, 8, 3),
                                        (5, 48, 64, 1, 1)])
 def test_layer_linear_gpu(M, O, D, G, n):
-  LL = importlib.import_module("pallas_kernels.layer_linear")
-  kx, kw = jax.random.split(jax.random.key(0))
-  x = jax.random.normal(kx, (M, G, D) if G > 1 else (M, D), jnp.bfloat16)
-  w = jax.random.normal(kw, (n, O, D), jnp.bfloat16) * D ** -0.5
-  out = jax.jit(lambda x, w, i: LL.layer_linear(x, w, i, groups=G))(x, w, jnp.int32(n - 1))
-  wl = w[n - 1].reshape(G, O // G, D).astype(jnp.float32)
-  ref = jnp.einsum("mgd,grd->mgr", x.reshape(M, G, D).astype(jnp.float32), wl, precision="highest")
-  _close(out.reshape(ref.shape), ref, 1e-4)  # bf16 products are exact in f32; only the summation order differs
+    LL = importlib.import_module("pallas_kernels.layer_linear")
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (M, G, D) if G > 1 else (M, D), jnp.bfloat16)
+    w = jax.random.normal(kw, (n, O, D), jnp.bfloat16) * D ** -0.5
+    out = jax.jit(lambda x, w, i: LL.layer_linear(x, w, i, groups=G))(x, w, jnp.int32(n - 1))
+    wl = w[n - 1].reshape(G, O // G, D).astype(jnp.float32)
+    ref = jnp.einsum("mgd,grd->mgr", x.reshape(M, G, D).astype(jnp.float32), wl, precision="highest")
+    _close(out.reshape(ref.shape), ref, 1e-4)  # bf16 products are exact in f32; only the summation order differs
 
 
 @pytest.mark.parametrize("M,outs", [(1, (1024, 512, 1024, 1024, 256, 256)), (32, (2048, 2048))])
 def test_layer_linears_gpu(M, outs):
-  # a CSA layer's projections of its attention input, the shared expert's w1 / w3: one launch, each weight's rows
-  LL = importlib.import_module("pallas_kernels.layer_linear")
-  kx, *kw = jax.random.split(jax.random.key(1), len(outs) + 1)
-  x = jax.random.normal(kx, (M, 4096), jnp.bfloat16)
-  ws = [jax.random.normal(k, (3, o, 4096), jnp.bfloat16) * 4096 ** -0.5 for k, o in zip(kw, outs)]
-  ys = jax.jit(lambda x, ws, i: LL.layer_linears(x, ws, i))(x, ws, jnp.int32(2))
-  for y, w in zip(ys, ws):
-    ref = jnp.einsum("md,od->mo", x.astype(jnp.float32), w[2].astype(jnp.float32), precision="highest")
-    _close(y, ref, 1e-4)
+    # a CSA layer's projections of its attention input, the shared expert's w1 / w3: one launch, each weight's rows
+    LL = importlib.import_module("pallas_kernels.layer_linear")
+    kx, *kw = jax.random.split(jax.random.key(1), len(outs) + 1)
+    x = jax.random.normal(kx, (M, 4096), jnp.bfloat16)
+    ws = [jax.random.normal(k, (3, o, 4096), jnp.bfloat16) * 4096 ** -0.5 for k, o in zip(kw, outs)]
+    ys = jax.jit(lambda x, ws, i: LL.layer_linears(x, ws, i))(x, ws, jnp.int32(2))
+    for y, w in zip(ys, ws):
+        ref = jnp.einsum("md,od->mo", x.astype(jnp.float32), w[2].astype(jnp.float32), precision="highest")
+        _close(y, ref, 1e-4)
 
 
 @pytest.mark.parametrize("M", [1, 37, 8192])
 def test_hc_post_gpu(M):
-  # mHC's expansion: decode batches (one token; 37, past a block) and a prefill chunk, bf16 as in the model
-  HP = importlib.import_module("pallas_kernels.hc_post")
-  k = jax.random.split(jax.random.key(2), 4)
-  f = jax.random.normal(k[0], (M, 4096), jnp.bfloat16)
-  x = jax.random.normal(k[1], (M, 4, 4096), jnp.bfloat16)
-  post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (M, 4)))
-  comb = jax.nn.softmax(jax.random.normal(k[3], (M, 4, 4)), axis=-1)
-  out = np.asarray(jax.jit(HP.hc_post)(f, x, post, comb), np.float32)
-  ref = np.asarray(jax.jit(HP.hc_post_ref)(f, x, post, comb), np.float32)
-  assert np.mean(out == ref) > 0.99  # the sum over j in another order: one bf16 ulp at a rounding boundary
-  np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
+    # mHC's expansion: decode batches (one token; 37, past a block) and a prefill chunk, bf16 as in the model
+    HP = importlib.import_module("pallas_kernels.hc_post")
+    k = jax.random.split(jax.random.key(2), 4)
+    f = jax.random.normal(k[0], (M, 4096), jnp.bfloat16)
+    x = jax.random.normal(k[1], (M, 4, 4096), jnp.bfloat16)
+    post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (M, 4)))
+    comb = jax.nn.softmax(jax.random.normal(k[3], (M, 4, 4)), axis=-1)
+    out = np.asarray(jax.jit(HP.hc_post)(f, x, post, comb), np.float32)
+    ref = np.asarray(jax.jit(L.hc_post)(f, x, post, comb), np.float32)
+    assert np.mean(out == ref) > 0.99  # the sum over j in another order: one bf16 ulp at a rounding boundary
+    np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
 
 
 @pytest.mark.parametrize("M,k,E,I,D", [(1024, 6, 16, 512, 1024), (2000, 6, 16, 2048, 4096)])
 def test_grouped_experts_gpu(M, k, E, I, D):
-  XG = importlib.import_module("pallas_kernels.experts_grouped")
-  ks = jax.random.split(jax.random.key(0), 6)
-  x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
-  w1, w3 = (0.05 * jax.random.normal(kk, (2, E, I, D), jnp.bfloat16) for kk in ks[1:3])
-  w2 = 0.05 * jax.random.normal(ks[3], (2, E, D, I), jnp.bfloat16)
-  # skewed routing (some experts get many rows, some none): group boundaries inside the kernel's row tiles
-  wt, ex = jax.lax.top_k(jax.random.normal(ks[4], (M, E)) + 3.0 * jax.random.normal(ks[5], (E,)), k)
-  wt = jax.nn.softmax(wt)
-  assert XG.supported(x, w1)
-  out = jax.jit(lambda *a: XG.routed_experts(*a, 10.0, layer=1))(x, wt, ex, w1, w2, w3)
-  # the dense form as the reference (the gather form's [M, k, I, D] weights would need 190 GB here)
-  L = importlib.import_module("v4jax.model.layers")
-  ref = np.asarray(jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="dense"))(x, wt, ex, w1[1], w2[1], w3[1]),
-                   np.float64)
-  # the kernel rounds its matmul outputs to bf16 (h1, h3 and each expert's output): ~1e-2 of the scale
-  assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))
+    XG = importlib.import_module("pallas_kernels.experts_grouped")
+    ks = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(ks[0], (M, D), jnp.bfloat16)
+    w1, w3 = (0.05 * jax.random.normal(kk, (2, E, I, D), jnp.bfloat16) for kk in ks[1:3])
+    w2 = 0.05 * jax.random.normal(ks[3], (2, E, D, I), jnp.bfloat16)
+    # skewed routing (some experts get many rows, some none): group boundaries inside the kernel's row tiles
+    wt, ex = jax.lax.top_k(jax.random.normal(ks[4], (M, E)) + 3.0 * jax.random.normal(ks[5], (E,)), k)
+    wt = jax.nn.softmax(wt)
+    assert XG.supported(x, w1)
+    out = jax.jit(lambda *a: XG.routed_experts(*a, 10.0, layer=1))(x, wt, ex, w1, w2, w3)
+    # the dense form as the reference (the gather form's [M, k, I, D] weights would need 190 GB here)
+    ref = np.asarray(jax.jit(lambda *a: L.routed_experts(*a, 10.0, form="dense"))(x, wt, ex, w1[1], w2[1], w3[1]),
+                     np.float64)
+    # the kernel rounds its matmul outputs to bf16 (h1, h3 and each expert's output): ~1e-2 of the scale
+    assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))

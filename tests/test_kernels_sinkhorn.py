@@ -1,4 +1,4 @@
-"""mHC's Sinkhorn kernel (pallas_kernels.sinkhorn) against its jnp reference and the model's, and its lowering for
+"""mHC's Sinkhorn kernel (pallas_kernels.sinkhorn) against its jnp reference (the model's), and its lowering for
 TPU (Mosaic) and GPU (Triton) from this CPU machine."""
 import importlib
 
@@ -22,7 +22,6 @@ def test_matches_reference(shape, iters):
     comb = _comb(shape)
     out = np.asarray(SK.sinkhorn(comb, iters, 1e-6, interpret=True))
     ref = np.asarray(L.sinkhorn(comb, iters, 1e-6))
-    np.testing.assert_array_equal(np.asarray(SK.sinkhorn_ref(comb, iters, 1e-6)), ref)
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-7)
     # doubly stochastic after the last (column) step: columns sum to one
     np.testing.assert_allclose(out.sum(-2), 1.0, atol=1e-5)

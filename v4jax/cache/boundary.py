@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from sharding.rules import STORE_AXES
 from v4jax.cache.pools import KVPools
 
 F32 = jnp.float32
@@ -27,7 +28,7 @@ class BoundaryStore:
     layers: tuple
 
 
-LOGICAL_AXES = ("layers", "boundary_rows", "window", "state_dim")  # every array of the store
+LOGICAL_AXES = STORE_AXES  # every array of the store (sharding/rules.py)
 
 
 def store_shardings(store: BoundaryStore, sharding_of) -> BoundaryStore:

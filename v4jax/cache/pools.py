@@ -21,21 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sharding.rules import POOL_AXES
 from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
 
 F32 = jnp.float32
 
-LOGICAL_AXES = {
-    # pool field -> logical axis names of its dims (sharding/ maps names to mesh axes)
-    "tokens": ("pages", "page_tokens"),
-    "swa": ("layers", "swa_rows", "head_dim"),
-    "kv": ("layers", "pool_rows", "head_dim"),
-    "idx": ("layers", "pool_rows", "index_head_dim"),
-    "state_kv": ("layers", "slots", "window", "state_dim"),
-    "state_score": ("layers", "slots", "window", "state_dim"),
-    "idx_state_kv": ("layers", "slots", "window", "state_dim"),
-    "idx_state_score": ("layers", "slots", "window", "state_dim"),
-}
+LOGICAL_AXES = POOL_AXES  # pool field -> logical axis names of its dims (sharding/rules.py maps names to mesh axes)
 
 
 def pool_shardings(pools: "KVPools", sharding_of) -> "KVPools":

@@ -1,4 +1,5 @@
-"""Pure jnp building blocks of the DeepSeek-V4 forward (reference §2-§6).
+"""Pure jnp building blocks of the DeepSeek-V4 forward (reference §2-§6), and the small NNX modules that attention,
+the MoE and the layer stack share (Table, Linear, RMSNorm).
 
 Einsum letters, used throughout v4jax:
   B batch, T query tokens, S key entries, D hidden, H query heads, K head_dim (512), Q q_lora rank,
@@ -12,8 +13,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from pallas_kernels.experts import swiglu  # noqa: F401  (the clamped SwiGLU: one definition, the kernels' too)
 from v4jax.config import SLIDING, ModelConfig
+from v4jax.model import quant
 
 F32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST  # for matmuls of f32 inputs: the default rounds them to TF32 on the H200
@@ -203,11 +207,6 @@ class LayerOf:
         return layer_slice(self.stack, self.index)[key]
 
 
-def swiglu(h1, h3, limit):
-    """Clamped SwiGLU in f32: silu(min(h1, limit)) * clip(h3, -limit, limit)."""
-    return jax.nn.silu(jnp.minimum(h1, limit)) * jnp.clip(h3, -limit, limit)
-
-
 DENSE_EXPERTS_RATIO = 4  # with at most this many experts per active one, compute every expert densely
 
 
@@ -334,3 +333,45 @@ def compress_chunk(state_kv, state_score, a, z, start, n_valid, fresh, ratio: in
     else:
         new_kv, new_sc = new_cur_kv, new_cur_sc
     return pooled, ent_idx, ent_ok, new_kv, new_sc
+
+
+# ---- NNX modules shared by attention, the MoE and the layer stack -----------------------------------------
+def init_normal(rngs, shape, std, dtype):
+    """A random init: N(0, std^2) drawn in f32, cast to dtype."""
+    return (jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype)
+
+
+class Table(nnx.Module):
+    """A [rows, D] table: the embedding or the output head."""
+
+    def __init__(self, rows: int, d: int, std: float, *, rngs: nnx.Rngs, dtype):
+        self.weight = nnx.Param(init_normal(rngs, (rows, d), std, dtype), logical_axes=("vocab", "embed"))
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T, weight in checkpoint layout [out, in]."""
+
+    def __init__(self, n_in: int, n_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs, dtype, fp8: bool = False):
+        # axes: logical names of (out, in), mapped to mesh axes by sharding/rules.py
+        self.weight = nnx.Param(init_normal(rngs, (n_out, n_in), n_in ** -0.5, dtype), logical_axes=tuple(axes))
+        self.fp8 = fp8  # an FP8/FP4 linear in the release: quant_sim rounds its input (1x128 blocks)
+
+    def __call__(self, x, opts=None, groups: int = 1):
+        """opts: the forward's RunOptions (v4jax.model.transformer); groups > 1: the grouped form of `linear`
+        (x [..., G, in])."""
+        if opts is not None and opts.quant_sim and self.fp8:
+            x = quant.fp8_roundtrip(x, 128)
+        w = self.weight.get_value()
+        if isinstance(w, LayerOf):  # inside the layer loop, off a mesh: the forward's ops table reads it in place
+            return opts.ops.linear(x, w.stack, w.index, groups)
+        return linear(x, self.weight[...], groups)
+
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, n: int, eps: float, axis: str, *, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jnp.ones((n,), F32), logical_axes=(axis,))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)

@@ -1,13 +1,13 @@
 """The ops table of the cached path: one interface, two implementations (DESIGN §2 "one ops table").
 
 `OPS["xla"]` holds the jnp reference maths, `OPS["pallas"]` the kernels of pallas_kernels (TPU interpret mode on
-CPU, Triton / Mosaic on GPU and TPU); `Transformer.cached` picks one from `RunOptions.attention_impl` once and
-hands it to every layer, so layers hold no `attention_impl` branches. Every entry reads the pools as flat row
-arrays ([rows, K], all layers of a stack one after another) through row ids (-1 = none). On a mesh the entries run
-per shard (inside jax.shard_map, v4jax.model) on the shard's rows, the others masked to -1: `select` and `attend`
-return what sharding/context.py merges across shards. On a mesh a table of Pallas calls (`per_shard`) runs all its
-entries per shard (v4jax.model.mesh_ops: a Mosaic call cannot be partitioned automatically); XLA partitions the jnp
-forms itself.
+CPU, Triton / Mosaic on GPU and TPU); the Transformer's forward passes resolve one from `RunOptions.attention_impl`
+once (`ops_for`) and hand it to every layer, so layers hold no `attention_impl` branches. Every entry reads the
+pools as flat row arrays ([rows, K], all layers of a stack one after another) through row ids (-1 = none). On a
+mesh the entries run per shard (inside jax.shard_map, v4jax.model.attention) on the shard's rows, the others
+masked to -1: `select` and `attend` return what sharding/context.py merges across shards. On a mesh a table of
+Pallas calls (`per_shard`) runs all its entries per shard (v4jax.model.transformer.mesh_ops: a Mosaic call cannot
+be partitioned automatically); XLA partitions the jnp forms itself.
 
   compress(comp, x, meta, st_kv, st_sc, rope, proj=None) -> (entries [B, E, K] in x's dtype, entry index [B, E],
       emitted [B, E] bool, new state_kv, new state_score): the compressor over the step's tokens from the rows'
@@ -36,17 +36,35 @@ forms itself.
   linear(x, w, layer, groups) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a layer stack
       w [n, O, D] (v4jax.model.layers.linear, groups included); off a mesh only (on one the projections are XLA's,
       partitioned by the rules).
-Kernels are looked up in their modules at call time (tests patch them to count calls).
+The kernels are read from their modules at call time (tests patch them to count calls).
+
+Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
+  "xla" everywhere: the jnp maths below and in v4jax.model.layers.
+  "pallas" (OPS["pallas"]): the kernels as they run portably (the TPU-style kernels, interpreted on CPU) plus the
+      kernels written for Triton (experts, linear, project, hc_post), interpreted on CPU. On a GPU `compress` also
+      takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes. On
+      a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit VMEM): the table
+      takes the XLA table's experts, linear, project and hc_post, named in `Ops.from_xla`.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _compat
+from pallas_kernels import compressor as pallas_compressor
+from pallas_kernels import compressor_gpu as pallas_compressor_gpu
+from pallas_kernels import experts as pallas_experts
+from pallas_kernels import experts_grouped as pallas_experts_grouped
+from pallas_kernels import hc_post as pallas_hc_post
+from pallas_kernels import indexer as pallas_indexer
+from pallas_kernels import layer_linear as pallas_linear
+from pallas_kernels import sinkhorn as pallas_sinkhorn
+from pallas_kernels import sparse_attention as pallas_sparse_attention
+from pallas_kernels import topk as pallas_topk
 from v4jax.model import layers as L
 
 F32 = jnp.float32
@@ -64,6 +82,7 @@ class Ops:
     project: Callable
     hc_post: Callable
     per_shard: bool = False  # Pallas calls: on a mesh every entry runs per shard
+    from_xla: tuple[str, ...] = ()  # entries of a Pallas table that are the XLA table's on this backend
 
 
 def _broadcast_rows(rows, t):
@@ -122,20 +141,15 @@ def _attend_xla(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_row
 # ---- Pallas --------------------------------------------------------------------------------------------
 def _compress_pallas(comp, x, meta, st_kv, st_sc, rope, proj=None):
     """pallas_kernels.compressor: the decode kernel for one token per row, the prefill kernel for a chunk."""
-    pallas_compressor = importlib.import_module("pallas_kernels.compressor")
     t, m = x.shape[1], comp.ratio
     static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps, entry_dtype=x.dtype)
-    wkv, wgate = comp.wkv.weight.get_value(), comp.wgate.weight.get_value()
-    if t == 1 and isinstance(st_kv, L.LayerOf) and _backend() == "gpu" and importlib.import_module(
-            "pallas_kernels.compressor_gpu").decode_supported(x, st_kv.stack, comp.norm.weight[...], m, comp.overlap):
-        return _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static, proj)
     st_kv_in, st_sc_in = st_kv, st_sc
     st_kv, st_sc = _state_rows(st_kv), _state_rows(st_sc)
     # The kernels resume from the state they are given; a row that starts a new request starts empty.
     fresh = meta.fresh[:, None, None]
     kv0 = jnp.where(fresh, 0.0, st_kv)
     sc0 = jnp.where(fresh, -jnp.inf, st_sc)
-    weights = (wkv[...], wgate[...], comp.ape[...], comp.norm.weight[...])
+    weights = (comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])
     if t == 1:
         pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding row, its state is left alone
         entry, emitted, nkv, nsc = pallas_compressor.compressor_decode(
@@ -150,24 +164,32 @@ def _compress_pallas(comp, x, meta, st_kv, st_sc, rope, proj=None):
     return entries.astype(x.dtype), ent, ok, _state_put(st_kv_in, nkv), _state_put(st_sc_in, nsc)
 
 
-def _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, static, proj=None):
+def _compress_pallas_gpu(comp, x, meta, st_kv, st_sc, rope, proj=None):
+    """The GPU's compress: a decode step on the state stacks of every slot (st_kv a LayerOf) runs the GPU decode
+    kernel on them in place where it takes the shapes; the rest as `_compress_pallas`."""
+    if x.shape[1] == 1 and isinstance(st_kv, L.LayerOf) and pallas_compressor_gpu.decode_supported(
+            x, st_kv.stack, comp.norm.weight[...], comp.ratio, comp.overlap):
+        return _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, proj)
+    return _compress_pallas(comp, x, meta, st_kv, st_sc, rope, proj)
+
+
+def _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, proj=None):
     """GPU decode on the stacks of every slot's states, updated in place at the layer (no slice and write-back
     copies), the projections read from the weight stacks in place where they are LayerOf too (or given)."""
-    compressor_gpu = importlib.import_module("pallas_kernels.compressor_gpu")
-    pallas_compressor = importlib.import_module("pallas_kernels.compressor")
-    layer_linear = importlib.import_module("pallas_kernels.layer_linear")
     m = comp.ratio
+    static = dict(ratio=m, overlap=comp.overlap, eps=comp.norm.eps, entry_dtype=x.dtype)
+    wkv, wgate = comp.wkv.weight.get_value(), comp.wgate.weight.get_value()
     fresh = meta.fresh[None, :, None, None]  # decode passes constant False: folded away
     kv0 = jnp.where(fresh, 0.0, st_kv.stack)
     sc0 = jnp.where(fresh, -jnp.inf, st_sc.stack)
 
     def project(x, w):
-        if isinstance(w, L.LayerOf) and layer_linear.supported(x, w.stack):
-            return layer_linear.layer_linear(x, w.stack, w.index)  # bf16 products exact in f32, f32 sums
+        if isinstance(w, L.LayerOf) and pallas_linear.supported(x, w.stack):
+            return pallas_linear.layer_linear(x, w.stack, w.index)  # bf16 products exact in f32, f32 sums
         return pallas_compressor.project_f32(x, w[...])
 
     pos = jnp.where(meta.n_valid > 0, meta.start, -1)  # < 0: padding row, its state is left alone
-    entry, emitted, nkv, nsc = compressor_gpu.compressor_decode_gpu(
+    entry, emitted, nkv, nsc = pallas_compressor_gpu.compressor_decode_gpu(
         x[:, 0], pos, kv0, sc0, wkv, wgate, comp.ape[...], comp.norm.weight[...], rope(pos + 1 - m), **static,
         layer=st_kv.index, project=project, projected=None if proj is None else (proj[0][:, 0], proj[1][:, 0]))
     return entry.astype(x.dtype)[:, None], (pos // m)[:, None], emitted[:, None], nkv, nsc
@@ -176,8 +198,6 @@ def _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, wkv, wgate, st
 def _select_pallas(iq, w, idx_pool, rows, n_ready, k):
     """pallas_kernels.indexer's scores, then pallas_kernels.topk (the scores of the k are read back for the
     cross-shard merge)."""
-    pallas_indexer = importlib.import_module("pallas_kernels.indexer")
-    pallas_topk = importlib.import_module("pallas_kernels.topk")
     scores = pallas_indexer.indexer_scores(iq, w, idx_pool, rows, n_ready)
     at = pallas_topk.topk(scores, min(k, rows.shape[1]))
     vals = jnp.take_along_axis(scores, jnp.maximum(at, 0), axis=2)
@@ -187,7 +207,6 @@ def _select_pallas(iq, w, idx_pool, rows, n_ready, k):
 def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows,
                    with_lse=False):
     """pallas_kernels.sparse_attention over per-query row lists, gathered inside the kernel."""
-    pallas_sa = importlib.import_module("pallas_kernels.sparse_attention")  # the package name is the function
     b, t = q.shape[:2]
     # Query t's window is win_rows[t : t + W] (win_pos starts at start - W + 1).
     swa_rows = jnp.take_along_axis(_broadcast_rows(win_rows, t),
@@ -196,12 +215,9 @@ def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_
     if hca_rows is not None:
         e = jnp.arange(hca_rows.shape[1])[None, None, :]
         cmp_rows = jnp.where(e < n_ready[:, :, None], hca_rows[:, None, :], -1)
-    return pallas_sa.sparse_attention(q, swa, swa_rows, None if cmp_rows is None else kv, cmp_rows, sink,
-                                      scale=scale, return_lse=with_lse, valid_prefix=hca_rows is not None)
-
-
-def _backend() -> str:
-    return importlib.import_module("pallas_kernels._compat").backend()
+    return pallas_sparse_attention.sparse_attention(q, swa, swa_rows, None if cmp_rows is None else kv, cmp_rows, sink,
+                                                   scale=scale, return_lse=with_lse,
+                                                   valid_prefix=hca_rows is not None)
 
 
 def _sinkhorn_pallas(comb, iters, eps):
@@ -211,7 +227,7 @@ def _sinkhorn_pallas(comb, iters, eps):
     of 1024) took 10 us a launch at batch 1 and 23 us at 32 on the H200, against ~16 us for XLA's ten kernels: its
     loads and this loop's divides run one after another. The flash-slice step was no faster, and flash-1gpu's at
     batch 32 was 5-6 % slower."""
-    return importlib.import_module("pallas_kernels.sinkhorn").sinkhorn(comb, iters, eps)
+    return pallas_sinkhorn.sinkhorn(comb, iters, eps)
 
 
 def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
@@ -224,14 +240,11 @@ def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
 def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
     """pallas_kernels.experts for a decode step's few tokens (each chosen expert's weights read once, from the
     layer stack in place) on GPU and, interpreted, on CPU; a prefill chunk's on Hopper GPUs as one grouped matmul
-    per weight (pallas_kernels.experts_grouped); the XLA forms otherwise. On TPU the kernels'
-    whole-array weight refs do not fit VMEM, so the XLA forms run there."""
-    kernels = importlib.import_module("pallas_kernels.experts")
-    if kernels.supported(x, w1) and _backend() != "tpu":
-        return kernels.routed_experts(x, weights, experts, w1, w2, w3, limit, layer=layer)
-    grouped = importlib.import_module("pallas_kernels.experts_grouped")
-    if form in (None, "grouped") and grouped.supported(x, w1):
-        return grouped.routed_experts(x, weights, experts, w1, w2, w3, limit, layer)
+    per weight (pallas_kernels.experts_grouped); the XLA forms for the sizes neither takes."""
+    if pallas_experts.supported(x, w1):
+        return pallas_experts.routed_experts(x, weights, experts, w1, w2, w3, limit, layer=layer)
+    if form in (None, "grouped") and pallas_experts_grouped.supported(x, w1):
+        return pallas_experts_grouped.routed_experts(x, weights, experts, w1, w2, w3, limit, layer)
     return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form)
 
 
@@ -241,11 +254,9 @@ def _linear_xla(x, w, layer, groups=1):
 
 def _linear_pallas(x, w, layer, groups=1):
     """pallas_kernels.layer_linear for a decode step's few tokens (the layer's weight read from the stack in
-    place) on GPU and, interpreted, on CPU; XLA's matmul otherwise. On TPU the kernel's whole-array weight ref
-    does not fit VMEM."""
-    kernel = importlib.import_module("pallas_kernels.layer_linear")
-    if kernel.supported(x, w, groups) and _backend() != "tpu":
-        return kernel.layer_linear(x, w, layer, groups).astype(x.dtype)
+    place) on GPU and, interpreted, on CPU; XLA's matmul for more tokens."""
+    if pallas_linear.supported(x, w, groups):
+        return pallas_linear.layer_linear(x, w, layer, groups).astype(x.dtype)
     return _linear_xla(x, w, layer, groups)
 
 
@@ -256,38 +267,57 @@ def _project_xla(x, ws):
 def _project_pallas(x, ws):
     """pallas_kernels.layer_linear.layer_linears over the weights it takes, in one launch: on the H200 a CSA
     layer's six projections of the attention input ran in 13 launches and 31 us at batch 1, in one (with its
-    split-D sum) and 13 us (scripts/bench_fused_projections.py). Not on TPU (as `linear`)."""
-    kernel = importlib.import_module("pallas_kernels.layer_linear")
-    if _backend() == "tpu":
-        return [None] * len(ws)
-    takes = [isinstance(w, L.LayerOf) and kernel.supported(x, w.stack) for w in ws]
+    split-D sum) and 13 us (scripts/bench_fused_projections.py)."""
+    takes = [isinstance(w, L.LayerOf) and pallas_linear.supported(x, w.stack) for w in ws]
     if sum(takes) < 2:
         return [None] * len(ws)
-    got = iter(kernel.layer_linears(x, [w.stack for w, t in zip(ws, takes) if t], ws[takes.index(True)].index))
+    got = iter(pallas_linear.layer_linears(x, [w.stack for w, t in zip(ws, takes) if t],
+                                           ws[takes.index(True)].index))
     return [next(got) if t else None for t in takes]
 
 
 def _hc_post_pallas(f, x, post, comb):
     """pallas_kernels.hc_post on GPU (interpreted on CPU): XLA's form moves its bytes at about a quarter of the
     bandwidth (8192 tokens of Flash: 798 us in XLA, 151 us in the kernel; 2 launches a call in decode, 1 in the
-    kernel; scripts/bench_hc_post.py). XLA's form on TPU (the kernel is written for Triton)."""
-    kernel = importlib.import_module("pallas_kernels.hc_post")
+    kernel; scripts/bench_hc_post.py)."""
     n, d = x.shape[-2:]
     f2, x2 = f.reshape(-1, d), x.reshape(-1, n, d)
-    if _backend() == "tpu" or f.dtype != x.dtype or not kernel.supported(f2, x2):
+    if f.dtype != x.dtype or not pallas_hc_post.supported(f2, x2):
         return L.hc_post(f, x, post, comb)
-    return kernel.hc_post(f2, x2, post.reshape(-1, n), comb.reshape(-1, n, n)).reshape(x.shape)
+    return pallas_hc_post.hc_post(f2, x2, post.reshape(-1, n), comb.reshape(-1, n, n)).reshape(x.shape)
 
 
-OPS = {
-    "xla": Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla, _linear_xla, _project_xla,
-               L.hc_post),
-    "pallas": Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas, _experts_pallas,
-                  _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True),
-}
+XLA = Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla, _linear_xla, _project_xla,
+          L.hc_post)
+PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas, _experts_pallas,
+             _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True)
+OPS = {"xla": XLA, "pallas": PALLAS}
+TRITON_ONLY = ("experts", "linear", "project", "hc_post")  # entries of PALLAS whose kernels are written for Triton
 
 
-def ops_for(attention_impl: str) -> Ops:
+def _backend() -> str:
+    return _compat.backend()
+
+
+def ops_for(attention_impl: str, backend: str | None = None) -> Ops:
+    """The table of `attention_impl` as it runs on `backend` ("gpu" | "tpu" | "cpu"; default: this process's).
+    See the module doc: on a GPU the Pallas table's compress takes the GPU decode kernel, on a TPU the entries of
+    TRITON_ONLY are the XLA table's (Ops.from_xla names them)."""
     if attention_impl not in OPS:
         raise ValueError(f"attention_impl must be one of {sorted(OPS)}, got {attention_impl!r}")
-    return OPS[attention_impl]
+    ops = OPS[attention_impl]
+    if ops is XLA:
+        return ops
+    backend = backend or _backend()
+    if backend == "gpu":
+        return dataclasses.replace(ops, compress=_compress_pallas_gpu)
+    if backend == "tpu":
+        return dataclasses.replace(ops, from_xla=TRITON_ONLY, **{name: getattr(XLA, name) for name in TRITON_ONLY})
+    return ops
+
+
+def on_shards(fn, mesh_rules, in_specs, out_specs):
+    """fn over each shard's blocks of its arguments (in_specs, out_specs: PartitionSpecs, pytree prefixes):
+    jax.shard_map manual over every mesh axis, as Pallas calls run on a mesh (Mosaic cannot be partitioned
+    automatically)."""
+    return jax.shard_map(fn, mesh=mesh_rules.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)

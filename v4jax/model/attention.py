@@ -1,0 +1,378 @@
+"""Attention of a DeepSeek-V4 layer (reference §3-§4): the compressors, the Lightning Indexer, the attention
+module with its full-sequence form (the reference) and its cached form over the pools, and `attention_core`, one
+layer's pool writes and attention over the rows a shard holds (v4jax.model.transformer runs it per shard on a mesh).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharding import context
+from sharding.rules import POOL_AXES
+from v4jax.config import CSA, SLIDING, ModelConfig
+from v4jax.model import layers as L
+from v4jax.model import quant
+from v4jax.model.layers import Linear, RMSNorm, init_normal
+from v4jax.model.ops import Ops, on_shards
+
+if TYPE_CHECKING:
+    from v4jax.model.transformer import RunOptions
+
+F32 = jnp.float32
+
+
+def _rows_of(state, li, meta):
+    """The step's rows of layer li's per-slot state [n, slots, ...] (meta.slot None: every slot, in order)."""
+    return L.layer_slice(state, li) if meta.slot is None else state[li, meta.slot]
+
+
+def _set_rows(state, li, meta, new):
+    return state.at[li].set(new) if meta.slot is None else state.at[li, meta.slot].set(new)
+
+
+def _flat(pool):
+    """A stacked pool [n, R, K] as the flat rows [n * R, K] of all its layers (a free reshape)."""
+    return pool.reshape(-1, pool.shape[-1])
+
+
+def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict, li, *, ops: Ops, scale: float,
+                   window: int, topk: int, row_axes: tuple[str, ...] = ()):
+    """One layer's pool writes and attention over the rows this shard holds (all of them on one device).
+
+    blocks: pool name -> context.RowBlock, the rows of `pools[name]` ([n, R, K], the stack's n layers) held here;
+    writes: name -> (rows of layer li [B, E], values [B, E, K]); reads: the window's rows and positions, the
+    query positions, and on compressed layers the entries' rows [B, S] with n_ready (and the indexer's queries
+    and head weights on CSA layers). Rows are global (one layer's ids, -1 = none); each shard keeps those of its
+    block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
+    the result is the single-device one (sharding/context.py). row_axes: mesh axes the B rows are split over (a
+    shard has its own rows, whose entries lie in its blocks along those axes: nothing to merge over them).
+    Returns (o [B, T, H, K], pools)."""
+    merge = tuple(dict.fromkeys(a for b in blocks.values() for a in b.axes if a not in row_axes))
+
+    def local(name, rows):  # global rows of layer li -> rows of this shard's flat view (-1 = elsewhere / none)
+        r = blocks[name].local(rows)
+        return jnp.where(r >= 0, r + li * blocks[name].rows, -1)
+
+    def counted(name, rows):  # the rows this shard adds to the softmax: a pool held whole along a merge axis
+        return jnp.where(context.first_along(tuple(a for a in merge if a not in blocks[name].axes)),
+                         local(name, rows), -1)
+
+    flat = {}
+    for name, pool in pools.items():
+        rows, values = writes[name]
+        dst = _flat(pool)
+        r = local(name, rows).reshape(-1)
+        flat[name] = dst.at[jnp.where(r >= 0, r, dst.shape[0])].set(
+            values.reshape(-1, values.shape[-1]).astype(dst.dtype), mode="drop")
+    kv = flat.get("kv")
+    hca_rows = sel_rows = None
+    if "idx" in flat:
+        rows = reads["rows"]
+        scores, at = ops.select(reads["iq"], reads["w"], flat["idx"], local("idx", rows), reads["n_ready"], topk)
+        _, at = context.merge_topk(scores, at, topk, tuple(a for a in blocks["idx"].axes if a not in row_axes))
+        picked = jnp.take_along_axis(jnp.broadcast_to(rows[:, None, :], (*at.shape[:2], rows.shape[1])),
+                                     jnp.maximum(at, 0), axis=2)
+        sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
+    elif kv is not None:
+        hca_rows = counted("kv", reads["rows"])
+    o = ops.attend(q, jnp.where(context.first_along(merge), sink, -jnp.inf), scale, flat["swa"],
+                   counted("swa", reads["win_rows"]), reads["win_pos"], reads["pos"], window, kv, hca_rows,
+                   reads.get("n_ready"), sel_rows, with_lse=bool(merge))
+    if merge:
+        o = context.merge_softmax(*o, merge)
+    return o, {name: f.reshape(pools[name].shape) for name, f in flat.items()}
+
+
+class Compressor(nnx.Module):
+    """Softmax-gated pooling of each window of `ratio` tokens into one entry (overlapping for CSA)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, overlap: bool, *, rngs, dtype):
+        coff = 2 if overlap else 1
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
+        self.wkv = Linear(cfg.dim, coff * head_dim, ("compress", "embed"), rngs=rngs, dtype=dtype)
+        self.wgate = Linear(cfg.dim, coff * head_dim, ("compress", "embed"), rngs=rngs, dtype=dtype)
+        self.ape = nnx.Param(init_normal(rngs, (ratio, coff * head_dim), 1.0, F32), logical_axes=("ratio", "compress"))
+        self.norm = RMSNorm(head_dim, cfg.norm_eps, "head_dim", rngs=rngs)
+
+    def project(self, x, positions, proj=None):
+        """x [B, T, D] -> (a, z) [B, T, coff*K] f32; z includes ape[t mod m]. Run in f32 (official). proj: the
+        two projections, computed by the caller."""
+        xf = x.astype(F32)
+        a, g = proj if proj is not None else (L.linear(xf, self.wkv.weight[...].astype(F32)),
+                                              L.linear(xf, self.wgate.weight[...].astype(F32)))
+        return a, g + self.ape[...][positions % self.ratio]
+
+    def finish(self, pooled, cos, sin, dtype):
+        """Pooled windows [..., K] f32 -> entries: RMS norm (after a cast to the activation dtype), RoPE."""
+        c = self.norm(pooled.astype(dtype))
+        return L.apply_rope(c, cos, sin)
+
+
+class Indexer(nnx.Module):
+    """Lightning Indexer: scores sum_h w_h relu(q_h . k_s) over its own compressed keys; top-k selection."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, *, rngs, dtype):
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, ("index_heads", "q_lora"),
+                           rngs=rngs, dtype=dtype, fp8=True)
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, ("index_heads", "embed"), rngs=rngs, dtype=dtype)
+        self.compressor = Compressor(cfg, ratio, cfg.index_head_dim, overlap=True, rngs=rngs, dtype=dtype)
+
+    def queries(self, qr, cos, sin, opts: RunOptions):
+        """qr [B, T, Q] -> indexer queries [B, T, Hi, Ki] (RoPE at the query position)."""
+        q = self.wq_b(qr, opts).reshape(*qr.shape[:-1], self.n_heads, self.head_dim)
+        q = L.apply_rope(q, cos[..., None, :], sin[..., None, :])
+        if opts.quant_sim:
+            q = quant.fp4_roundtrip(quant.hadamard_rotate(q), 32)
+        return q
+
+    def head_weights(self, x, proj=None):
+        """x [B, T, D] -> w [B, T, Hi] f32 with both scales folded in (Ki^-1/2 for q.k, Hi^-1/2 for the sum).
+        proj: x @ weights_proj.T in f32, computed by the caller."""
+        w = L.linear(x.astype(F32), self.weights_proj.weight[...].astype(F32)) if proj is None else proj
+        return w * (self.head_dim ** -0.5) * (self.n_heads ** -0.5)
+
+    def finish_keys(self, pooled, cos, sin, dtype, opts: RunOptions):
+        return self.round_keys(self.compressor.finish(pooled, cos, sin, dtype), opts)
+
+    def round_keys(self, k, opts: RunOptions):
+        """Finished keys -> the keys the indexer stores (quant_sim: Hadamard rotation, FP4 rounding)."""
+        if opts.quant_sim:
+            k = quant.fp4_roundtrip(quant.hadamard_rotate(k), 32)
+        return k
+
+
+def topk_mask(scores, valid, k: int):
+    """Boolean [B, T, S]: the top-k valid entries per query (higher score first, then lower index)."""
+    s_len = scores.shape[-1]
+    kk = min(k, s_len)
+    masked = jnp.where(valid, scores, -jnp.inf)
+    vals, idx = jax.lax.top_k(masked, kk)
+    chosen = jnp.isfinite(vals)
+    onehot = jax.nn.one_hot(idx, s_len, dtype=jnp.bool_) & chosen[..., None]
+    return jnp.any(onehot, axis=-2) & valid
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, rngs, dtype):
+        self.cfg = cfg
+        self.kind = cfg.layer_type(layer_id)
+        self.ratio = cfg.compress_ratio(layer_id)
+        self.inv_freq = tuple(float(f) for f in L.rope_inv_freq(cfg, self.kind))
+        h, k = cfg.n_heads, cfg.head_dim
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, ("q_lora", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, "q_lora", rngs=rngs)
+        self.wq_b = Linear(cfg.q_lora_rank, h * k, ("heads", "q_lora"), rngs=rngs, dtype=dtype, fp8=True)
+        self.wkv = Linear(cfg.dim, k, ("head_dim", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+        self.kv_norm = RMSNorm(k, cfg.norm_eps, "head_dim", rngs=rngs)
+        # wo_a is dequantized to bf16 by the official converter: a plain grouped einsum, no input rounding.
+        self.wo_a = Linear(h * k // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, ("o_lora", "group_heads"),
+                           rngs=rngs, dtype=dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, ("embed", "o_lora"), rngs=rngs, dtype=dtype,
+                           fp8=True)
+        self.attn_sink = nnx.Param(init_normal(rngs, (h,), 1.0, F32), logical_axes=("heads",))
+        self.compressor = (Compressor(cfg, self.ratio, k, overlap=self.kind == CSA, rngs=rngs, dtype=dtype)
+                           if self.kind != SLIDING else None)
+        self.indexer = Indexer(cfg, self.ratio, rngs=rngs, dtype=dtype) if self.kind == CSA else None
+
+    # -- pieces shared with the cached engine path --
+    def rope(self, positions):
+        return L.rope_cos_sin(self.inv_freq, positions)
+
+    def queries(self, x, cos, sin, opts: RunOptions, qa=None):
+        """x [B, T, D] -> (q [B, T, H, K], qr [B, T, Q]): low-rank q, unweighted per-head RMS norm, RoPE. qa: wq_a's
+        output, computed by the caller."""
+        cfg = self.cfg
+        qr = self.q_norm(self.wq_a(x, opts) if qa is None else qa)
+        q = self.wq_b(qr, opts).reshape(*x.shape[:-1], cfg.n_heads, cfg.head_dim)
+        q = L.rms_norm(q, None, cfg.norm_eps)
+        return L.apply_rope(q, cos[..., None, :], sin[..., None, :]), qr
+
+    def window_kv(self, x, cos, sin, opts: RunOptions, proj=None):
+        """x [B, T, D] -> the shared key/value [B, T, K] of each token. proj: wkv's output, computed by the
+        caller."""
+        kv = L.apply_rope(self.kv_norm(self.wkv(x, opts) if proj is None else proj), cos, sin)
+        return self.kv_round(kv, opts)
+
+    def kv_round(self, kv, opts: RunOptions):
+        if not opts.quant_sim:
+            return kv
+        nope = self.cfg.nope_head_dim
+        return jnp.concatenate([quant.fp8_roundtrip(kv[..., :nope], 64), kv[..., nope:]], axis=-1)
+
+    def output(self, o, cos, sin, opts: RunOptions):
+        """o [B, T, H, K] -> [B, T, D]: inverse RoPE at the query position, grouped low-rank projection."""
+        cfg = self.cfg
+        o = L.apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+        g = cfg.o_groups
+        o = o.reshape(*o.shape[:-2], g, -1)  # [B, T, G, (H/G)*K]
+        u = self.wo_a(o, opts, groups=g)  # [B, T, G, R]
+        return self.wo_b(u.reshape(*u.shape[:-2], -1), opts)
+
+    # -- the full-sequence forward (no cache): dense masks, the reference for every cached path --
+    def __call__(self, x, positions, opts: RunOptions):
+        """Returns (out [B, T, D], indexer aux (logp, target) [B, T, S] on CSA layers when opts.indexer_aux
+        else None)."""
+        cfg = self.cfg
+        cos, sin = self.rope(positions)
+        q, qr = self.queries(x, cos, sin, opts)
+        kv = self.window_kv(x, cos, sin, opts)
+        pos_q = positions[:, :, None]
+        pos_k = positions[:, None, :]
+        keys, valid = kv, (pos_k <= pos_q) & (pos_k > pos_q - cfg.window_size)
+        aux = None
+        if self.compressor is not None:
+            entries = self._compressed_entries(self.compressor, x, positions, opts)
+            n = entries.shape[1]
+            causal = jnp.arange(n)[None, None, :] < ((positions + 1) // self.ratio)[:, :, None]  # [B, T, n]
+            keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
+            if self.indexer is not None and n > 0:
+                ikeys = self._compressed_entries(self.indexer.compressor, x, positions, opts)
+                iq = self.indexer.queries(qr, cos, sin, opts)
+                scores = L.index_scores(iq, self.indexer.head_weights(x), ikeys)
+                if opts.indexer_aux:
+                    aux = self._indexer_aux(q, keys, jnp.concatenate([valid, causal], -1), scores, causal)
+                causal = topk_mask(scores, causal, cfg.index_topk)
+            if opts.drop_compressed:
+                causal = jnp.zeros_like(causal)
+            valid = jnp.concatenate([valid, causal], axis=-1)
+        o, _ = L.attend(q, keys, valid, None, None, self.attn_sink[...], cfg.head_dim ** -0.5)
+        return self.output(o.astype(q.dtype), cos, sin, opts), aux
+
+    # -- the cached path: read and write the pools through row ids (v4jax.cache) --
+    def cached(self, x, meta, pool, li, ops: Ops, opts: RunOptions):
+        """x [B, T, D] for the tokens of `meta`; `pool` is this layer's stack of pools (every array [n, ...]) and
+        li this layer's index in it. Returns (out [B, T, D], pool with this step's writes)."""
+        pos = meta.positions
+        cos, sin = self.rope(pos)
+        pre = self._input_projections(x, ops, opts)
+        q, qr = self.queries(x, cos, sin, opts, pre.get("wq_a"))
+        kv = self.window_kv(x, cos, sin, opts, pre.get("wkv"))
+        r_swa = pool.swa.shape[1]
+        # pool -> (rows of one layer [B, E] (-1 = none), values [B, E, K]): what the step stores
+        writes = {"swa": (jnp.where(meta.swa_write < r_swa, meta.swa_write, -1), kv)}
+        reads = {"win_rows": meta.win_rows, "win_pos": meta.win_pos, "pos": pos}
+        states = {}
+        if self.compressor is not None:
+            rows = meta.entry_rows[self.ratio]  # [B, S] rows of entry e in one layer of the ratio's pools
+            n_ready = (pos + 1) // self.ratio  # entries query t may see
+            if opts.drop_compressed:
+                n_ready = jnp.zeros_like(n_ready)
+            reads.update(rows=rows, n_ready=n_ready)
+            writes["kv"] = self._compress(self.compressor, x, meta, pool, li, rows, "state_kv", "state_score",
+                                          states, ops, opts, pre.get("compressor"))
+            if self.indexer is not None:
+                writes["idx"] = self._compress(self.indexer.compressor, x, meta, pool, li, rows, "idx_state_kv",
+                                               "idx_state_score", states, ops, opts, pre.get("indexer compressor"))
+                reads.update(iq=self.indexer.queries(qr, cos, sin, opts),
+                             w=self.indexer.head_weights(x, pre.get("weights_proj")))
+        pools = {name: getattr(pool, name) for name in writes}
+        o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules, meta.slot is None)
+        return self.output(o.astype(q.dtype), cos, sin, opts), dataclasses.replace(pool, **pools, **states)
+
+    def _input_projections(self, x, ops: Ops, opts: RunOptions) -> dict:
+        """The projections of the attention input that the ops table runs in one launch (`Ops.project`: a decode
+        step off a mesh, Pallas): "wq_a" / "wkv" in x's dtype (as Linear returns them), "compressor" / "indexer
+        compressor" (wkv, wgate) and "weights_proj" in f32 (as the compressors and the indexer compute them).
+        Missing names: the consumer projects x itself. Empty under quant_sim (wq_a and wkv read x rounded to FP8,
+        the others x itself)."""
+        if opts.quant_sim:
+            return {}
+        groups = {"wq_a": [self.wq_a], "wkv": [self.wkv]}
+        if self.compressor is not None:
+            groups["compressor"] = [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            groups["indexer compressor"] = [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
+            groups["weights_proj"] = [self.indexer.weights_proj]
+        got = iter(ops.project(x, [m.weight.get_value() for ms in groups.values() for m in ms]))
+        pre = {}
+        for name, ms in groups.items():
+            ys = [next(got) for _ in ms]
+            if all(y is not None for y in ys):
+                pre[name] = tuple(ys) if len(ys) > 1 else ys[0]
+        for name in ("wq_a", "wkv"):
+            if name in pre:
+                pre[name] = pre[name].astype(x.dtype)
+        return pre
+
+    def _compress(self, comp: Compressor, x, meta, pool, li, rows, st_kv_name, st_sc_name, states: dict,
+                  ops: Ops, opts: RunOptions, proj=None):
+        """Run a compressor over the step's tokens from the rows' states (the new states go into `states`); proj:
+        its two projections of x, computed by the caller. Returns (pool rows [B, E] of the windows it closed,
+        -1 = none; their entries, rounded as the layer stores them)."""
+        st_kv, st_sc = getattr(pool, st_kv_name), getattr(pool, st_sc_name)
+        if meta.slot is None and opts.mesh_rules is None:  # every slot: the ops read the layer's in the stack
+            entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, L.LayerOf(st_kv, li), L.LayerOf(st_sc, li),
+                                                      self.rope, proj)
+        else:
+            entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, _rows_of(st_kv, li, meta),
+                                                      _rows_of(st_sc, li, meta), self.rope, proj)
+            nkv, nsc = _set_rows(st_kv, li, meta, nkv), _set_rows(st_sc, li, meta, nsc)
+        if comp is self.compressor:
+            entries = self.kv_round(entries, opts)
+        else:
+            entries = self.indexer.round_keys(entries, opts)
+        states.update({st_kv_name: nkv, st_sc_name: nsc})
+        s = rows.shape[1]
+        row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
+        return jnp.where(ok & (ent >= 0) & (ent < s), row, -1), entries
+
+    def _attend_pools(self, q, pools, writes, reads, li, ops: Ops, mesh_rules, rows_are_slots: bool):
+        """Store the step's writes into the pools and attend over them (`attention_core`). On a mesh this runs per
+        shard: jax.shard_map manual over every mesh axis (Mosaic kernels cannot be partitioned automatically), the
+        heads split over `tensor` as the rules table says, every pool's rows in the blocks its sharding gives,
+        the shards' top-k and softmaxes merged (sharding/context.py). When row b is slot b (decode) the rows split
+        as the slots do (over `data`): by the layout contract a slot's pages lie in its data shard's blocks, so a
+        data shard attends for its own slots alone. Returns (o [B, T, H, K], pools)."""
+        cfg = self.cfg
+        sink = self.attn_sink[...]
+        li = jnp.asarray(li, jnp.int32)
+        static = dict(ops=ops, scale=cfg.head_dim ** -0.5, window=cfg.window_size, topk=cfg.index_topk)
+        if mesh_rules is None:
+            blocks = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
+            return attention_core(blocks, q, sink, pools, writes, reads, li, **static)
+        from jax.sharding import PartitionSpec as P
+        pool_specs = {name: mesh_rules.spec(POOL_AXES[name], a.shape) for name, a in pools.items()}
+        blocks = {}
+        for name, a in pools.items():
+            axes = context.axes_of(pool_specs[name][1])
+            blocks[name] = context.RowBlock(axes, a.shape[1] // math.prod(mesh_rules.mesh.shape[x] for x in axes))
+        heads = mesh_rules.spec(("heads",), sink.shape)
+        rows = mesh_rules.spec(("slots",), q.shape[:1])[0] if rows_are_slots else None
+        if not all(set(context.axes_of(rows)) <= set(b.axes) for b in blocks.values()):
+            rows = None  # a pool held whole along the rows' axes: every shard writes every row's entries there
+        q_spec = P(rows, None, heads[0], None)
+
+        def by_row(tree):  # every read and write is [B, ...]
+            return jax.tree.map(lambda _: P(rows), tree)
+
+        core = functools.partial(attention_core, blocks, row_axes=context.axes_of(rows), **static)
+        return on_shards(core, mesh_rules, (q_spec, heads, pool_specs, by_row(writes), by_row(reads), P()),
+                         (q_spec, pool_specs))(q, sink, pools, writes, reads, li)
+
+    def _indexer_aux(self, q, keys, valid_dense, scores, causal):
+        """Distillation target for the indexer: each query's attention mass over the compressed entries under
+        dense attention (all causal entries), summed over heads and normalised; no gradient flows into it.
+        Returns (indexer log-softmax, target), both [B, T, S]."""
+        s = jnp.einsum("bthk,bsk->bths", q, keys, preferred_element_type=F32) * self.cfg.head_dim ** -0.5
+        p = jax.nn.softmax(jnp.where(valid_dense[:, :, None, :], s, -jnp.inf), axis=-1)
+        mass = jnp.sum(p[..., -causal.shape[-1]:], axis=2)  # [B, T, S]
+        target = jax.lax.stop_gradient(mass / jnp.maximum(jnp.sum(mass, -1, keepdims=True), 1e-9))
+        logp = jax.nn.log_softmax(jnp.where(causal, scores, -1e30), axis=-1)
+        return logp, target
+
+    def _compressed_entries(self, comp: Compressor, x, positions, opts: RunOptions):
+        """All complete windows of a sequence that starts at position 0 -> entries [B, T // m, K]."""
+        a, z = comp.project(x, positions)
+        pooled = L.compress_windows(a, z, comp.ratio, comp.overlap)
+        n = pooled.shape[1]
+        cos, sin = self.rope(jnp.arange(n) * comp.ratio)
+        if comp is self.compressor:
+            return self.kv_round(comp.finish(pooled, cos, sin, x.dtype), opts)
+        return self.indexer.finish_keys(pooled, cos, sin, x.dtype, opts)

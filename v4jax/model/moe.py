@@ -1,0 +1,142 @@
+"""The MoE of a DeepSeek-V4 layer (reference §6): the router (sqrtsoftplus top-k, or the hash table of the first
+layers), the routed experts (the ops table's, per shard on a mesh) and the shared expert."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from v4jax.config import ModelConfig
+from v4jax.model import layers as L
+from v4jax.model import quant
+from v4jax.model.layers import Linear, init_normal
+from v4jax.model.ops import XLA, Ops, on_shards
+
+if TYPE_CHECKING:
+    from v4jax.model.transformer import RunOptions
+
+F32 = jnp.float32
+
+# Logical axes of the routed experts' weights (sharding/rules.py maps names to mesh axes).
+EXPERT_UP_AXES = ("experts", "mlp", "embed")  # routed w1 / w3 [E, I, D]
+EXPERT_DOWN_AXES = ("experts", "embed", "mlp")  # routed w2 [E, D, I]
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable array that ships with the checkpoint (the hash-routing table)."""
+
+
+class Gate(nnx.Module):
+    def __init__(self, cfg: ModelConfig, hashed: bool, *, rngs, dtype):
+        self.weight = nnx.Param(init_normal(rngs, (cfg.n_routed_experts, cfg.dim), cfg.dim ** -0.5, dtype),
+                                logical_axes=("router", "embed"))
+        if hashed:
+            keys = jax.random.split(rngs.params(), cfg.vocab_size)
+            perm = jax.vmap(lambda k: jax.random.permutation(k, cfg.n_routed_experts)[: cfg.n_activated_experts])(keys)
+            self.tid2eid, self.bias = Buffer(perm.astype(jnp.int32), logical_axes=("hash_tokens", "routed")), None
+        else:
+            self.tid2eid, self.bias = None, nnx.Param(init_normal(rngs, (cfg.n_routed_experts,), 0.1, F32),
+                                                      logical_axes=("router",))
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked on a leading axis: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, dtype):
+        e, i, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
+        self.w1 = nnx.Param(init_normal(rngs, (e, i, d), d ** -0.5, dtype), logical_axes=EXPERT_UP_AXES)
+        self.w2 = nnx.Param(init_normal(rngs, (e, d, i), i ** -0.5, dtype), logical_axes=EXPERT_DOWN_AXES)
+        self.w3 = nnx.Param(init_normal(rngs, (e, i, d), d ** -0.5, dtype), logical_axes=EXPERT_UP_AXES)
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry as a tuple of mesh axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+DENSE_ROWS_PER_EXPERT = 8
+
+
+def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, ops: Ops = XLA, mesh_rules=None):
+    """The ops table's experts (default the XLA forms), on a mesh run per shard (shard_map): a shard holds some
+    experts (expert parallel) and a slice of each one's width (tensor), runs its experts on every token routed to
+    them, and the partial outputs add up over those mesh axes. Tokens are not dispatched: every shard sees the
+    step's (few) tokens, so the only collective is the sum of [M, D]. `layer`: w1/w2/w3 are a layer stack and this
+    is the layer's index in it (a kernel reads the shard's stack in place)."""
+    if mesh_rules is None:
+        return ops.experts(x, weights, experts, w1, w2, w3, limit, layer)
+    from jax.sharding import PartitionSpec as P
+    stack = () if layer is None else ("layers",)
+    up, down = mesh_rules.spec(stack + EXPERT_UP_AXES, w1.shape), mesh_rules.spec(stack + EXPERT_DOWN_AXES, w2.shape)
+    e_axes, sum_axes = _mesh_axes(up[-3]), _mesh_axes(up[-3]) + _mesh_axes(up[-2])
+    if not sum_axes and not ops.per_shard:
+        return ops.experts(x, weights, experts, w1, w2, w3, limit, layer)
+
+    def local(x, weights, experts, w1, w2, w3, layer):
+        n_local = w1.shape[-3]
+        first = jax.lax.axis_index(e_axes) * n_local if e_axes else 0
+        mine = (experts >= first) & (experts < first + n_local)
+        # Up to DENSE_ROWS_PER_EXPERT routed rows per local expert: every local expert densely. The grouped
+        # matmul inside the decode loop made XLA:TPU hold a second copy of the experts (libtpu AOT of Flash on
+        # v5p-16, tensor=4,expert=2, batch 32: 136 GB of temporaries; dense: 0.65 GB; BENCHMARKS "TPU pod plan").
+        m, k = experts.shape
+        form = "gather" if m * k < n_local else "dense" if m * k <= DENSE_ROWS_PER_EXPERT * n_local else "grouped"
+        # Another shard's experts: no expert, weight 0 (the XLA forms give it a local one: no ragged tail).
+        y = ops.experts(x, jnp.where(mine, weights, 0.0), jnp.where(mine, experts - first, -1), w1, w2, w3, limit,
+                        layer, form)
+        return jax.lax.psum(y, sum_axes) if sum_axes else y
+
+    layer = None if layer is None else jnp.asarray(layer, jnp.int32)
+    return on_shards(local, mesh_rules, (P(), P(), P(), up, down, up, P()), P())(x, weights, experts, w1, w2, w3,
+                                                                                  layer)
+
+
+class SharedExpert(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs, dtype):
+        self.w1 = Linear(cfg.dim, cfg.moe_inter_dim, ("mlp", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+        self.w2 = Linear(cfg.moe_inter_dim, cfg.dim, ("embed", "mlp"), rngs=rngs, dtype=dtype, fp8=True)
+        self.w3 = Linear(cfg.dim, cfg.moe_inter_dim, ("mlp", "embed"), rngs=rngs, dtype=dtype, fp8=True)
+
+    def __call__(self, x, limit, opts, project=None):
+        """project: the ops table's `project` (w1 and w3 in one launch where it takes them)."""
+        # The current official revision clamps the shared expert too (reference §9.3).
+        xq = quant.fp8_roundtrip(x, 128) if opts.quant_sim else x  # as Linear rounds the input of w1 and w3
+        h1, h3 = (project or XLA.project)(xq, [self.w1.weight.get_value(), self.w3.weight.get_value()])
+        h1 = self.w1(x, opts) if h1 is None else h1.astype(x.dtype)  # rounded as Linear returns it
+        h3 = self.w3(x, opts) if h3 is None else h3.astype(x.dtype)
+        h = L.swiglu(h1.astype(F32), h3.astype(F32), limit)
+        return self.w2(h.astype(x.dtype), opts)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, rngs, dtype):
+        self.cfg = cfg
+        self.gate = Gate(cfg, cfg.is_hash_layer(layer_id), rngs=rngs, dtype=dtype)
+        self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+        self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype) if cfg.n_shared_experts else None
+
+    @property
+    def hashed(self) -> bool:
+        return self.gate.tid2eid is not None
+
+    def __call__(self, x, token_ids, opts: RunOptions, experts_fn=None, layer=None, project=None):
+        """Returns (y like x, the chosen experts [B*T, k] int32). experts_fn: the ops table's `experts` (on a mesh
+        already per shard, mesh_ops; None: the XLA forms, per shard on a mesh); layer: the index of this layer in
+        its stack when the expert weights are the whole stack (see Transformer._run_layers); project: the ops
+        table's `project`, for the shared expert."""
+        cfg = self.cfg
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        tid2eid = None if self.gate.tid2eid is None else self.gate.tid2eid[...]
+        bias = None if self.gate.bias is None else self.gate.bias[...]
+        w, idx = L.route(flat, self.gate.weight[...], bias, tid2eid, token_ids.reshape(-1), cfg)
+        xin = quant.fp8_roundtrip(flat, 128) if opts.quant_sim else flat
+        experts_fn = experts_fn or functools.partial(routed_experts, mesh_rules=opts.mesh_rules)
+        y = experts_fn(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], cfg.swiglu_limit,
+                       layer)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat, cfg.swiglu_limit, opts, project).astype(F32)
+        return y.astype(x.dtype).reshape(shape), idx
