@@ -17,6 +17,7 @@ from flax import nnx
 
 from v4jax.config import PRESETS, ModelConfig, preset
 from v4jax.detokenize import IncrementalDetokenizer
+from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
 from v4jax.model import RunOptions, Transformer
 from v4jax.sampling import SamplingParams
 
@@ -226,6 +227,8 @@ class LLM:
 
         self._forward = forward
         self._engine = None
+        self._check = None
+        self._rejected = 0  # requests generate refused before they reached the engine
 
     # ---- inputs ----
     def _check_ids(self, ids: Sequence[int], what: str = "prompt") -> list[int]:
@@ -242,12 +245,7 @@ class LLM:
             if bad:
                 raise TypeError(f"{what}: token ids must be integers, got {bad[:5]!r}")
             ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError(f"{what} is empty")
-        vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = [t for t in ids if not 0 <= t < vocab]
-            raise ValueError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        check_prompt_ids(ids, self.config.vocab_size, what)
         return ids
 
     def encode(self, prompt: str | Sequence[int], what: str = "prompt") -> list[int]:
@@ -285,6 +283,18 @@ class LLM:
             from v4jax.engine import EngineCore
             self._engine = EngineCore(self.config, self.model, self.options, self.run_options, self.max_model_len)
         return self._engine
+
+    @property
+    def request_check(self) -> RequestCheck:
+        """The engine's request check (v4jax.engine.checks), from the layout it has or would build."""
+        if self._engine is not None:
+            e = self._engine
+            return RequestCheck.of(e.cfg, e.layout, e.max_model_len, paged=not e.tables.dense)
+        if self._check is None:
+            mesh_shape = None if self.mesh_rules is None else dict(self.mesh_rules.mesh.shape)
+            self._check = RequestCheck.for_options(self.config, self.options, self.model.dtype, self.max_model_len,
+                                                   mesh_shape)
+        return self._check
 
     @staticmethod
     def _check_requests(prompts, sampling) -> tuple[list, list[SamplingParams]]:
@@ -329,14 +339,13 @@ class LLM:
         if not plist:
             return iter(()) if stream else []
         ids = [self.encode(p, f"prompt {i}") for i, p in enumerate(plist)]
+        check = self.request_check
         for i, (p, sp) in enumerate(zip(ids, params)):
-            if len(p) + sp.max_tokens > self.max_model_len:
-                room = (f"lower max_tokens to at most {self.max_model_len - len(p)}, "
-                        if len(p) < self.max_model_len else "")
-                raise ValueError(
-                    f"prompt {i}: prompt_len={len(p)} + max_tokens={sp.max_tokens} = {len(p) + sp.max_tokens} "
-                    f"tokens exceed the context limit max_model_len={self.max_model_len}; shorten the prompt, "
-                    f"{room}or raise max_model_len (this model allows up to {self.config.max_seq_len})")
+            try:
+                check.check_size(len(p), sp)  # the ids were checked by encode
+            except RequestError as e:
+                self._rejected += 1
+                raise RequestError(f"prompt {i}: {e.message}", e.param, e.code) from None
         if self._engine is None:  # the first generate builds the engine: its pools must fit what is free
             from v4jax.memory import check_engine_fits, model_weight_bytes
             check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,
@@ -390,8 +399,11 @@ class LLM:
                 core.abort(rid)
 
     def stats(self) -> dict:
-        """Pools (used / total pages), prefix cache (queried and hit tokens) and request counts."""
-        return self.engine.stats()
+        """Pools (used / total pages), prefix cache (queried and hit tokens) and request counts (`rejected`: by
+        the request check, in generate or at the engine)."""
+        st = self.engine.stats()
+        st["requests"]["rejected"] += self._rejected
+        return st
 
     def _stream(self, events, ids) -> Iterator[tuple[int, list[int], str | None]]:
         # text in O(new tokens) per event (decoding each request's whole output per event was quadratic: ~11 s of

@@ -158,8 +158,9 @@ class Orchestrator:
             self._detok_thread.join(timeout)
 
     # ---- from the HTTP layer ----
-    def check(self, prompt_len: int, params: SamplingParams) -> None:
-        self.engine.check(prompt_len, params)
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """The engine's request check (ValueError for a request that could never run); any thread."""
+        self.engine.check(prompt_ids, params)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *, n: int = 1,
                stop: Sequence[str] = ()) -> RequestStream:

@@ -174,34 +174,27 @@ def _max_tokens(body: dict, names=("max_tokens",)):
     return None, names[0]
 
 
-def _fit(prompts: list[list[int]], max_tokens: int | None, mt_name: str, prompt_name: str, limits,
-         default_tokens: int | None) -> list[int]:
-    """max_tokens per prompt (None = what the context leaves, as vLLM does for chat), checked against the
-    context."""
-    out = []
-    for i, ids in enumerate(prompts):
-        where = prompt_name if len(prompts) == 1 else f"{prompt_name}[{i}]"
-        if len(ids) >= limits.max_model_len:
-            raise bad(prompt_name, f"{where} has {len(ids)} tokens; the context holds {limits.max_model_len} "
-                      "(prompt + max_tokens)", "context_length_exceeded")
-        mt = max_tokens if max_tokens is not None else default_tokens
-        mt = mt if mt is not None else limits.max_model_len - len(ids)
-        if len(ids) + mt > limits.max_model_len:
-            raise bad(mt_name, f"{where} has {len(ids)} tokens and {mt_name}={mt}: {len(ids) + mt} exceed the "
-                      f"context of {limits.max_model_len} tokens; lower {mt_name} to at most "
-                      f"{limits.max_model_len - len(ids)}", "context_length_exceeded")
-        out.append(mt)
-    return out
+def _fit(prompts: list[list[int]], max_tokens: int | None, limits, default_tokens: int | None) -> list[int]:
+    """max_tokens per prompt: the request's, else `default_tokens`, else (None) what the context leaves, as vLLM
+    does for chat (at least 1: a prompt that fills the context is the request check's to refuse)."""
+    if max_tokens is not None:
+        return [max_tokens] * len(prompts)
+    if default_tokens is not None:
+        return [default_tokens] * len(prompts)
+    return [max(1, limits.max_model_len - len(ids)) for ids in prompts]
 
 
-def _checked(prompts, params, check, mt_name: str) -> None:
-    """The engine's own limits (pages in the pool, stop ids it can hold): a 400 naming the field."""
-    for ids, sp in zip(prompts, params):
+def _checked(prompts, params, check, mt_name: str, prompt_name: str) -> None:
+    """The engine's request check (v4jax.engine.checks: context, pages, stop ids): a 400 whose message is the
+    engine's own, `param` the field at fault as the client named it."""
+    for i, (ids, sp) in enumerate(zip(prompts, params)):
         try:
-            check(len(ids), sp)
+            check(ids, sp)
         except ValueError as e:
-            field = str(e).partition(":")[0]
-            raise bad(mt_name if field == "max_tokens" else field, str(e)) from None
+            field = getattr(e, "param", None)
+            param = {"max_tokens": mt_name, "prompt": prompt_name}.get(field, field)
+            msg = str(e) if len(prompts) == 1 else f"{prompt_name}[{i}]: {e}"
+            raise bad(param, msg, getattr(e, "code", "invalid_value")) from None
 
 
 def _n(body: dict, limits, n_prompts: int) -> int:
@@ -244,9 +237,9 @@ def parse_completion(body: dict, codec, limits, check) -> Prepared:
     if stop and not codec.has_tokenizer:
         raise bad("stop", "this model has no tokenizer: stop strings cannot be matched (use stop_token_ids)")
     max_tokens, name = _max_tokens(body)
-    mts = _fit(prompts, max_tokens, name, "prompt", limits, default_tokens=16)
+    mts = _fit(prompts, max_tokens, limits, default_tokens=16)
     params = [_sampling(body, mt, logprobs=logprobs is not None) for mt in mts]
-    _checked(prompts, params, check, name)
+    _checked(prompts, params, check, name, "prompt")
     return Prepared(prompts, params, n, stop, stream, include_usage, logprobs,
                     get_bool(body, "return_token_ids", False))
 
@@ -310,9 +303,9 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     n = _n(body, limits, 1)
     stop = _stop(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
-    mts = _fit([ids], max_tokens, name, "messages", limits, default_tokens=None)
+    mts = _fit([ids], max_tokens, limits, default_tokens=None)
     params = [_sampling(body, mts[0], logprobs=want_lp)]
-    _checked([ids], params, check, name)
+    _checked([ids], params, check, name, "messages")
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
                     get_bool(body, "return_token_ids", False))
 
@@ -355,10 +348,8 @@ def parse_generate(body: dict, codec, limits, check) -> tuple[Prepared, bool]:
     if md is not None and not isinstance(md, dict):
         raise bad("metadata", "'metadata' must be an object", "invalid_type")
     n = get_int(body, "num_samples", 0, lo=0, hi=limits.max_n) or 1
-    mts = _fit([ids], max_tokens, "max_tokens", "text_content" if text is not None else "token_content",
-               limits, default_tokens=None)
-    sp = SamplingParams(max_tokens=mts[0], temperature=0.0 if n == 1 else 1.0)
-    _checked([ids], [sp], check, "max_tokens")
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0 if n == 1 else 1.0)
+    _checked([ids], [sp], check, "max_tokens", "text_content" if text is not None else "token_content")
     return Prepared([ids], [sp], n, (), True, False, None, False), text is not None
 
 
