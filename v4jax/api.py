@@ -18,6 +18,7 @@ from flax import nnx
 from v4jax.config import PRESETS, ModelConfig, preset
 from v4jax.detokenize import IncrementalDetokenizer
 from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
+from v4jax.fields import FieldError, check_field
 from v4jax.model import RunOptions, Transformer
 from v4jax.sampling import SamplingParams
 
@@ -61,13 +62,11 @@ class EngineOptions:
     # every process's devices once jax.distributed runs (sharding.multihost.initialize, called by LLM)
 
     def __post_init__(self):
-        if self.attention_impl not in (None, "xla", "pallas"):
-            raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
-        if self.kv_layout not in ("paged", "dense"):
-            raise ValueError(f"kv_layout must be 'paged' or 'dense', got {self.kv_layout!r}")
-        for name in ("max_num_seqs", "decode_steps", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        # every option by the rule table (v4jax.fields): ints are ints in range (int32; bytes int64), bools are
+        # bools, choices are strings among the choices, the mesh is a string; the message names the option
+        for f in dataclasses.fields(self):
+            rule = "weights_seed" if f.name == "seed" else f.name
+            object.__setattr__(self, f.name, check_field(rule, getattr(self, f.name), field=f.name))
 
 
 def _load_tokenizer(path: str):
@@ -194,13 +193,13 @@ def _bucket(n: int, lo: int = 16) -> int:
 
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "bfloat16", **options):
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        try:
-            self.options = EngineOptions(**options)
-        except TypeError as e:
-            known = [f.name for f in dataclasses.fields(EngineOptions)]
-            raise TypeError(f"unknown LLM option(s) {sorted(set(options) - set(known))}; known: {known}") from e
+        known = [f.name for f in dataclasses.fields(EngineOptions)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown LLM option(s) {unknown}; known: {known}")
+        self.options = EngineOptions(**options)  # FieldError (a ValueError) naming the option
         from sharding import multihost
         from v4jax import compile_cache
         multihost.initialize()  # one process of several when the environment says so (before any device is used)
@@ -212,7 +211,11 @@ class LLM:
                                                                           self.mesh_rules)
         compile_cache.watch_first_compile()  # the model's steps compile at the first generate
         self.dtype = dtype
-        self.max_model_len = min(self.options.max_model_len or self.config.max_seq_len, self.config.max_seq_len)
+        limit = self.options.max_model_len
+        if limit is not None and limit > self.config.max_seq_len:
+            raise FieldError("max_model_len", f"max_model_len={limit} exceeds this model's context limit of "
+                             f"{self.config.max_seq_len} tokens (its config's max_position_embeddings)")
+        self.max_model_len = self.config.max_seq_len if limit is None else limit
         impl = self.options.attention_impl or ("pallas" if jax.default_backend() == "gpu" else "xla")
         self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=impl, mesh_rules=self.mesh_rules)
         graphdef, state = nnx.split(self.model)

@@ -31,6 +31,13 @@ class ServingEngine(Protocol):
 
     def step(self) -> list[RequestDelta]: ...
 
+    def fail_step(self) -> None:
+        """After step() raised: end the requests of that step (those holding a decode slot); their pages return.
+        The engine can step again afterwards."""
+
+    def request_ids(self) -> set[str]:
+        """The requests the engine holds (running, prefilling or waiting)."""
+
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> dict: ...
@@ -58,6 +65,16 @@ class LocalEngine:
 
     def step(self):
         return self.core.step()
+
+    def fail_step(self) -> None:
+        for rid in self._in_slots():
+            self.core.abort(rid)
+
+    def _in_slots(self) -> list[str]:
+        return [r.request_id for r in self.core.scheduler.slots if r is not None]
+
+    def request_ids(self) -> set[str]:
+        return set(self.core.scheduler.requests)
 
     def has_unfinished_requests(self):
         return self.core.has_unfinished_requests()
@@ -97,6 +114,13 @@ class LeaderEngine:
         self.channel.publish(json.dumps({"commands": self._pending}))
         self._pending = []
         return self.local.step()
+
+    def fail_step(self) -> None:
+        for rid in self.local._in_slots():
+            self.abort(rid)  # published: the other processes end them too
+
+    def request_ids(self) -> set[str]:
+        return self.local.request_ids()
 
     def has_unfinished_requests(self):
         return self.local.has_unfinished_requests()

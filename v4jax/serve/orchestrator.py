@@ -138,6 +138,11 @@ class Orchestrator:
         return self._engine_thread.is_alive() and self._detok_thread.is_alive() and self.error is None
 
     @property
+    def engine_alive(self) -> bool:
+        """Whether the engine thread runs (False once it has died: /health says so)."""
+        return self._engine_thread.is_alive() and self.error is None
+
+    @property
     def accepting(self) -> bool:
         return self._accepting and self.live
 
@@ -213,6 +218,7 @@ class Orchestrator:
     def _engine_loop(self) -> None:
         eng = self.engine
         stopping = False
+        added: set[str] = set()  # sequences the engine holds (added, no last delta yet)
         try:
             while True:
                 busy = eng.has_unfinished_requests()
@@ -225,9 +231,21 @@ class Orchestrator:
                     pass
                 for cmd in cmds:
                     stopping |= self._apply(cmd, errors)
+                    if cmd[0] == "add" and cmd[1] not in errors:
+                        added.add(cmd[1])
                 if stopping or (self._abort_all_at is not None and time.monotonic() >= self._abort_all_at):
                     self._abort_everything()
-                deltas = eng.step() if eng.has_unfinished_requests() else []
+                try:
+                    deltas = eng.step() if eng.has_unfinished_requests() else []
+                except Exception as e:  # one step failed: its requests end with an error, the loop goes on
+                    log.exception("engine step failed; the requests of that step end with an error")
+                    deltas = []
+                    eng.fail_step()
+                    held = eng.request_ids()
+                    for rid in added - held:  # the step's, and any whose last delta the failed step took
+                        errors[rid] = f"the engine step failed: {type(e).__name__}: {e}"
+                    added &= held
+                added.difference_update(d.request_id for d in deltas if d.finish_reason is not None)
                 if deltas or errors:
                     self._results.put(_StepResult(time.monotonic(), deltas, errors))  # blocks: back-pressure
                 self._publish_stats()
