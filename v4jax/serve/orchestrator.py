@@ -5,7 +5,9 @@
 * The engine thread is the only one that touches the engine. It takes commands (add, abort, call, stop) from a
   queue, blocking on it while the engine is idle (no spinning, no GIL churn), and steps the engine while it has
   work, putting each step's deltas on a bounded queue: when the detokenizer falls behind, the engine waits
-  (back-pressure) instead of piling up results.
+  (back-pressure) instead of piling up results. A step that raises ends the requests of that step with an error
+  (their pages return: `ServingEngine.fail_step`) and the loop goes on; only an error outside a step stops the
+  thread, and /health then reports the engine dead.
 * The detokenize thread turns token ids into text, matches stop strings (and has the engine abort a sequence a
   stop string ended), keeps the latency metrics and hands each sequence's output to its request's asyncio queue
   through the event loop (`call_soon_threadsafe`).
@@ -267,6 +269,9 @@ class Orchestrator:
                 self.engine.add_request(seq_id, prompt, sp, sample_index)
             except ValueError as e:
                 errors[seq_id] = str(e)
+            except Exception as e:  # a bug on the way in fails this request, not the engine thread
+                log.exception("adding request %s failed", seq_id)
+                errors[seq_id] = f"{type(e).__name__}: {e}"
         elif kind == "abort":
             self.engine.abort(cmd[1])
         elif kind == "call":
