@@ -71,8 +71,8 @@ def test_argument_errors_exit_2(capsys, no_model_load, argv):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["generate", "--max-tokens", "0"], "max_tokens must be an integer >= 1"),
-    (["generate", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["generate", "--max-tokens", "0"], "max_tokens must be an integer in [1, 2147483647]"),
+    (["generate", "--top-p", "0"], "top_p must be a finite number in (0, 1]"),
     (["generate", "--seed", str(2**40)], "seed must be an integer in"),
     (["generate", "--stop-token-ids", "-3"], "stop_token_ids"),
     (["generate", ""], "a prompt is empty"),

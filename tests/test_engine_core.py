@@ -151,16 +151,19 @@ def test_request_that_cannot_fit_alone_is_refused_others_go_on():
               memory_budget_bytes=budget)
     core = llm.engine
     core.add_request("small", [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
+    ids = lambda n: [2 + i % 500 for i in range(n)]  # inside tiny's vocabulary (the engine checks it too)
     with pytest.raises(ValueError, match="pages"):
-        core.add_request("huge", list(range(2, 1000)), SamplingParams(max_tokens=4, **GREEDY))
+        core.add_request("huge", ids(998), SamplingParams(max_tokens=4, **GREEDY))
     with pytest.raises(ValueError, match="max_model_len"):
-        core.add_request("long", list(range(2, 2040)), SamplingParams(max_tokens=16, **GREEDY))
+        core.add_request("long", ids(2038), SamplingParams(max_tokens=16, **GREEDY))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        core.add_request("oov", [5, 512], SamplingParams(max_tokens=4, **GREEDY))
     got = []
     while core.has_unfinished_requests():
         got += core.step()
     assert [d.request_id for d in got] == ["small"] * len(got) and got[-1].finish_reason == "length"
     assert sum(len(d.new_token_ids) for d in got) == 4
-    assert llm.stats()["requests"]["rejected"] == 2
+    assert llm.stats()["requests"]["rejected"] == 3
 
 
 def test_abort_returns_pages_and_reports():

@@ -17,6 +17,8 @@ from flax import nnx
 
 from v4jax.config import PRESETS, ModelConfig, preset
 from v4jax.detokenize import IncrementalDetokenizer
+from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
+from v4jax.fields import FieldError, check_field
 from v4jax.model import RunOptions, Transformer
 from v4jax.sampling import SamplingParams
 
@@ -60,13 +62,11 @@ class EngineOptions:
     # every process's devices once jax.distributed runs (sharding.multihost.initialize, called by LLM)
 
     def __post_init__(self):
-        if self.attention_impl not in (None, "xla", "pallas"):
-            raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
-        if self.kv_layout not in ("paged", "dense"):
-            raise ValueError(f"kv_layout must be 'paged' or 'dense', got {self.kv_layout!r}")
-        for name in ("max_num_seqs", "decode_steps", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        # every option by the rule table (v4jax.fields): ints are ints in range (int32; bytes int64), bools are
+        # bools, choices are strings among the choices, the mesh is a string; the message names the option
+        for f in dataclasses.fields(self):
+            rule = "weights_seed" if f.name == "seed" else f.name
+            object.__setattr__(self, f.name, check_field(rule, getattr(self, f.name), field=f.name))
 
 
 def _load_tokenizer(path: str):
@@ -193,13 +193,13 @@ def _bucket(n: int, lo: int = 16) -> int:
 
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "bfloat16", **options):
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        try:
-            self.options = EngineOptions(**options)
-        except TypeError as e:
-            known = [f.name for f in dataclasses.fields(EngineOptions)]
-            raise TypeError(f"unknown LLM option(s) {sorted(set(options) - set(known))}; known: {known}") from e
+        known = [f.name for f in dataclasses.fields(EngineOptions)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown LLM option(s) {unknown}; known: {known}")
+        self.options = EngineOptions(**options)  # FieldError (a ValueError) naming the option
         from sharding import multihost
         from v4jax import compile_cache
         multihost.initialize()  # one process of several when the environment says so (before any device is used)
@@ -211,7 +211,11 @@ class LLM:
                                                                           self.mesh_rules)
         compile_cache.watch_first_compile()  # the model's steps compile at the first generate
         self.dtype = dtype
-        self.max_model_len = min(self.options.max_model_len or self.config.max_seq_len, self.config.max_seq_len)
+        limit = self.options.max_model_len
+        if limit is not None and limit > self.config.max_seq_len:
+            raise FieldError("max_model_len", f"max_model_len={limit} exceeds this model's context limit of "
+                             f"{self.config.max_seq_len} tokens (its config's max_position_embeddings)")
+        self.max_model_len = self.config.max_seq_len if limit is None else limit
         impl = self.options.attention_impl or ("pallas" if jax.default_backend() == "gpu" else "xla")
         self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=impl, mesh_rules=self.mesh_rules)
         graphdef, state = nnx.split(self.model)
@@ -226,6 +230,8 @@ class LLM:
 
         self._forward = forward
         self._engine = None
+        self._check = None
+        self._rejected = 0  # requests generate refused before they reached the engine
 
     # ---- inputs ----
     def _check_ids(self, ids: Sequence[int], what: str = "prompt") -> list[int]:
@@ -242,12 +248,7 @@ class LLM:
             if bad:
                 raise TypeError(f"{what}: token ids must be integers, got {bad[:5]!r}")
             ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError(f"{what} is empty")
-        vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = [t for t in ids if not 0 <= t < vocab]
-            raise ValueError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        check_prompt_ids(ids, self.config.vocab_size, what)
         return ids
 
     def encode(self, prompt: str | Sequence[int], what: str = "prompt") -> list[int]:
@@ -285,6 +286,18 @@ class LLM:
             from v4jax.engine import EngineCore
             self._engine = EngineCore(self.config, self.model, self.options, self.run_options, self.max_model_len)
         return self._engine
+
+    @property
+    def request_check(self) -> RequestCheck:
+        """The engine's request check (v4jax.engine.checks), from the layout it has or would build."""
+        if self._engine is not None:
+            e = self._engine
+            return RequestCheck.of(e.cfg, e.layout, e.max_model_len, paged=not e.tables.dense)
+        if self._check is None:
+            mesh_shape = None if self.mesh_rules is None else dict(self.mesh_rules.mesh.shape)
+            self._check = RequestCheck.for_options(self.config, self.options, self.model.dtype, self.max_model_len,
+                                                   mesh_shape)
+        return self._check
 
     @staticmethod
     def _check_requests(prompts, sampling) -> tuple[list, list[SamplingParams]]:
@@ -329,14 +342,13 @@ class LLM:
         if not plist:
             return iter(()) if stream else []
         ids = [self.encode(p, f"prompt {i}") for i, p in enumerate(plist)]
+        check = self.request_check
         for i, (p, sp) in enumerate(zip(ids, params)):
-            if len(p) + sp.max_tokens > self.max_model_len:
-                room = (f"lower max_tokens to at most {self.max_model_len - len(p)}, "
-                        if len(p) < self.max_model_len else "")
-                raise ValueError(
-                    f"prompt {i}: prompt_len={len(p)} + max_tokens={sp.max_tokens} = {len(p) + sp.max_tokens} "
-                    f"tokens exceed the context limit max_model_len={self.max_model_len}; shorten the prompt, "
-                    f"{room}or raise max_model_len (this model allows up to {self.config.max_seq_len})")
+            try:
+                check.check_size(len(p), sp)  # the ids were checked by encode
+            except RequestError as e:
+                self._rejected += 1
+                raise RequestError(f"prompt {i}: {e.message}", e.param, e.code) from None
         if self._engine is None:  # the first generate builds the engine: its pools must fit what is free
             from v4jax.memory import check_engine_fits, model_weight_bytes
             check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,
@@ -390,8 +402,11 @@ class LLM:
                 core.abort(rid)
 
     def stats(self) -> dict:
-        """Pools (used / total pages), prefix cache (queried and hit tokens) and request counts."""
-        return self.engine.stats()
+        """Pools (used / total pages), prefix cache (queried and hit tokens) and request counts (`rejected`: by
+        the request check, in generate or at the engine)."""
+        st = self.engine.stats()
+        st["requests"]["rejected"] += self._rejected
+        return st
 
     def _stream(self, events, ids) -> Iterator[tuple[int, list[int], str | None]]:
         # text in O(new tokens) per event (decoding each request's whole output per event was quadratic: ~11 s of

@@ -6,31 +6,15 @@ same tokens whatever else shares its batch."""
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v4jax.fields import INT32_MAX, check_field, is_int
+
 F32 = jnp.float32
-INT32_LIMIT = 2**31
-
-
-def _is_int(x) -> bool:
-    """An integer that is not a bool (numpy integers count)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
-
-
-def _int(name: str, x, lo: int | None = None, hi: int | None = None, what: str = "") -> int:
-    if not _is_int(x) or (lo is not None and x < lo) or (hi is not None and x >= hi):
-        raise ValueError(f"{name} must be an integer {what}".rstrip() + f", got {x!r}")
-    return int(x)
 
 
 def _token_ids(name: str, ids) -> tuple[int, ...]:
@@ -41,7 +25,7 @@ def _token_ids(name: str, ids) -> tuple[int, ...]:
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple, range)):
         raise ValueError(f"{name} must be a list of token ids (integers in [0, 2**31)), got {ids!r}")
-    bad = [t for t in ids if not (_is_int(t) and 0 <= t < INT32_LIMIT)]
+    bad = [t for t in ids if not (is_int(t) and 0 <= t <= INT32_MAX)]
     if bad:
         raise ValueError(f"{name} must be a list of token ids (integers in [0, 2**31)); invalid entries: "
                          f"{bad[:5]!r}")
@@ -60,23 +44,12 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        # Every check runs here, at construction: a bad value never reaches the engine (where it would fail
-        # late, e.g. as an int32 overflow) or gets silently coerced (a string of digits, a float token id).
-        object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, lo=1, what=">= 1"))
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "top_k", _int("top_k", self.top_k, lo=-1, what=">= 0 (0 or -1 = off)"))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", _int("seed", self.seed, lo=-INT32_LIMIT, hi=INT32_LIMIT,
-                                                  what="in [-2**31, 2**31) (seeds are int32 on device)"))
+        # Every check runs here, at construction, by the rule table (v4jax.fields: int32 bounds, finite floats,
+        # real bools): a bad value never reaches the engine (where it would fail late, e.g. as an int32 overflow
+        # on its thread) or gets silently coerced (a string of digits, a float token id).
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos"):
+            object.__setattr__(self, name, check_field(name, getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
-        for name in ("logprobs", "ignore_eos"):
-            v = getattr(self, name)
-            if not isinstance(v, (bool, np.bool_)):
-                raise ValueError(f"{name} must be True or False, got {v!r}")
-            object.__setattr__(self, name, bool(v))
 
     def resolved_seed(self) -> int:
         """The request's seed; a fresh random one when unset."""

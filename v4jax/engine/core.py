@@ -26,6 +26,7 @@ from v4jax.cache.pages import PageTables
 from v4jax.cache.prefix import PrefixCache
 from v4jax.config import ModelConfig
 from v4jax.engine import steps as S
+from v4jax.engine.checks import RequestCheck
 from v4jax.engine.scheduler import MAX_PREFILL_ROWS, PREFILLING, RUNNING, Request, Scheduler, chunk_bucket
 from v4jax.cache.layout import pool_layout
 from v4jax.model import RunOptions, Transformer
@@ -119,34 +120,21 @@ class EngineCore:
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                     *, sample_index: int = 0) -> None:
-        """Queue a request. Raises ValueError for one that could never run: past the context, or needing more
-        pages than the whole pool; everything else is queued, never refused."""
+        """Queue a request. Raises ValueError for one that could never run (v4jax.engine.checks: past the context,
+        more pages than its data shard holds, an empty prompt or an id outside the vocabulary, too many stop ids);
+        everything else is queued, never refused."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(map(int, prompt_token_ids))
         sp = sampling_params
-        n = len(prompt)
-        if n == 0:
-            raise ValueError("prompt is empty")
-        if n + sp.max_tokens > self.max_model_len:
+        try:
+            RequestCheck.of(self.cfg, self.layout, self.max_model_len, paged=not self.tables.dense)(prompt, sp)
+        except ValueError:
             self.counts["rejected"] += 1
-            raise ValueError(f"prompt of {n} tokens + max_tokens={sp.max_tokens} exceeds max_model_len="
-                             f"{self.max_model_len}")
-        if not self.tables.dense:
-            lay = self.layout
-            need = -(-(n + sp.max_tokens) // lay.page_size)
-            # a request takes the pages of its data shard only, spread over the shard's context blocks
-            if -(-need // lay.context_shards) > self.tables.full_alloc.block_size:
-                self.counts["rejected"] += 1
-                shard = "" if lay.data_shards == 1 else f" ({lay.n_pages // lay.data_shards} per data shard)"
-                raise ValueError(f"request needs {need} pages of {lay.page_size} tokens "
-                                 f"({n} prompt + {sp.max_tokens} max_tokens); the pool holds {lay.n_pages}{shard} "
-                                 "(raise memory_budget_bytes or lower max_tokens)")
+            raise
         stop_ids = tuple(sp.stop_token_ids)
         if not sp.ignore_eos and self.cfg.eos_token_id is not None:
             stop_ids = stop_ids + (self.cfg.eos_token_id,)
-        if len(stop_ids) > S.MAX_STOP:
-            raise ValueError(f"at most {S.MAX_STOP - 1} stop_token_ids are supported")
         seed = sp.resolved_seed()
         if sp.seed is None:
             from sharding.multihost import agree

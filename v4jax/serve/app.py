@@ -69,6 +69,14 @@ class ServerState:
                            param="model", code="model_not_found")
 
 
+def _text_safe(body: dict) -> dict:
+    """An error body that encodes as UTF-8 whatever it quotes (a lone surrogate would fail the response itself,
+    and the connection with it)."""
+    err = body["error"]
+    return {"error": {k: v.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(v, str) else v
+                      for k, v in err.items()}}
+
+
 class _ApiKey:
     """ASGI middleware: /v1/* (but /v1/health) needs "Authorization: Bearer <key>", compared in constant time."""
 
@@ -95,8 +103,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = state.orchestrator.accepting
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        orch = state.orchestrator
+        ok = orch.accepting
+        body = {"status": "ok" if ok else "unavailable"}
+        if not orch.engine_alive:
+            body["engine"] = "dead" + (f": {type(orch.error).__name__}: {orch.error}" if orch.error else "")
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -106,7 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(request: Request, e: ApiError):
         if e.status < 500 and e.status not in (429,):
             state.metrics.rejected.labels(reason=str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return JSONResponse(_text_safe(e.body()), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, e: ClientGone):

@@ -10,8 +10,8 @@ import dataclasses
 import json
 from typing import Protocol, Sequence
 
+from v4jax.engine.checks import RequestCheck
 from v4jax.engine.core import EngineCore, RequestDelta
-from v4jax.engine.steps import MAX_STOP
 from v4jax.sampling import SamplingParams
 
 
@@ -20,9 +20,9 @@ class ServingEngine(Protocol):
     max_model_len: int
     max_num_seqs: int
 
-    def check(self, prompt_len: int, params: SamplingParams) -> None:
-        """Raise ValueError for a request that could never run, its message starting with the field at fault
-        (max_tokens, stop_token_ids); thread-safe."""
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that could never run (v4jax.engine.checks.RequestError: its `param`
+        names the field at fault, its message the numbers); thread-safe."""
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                     sample_index: int) -> None: ...
@@ -30,6 +30,13 @@ class ServingEngine(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
     def step(self) -> list[RequestDelta]: ...
+
+    def fail_step(self) -> None:
+        """After step() raised: end the requests of that step (those holding a decode slot); their pages return.
+        The engine can step again afterwards."""
+
+    def request_ids(self) -> set[str]:
+        """The requests the engine holds (running, prefilling or waiting)."""
 
     def has_unfinished_requests(self) -> bool: ...
 
@@ -43,24 +50,12 @@ class LocalEngine:
         self.core = core
         self.max_model_len = core.max_model_len
         self.max_num_seqs = core.layout.max_slots
+        self.request_check = RequestCheck.of(core.cfg, core.layout, core.max_model_len, paged=not core.tables.dense)
 
-    def check(self, prompt_len: int, params: SamplingParams) -> None:
-        # The limits EngineCore.add_request enforces, checked before the request reaches the engine thread so
-        # that the client gets a 400 instead of a failed stream. The layout never changes after construction.
-        mt = params.max_tokens
-        if prompt_len + mt > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt of {prompt_len} tokens + max_tokens={mt} exceeds max_model_len="
-                             f"{self.max_model_len}")
-        lay = self.core.layout
-        if not self.core.tables.dense:
-            need = -(-(prompt_len + mt) // lay.page_size)
-            if need > lay.n_pages:
-                raise ValueError(f"max_tokens: the request needs {need} pages of {lay.page_size} tokens "
-                                 f"({prompt_len} prompt + {mt} max_tokens); the pool holds {lay.n_pages}")
-        eos = 0 if params.ignore_eos or self.core.cfg.eos_token_id is None else 1
-        if len(params.stop_token_ids) + eos > MAX_STOP:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP - eos} are supported, got "
-                             f"{len(params.stop_token_ids)}")
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        # The engine's own check (EngineCore.add_request runs it too), before the request reaches the engine
+        # thread, so that the client gets a 400 instead of a failed stream. The layout never changes.
+        self.request_check(prompt_ids, params)
 
     def add_request(self, request_id, prompt_ids, params, sample_index):
         self.core.add_request(request_id, prompt_ids, params, sample_index=sample_index)
@@ -70,6 +65,16 @@ class LocalEngine:
 
     def step(self):
         return self.core.step()
+
+    def fail_step(self) -> None:
+        for rid in self._in_slots():
+            self.core.abort(rid)
+
+    def _in_slots(self) -> list[str]:
+        return [r.request_id for r in self.core.scheduler.slots if r is not None]
+
+    def request_ids(self) -> set[str]:
+        return set(self.core.scheduler.requests)
 
     def has_unfinished_requests(self):
         return self.core.has_unfinished_requests()
@@ -91,8 +96,8 @@ class LeaderEngine:
         self.channel = channel
         self._pending: list = []
 
-    def check(self, prompt_len: int, params: SamplingParams) -> None:
-        self.local.check(prompt_len, params)
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.local.check(prompt_ids, params)
 
     def add_request(self, request_id, prompt_ids, params, sample_index):
         # A fresh seed is drawn here, so every process samples with it (no collective on the engine thread).
@@ -109,6 +114,13 @@ class LeaderEngine:
         self.channel.publish(json.dumps({"commands": self._pending}))
         self._pending = []
         return self.local.step()
+
+    def fail_step(self) -> None:
+        for rid in self.local._in_slots():
+            self.abort(rid)  # published: the other processes end them too
+
+    def request_ids(self) -> set[str]:
+        return self.local.request_ids()
 
     def has_unfinished_requests(self):
         return self.local.has_unfinished_requests()

@@ -5,7 +5,9 @@
 * The engine thread is the only one that touches the engine. It takes commands (add, abort, call, stop) from a
   queue, blocking on it while the engine is idle (no spinning, no GIL churn), and steps the engine while it has
   work, putting each step's deltas on a bounded queue: when the detokenizer falls behind, the engine waits
-  (back-pressure) instead of piling up results.
+  (back-pressure) instead of piling up results. A step that raises ends the requests of that step with an error
+  (their pages return: `ServingEngine.fail_step`) and the loop goes on; only an error outside a step stops the
+  thread, and /health then reports the engine dead.
 * The detokenize thread turns token ids into text, matches stop strings (and has the engine abort a sequence a
   stop string ended), keeps the latency metrics and hands each sequence's output to its request's asyncio queue
   through the event loop (`call_soon_threadsafe`).
@@ -138,6 +140,11 @@ class Orchestrator:
         return self._engine_thread.is_alive() and self._detok_thread.is_alive() and self.error is None
 
     @property
+    def engine_alive(self) -> bool:
+        """Whether the engine thread runs (False once it has died: /health says so)."""
+        return self._engine_thread.is_alive() and self.error is None
+
+    @property
     def accepting(self) -> bool:
         return self._accepting and self.live
 
@@ -158,8 +165,9 @@ class Orchestrator:
             self._detok_thread.join(timeout)
 
     # ---- from the HTTP layer ----
-    def check(self, prompt_len: int, params: SamplingParams) -> None:
-        self.engine.check(prompt_len, params)
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """The engine's request check (ValueError for a request that could never run); any thread."""
+        self.engine.check(prompt_ids, params)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *, n: int = 1,
                stop: Sequence[str] = ()) -> RequestStream:
@@ -212,6 +220,7 @@ class Orchestrator:
     def _engine_loop(self) -> None:
         eng = self.engine
         stopping = False
+        added: set[str] = set()  # sequences the engine holds (added, no last delta yet)
         try:
             while True:
                 busy = eng.has_unfinished_requests()
@@ -224,9 +233,21 @@ class Orchestrator:
                     pass
                 for cmd in cmds:
                     stopping |= self._apply(cmd, errors)
+                    if cmd[0] == "add" and cmd[1] not in errors:
+                        added.add(cmd[1])
                 if stopping or (self._abort_all_at is not None and time.monotonic() >= self._abort_all_at):
                     self._abort_everything()
-                deltas = eng.step() if eng.has_unfinished_requests() else []
+                try:
+                    deltas = eng.step() if eng.has_unfinished_requests() else []
+                except Exception as e:  # one step failed: its requests end with an error, the loop goes on
+                    log.exception("engine step failed; the requests of that step end with an error")
+                    deltas = []
+                    eng.fail_step()
+                    held = eng.request_ids()
+                    for rid in added - held:  # the step's, and any whose last delta the failed step took
+                        errors[rid] = f"the engine step failed: {type(e).__name__}: {e}"
+                    added &= held
+                added.difference_update(d.request_id for d in deltas if d.finish_reason is not None)
                 if deltas or errors:
                     self._results.put(_StepResult(time.monotonic(), deltas, errors))  # blocks: back-pressure
                 self._publish_stats()
@@ -248,6 +269,9 @@ class Orchestrator:
                 self.engine.add_request(seq_id, prompt, sp, sample_index)
             except ValueError as e:
                 errors[seq_id] = str(e)
+            except Exception as e:  # a bug on the way in fails this request, not the engine thread
+                log.exception("adding request %s failed", seq_id)
+                errors[seq_id] = f"{type(e).__name__}: {e}"
         elif kind == "abort":
             self.engine.abort(cmd[1])
         elif kind == "call":

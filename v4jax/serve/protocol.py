@@ -6,10 +6,13 @@ extras such as `user`); JetStream's `/v1/generate` forbids them, as its own serv
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+import re
 from typing import Any
 
+from v4jax.fields import INT32_MAX, INT32_MIN, RULES, utf8_error
 from v4jax.sampling import SamplingParams
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -47,14 +50,21 @@ def _is_number(x) -> bool:
 
 
 def get_int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
+    """An integer field, inside [lo, hi] (default: the rule table's bounds of that name, v4jax.fields) and always
+    inside int32 (what the engine holds)."""
     v = body.get(name)
     if v is None:
         return default
     if not _is_int(v):
         raise bad(name, f"'{name}' must be an integer, got {_show(v)}", "invalid_type")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
-        raise bad(name, f"'{name}' must be {rng}, got {v}")
+    rule = RULES.get(name)
+    if rule is not None and rule.kind == "int":
+        lo = rule.lo if lo is None else lo
+        hi = rule.hi if hi is None else hi
+    lo = INT32_MIN if lo is None else max(lo, INT32_MIN)
+    hi = INT32_MAX if hi is None else min(hi, INT32_MAX)
+    if not lo <= v <= hi:
+        raise bad(name, f"'{name}' must be in [{lo}, {hi}], got {v}")
     return int(v)
 
 
@@ -174,34 +184,27 @@ def _max_tokens(body: dict, names=("max_tokens",)):
     return None, names[0]
 
 
-def _fit(prompts: list[list[int]], max_tokens: int | None, mt_name: str, prompt_name: str, limits,
-         default_tokens: int | None) -> list[int]:
-    """max_tokens per prompt (None = what the context leaves, as vLLM does for chat), checked against the
-    context."""
-    out = []
-    for i, ids in enumerate(prompts):
-        where = prompt_name if len(prompts) == 1 else f"{prompt_name}[{i}]"
-        if len(ids) >= limits.max_model_len:
-            raise bad(prompt_name, f"{where} has {len(ids)} tokens; the context holds {limits.max_model_len} "
-                      "(prompt + max_tokens)", "context_length_exceeded")
-        mt = max_tokens if max_tokens is not None else default_tokens
-        mt = mt if mt is not None else limits.max_model_len - len(ids)
-        if len(ids) + mt > limits.max_model_len:
-            raise bad(mt_name, f"{where} has {len(ids)} tokens and {mt_name}={mt}: {len(ids) + mt} exceed the "
-                      f"context of {limits.max_model_len} tokens; lower {mt_name} to at most "
-                      f"{limits.max_model_len - len(ids)}", "context_length_exceeded")
-        out.append(mt)
-    return out
+def _fit(prompts: list[list[int]], max_tokens: int | None, limits, default_tokens: int | None) -> list[int]:
+    """max_tokens per prompt: the request's, else `default_tokens`, else (None) what the context leaves, as vLLM
+    does for chat (at least 1: a prompt that fills the context is the request check's to refuse)."""
+    if max_tokens is not None:
+        return [max_tokens] * len(prompts)
+    if default_tokens is not None:
+        return [default_tokens] * len(prompts)
+    return [max(1, limits.max_model_len - len(ids)) for ids in prompts]
 
 
-def _checked(prompts, params, check, mt_name: str) -> None:
-    """The engine's own limits (pages in the pool, stop ids it can hold): a 400 naming the field."""
-    for ids, sp in zip(prompts, params):
+def _checked(prompts, params, check, mt_name: str, prompt_name: str) -> None:
+    """The engine's request check (v4jax.engine.checks: context, pages, stop ids): a 400 whose message is the
+    engine's own, `param` the field at fault as the client named it."""
+    for i, (ids, sp) in enumerate(zip(prompts, params)):
         try:
-            check(len(ids), sp)
+            check(ids, sp)
         except ValueError as e:
-            field = str(e).partition(":")[0]
-            raise bad(mt_name if field == "max_tokens" else field, str(e)) from None
+            field = getattr(e, "param", None)
+            param = {"max_tokens": mt_name, "prompt": prompt_name}.get(field, field)
+            msg = str(e) if len(prompts) == 1 else f"{prompt_name}[{i}]: {e}"
+            raise bad(param, msg, getattr(e, "code", "invalid_value")) from None
 
 
 def _n(body: dict, limits, n_prompts: int) -> int:
@@ -244,9 +247,9 @@ def parse_completion(body: dict, codec, limits, check) -> Prepared:
     if stop and not codec.has_tokenizer:
         raise bad("stop", "this model has no tokenizer: stop strings cannot be matched (use stop_token_ids)")
     max_tokens, name = _max_tokens(body)
-    mts = _fit(prompts, max_tokens, name, "prompt", limits, default_tokens=16)
+    mts = _fit(prompts, max_tokens, limits, default_tokens=16)
     params = [_sampling(body, mt, logprobs=logprobs is not None) for mt in mts]
-    _checked(prompts, params, check, name)
+    _checked(prompts, params, check, name, "prompt")
     return Prepared(prompts, params, n, stop, stream, include_usage, logprobs,
                     get_bool(body, "return_token_ids", False))
 
@@ -295,11 +298,25 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    taken = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    if taken:
+        raise bad("chat_template_kwargs", f"'chat_template_kwargs' cannot set {taken[0]!r} (a field of the request)")
+    for k, v in kwargs.items():
+        if (k.endswith("_token") or k in codec.template.special_tokens) and not isinstance(v, str):
+            raise bad(f"chat_template_kwargs.{k}", f"chat_template_kwargs.{k} is text the template writes: it must "
+                      f"be a string, got {_show(v)}", "invalid_type")
     from v4jax.serve.chat import TemplateError
     try:
-        ids = codec.encode_rendered(codec.template.render(clean, add_generation_prompt=add_gen, **kwargs))
+        rendered = codec.template.render(clean, add_generation_prompt=add_gen, **kwargs)
     except TemplateError as e:
-        raise bad("messages", str(e)) from None
+        raise bad("chat_template_kwargs" if kwargs else "messages", str(e)) from None
+    except Exception as e:  # the template's own code failed on these values (e.g. a number where it adds text)
+        raise bad("chat_template_kwargs" if kwargs else "messages",
+                  f"the chat template failed: {type(e).__name__}: {e}") from None
+    if not isinstance(rendered, str) or utf8_error(rendered):
+        raise bad("chat_template_kwargs" if kwargs else "messages", "the chat template did not render text")
+    try:
+        ids = codec.encode_rendered(rendered)
     except ValueError as e:
         raise bad("messages", str(e)) from None
     stream, include_usage = _stream(body)
@@ -310,9 +327,9 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     n = _n(body, limits, 1)
     stop = _stop(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
-    mts = _fit([ids], max_tokens, name, "messages", limits, default_tokens=None)
+    mts = _fit([ids], max_tokens, limits, default_tokens=None)
     params = [_sampling(body, mts[0], logprobs=want_lp)]
-    _checked([ids], params, check, name)
+    _checked([ids], params, check, name, "messages")
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
                     get_bool(body, "return_token_ids", False))
 
@@ -355,19 +372,68 @@ def parse_generate(body: dict, codec, limits, check) -> tuple[Prepared, bool]:
     if md is not None and not isinstance(md, dict):
         raise bad("metadata", "'metadata' must be an object", "invalid_type")
     n = get_int(body, "num_samples", 0, lo=0, hi=limits.max_n) or 1
-    mts = _fit([ids], max_tokens, "max_tokens", "text_content" if text is not None else "token_content",
-               limits, default_tokens=None)
-    sp = SamplingParams(max_tokens=mts[0], temperature=0.0 if n == 1 else 1.0)
-    _checked([ids], [sp], check, "max_tokens")
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0 if n == 1 else 1.0)
+    _checked([ids], [sp], check, "max_tokens", "text_content" if text is not None else "token_content")
     return Prepared([ids], [sp], n, (), True, False, None, False), text is not None
 
 
+MAX_JSON_DEPTH = 32  # nesting of objects and arrays in a request body
+MAX_NUMBER_CHARS = 64  # digits in one number literal (int32 fields need 10; a float's 17 significant digits)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_LONG_NUMBER = re.compile(rb"[0-9]{%d,}" % (MAX_NUMBER_CHARS + 1))
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _bounded(raw: bytes) -> None:
+    """Nesting depth and number sizes, checked on the raw bytes before any parsing (the parser recurses per level,
+    and converting a 5,000-digit integer is refused by Python itself): a 400 instead of a crash."""
+    import numpy as np
+    bare = _JSON_STRING.sub(b'""', raw)  # brackets and digits inside strings do not count
+    if _LONG_NUMBER.search(bare):
+        raise ApiError(400, f"the body holds a number longer than {MAX_NUMBER_CHARS} digits", code="invalid_json")
+    b = np.frombuffer(bare, np.uint8)
+    step = ((b == ord("[")) | (b == ord("{"))).astype(np.int32) - ((b == ord("]")) | (b == ord("}")))
+    if b.size and int(np.cumsum(step).max()) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the body nests objects / arrays deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json")
+
+
+def _bad_text(v, path: str) -> str | None:
+    """The path of the first string (value or key) in v that is not valid UTF-8 text, or None."""
+    if isinstance(v, str):
+        return path if utf8_error(v) else None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            where = f"{path}.{k}" if path else str(k)
+            if utf8_error(k):
+                return f"a key of {path or 'the body'}"
+            found = _bad_text(x, where)
+            if found:
+                return found
+    elif isinstance(v, list) and not set(map(type, v)) <= {int, float}:
+        for i, x in enumerate(v):
+            found = _bad_text(x, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def json_object(raw: bytes) -> dict[str, Any]:
-    import json
+    """The body as a JSON object: bounded before parsing (depth, number sizes), every string valid UTF-8 text
+    (a lone surrogate escape such as "\\ud800" is refused, naming where it is), else a 400."""
+    _bounded(raw)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {type(e).__name__}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # only an escape can put a lone surrogate in a parsed string
+        where = _bad_text(body, "")
+        if where is not None:
+            param = None if where.startswith("a key of") else where
+            raise ApiError(400, f"{where} is not valid UTF-8 text (a lone UTF-16 surrogate)", param=param,
+                           code="invalid_text")
     return body
