@@ -74,7 +74,7 @@ def engine_cases():
   z = lambda n, dt=np.int32: np.zeros((n,), dt)
   state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
                         S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s)))
-  pt, swa = eng.tables.full[:, :2], eng.tables.swa
+  pt, swa = eng.kv.decode_tables(2)
   samp = S.SamplingState(z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1))
   batch = S.PrefillBatch(np.zeros((1, 64), np.int32), z(1), z(1), z(1, bool), z(1))
   return {
