@@ -79,9 +79,9 @@ def record_admissions(llm) -> list:
     sch, shards = llm.engine.scheduler, []
     admit = sch.admit
 
-    def recorded():
-        out = admit()
-        shards.extend(sch.tables.shard_of(r.slot) for r in out)
+    def recorded(*args):
+        out = admit(*args)
+        shards.extend(sch.kv.shard_of(r.slot) for r in out)
         return out
     sch.admit = recorded
     return shards
@@ -228,12 +228,13 @@ def tpu_export(meshes, source="tiny"):
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", mr.replicated)), tree)
         common = (eng._leaves, eng.pools, eng.store)
+        n_pages = eng.layout.max_pages_per_seq
         decode = jax.export.export(jax.jit(functools.partial(S._decode, eng.spec)), platforms=["tpu"])(
-            *abstract(common + (state, eng.tables.full, eng.tables.swa)))
+            *abstract(common + (state, *eng.kv.decode_tables(n_pages))))
         if impl == "xla":
             return decode, None
         prefill = jax.export.export(jax.jit(functools.partial(S._prefill, eng.spec)), platforms=["tpu"])(
-            *abstract(common + (batch, eng.tables.full[:b], eng.tables.swa[:b], samp)))
+            *abstract(common + (batch, *eng.kv.prefill_tables(list(range(b)), b, n_pages), samp)))
         return decode, prefill
 
     def kernels(exported):

@@ -68,28 +68,3 @@ def test_tests_run_with_a_temporary_cache():
     d = compile_cache.cache_dir()
     assert d and d != compile_cache.default_dir() and "v4jax-test-jax-cache-" in d
 
-
-def test_decode_graph_options(monkeypatch):
-    # the decode call's compiler options: none off the GPU or for XLA's default set; on a GPU, "loop" names
-    # options XLA accepts (compiling with them here validates every name and enum value), a typo is refused
-    import jax
-    import jax.numpy as jnp
-
-    from v4jax.engine import steps
-
-    monkeypatch.setenv(steps.DECODE_GRAPHS_ENV, "loop")
-    assert steps.decode_compiler_options() is None  # the CPU
-    monkeypatch.setattr(steps.jax, "default_backend", lambda: "gpu")
-    opts = steps.decode_compiler_options()
-    assert "WHILE" in opts["xla_gpu_enable_command_buffer"]
-    loop = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, a: a * 2 + 1, x), compiler_options=opts)
-    assert float(loop(jnp.ones(()))) == 15.0
-    monkeypatch.setenv(steps.DECODE_GRAPHS_ENV, "xla")
-    assert steps.decode_compiler_options() is None
-    monkeypatch.setenv(steps.DECODE_GRAPHS_ENV, "graphs")
-    try:
-        steps.decode_compiler_options()
-    except ValueError as e:
-        assert steps.DECODE_GRAPHS_ENV in str(e)
-    else:
-        raise AssertionError("an unknown mode was accepted")

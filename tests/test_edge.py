@@ -176,11 +176,8 @@ def test_a_failed_step_fails_its_requests_only_and_the_loop_goes_on(served):
     assert state.orchestrator.stats()["server"]["in_flight"] == 0
 
     def all_free(eng):
-        c = eng.core
-        if c.prefix is not None:
-            c.prefix.clear()
-        t = c.tables
-        return t.full_alloc.n_free == c.layout.n_pages and t.swa_alloc.n_free == c.layout.n_swa_pages
+        eng.core.kv.reset_prefix_cache()
+        return eng.core.kv.all_free()
 
     assert state.orchestrator.run_on_engine(all_free).result(30)
 

@@ -174,12 +174,8 @@ def test_steps_pin_jax_trace_context_first(tiny_llm, monkeypatch):
 
 def _all_pages_free(eng):
     """No slot maps a page, and once the prefix cache lets go of its pages every page is free."""
-    t = eng.tables
-    if eng.prefix is not None:
-        eng.prefix.clear()
-    return (t.full_alloc.n_free == eng.layout.n_pages and t.swa_alloc.n_free == eng.layout.n_swa_pages
-            and (t.full_alloc.refs == 0).all() and (t.swa_alloc.refs == 0).all()
-            and (t.full == -1).all() and (t.swa == -1).all() and all(s is None for s in eng.scheduler.slots))
+    eng.kv.reset_prefix_cache()
+    return eng.kv.all_free() and all(s is None for s in eng.scheduler.slots)
 
 
 def test_freeing_returns_every_page_randomised(tiny_llm):
@@ -226,7 +222,8 @@ def test_pipelined_scheduler_equals_synchronous_steps(tiny_llm, monkeypatch):
     assert _all_pages_free(eng)
     carried = []
     dispatch = eng._dispatch_decode
-    monkeypatch.setattr(eng, "_dispatch_decode", lambda prev: (carried.append(prev is not None), dispatch(prev))[1])
+    monkeypatch.setattr(eng, "_dispatch_decode",
+                        lambda plan, prev: (carried.append(prev is not None), dispatch(plan, prev))[1])
     got = [(o.token_ids, o.finish_reason) for o in tiny_llm.generate(prompts, params)]
     assert any(carried), "no call was dispatched while another was in flight"
     assert got == want
@@ -331,11 +328,53 @@ def test_bad_inputs_are_clear_errors(tiny_llm):
     assert tiny_llm.run_options.attention_impl == ("pallas" if jax.default_backend() == "gpu" else "xla")
 
 
-def test_page_table_snapshot_is_private():
+def test_page_table_snapshot_is_private(tiny_llm):
     """Steps get a private copy of the host page tables: the host mutates them while earlier (async) steps may
     still read them, and on CPU jnp.asarray can alias numpy memory (this made chunk-1 prefill nondeterministic)."""
-    from v4jax.engine import _snapshot
-    table = np.arange(4096, dtype=np.int32).reshape(8, 512)
-    dev = _snapshot(table[:, :256])
-    table[:] = -1
-    np.testing.assert_array_equal(np.asarray(dev), np.arange(4096, dtype=np.int32).reshape(8, 512)[:, :256])
+    t = tiny_llm.engine.kv._tables
+    full, swa = tiny_llm.engine.kv.decode_tables(1)
+    was = t.full.copy(), t.swa.copy()
+    t.full[:], t.swa[:] = 7, 7  # what the next allocation does to the host tables
+    try:
+        np.testing.assert_array_equal(full, was[0][:, :1])
+        np.testing.assert_array_equal(swa, was[1])
+    finally:
+        t.full[:], t.swa[:] = was
+
+
+def test_stats_pools_and_prefix_figures_are_what_the_engine_holds():
+    """stats(): every pool's used / total pages and their bytes are the engine's (bytes per unit from the layout,
+    the totals summing to the arrays it allocated); reused pages are the prefix hits in pages."""
+    from v4jax import cache as C
+    from v4jax.cache.boundary import store_bytes
+    from v4jax.cache.layout import pool_sizes
+    llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=256, prefill_chunk=16, decode_steps=4,
+              page_size=32)
+    eng = llm.engine
+    lay, t = eng.layout, eng.kv._tables
+    sizes = pool_sizes(eng.cfg, lay, eng.dtype, eng.kv.caching)
+    st = eng.stats()
+    assert sum(p["bytes_total"] for p in st["pools"].values()) == (sum(C.pool_bytes(eng.pools).values())
+                                                                  + store_bytes(eng.store))
+    rng = np.random.default_rng(2)
+    stem = rng.integers(2, 500, 2 * lay.page_size).tolist()
+    before = eng.stats()["prefix_cache"]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate([stem + [7]], sp)
+    for i, p in enumerate([stem + [8, 9], rng.integers(2, 500, 40).tolist()]):
+        eng.add_request(f"stats-{i}", p, sp)
+    eng.step()  # admitted and prefilling: pages in use
+    st = eng.stats()
+    held = {"swa": t.swa_alloc.n_used, "compressor_state": sum(r is not None for r in eng.scheduler.slots)}
+    assert held["compressor_state"] == 2
+    for name, p in st["pools"].items():
+        s = sizes[name]
+        assert p["used"] == held.get(name, t.full_alloc.n_used) and p["total"] == s.units and p["unit"] == s.unit
+        assert p["bytes_used"] == p["used"] * s.unit_bytes and p["bytes_total"] == s.bytes
+    while eng.has_unfinished_requests():
+        eng.step()
+    pc = eng.stats()["prefix_cache"]
+    assert pc["hit_tokens"] - before["hit_tokens"] == 2 * lay.page_size  # the stem's two pages, mapped once
+    assert pc["reused_pages"] - before["reused_pages"] == 2
+    assert eng.stats()["requests"]["recomputed_tokens"] == 0
+    assert _all_pages_free(eng)

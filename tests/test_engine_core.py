@@ -25,34 +25,13 @@ def _prompts(lens, vocab, seed=0):
 
 def _check_refcounts(core):
     """Every page's refcount is the number of slots mapping it plus one if the prefix tree holds it."""
-    t = core.tables
-    if t.dense:
-        return
-    want_full = np.zeros_like(t.full_alloc.refs)
-    want_swa = np.zeros_like(t.swa_alloc.refs)
-    for held in t.held:
-        for pg in held.full:
-            want_full[pg] += 1
-        for pg in held.swa.values():
-            want_swa[pg] += 1
-    if core.prefix is not None:
-        for n in core.prefix._nodes():
-            want_full[n.page] += 1
-            for pg in (n.tail or {}).values():
-                want_swa[pg] += 1
-    np.testing.assert_array_equal(t.full_alloc.refs, want_full)
-    np.testing.assert_array_equal(t.swa_alloc.refs, want_swa)
-    assert t.full_alloc.n_free == int((want_full == 0).sum())
-    assert t.swa_alloc.n_free == int((want_swa == 0).sum())
+    core.kv.check()
 
 
 def _all_free(core):
-    if core.prefix is not None:
-        core.prefix.clear()
-    t = core.tables
-    _check_refcounts(core)
-    return ((t.full_alloc.refs == 0).all() and (t.swa_alloc.refs == 0).all() and (t.full == -1).all()
-            and all(s is None for s in core.scheduler.slots) and not core.scheduler.requests)
+    core.kv.reset_prefix_cache()
+    core.kv.check()
+    return (core.kv.all_free() and all(s is None for s in core.scheduler.slots) and not core.scheduler.requests)
 
 
 # ---- every request completes ----------------------------------------------------------------------------
@@ -252,7 +231,7 @@ def test_prefix_cache_exact(real_ckpt):
     assert warm.stats()["prefix_cache"]["hit_tokens"] - before == 512
 
     # tombstones: drop the tail of the first page; a match ending there backs off, deeper ones still hit
-    pc = warm.engine.prefix
+    pc = warm.engine.kv._prefix
     node = pc.root
     for _ in range(1):
         node = next(c for c in node.children.values() if c.tokens == tuple(base[node.depth * 256:(node.depth + 1) * 256]))

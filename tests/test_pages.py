@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from v4jax.cache import PageAllocator, PageTables, PoolLayout
+from v4jax.cache.manager import KVCacheManager
 from v4jax.cache.prefix import PrefixCache
 from v4jax.config import preset
 from v4jax.engine.scheduler import RUNNING, Scheduler
@@ -22,10 +23,15 @@ def _tables(n_pages=16, n_swa=16, slots=4, data=2, context=1, max_pages=8, dense
 
 
 def _scheduler(tables, caching=True, chunk=64):
+    """A scheduler over a KV-cache manager whose page tables are `tables` (so the tests can look at them)."""
     lay = tables.layout
-    prefix = PrefixCache(tables.full_alloc, tables.swa_alloc, P, lay.data_shards) if caching else None
-    return Scheduler(tables, prefix, max_num_seqs=lay.max_slots, prefill_chunk=chunk, decode_steps=2,
-                     max_model_len=lay.max_pages_per_seq * P)
+    kv = KVCacheManager(CFG, lay, dense=tables.dense, caching=caching)
+    kv._tables = tables
+    kv._prefix = PrefixCache(tables.full_alloc, tables.swa_alloc, P, lay.data_shards) if caching else None
+    sch = Scheduler(kv, max_num_seqs=lay.max_slots, prefill_chunk=chunk, decode_steps=2,
+                    max_model_len=lay.max_pages_per_seq * P)
+    sch.prefix = kv._prefix
+    return sch
 
 
 def _add(sch, rid, prompt, max_tokens=2):
@@ -34,15 +40,10 @@ def _add(sch, rid, prompt, max_tokens=2):
 
 def _prefill(sch):
     """What EngineCore does with a prefill step's plans, without the device: the chunks count as computed and
-    their full pages go into the prefix tree; a finished prompt starts decoding."""
-    for req, s, e in sch.next_chunks():
-        req.computed = e
-        if e % P == 0:
-            req.saved.add(e)
-        sch.cache_pages(req)
-        if e == len(req.tokens):
-            req.output.append(1)
-            req.status = RUNNING
+    their full pages go into the prefix tree; a finished prompt starts decoding (its first token: 1)."""
+    chunks = sch.next_chunks()
+    sch.advance_prefill(chunks)
+    sch.finish_prefill(chunks, np.ones(len(chunks), np.int32), np.zeros(len(chunks), np.float32))
 
 
 def test_one_block_hands_out_the_ids_of_one_free_list():
@@ -179,7 +180,7 @@ def test_a_prefix_is_shared_only_within_its_shard():
     # the hit's shard is now full: the third runs cold in the other shard (no page of d0 there)
     third = _add(sch, "third", shared + [9, 9])
     assert sch.admit() == [third] and t.shard_of(third.slot) == 1 - d0
-    assert third.computed == 0 and not third.nodes and t.held[third.slot].full == []
+    assert third.computed == 0 and t.held[third.slot].full == []
     _prefill(sch)
     d1_pages = t.held[third.slot].full
     assert all(pg // t.full_alloc.block_size == 1 - d0 for pg in d1_pages)
@@ -236,3 +237,96 @@ def test_a_requests_token_slices_equal_slices_of_its_tokens():
     for a in range(0, 14):
         for b in range(a, 15):
             assert req.token_slice(a, b) == whole[a:b], (a, b)
+
+
+# ---- the KV-cache manager: the scheduler's only door to pages ----------------------------------------------------
+def _manager(n_pages=8, n_swa=16, slots=2, data=1, caching=True):
+    lay = PoolLayout(page_size=P, swa_page_size=P, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
+                     max_pages_per_seq=8, max_swa_pages_per_seq=8, data_shards=data, context_shards=1)
+    return KVCacheManager(CFG, lay, dense=False, caching=caching, dtype="float32")
+
+
+def test_manager_commits_finds_maps_and_frees_a_prefix():
+    kv = _manager()
+    toks = list(range(2, 2 + 2 * P + 5))
+    cut = lambda a, b: toks[a:b]  # noqa: E731
+    assert kv.allocate(0, 0, len(toks))
+    kv.commit(0, cut, len(toks), saved=[2 * P])  # the state was saved at the second boundary only
+    hit = kv.find_prefix(toks, len(toks), 0)
+    assert (hit.n_pages, hit.cached_pages) == (2, 2)
+    # the first boundary keeps no tail (no state saved there): a match ending there cannot be resumed
+    short = kv.find_prefix(toks[:P + 3], P + 3, 0)
+    assert (short.n_pages, short.cached_pages) == (0, 1)
+    t = kv._tables
+    row = kv.map_prefix(1, hit, len(toks))
+    assert row == t.held[0].swa[(2 * P - 1) // P]  # the SWA page holding position b-1 carries the state
+    assert t.held[1].full == t.held[0].full[:2] and t.full_alloc.refs[t.held[0].full[:2]].tolist() == [3, 3]
+    st = kv.prefix_stats()
+    assert st["reused_pages"] == 2 and st["hit_tokens"] == 2 * P and st["queried_tokens"] == len(toks)
+    assert st["cached_pages"] == 2 and st["tombstoned_tails"] == 0
+    kv.check()
+    u = kv.usage([0, 1])
+    assert u["c4_kv"]["used"] == 3 and u["compressor_state"]["used"] == 2 and u["swa"]["used"] == t.swa_alloc.n_used
+    kv.free(0)
+    kv.free(1)
+    kv.check()
+    assert not kv.all_free()  # the tree still holds its two pages and a tail
+    kv.reset_prefix_cache()
+    assert kv.all_free() and kv.prefix_stats()["cached_pages"] == 0
+
+
+def test_manager_allocate_evicts_then_refuses_without_allocating():
+    kv = _manager(n_pages=4, n_swa=16, slots=2)
+    toks = list(range(2, 2 + 3 * P))
+    assert kv.allocate(0, 0, 3 * P)
+    kv.commit(0, lambda a, b: toks[a:b], 3 * P, saved=[P, 2 * P, 3 * P])
+    kv.free(0)  # its three pages stay in the tree
+    assert kv.usage([])["tokens"]["used"] == 3
+    assert kv.allocate(1, 0, 2 * P)  # one page free: the tree gives back the least recently used leaves
+    assert kv.prefix_stats()["evicted_pages"] == 1 and kv.prefix_stats()["cached_pages"] == 2
+    held = list(kv._tables.held[1].full)
+    assert not kv.allocate(1, 2 * P, 5 * P)  # 3 more pages: only the tree's 2 could be freed
+    assert kv._tables.held[1].full == held  # nothing allocated
+    kv.check()
+    kv.free(1)
+    kv.reset_prefix_cache()
+    assert kv.all_free()
+
+
+def test_manager_admissible_counts_pending_growth_and_evictable_pages():
+    kv = _manager(n_pages=4, n_swa=16, slots=2)
+    assert kv.allocate(0, 0, P)
+    empty = kv.find_prefix([5] * 10, 10, 0)
+    assert kv.admissible(empty, 3 * P, 8)  # 3 of the 4 pages
+    assert not kv.admissible(empty, 3 * P, 8, pending=[(0, 2 * P)])  # slot 0 still grows by a page
+    assert kv.admissible(empty, 2 * P, 8, pending=[(0, 2 * P)])
+
+
+def test_manager_usage_bytes_are_the_layouts():
+    from v4jax.cache.layout import pool_sizes
+    kv = _manager()
+    assert kv.allocate(0, 0, 2 * P)
+    sizes = pool_sizes(CFG, kv.layout, "float32", True)
+    u = kv.usage([0])
+    assert set(u) == set(sizes) == {"swa", "c4_kv", "c4_index", "c128_kv", "tokens", "compressor_state"}
+    for name, s in sizes.items():
+        assert u[name]["total"] == s.units and u[name]["bytes_total"] == s.bytes and u[name]["unit"] == s.unit
+        assert u[name]["bytes_used"] == u[name]["used"] * s.unit_bytes
+    assert u["tokens"]["used"] == 2 and u["compressor_state"]["used"] == 1
+
+
+def test_scheduler_counts_recomputed_tokens_after_preemption():
+    t = _tables(n_pages=8, n_swa=32, slots=2, data=1)
+    sch = _scheduler(t, caching=False, chunk=64)
+    a = _add(sch, "a", [3] * (2 * P), max_tokens=4 * P)
+    b = _add(sch, "b", [4] * (P + 4), max_tokens=2)
+    assert sch.admit() == [a, b]
+    _prefill(sch)
+    _prefill(sch)  # b's chunks end at its page boundary first
+    assert a.status == b.status == RUNNING and sch.recomputed_tokens == 0
+    fed = b.fed
+    sch.preempt(b)
+    assert sch.admit() == [b]
+    _prefill(sch)
+    _prefill(sch)
+    assert b.status == RUNNING and sch.recomputed_tokens == fed  # what it had computed, computed again

@@ -30,12 +30,8 @@ LOAD_CLIENTS, LOAD_TOKENS = 64, 8
 
 def _all_pages_free(core) -> bool:
     """No slot maps a page, and once the prefix cache lets go of its pages every page is free."""
-    t = core.tables
-    if core.prefix is not None:
-        core.prefix.clear()
-    return (t.full_alloc.n_free == core.layout.n_pages and t.swa_alloc.n_free == core.layout.n_swa_pages
-            and (t.full_alloc.refs == 0).all() and (t.swa_alloc.refs == 0).all()
-            and (t.full == -1).all() and (t.swa == -1).all() and all(s is None for s in core.scheduler.slots))
+    core.kv.reset_prefix_cache()
+    return core.kv.all_free() and all(s is None for s in core.scheduler.slots)
 
 
 def _start(state: ServerState):
@@ -304,11 +300,14 @@ def test_metrics_count_what_happened(served, client):
     assert d("v4jax_time_per_output_token_seconds_count") == 1
     assert d('v4jax_request_finished_total{finish_reason="length"}') == 1
     assert d("v4jax_prefix_cache_queried_tokens_total") == len(served.refs[0].prompt_token_ids)
-    for pool in ("swa", "c4_kv", "c4_index", "c128_kv", "compressor_state"):
+    for pool in ("swa", "c4_kv", "c4_index", "c128_kv", "tokens", "compressor_state"):
         assert after[f'v4jax_pool_total_pages{{pool="{pool}"}}'] > 0
         assert f'v4jax_pool_used_pages{{pool="{pool}"}}' in after
+        assert after[f'v4jax_pool_bytes_total{{pool="{pool}"}}'] > 0
+        assert 0 <= after[f'v4jax_pool_bytes_used{{pool="{pool}"}}'] <= after[f'v4jax_pool_bytes_total{{pool="{pool}"}}']
     for name in ("v4jax_num_requests_running", "v4jax_num_requests_waiting", "v4jax_num_preemptions_total",
-                 "v4jax_prefix_cache_hit_tokens_total"):
+                 "v4jax_prefix_cache_hit_tokens_total", "v4jax_prefix_cache_reused_pages_total",
+                 "v4jax_prefix_cache_tombstoned_tails_total", "v4jax_recomputed_tokens_total"):
         assert name in after
 
 

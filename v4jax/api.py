@@ -291,8 +291,7 @@ class LLM:
     def request_check(self) -> RequestCheck:
         """The engine's request check (v4jax.engine.checks), from the layout it has or would build."""
         if self._engine is not None:
-            e = self._engine
-            return RequestCheck.of(e.cfg, e.layout, e.max_model_len, paged=not e.tables.dense)
+            return self._engine.request_check
         if self._check is None:
             mesh_shape = None if self.mesh_rules is None else dict(self.mesh_rules.mesh.shape)
             self._check = RequestCheck.for_options(self.config, self.options, self.model.dtype, self.max_model_len,

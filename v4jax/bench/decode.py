@@ -300,7 +300,8 @@ class JaxDecodeBench:
             req.status, req.slot, req.computed = RUNNING, s, held
             req.output.append(int(rng.integers(2, self.cfg.vocab_size)))
             sch.slots[s] = req
-            eng.tables.reserve(s, held, held)  # full pages for [0, held), SWA pages of the window
+            if not eng.kv.allocate(s, held, held):  # full pages for [0, held), SWA pages of the window
+                raise MemoryError(f"slot {s}: {held} tokens do not fit in the pools")
 
     def decode_args(self, held: int, rng):
         """Every slot decoding at position `held` with its next k positions reserved: the decode step's arguments
@@ -308,10 +309,10 @@ class JaxDecodeBench:
         import numpy as np
 
         from v4jax.engine import steps as S
-        from v4jax.engine.core import _snapshot
         self._occupy(held, rng)
         for slot in range(self.batch):
-            self.engine.tables.reserve(slot, held, held + self.k)
+            if not self.engine.kv.allocate(slot, held, held + self.k):
+                raise MemoryError(f"slot {slot}: {held + self.k} tokens do not fit in the pools")
         eng, s = self.engine, self.engine.layout.max_slots
         z = lambda dt=np.int32: np.zeros(s, dt)
         state = S.DecodeState(z(), np.full(s, held, np.int32), np.ones(s, bool), np.full(s, 1 << 20, np.int32),
@@ -319,8 +320,7 @@ class JaxDecodeBench:
                               S.SamplingState(z(np.float32), np.ones(s, np.float32), z(), np.arange(s, dtype=np.int32),
                                               np.arange(s, dtype=np.int32), z()))
         state = eng.steps.carry(state, state, z(bool))
-        pt = eng.tables.full[:, :eng._page_bucket(held + self.k)]
-        return state, _snapshot(pt), _snapshot(eng.tables.swa)
+        return (state, *eng.kv.decode_tables(eng._page_bucket(held + self.k)))
 
     def run(self, context: int, n_iter: int, n_gen: int, rng, profile: bool = False) -> dict:
         import jax

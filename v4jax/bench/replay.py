@@ -266,14 +266,8 @@ def _percentiles(xs) -> dict:
 
 def _mapped_pages(core) -> tuple[int, int, int]:
     """(full, SWA, slots) that running requests map right now (pages held only by the prefix cache excluded)."""
-    t = core.tables
-    slots = [i for i, r in enumerate(core.scheduler.slots) if r is not None]
-    if t.dense:
-        lay = core.layout
-        return len(slots) * lay.max_pages_per_seq, len(slots) * lay.max_swa_pages_per_seq, len(slots)
-    full = set().union(*(t.held[i].full for i in slots)) if slots else set()
-    swa = set().union(*(t.held[i].swa.values() for i in slots)) if slots else set()
-    return len(full), len(swa), len(slots)
+    slots = core.scheduler.slots_in_use()
+    return (*core.kv.mapped_pages(slots), len(slots))
 
 
 def replay_trace(core, trace: Trace, *, max_steps: int = 1_000_000) -> dict:
@@ -283,8 +277,7 @@ def replay_trace(core, trace: Trace, *, max_steps: int = 1_000_000) -> dict:
     sch = core.scheduler
     if core.has_unfinished_requests():
         raise RuntimeError("the engine still has unfinished requests")
-    if core.prefix is not None:
-        core.prefix.clear()
+    core.kv.reset_prefix_cache()
     s0 = core.stats()
     units = unit_bytes(core)
     reqs = trace.by_id()

@@ -84,7 +84,7 @@ def engine_cases():
     z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
     state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
                           S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s)))
-    pt, swa = eng.tables.full[:, :2], eng.tables.swa
+    pt, swa = eng.kv.decode_tables(2)
     samp = S.SamplingState(z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1))
     batch = S.PrefillBatch(np.zeros((1, 64), np.int32), z(1), z(1), z(1, bool), z(1))
     return {
@@ -143,7 +143,8 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
     from v4jax import cache as C
     from v4jax.config import preset
     from v4jax.engine import steps as S
-    from v4jax.cache.layout import engine_layout, page_multiple
+    from v4jax.api import EngineOptions
+    from v4jax.cache.layout import pool_layout
     from v4jax.model import RunOptions, Transformer
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
@@ -156,14 +157,11 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
     sh_leaves = jax.tree.leaves(state_shardings(state, mr))
     leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(leaves, sh_leaves)]
 
-    # the engine's layout (EngineCore): full pages in data x context blocks, SWA pages per data shard
+    # the engine's layout (EngineCore's pool_layout): full pages in data x context blocks, SWA pages per data shard
     n_data, n_ctx = mr.mesh.shape["data"], mr.mesh.shape["context"]
-    p, ps, n_swa = engine_layout(cfg, None, slots, chunk, k, n_data)
-    max_pages, max_swa = -(-context // p), -(-context // ps)
-    mult = math.lcm(page_multiple(cfg, p, dtype), n_data * n_ctx)
-    layout = C.PoolLayout(page_size=p, swa_page_size=ps, n_pages=-(-slots * max_pages // mult) * mult,
-                          n_swa_pages=n_swa, max_slots=slots, max_pages_per_seq=max_pages,
-                          max_swa_pages_per_seq=max_swa, data_shards=n_data, context_shards=n_ctx)
+    options = EngineOptions(max_num_seqs=slots, prefill_chunk=chunk, decode_steps=k, enable_prefix_caching=False)
+    layout = pool_layout(cfg, options, dtype, context, n_data, n_ctx)
+    max_pages, max_swa = layout.max_pages_per_seq, layout.max_swa_pages_per_seq
     pools = jax.eval_shape(lambda: C.init_pools(cfg, layout, dtype))
     pool_sh = C.pool_shardings(pools, mr.sharding)
     pools = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), pools, pool_sh)

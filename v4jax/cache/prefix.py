@@ -58,9 +58,9 @@ class PrefixCache:
         return self.roots[0]
 
     # ---- lookup ----
-    def lookup(self, tokens, max_pages: int, shard: int = 0) -> list[Node]:
-        """The longest path of nodes of `shard`'s tree matching `tokens` page by page (at most `max_pages` pages)
-        that ends at a node keeping its tail; [] when no resumable prefix is cached there. Touches nothing."""
+    def walk(self, tokens, max_pages: int, shard: int = 0) -> list[Node]:
+        """The longest path of nodes of `shard`'s tree matching `tokens` page by page (at most `max_pages` pages),
+        resumable or not. Touches nothing."""
         p = self.page_size
         node, path = self.roots[shard], []
         for i in range(max_pages):
@@ -69,18 +69,33 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
+        return path
+
+    @staticmethod
+    def resumable(path: list[Node]) -> list[Node]:
+        """`path` cut back to its last node that keeps its tail ([] if none does)."""
+        path = list(path)
         while path and path[-1].tail is None:
             path.pop()  # a tombstone (or a node that never had a tail): back off to the last resumable point
         return path
 
-    def match(self, tokens, max_pages: int, shard: int = 0) -> list[Node]:
-        """lookup(), and the path is touched (LRU)."""
-        path = self.lookup(tokens, max_pages, shard)
+    def lookup(self, tokens, max_pages: int, shard: int = 0) -> list[Node]:
+        """The longest path of nodes of `shard`'s tree matching `tokens` page by page (at most `max_pages` pages)
+        that ends at a node keeping its tail; [] when no resumable prefix is cached there. Touches nothing."""
+        return self.resumable(self.walk(tokens, max_pages, shard))
+
+    def touch(self, path: list[Node]) -> None:
+        """Mark a path used (LRU): every node on it, and the tail it resumes from."""
         stamp = next(self._clock)
         for n in path:
             n.stamp = stamp
         if path:
             path[-1].tail_stamp = stamp  # only the tail it resumes from is used
+
+    def match(self, tokens, max_pages: int, shard: int = 0) -> list[Node]:
+        """lookup(), and the path is touched (LRU)."""
+        path = self.lookup(tokens, max_pages, shard)
+        self.touch(path)
         return path
 
     def count_query(self, n_prompt: int, hit_pages: int) -> None:

@@ -19,12 +19,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import warnings
 from typing import Sequence
 
-import numpy as np
 
-from v4jax.cache.pages import PageTables
-from v4jax.cache.prefix import Node, PrefixCache
+from v4jax.cache.manager import KVCacheManager, PrefixHit
 from v4jax.sampling import SamplingParams
 
 WAITING, PREFILLING, RUNNING = "waiting", "prefilling", "running"
@@ -32,8 +31,17 @@ MAX_PREFILL_ROWS = 8  # rows of one prefill step (powers of two up to this are c
 MIN_CHUNK_BUCKET = 16  # shortest compiled chunk: shorter ones are padded (fewer programs; the cost is a decode's)
 
 
+@dataclasses.dataclass
+class RequestDelta:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]  # empty unless the request asked for logprobs
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" at the end
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
+    """One request's lifecycle (status, slot, computed, output): written by the Scheduler only."""
     request_id: str
     prompt: list[int]
     params: SamplingParams
@@ -45,9 +53,9 @@ class Request:
     status: str = WAITING
     slot: int | None = None
     computed: int = 0  # tokens whose KV is in the pools
-    nodes: list = dataclasses.field(default_factory=list)  # prefix-tree path of its full pages
-    saved: set = dataclasses.field(default_factory=set)  # full-page boundaries where its compressor state was saved
-    hit_row: int | None = None  # boundary-store row to restore at admission (a prefix hit)
+    # positions below this were computed before (by this request before a preemption, or by another whose
+    # pages the prefix cache holds but cannot resume from): computing them again counts as recomputed
+    seen: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -78,11 +86,31 @@ class Request:
         return len(self.prompt) + self.params.max_tokens
 
 
+@dataclasses.dataclass
+class DecodePlan:
+    """One k-step decode call: the running requests (slot order), which slots continue the previous call's
+    device-side state, and the furthest position the call may reach (its page-table bucket)."""
+    running: list[Request]
+    carried: set[int]
+    upto: int
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one engine step runs, decided before anything is dispatched: the compressor states to restore
+    (slot, boundary-store row) for requests admitted on a prefix hit, the decode call, the prefill rows
+    (request, start, end), and the deltas of requests ended here (a queue head that can never fit)."""
+    restores: list[tuple[int, int]]
+    decode: DecodePlan | None
+    prefill: list[tuple[Request, int, int]]
+    ended: list[RequestDelta]
+
+
 class Scheduler:
-    def __init__(self, tables: PageTables, prefix: PrefixCache | None, *, max_num_seqs: int, prefill_chunk: int,
-                 decode_steps: int, max_model_len: int):
-        self.tables, self.prefix = tables, prefix
-        self.layout = tables.layout
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, prefill_chunk: int, decode_steps: int,
+                 max_model_len: int):
+        self.kv = kv
+        self.page_size = kv.page_size
         self.chunk, self.k, self.max_model_len = prefill_chunk, decode_steps, max_model_len
         self.step_tokens = chunk_bucket(prefill_chunk)  # a prefill step's rows x compiled length stay within this
         self.waiting: collections.deque[Request] = collections.deque()
@@ -90,6 +118,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.n_preempted = 0
+        self.n_finished = 0
+        self.n_aborted = 0
+        self.recomputed_tokens = 0  # prefill tokens computed again (after preemption, or past an unresumable page)
 
     # ---- requests in and out ----
     def add(self, request_id: str, prompt: Sequence[int], params: SamplingParams, seed: int, sample_index: int,
@@ -105,6 +136,9 @@ class Scheduler:
     def prefilling(self) -> list[Request]:
         return sorted((r for r in self.slots if r is not None and r.status == PREFILLING), key=lambda r: r.arrival)
 
+    def slots_in_use(self) -> list[int]:
+        return [i for i, r in enumerate(self.slots) if r is not None]
+
     def remove(self, req: Request) -> None:
         """Forget a request (finished or aborted): its slot and pages are released."""
         if req.slot is not None:
@@ -113,41 +147,70 @@ class Scheduler:
             self.waiting.remove(req)
         self.requests.pop(req.request_id, None)
 
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """End a request now (its pages return); its last delta, or None for an unknown id."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.remove(req)
+        self.n_aborted += 1
+        return RequestDelta(request_id, [], [], "abort")
+
+    def _finish(self, req: Request) -> None:
+        self.remove(req)
+        self.n_finished += 1
+
     def _release(self, req: Request) -> None:
-        self.tables.release(req.slot)
+        self.kv.free(req.slot)
         self.slots[req.slot] = None
         req.slot = None
 
-    # ---- pages ----
-    def _pages_upto(self, req: Request) -> int:
-        """Full pages the request holds once admitted and past its first decode call."""
-        return -(-min(req.n_tokens + self.k, req.limit) // self.layout.page_size)
+    # ---- plan ----
+    def schedule(self, in_flight: Sequence[tuple[int, Request]] = ()) -> StepPlan:
+        """Plan one step: admit waiting requests, reserve pages for k more tokens of every running slot (2k for a
+        slot whose previous call is still in flight: this call continues from where that one ends) and pick the
+        prefill rows, preempting where a pool runs dry. `in_flight`: the (slot, request) pairs of the decode call
+        dispatched last step and not yet read."""
+        restores: list[tuple[Request, int]] = []
+        self.admit(restores)
+        ended = []
+        if self.waiting and all(r is None for r in self.slots):
+            # Nothing runs and the queue's head cannot be admitted even with the prefix cache emptied:
+            # add_request's checks should make this impossible; end it rather than spin.
+            req = self.waiting[0]
+            warnings.warn(f"request {req.request_id!r} ({req.n_tokens} tokens) cannot fit in the pools; aborted")
+            ended.append(self.abort(req.request_id))
+        carried_reqs = dict(in_flight)
+        for req in sorted(self.running(), key=lambda r: r.arrival):
+            if req.status != RUNNING:
+                continue  # preempted while an older request reserved
+            mult = 2 if carried_reqs.get(req.slot) is req else 1
+            end = min(req.fed + mult * self.k, self.max_model_len, req.limit)
+            self.reserve(req, req.fed, end)
+        chunks = self.next_chunks()
+        decode = None
+        running = self.running()
+        if running:
+            carried = {r.slot for r in running if carried_reqs.get(r.slot) is r}
+            upto = max(min(r.fed + (2 if r.slot in carried else 1) * self.k, self.max_model_len) for r in running)
+            decode = DecodePlan(running, carried, upto)
+        rows = [(r.slot, row) for r, row in restores if r.slot is not None and self.slots[r.slot] is r]
+        return StepPlan(rows, decode, chunks, ended)
 
-    def _room(self, n_full: np.ndarray, n_swa: np.ndarray) -> bool:
-        """Free (evicting from the prefix cache if needed) n_full full and n_swa SWA pages per block; whether it
-        worked."""
-        t = self.tables
-        if self.prefix is not None:
-            if (t.full_alloc.free_per_block < n_full).any():
-                self.prefix.evict_full(n_full)
-            if (t.swa_alloc.free_per_block < n_swa).any():
-                self.prefix.evict_swa(n_swa)
-        return (t.full_alloc.free_per_block >= n_full).all() and (t.swa_alloc.free_per_block >= n_swa).all()
+    # ---- pages ----
+    def _upto(self, req: Request) -> int:
+        """Positions the request holds once admitted and past its first decode call."""
+        return min(req.n_tokens + self.k, req.limit)
 
     def reserve(self, req: Request, lo: int, upto: int) -> bool:
         """Pages for positions [lo, upto) of `req`, preempting newer requests if a pool is dry. False if `req`
         itself had to be preempted (it is then back in the waiting queue)."""
         while True:
-            n_full, n_swa = self.tables.needs(req.slot, lo, upto)
-            refs = self.tables.swa_alloc.refs
-            dead = sum(1 for pg in self.tables.dead_swa(req.slot, lo) if refs[pg] == 1)  # reserve frees them
-            n_swa = np.maximum(0, n_swa - self.tables.swa_need(self.tables.shard_of(req.slot), dead))
-            if self._room(n_full, n_swa):
-                self.tables.reserve(req.slot, lo, upto)
+            if self.kv.allocate(req.slot, lo, upto):
                 return True
             # only a request of the same shard holds pages that this one could use
-            shard = self.tables.shard_of(req.slot)
-            victim = max((r for r in self.slots if r is not None and self.tables.shard_of(r.slot) == shard),
+            shard = self.kv.shard_of(req.slot)
+            victim = max((r for r in self.slots if r is not None and self.kv.shard_of(r.slot) == shard),
                          key=lambda r: r.arrival)
             self.preempt(victim)
             if victim is req:
@@ -156,33 +219,39 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Recompute later: free the slot and pages (the prefix cache keeps the full pages it holds) and put the
         request back at the front of the queue with the tokens it has generated."""
+        req.seen = max(req.seen, req.fed)
         self._release(req)
-        req.status, req.computed, req.nodes, req.saved, req.hit_row = WAITING, 0, [], set(), None
+        req.status, req.computed = WAITING, 0
         self.waiting.appendleft(req)
         self.n_preempted += 1
 
     # ---- admission ----
-    def admit(self) -> list[Request]:
-        """Move waiting requests into free slots while every pool can hold them; returns those admitted (with
-        `hit_row` set where a cached prefix was mapped: the engine restores that boundary's compressor state)."""
+    def admit(self, restores: list | None = None) -> list[Request]:
+        """Move waiting requests into free slots while every pool can hold them; returns those admitted. Where a
+        cached prefix was mapped, (request, boundary row) is appended to `restores`: the engine restores that
+        boundary's compressor state into the slot."""
         admitted = []
         while self.waiting:
-            if self.prefix is not None and self._may_share(self.waiting[0]):
+            if self.kv.caching and self._may_share(self.waiting[0]):
                 break  # it may reuse pages a prefilling request has yet to cache: match it once they are cached
             req = self.waiting[0]
             placed = self._place(req)
             if placed is None:
                 break
-            slot, nodes = placed
+            slot, hit = placed
             self.waiting.popleft()
             req.slot, req.status = slot, PREFILLING
             self.slots[slot] = req
-            self._map_prefix(req, nodes)
+            row = self.kv.map_prefix(slot, hit, req.n_tokens)
+            req.computed = hit.n_pages * self.page_size
+            req.seen = max(req.seen, hit.cached_pages * self.page_size)
+            if row is not None and restores is not None:
+                restores.append((req, row))
             admitted.append(req)
         return admitted
 
-    def _place(self, req: Request) -> tuple[int, list[Node]] | None:
-        """(free slot, prefix path to map) for `req`, or None if no shard can take it now.
+    def _place(self, req: Request) -> tuple[int, PrefixHit] | None:
+        """(free slot, prefix hit to map) for `req`, or None if no shard can take it now.
 
         Shards are tried by their cached prefix of the request (longest first), then by free slots (most first):
         the hit saves its prefill, and an even spread keeps every shard's decode batch full. A shard with no
@@ -190,78 +259,31 @@ class Scheduler:
         another shard rather than wait, as vLLM's data-parallel ranks balance by load and never hold a request
         back for a cache hit (an idle slot costs more than a recomputed prefix; the prefix is then cached in
         that shard too, for the requests after it)."""
-        t = self.tables
-        free = [[i for i in range(d * t.slots_per_shard, (d + 1) * t.slots_per_shard) if self.slots[i] is None]
-                for d in range(t.n_data)]
+        kv = self.kv
+        per = kv.slots_per_shard
+        free = [[i for i in range(d * per, (d + 1) * per) if self.slots[i] is None] for d in range(kv.n_data)]
         candidates = []
-        for d in range(t.n_data):
+        tokens = req.tokens if kv.caching else None
+        for d in range(kv.n_data):
             if free[d]:
-                nodes = self._match(req, d)
-                candidates.append((-len(nodes), -len(free[d]), d, nodes))
-        for _, _, d, nodes in sorted(candidates, key=lambda c: c[:3]):
-            if nodes:
-                self.prefix.match(req.tokens, len(nodes), d)  # the path it is about to map is used (LRU)
-            # pages the shard's prefilling requests will still take, then this request's own
-            n_full = self.tables.full_need(d, len(nodes), self._pages_upto(req))
-            for r in self.prefilling():
-                if t.shard_of(r.slot) == d:
-                    n_full += t.full_need(d, max(len(r.nodes), len(t.held[r.slot].full)), self._pages_upto(r))
-            if self._room_if_evicted(n_full, t.swa_need(d, self._swa_need(req)), nodes):
-                return free[d][0], nodes
+                hit = kv.find_prefix(tokens, req.n_tokens, d)
+                candidates.append((-hit.n_pages, -len(free[d]), d, hit))
+        # pages the shard's prefilling requests will still take, then this request's own
+        pending = [(r.slot, self._upto(r)) for r in self.prefilling()]
+        swa_tokens = min(self.chunk, req.n_tokens) + 2 * self.k
+        for _, _, d, hit in sorted(candidates, key=lambda c: c[:3]):
+            if kv.admissible(hit, self._upto(req), swa_tokens, pending):
+                return free[d][0], hit
         return None
 
     def _may_share(self, req: Request) -> bool:
         """Whether `req` could match full pages that a request still prefilling will cache: their first pages
         are equal (every prefix match starts at page 0)."""
-        p = self.layout.page_size
+        p = self.page_size
         if req.n_tokens <= p:
             return False  # the last position is always computed: no full page of it can be reused
         head = req.token_slice(0, p)
         return any(r.token_slice(0, p) == head for r in self.prefilling())
-
-    def _swa_need(self, req: Request) -> int:
-        ps, w = self.layout.swa_page_size, self.tables.cfg.window_size
-        span = min(self.chunk, req.n_tokens) + w + 2 * self.k
-        return -(-span // ps) + 1
-
-    def _room_if_evicted(self, n_full: np.ndarray, n_swa: np.ndarray, keep: list[Node]) -> bool:
-        """Whether n_full full and n_swa SWA pages per block are free, or would be once the prefix cache evicted
-        what no slot maps (except the path `keep`, about to be mapped)."""
-        t = self.tables
-        free_full, free_swa = t.full_alloc.free_per_block, t.swa_alloc.free_per_block
-        if (free_full >= n_full).all() and (free_swa >= n_swa).all():
-            return True
-        if self.prefix is None:
-            return False
-        ev_full, ev_swa = self.prefix.evictable()
-        # the matched path stays (it is about to be mapped): do not count it as evictable
-        for n in keep:
-            if t.full_alloc.refs[n.page] == 1:
-                ev_full[t.full_alloc.block_of(n.page)] -= 1
-        for n in keep[-1:]:
-            if all(t.swa_alloc.refs[pg] == 1 for pg in n.tail.values()):
-                for pg in n.tail.values():
-                    ev_swa[t.swa_alloc.block_of(pg)] -= 1
-        return (free_full + ev_full >= n_full).all() and (free_swa + ev_swa >= n_swa).all()
-
-    def _match(self, req: Request, shard: int) -> list[Node]:
-        """The cached prefix of `req` in `shard`'s tree (not touched: admission may pick another shard)."""
-        if self.prefix is None:
-            return []
-        # at least one token is computed, so the last position's logits exist
-        return self.prefix.lookup(req.tokens, (req.n_tokens - 1) // self.layout.page_size, shard)
-
-    def _map_prefix(self, req: Request, nodes: list[Node]) -> None:
-        if self.prefix is not None:
-            self.prefix.count_query(req.n_tokens, len(nodes))
-        if not nodes:
-            return
-        last = nodes[-1]
-        self.tables.adopt(req.slot, [n.page for n in nodes], last.tail)
-        req.nodes = list(nodes)
-        req.computed = len(nodes) * self.layout.page_size
-        req.saved = {req.computed}
-        req.hit_row = last.tail[max(last.tail)]  # the SWA page holding position b-1 carries the state
 
     # ---- prefill chunks ----
     def next_chunks(self) -> list[tuple[Request, int, int]]:
@@ -270,7 +292,7 @@ class Scheduler:
         `prefill_chunk` tokens; further rows join while the step's rows x its compiled length stay within one full
         chunk's (`step_tokens`), so a step costs at most what one full chunk does."""
         plans: list[tuple[Request, int, int]] = []
-        p = self.layout.page_size
+        p = self.page_size
         for req in self.prefilling():
             if len(plans) == MAX_PREFILL_ROWS:
                 break
@@ -288,24 +310,56 @@ class Scheduler:
         # reserving pages for a later row may have preempted an earlier one
         return [(r, s, e) for r, s, e in plans if r.status == PREFILLING]
 
-    # ---- the prefix tree ----
-    def cache_pages(self, req: Request) -> None:
-        """Insert every full page of `req` whose tokens are all written (up to `fed`) into the prefix tree."""
-        if self.prefix is None or req.slot is None:
-            return
-        p = self.layout.page_size
-        held = self.tables.held[req.slot]
-        while (len(req.nodes) + 1) * p <= req.fed:
-            i = len(req.nodes)
-            b = (i + 1) * p
-            tail = None
-            if b in req.saved:
-                first = self.tables._first_swa_needed(b)
-                js = range(first, -(-b // self.layout.swa_page_size))
-                if all(j in held.swa for j in js):
-                    tail = {j: held.swa[j] for j in js}
-            parent = req.nodes[-1] if req.nodes else self.prefix.roots[self.tables.shard_of(req.slot)]
-            req.nodes.append(self.prefix.insert(parent, req.token_slice(i * p, b), held.full[i], tail))
+    # ---- update: a step's outputs into request state and deltas ----
+    def advance_prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
+        """The prefill rows were dispatched: their positions count as computed, and their full pages (written up
+        to each chunk's end; the compressor state is saved where a chunk ends on a full-page boundary) go into the
+        prefix tree."""
+        p = self.page_size
+        for req, s0, e0 in chunks:
+            req.computed = e0
+            self.recomputed_tokens += max(0, min(e0, req.seen) - s0)
+            self.kv.commit(req.slot, req.token_slice, req.fed, (e0,) if e0 % p == 0 else ())
+
+    def finish_prefill(self, chunks: list[tuple[Request, int, int]], tokens, logprobs) -> list[RequestDelta]:
+        """Rows that were their request's last chunk: its first generated token (row i of `tokens`, `logprobs`),
+        and it starts decoding (or ends)."""
+        deltas = []
+        for row, (req, s0, e0) in enumerate(chunks):
+            if e0 != req.n_tokens or req.slot is None or self.slots[req.slot] is not req:
+                continue  # more chunks to come (or preempted / aborted meanwhile)
+            t, lp = int(tokens[row]), float(logprobs[row])
+            req.output.append(t)
+            req.status = RUNNING
+            self.kv.trim(req.slot, req.fed)  # the window is all it keeps of its prefill's SWA pages
+            stopped = t in req.stop_ids
+            done = stopped or len(req.output) >= req.params.max_tokens or req.fed + 1 >= self.max_model_len
+            reason = ("stop" if stopped else "length") if done else None
+            if done:
+                self._finish(req)
+            deltas.append(RequestDelta(req.request_id, [t], [lp] if req.params.logprobs else [], reason))
+        return deltas
+
+    def finish_decode(self, running: Sequence[tuple[int, Request]], tokens, logprobs, n_out, stopped,
+                      still) -> list[RequestDelta]:
+        """A decode call's outputs (host arrays by slot) into its requests. A slot whose request ended, was
+        aborted or preempted after the call was dispatched is skipped: its tokens are not wanted."""
+        p = self.page_size
+        deltas = []
+        for i, r in running:
+            if self.slots[i] is not r or r.status != RUNNING:
+                continue
+            n = int(n_out[i])
+            f0 = r.fed
+            new = tokens[i, :n].tolist()
+            r.output.extend(new)
+            self.kv.commit(i, r.token_slice, r.fed, range((f0 // p + 1) * p, r.fed + 1, p))  # boundaries reached
+            reason = None if still[i] else ("stop" if stopped[i] else "length")
+            deltas.append(RequestDelta(r.request_id, new, logprobs[i, :n].tolist() if r.params.logprobs else [],
+                                       reason))
+            if reason is not None:
+                self._finish(r)
+        return deltas
 
 
 def _pow2(n: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 from typing import Any
 
 import jax
@@ -223,24 +222,6 @@ def _carry(prev: DecodeState, fresh: DecodeState, carried):
     return jax.tree.map(pick, prev, fresh)
 
 
-# XLA's command buffers (CUDA graphs) for the decode call. "xla": XLA's default set (runs of fusions, GEMMs and
-# custom calls become graphs; the k-step loop and the layer scan run from the host, one launch per graph per
-# iteration); "loop": WHILE and CONDITIONAL too, so the whole call (both loops) is one graph launch.
-DECODE_GRAPHS_ENV = "V4JAX_DECODE_GRAPHS"
-DECODE_GRAPHS_DEFAULT = "xla"
-_WHOLE_LOOP = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-
-
-def decode_compiler_options() -> dict | None:
-    """XLA options of the decode call's compile on this backend (None off the GPU, and for XLA's default)."""
-    mode = os.environ.get(DECODE_GRAPHS_ENV, "").strip().lower() or DECODE_GRAPHS_DEFAULT
-    if mode not in ("xla", "loop"):
-        raise ValueError(f"{DECODE_GRAPHS_ENV}={mode!r}: expected 'xla' or 'loop'")
-    if mode == "xla" or jax.default_backend() != "gpu":
-        return None
-    return {"xla_gpu_enable_command_buffer": _WHOLE_LOOP}
-
-
 @dataclasses.dataclass(frozen=True)
 class JittedSteps:
     """The steps jitted for one engine: its compiled programs live and die with it (one process may build many
@@ -256,8 +237,7 @@ class JittedSteps:
         # are host arrays then: without out_shardings it would land on one local device).
         carry_out = None if mesh_rules is None else mesh_rules.replicated
         return JittedSteps(prefill=jax.jit(_prefill, static_argnums=0, donate_argnums=(2, 3)),
-                           decode=jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3),
-                                          compiler_options=decode_compiler_options()),
+                           decode=jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3)),
                            carry=jax.jit(_carry, out_shardings=carry_out),
                            restore=jax.jit(restore_slot_states, donate_argnums=0))
 

@@ -10,7 +10,6 @@ import dataclasses
 import json
 from typing import Protocol, Sequence
 
-from v4jax.engine.checks import RequestCheck
 from v4jax.engine.core import EngineCore, RequestDelta
 from v4jax.sampling import SamplingParams
 
@@ -50,7 +49,7 @@ class LocalEngine:
         self.core = core
         self.max_model_len = core.max_model_len
         self.max_num_seqs = core.layout.max_slots
-        self.request_check = RequestCheck.of(core.cfg, core.layout, core.max_model_len, paged=not core.tables.dense)
+        self.request_check = core.request_check
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         # The engine's own check (EngineCore.add_request runs it too), before the request reaches the engine

@@ -32,11 +32,19 @@ class _EngineCollector:
                                  "pages only the prefix cache holds count as used", labels=["pool"])
         total = GaugeMetricFamily("v4jax_pool_total_pages", "Pages per pool (compressor_state: slots)",
                                   labels=["pool"])
+        bytes_used = GaugeMetricFamily("v4jax_pool_bytes_used", "Bytes of the pages (compressor_state: slots) in "
+                                       "use per pool, over the whole mesh", labels=["pool"])
+        bytes_total = GaugeMetricFamily("v4jax_pool_bytes_total", "Bytes allocated per pool, over the whole mesh",
+                                        labels=["pool"])
         for name, p in s.get("pools", {}).items():
             used.add_metric([name], p["used"])
             total.add_metric([name], p["total"])
+            bytes_used.add_metric([name], p.get("bytes_used", 0))
+            bytes_total.add_metric([name], p.get("bytes_total", 0))
         yield used
         yield total
+        yield bytes_used
+        yield bytes_total
         pc = s.get("prefix_cache", {})
         yield CounterMetricFamily("v4jax_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
                                   value=pc.get("queried_tokens", 0))
@@ -44,6 +52,11 @@ class _EngineCollector:
                                   "(whole full pages)", value=pc.get("hit_tokens", 0))
         yield GaugeMetricFamily("v4jax_prefix_cache_cached_pages", "Full pages held by the prefix tree",
                                 value=pc.get("cached_pages", 0))
+        yield CounterMetricFamily("v4jax_prefix_cache_reused_pages", "Full pages mapped from the prefix cache into "
+                                  "a request instead of being computed", value=pc.get("reused_pages", 0))
+        yield CounterMetricFamily("v4jax_prefix_cache_tombstoned_tails", "Window tails the prefix cache dropped "
+                                  "under pressure (their compressed pages stay cached)",
+                                  value=pc.get("tombstoned_tails", 0))
         rq = s.get("requests", {})
         yield GaugeMetricFamily("v4jax_num_requests_running", "Sequences in a decode slot (prefilling included)",
                                 value=rq.get("running", 0) + rq.get("prefilling", 0))
@@ -51,6 +64,9 @@ class _EngineCollector:
                                 value=rq.get("waiting", 0))
         yield CounterMetricFamily("v4jax_num_preemptions", "Sequences preempted (recomputed later) since start",
                                   value=rq.get("preempted", 0))
+        yield CounterMetricFamily("v4jax_recomputed_tokens", "Prompt and generated tokens computed again: after a "
+                                  "preemption, or past cached pages that could not be resumed from (a dropped "
+                                  "window tail)", value=rq.get("recomputed_tokens", 0))
         srv = s.get("server", {})
         yield GaugeMetricFamily("v4jax_num_requests_in_flight", "Sequences admitted and not yet released by the "
                                 "engine", value=srv.get("in_flight", 0))
