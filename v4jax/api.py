@@ -282,8 +282,12 @@ class LLM:
     # ---- generation ----
     @property
     def engine(self):
+        """The engine, built on first use (by generate, or the server): its pools must fit what is free first."""
         if self._engine is None:
             from v4jax.engine import EngineCore
+            from v4jax.memory import check_engine_fits, model_weight_bytes
+            check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,
+                              weight_bytes=model_weight_bytes(self.model))
             self._engine = EngineCore(self.config, self.model, self.options, self.run_options, self.max_model_len)
         return self._engine
 
@@ -348,10 +352,6 @@ class LLM:
             except RequestError as e:
                 self._rejected += 1
                 raise RequestError(f"prompt {i}: {e.message}", e.param, e.code) from None
-        if self._engine is None:  # the first generate builds the engine: its pools must fit what is free
-            from v4jax.memory import check_engine_fits, model_weight_bytes
-            check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,
-                              weight_bytes=model_weight_bytes(self.model))
         events = self._events(self._submit(ids, params))
         if stream:
             return self._stream(events, ids)

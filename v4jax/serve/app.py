@@ -48,11 +48,7 @@ class ServerState:
         self.model_id = self.options.served_model_name or model_id_of(llm)
         self.created = int(time.time())
         self.codec = TextCodec(llm)
-        if engine is None and llm._engine is None:  # as LLM.generate does before it builds the engine
-            from v4jax.memory import check_engine_fits, model_weight_bytes
-            check_engine_fits(llm.config, llm.options, llm.max_model_len, llm.dtype,
-                              weight_bytes=model_weight_bytes(llm.model))
-        self.engine = engine or LocalEngine(llm.engine)
+        self.engine = engine or LocalEngine(llm.engine)  # building it checks that its pools fit
         self.orchestrator = Orchestrator(self.engine, self.codec.decoder, max_waiting=self.options.max_waiting)
         self.metrics = ServerMetrics(self.orchestrator.stats)
         self.orchestrator.metrics = self.metrics
