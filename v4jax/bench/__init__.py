@@ -5,7 +5,7 @@
   generate.py  `v4jax bench generate`: what a user of LLM.generate sees (first-call compile time, prefill and
                decode ms/step through the API)
   kernels.py   `v4jax bench kernels`: the kernel table (pallas_kernels.bench)
-  memory.py    `v4jax memory`: pool bytes per kind
+  memory.py    `python -m v4jax.bench memory`: the `v4jax memory` command (v4jax.cli)
   hf_peer.py   transformers' implementation on the same weights (the only module that imports torch)
 """
 from v4jax.bench.decode import decode_main, markdown, measure_bandwidth, roofline_bytes, small_config
