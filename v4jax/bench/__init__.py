@@ -9,7 +9,7 @@
   replay.py    `v4jax bench replay`: request traces against dense / paged / paged + prefix cache
   table.py     `v4jax bench table`: one markdown table from decode.json / generate.json files
   profile.py   what a jitted call runs on the device, from a profiler trace
-  memory.py    `v4jax memory`: pool bytes per kind
+  memory.py    `python -m v4jax.bench memory`: the `v4jax memory` command (v4jax.cli)
   hf_peer.py   transformers' implementation on the same weights (the only module that imports torch)
 """
 from v4jax.bench.decode import decode_main, markdown, measure_bandwidth, roofline_bytes, small_config
