@@ -36,6 +36,7 @@ from pallas_kernels import compressor as C
 from pallas_kernels import indexer as IX
 from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from v4jax.bench.decode import measure_bandwidth as decode_bandwidth_probe
+from v4jax.bench.flops import measure_matmul_rate
 from v4jax.bench.profile import device_events
 
 TK = importlib.import_module("pallas_kernels.topk")
@@ -147,11 +148,6 @@ def _time_single(fn, args, repeats):
 def measure_bandwidth(nbytes: int, *, repeats: int) -> float:
   """HBM bandwidth (bytes/s): `v4jax bench decode`'s copy probe, so both benchmarks hold kernels to one figure."""
   return decode_bandwidth_probe(nbytes, reps=repeats)["copy_GBps"] * 1e9
-
-
-def measure_matmul_rate(n: int, *, repeats: int) -> float:
-  a = jnp.ones((n, n), BF16)
-  return 2 * n ** 3 / _time_single(lambda x: jnp.dot(x, x, preferred_element_type=F32), (a,), repeats)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -397,7 +393,7 @@ def run(args) -> int:
   repeats = args.repeats or (2 if small else 7)
   bw_bytes = (64 << 20) if small else (4 << 30)
   bw = measure_bandwidth(bw_bytes, repeats=max(repeats, 5))
-  mm = measure_matmul_rate(512 if small else 8192, repeats=max(repeats, 5))
+  mm = measure_matmul_rate(512 if small else 8192, reps=max(repeats, 5))   # the generate benchmark's probe
   if args.harness == "trace":
     timer = lambda fn, a, carry=None: time_trace(fn, a, repeats=repeats)
   else:
