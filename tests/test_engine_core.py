@@ -237,11 +237,16 @@ def test_prefix_cache_exact(real_ckpt):
         node = next(c for c in node.children.values() if c.tokens == tuple(base[node.depth * 256:(node.depth + 1) * 256]))
         if node.tail is not None:
             pc.drop_tail(node)
+    st = warm.stats()
+    assert st["requests"]["recomputed_tokens"] == 0  # every cached page so far was resumable
+    assert st["prefix_cache"]["reused_pages"] * 256 == st["prefix_cache"]["hit_tokens"]
     before = warm.stats()["prefix_cache"]["hit_tokens"]
     _same(warm.generate([variants[SHARED.index(383)]], sp), [want[SHARED.index(383)]])
     assert warm.stats()["prefix_cache"]["hit_tokens"] == before  # 256 is a tombstone: a cold start
+    assert warm.stats()["requests"]["recomputed_tokens"] == 256  # the cached page it could not resume after
     _same(warm.generate([variants[SHARED.index(515)]], sp), [want[SHARED.index(515)]])
     assert warm.stats()["prefix_cache"]["hit_tokens"] - before == 512  # through the tombstone
+    assert warm.stats()["requests"]["recomputed_tokens"] == 256
     assert warm.stats()["prefix_cache"]["tombstoned_tails"] >= 1
 
     # eviction: everything the tree holds goes; the same prompts run cold and give the same results

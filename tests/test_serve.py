@@ -311,6 +311,28 @@ def test_metrics_count_what_happened(served, client):
         assert name in after
 
 
+
+def test_metrics_export_the_engines_pool_bytes_and_cache_figures():
+    """The engine's stats() figures as Prometheus text: pool bytes as gauges per pool, reused pages, tombstoned
+    tails and recomputed tokens as counters (base units, the v4jax_ prefix)."""
+    from v4jax.serve.metrics import ServerMetrics
+    stats = {"pools": {"swa": {"used": 3, "total": 42, "unit": "64 tokens", "bytes_used": 300, "bytes_total": 4200},
+                       "tokens": {"used": 2, "total": 8, "unit": "256 tokens", "bytes_used": 2048,
+                                  "bytes_total": 8192}},
+             "prefix_cache": {"reused_pages": 5, "tombstoned_tails": 2, "hit_tokens": 1280},
+             "requests": {"recomputed_tokens": 77, "preempted": 1}}
+    text = ServerMetrics(lambda: stats).render().decode()
+    got = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+           if line and not line.startswith("#")}
+    assert got['v4jax_pool_bytes_used{pool="swa"}'] == 300 and got['v4jax_pool_bytes_total{pool="swa"}'] == 4200
+    assert got['v4jax_pool_bytes_used{pool="tokens"}'] == 2048 and got['v4jax_pool_bytes_total{pool="tokens"}'] == 8192
+    assert got["v4jax_prefix_cache_reused_pages_total"] == 5
+    assert got["v4jax_prefix_cache_tombstoned_tails_total"] == 2
+    assert got["v4jax_recomputed_tokens_total"] == 77
+    assert "# TYPE v4jax_recomputed_tokens_total counter" in text or "# TYPE v4jax_recomputed_tokens counter" in text
+    assert "# TYPE v4jax_pool_bytes_used gauge" in text
+
+
 # ---- limits ----
 LONG = list(range(2, 600))  # past the 512-token context
 MALFORMED = [  # (path, body: dict | bytes, headers, status, param)

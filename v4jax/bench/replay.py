@@ -296,8 +296,8 @@ def replay_trace(core, trace: Trace, *, max_steps: int = 1_000_000) -> dict:
 
     orig_admit = sch.admit
 
-    def admit():  # observe each admission: the tokens its prefix hit mapped (req.computed right after it)
-        out = orig_admit()
+    def admit(*args):  # observe each admission: the tokens its prefix hit mapped (req.computed right after it)
+        out = orig_admit(*args)
         for r in out:
             admitted_hit.setdefault(r.request_id, r.computed)
         return out
