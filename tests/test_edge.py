@@ -192,6 +192,18 @@ def test_health_reports_a_dead_engine_thread():
     try:
         assert client.get("/health").json() == {"status": "ok"}
 
+        def broken_add(*a, **k):
+            raise RuntimeError("add broke")
+
+        state.engine.add_request = broken_add  # an unexpected failure on the way in fails that request only
+        r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
+        assert r.status_code == 500 and "add broke" in r.json()["error"]["message"], r.json()
+        assert state.orchestrator.engine_alive and client.get("/health").status_code == 200
+        deadline = time.monotonic() + 10  # its capacity returns just after its stream ends
+        while state.orchestrator.stats()["server"]["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert state.orchestrator.stats()["server"]["in_flight"] == 0
+
         def die():
             raise RuntimeError("engine broke")
 

@@ -344,7 +344,11 @@ class LLM:
         plist, params = self._check_requests(prompts, sampling)
         if not plist:
             return iter(()) if stream else []
-        ids = [self.encode(p, f"prompt {i}") for i, p in enumerate(plist)]
+        try:
+            ids = [self.encode(p, f"prompt {i}") for i, p in enumerate(plist)]
+        except RequestError:  # empty, or ids outside the vocabulary: the request check's rules
+            self._rejected += 1
+            raise
         check = self.request_check
         for i, (p, sp) in enumerate(zip(ids, params)):
             try:
