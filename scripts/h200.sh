@@ -12,8 +12,6 @@
 #              128K prefill, flash-1gpu decode at 4K and 128K
 #   4k         the GPU kernel tests, then batch 1 / 32 at 4K of flash-slice (with kernels per step from a profile)
 #              and of flash-1gpu
-#   graphs     the decode call as one CUDA graph (V4JAX_DECODE_GRAPHS=loop) against XLA's default command buffers:
-#              jitted call, engine loop and LLM.generate of flash-slice at 4K / 128K
 #   engine     the engine GPU tests (Pallas engine = XLA engine, a second generate compiles nothing)
 #   memory     the decode call's memory plan (v4jax bench decode --memory-plan) with its largest temporaries from
 #              XLA's buffer assignment (flash-slice), then flash-1gpu's at batch 32 and 16K / 64K / 128K
@@ -23,6 +21,9 @@
 #   prefill    the prefill kernels' GPU tests, the experts sweep (v4jax bench kernels --sweep prefill_experts;
 #              SWEEP=0 skips), a profile of a 128K flash-slice prompt (v4jax bench generate --profile-prefill),
 #              the 128K prefill through generate
+#   ab BASE [slice|1gpu]  the decode and prefill rows of `slice` (or `1gpu`'s decode rows) in a second tree BASE (e.g.
+#              `git archive COMMIT -- . ':!v4jax/default_model' | tar -x -C base`) and in this one, one after the other
+#              in one call, then both in one table: what a change costs, on the same machine
 # Kernels:
 #   check      GPU tests (kernels, engine), the kernel table from profiler traces ($OUT/k/bench_kernels.{md,json}),
 #              engine decode with XLA and Pallas attention at batch 32 / 128K ($OUT/d{xla,pallas})
@@ -131,21 +132,29 @@ slice)
   summary "$out/flash-1gpu/decode/decode.json" | head -20
   python3 -m v4jax.bench.table "$out/flash-1gpu"
   ;;
-graphs)
-  # XLA's command buffers over the whole decode call (V4JAX_DECODE_GRAPHS=loop: the k-step loop and the layer scan
-  # as one CUDA graph) against XLA's default set (xla): the jitted call and the engine loop at batch 1 / 32 and 4K /
-  # 128K, and LLM.generate at 4K, of flash-slice; then a side-by-side summary
-  for mode in xla loop; do
-    stamp "decode graphs: $mode"
-    V4JAX_DECODE_GRAPHS=$mode timeout 120 python3 -W ignore -m v4jax.bench decode --model flash-slice \
-      --batches 1,32 --contexts 4K,128K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas \
-      --deadline-s 110 --out "$out/graphs-$mode/decode" 2>&1 | quiet | grep "^|" | tail -4
-    V4JAX_DECODE_GRAPHS=$mode timeout 110 python3 -W ignore -m v4jax.bench generate --model flash-slice \
-      --batches 1,32 --contexts 4K --new 128 --prefill-chunk 8192 --attention-impl pallas --deadline-s 100 \
-      --out "$out/graphs-$mode/generate" 2>&1 | quiet | grep "^|" | tail -2
+ab)
+  base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|1gpu]}
+  what=${3:-slice}
+  for tree in "$base" .; do
+    name=$([ "$tree" = . ] && echo new || echo base)
+    dir=$(cd "$out" && pwd)/ab-$name
+    if [ "$what" = slice ]; then
+      stamp "$name: flash-slice decode"
+      (cd "$tree" && PYTHONPATH=. timeout 120 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 \
+        --contexts 4K,32K,128K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 110 \
+        --out "$dir/decode" 2>&1 | quiet | grep "^|" | tail -7)
+      stamp "$name: flash-slice generate and the 128K prefill"
+      (cd "$tree" && PYTHONPATH=. timeout 170 python3 -W ignore -m v4jax.bench generate --model flash-slice \
+        --batches 1,32 --contexts 4K --prefill 128K --new 256 --prefill-chunk 8192 --attention-impl pallas \
+        --deadline-s 160 --out "$dir/generate" 2>&1 | quiet | grep "^|" | tail -5)
+    else
+      stamp "$name: flash-1gpu decode"
+      (cd "$tree" && PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 250 python3 -W ignore -m v4jax.bench \
+        decode --model flash-1gpu --batches 1,32 --contexts 4K,128K --long-b1 "" --hf off --iters 3 --gen-iters 2 \
+        --attention-impl pallas --deadline-s 240 --out "$dir/decode" 2>&1 | quiet | grep "^|" | tail -5)
+    fi
   done
-  python3 -m v4jax.bench.table "$out/graphs-xla=graphs-xla" "$out/graphs-loop=graphs-loop" 2>&1 | grep "^|" \
-    | cut -d'|' -f2-9
+  python3 -m v4jax.bench.table "$out/ab-base=base" "$out/ab-new=new"
   ;;
 candidates)
   # ~70 s: several projections of one input in one launch (v4jax bench kernels --sweep fused_projections), mHC's
