@@ -304,7 +304,8 @@ def test_metrics_count_what_happened(served, client):
         assert after[f'v4jax_pool_total_pages{{pool="{pool}"}}'] > 0
         assert f'v4jax_pool_used_pages{{pool="{pool}"}}' in after
         assert after[f'v4jax_pool_bytes_total{{pool="{pool}"}}'] > 0
-        assert 0 <= after[f'v4jax_pool_bytes_used{{pool="{pool}"}}'] <= after[f'v4jax_pool_bytes_total{{pool="{pool}"}}']
+        used, total = (after[f'v4jax_pool_bytes_{k}{{pool="{pool}"}}'] for k in ("used", "total"))
+        assert 0 <= used <= total
     for name in ("v4jax_num_requests_running", "v4jax_num_requests_waiting", "v4jax_num_preemptions_total",
                  "v4jax_prefix_cache_hit_tokens_total", "v4jax_prefix_cache_reused_pages_total",
                  "v4jax_prefix_cache_tombstoned_tails_total", "v4jax_recomputed_tokens_total"):

@@ -22,7 +22,6 @@ import itertools
 import warnings
 from typing import Sequence
 
-
 from v4jax.cache.manager import KVCacheManager, PrefixHit
 from v4jax.sampling import SamplingParams
 
