@@ -5,7 +5,7 @@ import json
 import pytest
 
 from v4jax import api, cli
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from v4jax.cache.layout import engine_layout, full_page_size, page_multiple, poo
 from v4jax import cache as C
 from v4jax import memory as M
 from v4jax.config import preset
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 from v4jax.model import Transformer
 
 GiB, MiB = 1 << 30, 1 << 20

@@ -9,7 +9,7 @@ from v4jax.cache.manager import KVCacheManager
 from v4jax.cache.prefix import PrefixCache
 from v4jax.config import preset
 from v4jax.engine.scheduler import RUNNING, Scheduler
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 
 CFG = preset("tiny")  # window 8, ratios 4 and 16
 P = 16

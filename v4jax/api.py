@@ -20,7 +20,7 @@ from v4jax.detokenize import IncrementalDetokenizer
 from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
 from v4jax.fields import FieldError, check_field
 from v4jax.model import RunOptions, Transformer
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}

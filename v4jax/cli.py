@@ -86,7 +86,7 @@ def _wrap(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from v4jax.sampling import SamplingParams
+    from v4jax.engine.sampling import SamplingParams
     sp = SamplingParams()
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
 # ---- commands ----------------------------------------------------------------------------------------------------
 def _generate(args) -> int:
     from v4jax.config import PRESETS
-    from v4jax.sampling import SamplingParams
+    from v4jax.engine.sampling import SamplingParams
 
     # Everything that can be checked without the model is checked first: bad flags fail at once.
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -287,7 +287,7 @@ class JaxDecodeBench:
     def _occupy(self, held: int, rng):
         """Every slot: a running request whose first `held` tokens are in the (synthetic) pools."""
         from v4jax.engine.scheduler import RUNNING
-        from v4jax.sampling import SamplingParams
+        from v4jax.engine.sampling import SamplingParams
         eng = self.engine
         sch = eng.scheduler
         for r in list(sch.requests.values()):

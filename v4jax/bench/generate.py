@@ -51,7 +51,7 @@ def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
     the same lengths (no prefix hits) after a first pass that compiles every program the row uses. Decode ms/step =
     (time(1 + new) - time(1)) / new: one step is one new token for every request. The 1 + new call streams, and
     its events' times give the steady rate (`steady_step_ms`)."""
-    from v4jax.sampling import SamplingParams
+    from v4jax.engine.sampling import SamplingParams
     sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     fresh = lambda: [rng.integers(2, llm.config.vocab_size, context).tolist() for _ in range(batch)]
     t0 = time.perf_counter()

@@ -273,7 +273,7 @@ def _mapped_pages(core) -> tuple[int, int, int]:
 def replay_trace(core, trace: Trace, *, max_steps: int = 1_000_000) -> dict:
     """Drive `core` through `trace` (closed loop by step count); returns the per-request record and the run's
     counters. The prefix cache is emptied first, so every run starts cold."""
-    from v4jax.sampling import SamplingParams
+    from v4jax.engine.sampling import SamplingParams
     sch = core.scheduler
     if core.has_unfinished_requests():
         raise RuntimeError("the engine still has unfinished requests")

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from v4jax.config import ModelConfig
 from v4jax.engine.steps import MAX_STOP
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 
 
 class RequestError(ValueError):

@@ -32,7 +32,7 @@ from v4jax.engine.checks import RequestCheck
 from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, DecodePlan, Request, RequestDelta, Scheduler,  # noqa: F401
                                     chunk_bucket)
 from v4jax.model import RunOptions, Transformer
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 
 
 def _pow2(n: int) -> int:

@@ -23,7 +23,7 @@ import warnings
 from typing import Sequence
 
 from v4jax.cache.manager import KVCacheManager, PrefixHit
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 
 WAITING, PREFILLING, RUNNING = "waiting", "prefilling", "running"
 MAX_PREFILL_ROWS = 8  # rows of one prefill step (powers of two up to this are compiled)

@@ -22,7 +22,7 @@ from v4jax import cache as C
 from v4jax.cache.boundary import restore_slot_states, save_boundary_states
 from v4jax.config import ModelConfig
 from v4jax.model import RunOptions
-from v4jax.sampling import sample
+from v4jax.engine.sampling import sample
 
 MAX_STOP = 8  # stop token ids per request held on device (EOS included)
 

@@ -11,7 +11,7 @@ import json
 from typing import Protocol, Sequence
 
 from v4jax.engine.core import EngineCore, RequestDelta
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 
 
 class ServingEngine(Protocol):

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 from v4jax.detokenize import Decode, SequenceText
 from v4jax.serve.engine import ServingEngine
 

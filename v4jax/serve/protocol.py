@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from v4jax.fields import INT32_MAX, INT32_MIN, RULES, utf8_error
-from v4jax.sampling import SamplingParams
+from v4jax.engine.sampling import SamplingParams
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
