@@ -21,7 +21,8 @@
 #   prefill    the prefill kernels' GPU tests, the experts sweep (v4jax bench kernels --sweep prefill_experts;
 #              SWEEP=0 skips), a profile of a 128K flash-slice prompt (v4jax bench generate --profile-prefill),
 #              the 128K prefill through generate
-#   ab BASE [slice|1gpu]  the decode and prefill rows of `slice` (or `1gpu`'s decode rows) in a second tree BASE (e.g.
+#   ab BASE [slice|prefill|1gpu]  the decode and prefill rows of `slice` (`prefill`: its 128K prefill; `1gpu`:
+#              flash-1gpu's decode rows) in a second tree BASE (e.g.
 #              `git archive COMMIT -- . ':!v4jax/default_model' | tar -x -C base`) and in this one, one after the other
 #              in one call, then both in one table: what a change costs, on the same machine
 # Kernels:
@@ -133,7 +134,7 @@ slice)
   python3 -m v4jax.bench.table "$out/flash-1gpu"
   ;;
 ab)
-  base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|1gpu]}
+  base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|prefill|1gpu]}
   what=${3:-slice}
   for tree in "$base" .; do
     name=$([ "$tree" = . ] && echo new || echo base)
@@ -147,6 +148,11 @@ ab)
       (cd "$tree" && PYTHONPATH=. timeout 170 python3 -W ignore -m v4jax.bench generate --model flash-slice \
         --batches 1,32 --contexts 4K --prefill 128K --new 256 --prefill-chunk 8192 --attention-impl pallas \
         --deadline-s 160 --out "$dir/generate" 2>&1 | quiet | grep "^|" | tail -5)
+    elif [ "$what" = prefill ]; then
+      stamp "$name: flash-slice prefill of a 128K prompt"
+      (cd "$tree" && PYTHONPATH=. timeout 170 python3 -W ignore -m v4jax.bench generate --model flash-slice \
+        --batches 1 --contexts "" --prefill 128K --new 256 --prefill-chunk 8192 --attention-impl pallas \
+        --deadline-s 165 --out "$dir/generate" 2>&1 | quiet | grep "^|" | tail -5)
     else
       stamp "$name: flash-1gpu decode"
       (cd "$tree" && PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 250 python3 -W ignore -m v4jax.bench \
