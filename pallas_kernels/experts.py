@@ -38,7 +38,7 @@ from ._compat import TritonCompilerParams, pltriton
 F32 = jnp.float32
 
 MAX_TOKENS = 64  # tokens per step the kernels take (one [TB, .] tile per expert); more: XLA's grouped forms
-# Block sizes (rows per program, columns per loop step), from an H200 sweep (scripts/bench_experts.py).
+# Block sizes (rows per program, columns per loop step), from an H200 sweep (v4jax bench kernels --sweep experts).
 UP_ROWS, UP_COLS = 16, 512
 DOWN_ROWS, DOWN_COLS = 16, 512
 
@@ -53,7 +53,7 @@ def supported(x, w1) -> bool:
     """What the kernels take: at most MAX_TOKENS tokens; D and I divisible by power-of-two blocks of >= 16. Any
     weight array size: Pallas' Triton lowering switches to 64-bit offsets past 2**32 bytes (checked on the H200
     against float64 for a 256-expert layer of exactly 2**31 elements and stacks of 1.25 and 3 x 2**31:
-    scripts/check_experts_gpu.py)."""
+    tests/test_kernels_gpu.py -k large_stacks, a slow GPU test)."""
     i, d = w1.shape[-2:]
     return x.shape[0] <= MAX_TOKENS and all(
         b is not None for b in (_pow2_block(i, UP_ROWS), _pow2_block(d, UP_COLS),

@@ -5,7 +5,7 @@ jax.experimental.pallas.ops.gpu.ragged_dot_mgpu: wgmma tiles, TMA loads, a persi
 Why: XLA:GPU has no grouped matmul. Its `lax.ragged_dot` runs every sorted row against every expert, so the
 model's prefill used the dense form instead (every expert over every token, weighted by the mostly-zero combine
 weights): E / k = 16 / 6 times the FLOPs the routing asks for (flash-slice, 8192-token chunk: see
-scripts/bench_prefill_experts.py and BENCHMARKS "Prefill").
+v4jax bench kernels --sweep prefill_experts and BENCHMARKS "Prefill").
 
   x [M, D]; weights, experts [M, k] (an id outside [0, E), e.g. -1, is no expert: weight 0); w1, w3 [E, I, D];
   w2 [E, D, I]; with `layer`, layer stacks [n, E, ...] (the layer's experts are sliced out: a copy of ~0.8 GB,
@@ -36,7 +36,7 @@ class Blocks:
     n: int = 128
     k: int = 64
     steps: int = 4
-    grid_n: int = 8  # 4.73 ms vs 4.90 with 4 for an 8192-token chunk (scripts/bench_prefill_experts.py)
+    grid_n: int = 8  # 4.73 ms vs 4.90 with 4 for an 8192-token chunk (--sweep prefill_experts)
 
 
 BLOCKS = Blocks()

@@ -25,8 +25,9 @@ from ._compat import TritonCompilerParams, backend
 
 F32 = jnp.float32
 # 16 x 128 keeps the six f32 [BM, BD] values of a program (f, four streams, the sum) at ~96 registers a thread with
-# 4 warps. H200 (scripts/bench_hc_post.py, Flash D = 4096): 151 us at 8192 tokens (4.0 TB/s; XLA's form 798 us),
-# 2.0 us at 32 (XLA 5.4 in two launches); 16 x 256 and 8 x 512 with 8 warps within 2 %, 32 x 128 slower
+# 4 warps. H200 (v4jax bench kernels --sweep hc_post, Flash D = 4096): 151 us at 8192 tokens (4.0 TB/s; XLA's
+# form 798 us), 2.0 us at 32 (XLA 5.4 in two launches); 16 x 256 and 8 x 512 with 8 warps within 2 %, 32 x 128
+# slower
 BLOCK_TOKENS, BLOCK_D = 16, 128
 
 

@@ -192,7 +192,7 @@ def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, t
             wt = w_ref[t].astype(F32)                                            # [Hi]
             # keys as the matmul's rows: the sum over heads runs along a row, within a warp; with heads as the rows
             # it crossed warps (H200, a 128K prompt's last chunk: 17.1 -> 10.5 ms, 249 -> 407 TFLOP/s;
-            # scripts/bench_indexer_prefill.py)
+            # v4jax bench kernels --sweep indexer_prefill)
             logits = mm_nt(keys, q)                                              # [sb, Hi]
             sc = jnp.sum(jnp.maximum(logits, 0.0) * wt[None, :], axis=1)        # [sb]
             ok = valid & (s_idx < nv_ref[t])

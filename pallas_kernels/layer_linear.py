@@ -35,8 +35,9 @@ from ._compat import TritonCompilerParams, backend
 F32 = jnp.float32
 
 MAX_TOKENS = 64  # rows of x the kernel takes (one [TB, .] tile); more: XLA's matmul
-# H200 sweep (scripts/bench_layer_linear.py) over the Flash projections at 1 and 32 tokens: 64 x 256 blocks read
-# 2.9 TB/s on the 64 MB weights (16 x 512, the experts' blocks: 2.3-2.5) and are within 5 % of the best on the rest
+# H200 sweep (v4jax bench kernels --sweep layer_linear) over the Flash projections at 1 and 32 tokens: 64 x 256
+# blocks read 2.9 TB/s on the 64 MB weights (16 x 512, the experts' blocks: 2.3-2.5) and are within 5 % of the best
+# on the rest
 ROWS, COLS = 64, 256
 MIN_PROGRAMS = 264  # two per SM of the H200's 132
 

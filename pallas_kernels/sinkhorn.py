@@ -23,8 +23,8 @@ from . import _compat
 from ._compat import TritonCompilerParams, interpret_arg
 
 BLOCK = 128  # tokens per program on TPU: one lane row
-# on GPU a thread runs one token's serial iterations: 32 tokens per one-warp program (H200, scripts/tune_kernels.py
-# --only sinkhorn: 4.6-4.9 us at 1, 32 and 256 tokens; 128 tokens per one-warp program took 10.6-14.9 us)
+# on GPU a thread runs one token's serial iterations: 32 tokens per one-warp program (H200, v4jax bench kernels
+# --tune --only sinkhorn: 4.6-4.9 us at 1, 32 and 256 tokens; 128 tokens per one-warp program took 10.6-14.9 us)
 GPU_BLOCK = 32
 
 

@@ -223,7 +223,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
 # GPU kernel (Pallas Triton backend)
 # --------------------------------------------------------------------------------------------------------------
 
-_GPU_BLOCK = 64        # rows per step (H200 sweep, scripts/tune_kernels.py: 64 beat 16 and 32 by >= 10 %)
+_GPU_BLOCK = 64        # rows per step (H200, v4jax bench kernels --tune: 64 beat 16 and 32 by >= 10 %)
 _GPU_HEADS = 16        # heads per program (>= 16 for tensor-core dots)
 _GPU_SMS = 132         # H100/H200 SM count (used when the device does not say)
 
@@ -389,7 +389,7 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
     n_ready); the GPU kernel then stops each query's loop after its last valid block. On the H200, the last
     8192-token chunk of a 128K prompt's HCA layer (rows as wide as its page bucket, all valid) took 10.1 ms with the
     stop and 9.0 without; a chunk ending at 72K in the same bucket (~55 % valid) 6.3 and 8.9; a CSA layer's
-    selected rows (valid almost everywhere, not a prefix) 6.2 and 5.6 (scripts/bench_attention_prefill.py).
+    selected rows (valid almost everywhere, not a prefix) 6.2 and 5.6 (v4jax bench kernels --sweep attention_prefill).
 
     GPU backend: the Triton kernel. TPU: the Mosaic kernel. interpret=True (or the CPU backend): the TPU-style
     kernel in the HLO interpreter (fast; the tests also run it in the strict TPU interpret mode).

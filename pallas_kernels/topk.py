@@ -303,7 +303,7 @@ def _topk_threshold(scores, k, *, interpret=False):
     if N >= _SORT_ROWS:
         # many rows (a prefill chunk): one XLA sort of each row's candidates. The last 8192-token chunk of a 128K
         # prompt (8192 rows of 32768, k = 512) on the H200: 0.53 ms, where the rank-and-scatter took 4.74
-        # (scripts/bench_topk_prefill.py); both equal to the reference.
+        # (v4jax bench kernels --sweep topk_prefill); both equal to the reference.
         return _sort_candidates(vals, idx, count, k).reshape(*lead, k)
     return _rank_scatter(vals, idx, count, k, interpret=interpret).reshape(*lead, k)
 

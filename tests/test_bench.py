@@ -165,4 +165,4 @@ def test_profile_attributes_kernels_to_model_lines():
     text = jax.jit(f).lower(jnp.ones((4, 256)), jnp.ones((256,))).compile().as_text()
     where = set(hlo_sources(text).values())
     assert any("v4jax/model/layers.py" in w and "(rms_norm)" in w for w in where), where
-    assert any("v4jax/model/layers.py" in w and "(swiglu)" in w for w in where), where
+    assert any("pallas_kernels/experts.py" in w and "(swiglu)" in w for w in where), where  # one swiglu, there

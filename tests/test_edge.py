@@ -149,16 +149,16 @@ def test_malformed_requests_are_4xx_and_the_connection_is_kept(served):
 def test_a_failed_step_fails_its_requests_only_and_the_loop_goes_on(served):
     state, port = served
     core = state.engine.core
-    real = core._run_prefill
+    real = core._dispatch_prefill
     calls = []
 
-    def failing():  # the first prefill fails, after the step admitted its request (its pages reserved)
+    def failing(plans):  # the first prefill fails, after the step admitted its request (its pages reserved)
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected failure")
-        return real()
+        return real(plans)
 
-    core._run_prefill = failing
+    core._dispatch_prefill = failing
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         r, out = _post(conn, "/v1/completions", {"prompt": "JULIET:", "max_tokens": 4, "temperature": 0})
@@ -168,7 +168,7 @@ def test_a_failed_step_fails_its_requests_only_and_the_loop_goes_on(served):
         assert r.status == 200 and out["usage"]["completion_tokens"] == 4, out
         conn.close()
     finally:
-        core._run_prefill = real
+        core._dispatch_prefill = real
     assert state.orchestrator.engine_alive
     deadline = time.monotonic() + 30
     while state.orchestrator.stats()["server"]["in_flight"] and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from typing import Sequence
 
 import jax
@@ -32,6 +33,7 @@ from v4jax.engine.checks import RequestCheck
 from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, DecodePlan, Request, RequestDelta, Scheduler,  # noqa: F401
                                     chunk_bucket)
 from v4jax.model import RunOptions, Transformer
+from v4jax.model.ops import ops_for
 from v4jax.engine.sampling import SamplingParams
 
 
@@ -62,9 +64,10 @@ class EngineCore:
             run_options = self.run_options = dataclasses.replace(run_options, mesh_rules=MeshRules.make(options.mesh))
         mesh_shape = {} if run_options.mesh_rules is None else dict(run_options.mesh_rules.mesh.shape)
         n_data, n_ctx = mesh_shape.get("data", 1), mesh_shape.get("context", 1)
-        if slots % n_data:
-            raise ValueError(f"max_num_seqs={slots} does not split over the mesh's data={n_data} (each data shard "
-                             f"holds max_num_seqs / {n_data} slots): use a multiple of {n_data}")
+        ops = ops_for(run_options.attention_impl)
+        if ops.from_xla:  # said once, here, rather than found out from a profile
+            warnings.warn(f"attention_impl={run_options.attention_impl!r} on this backend: {', '.join(ops.from_xla)} "
+                          "run as the XLA table's (their kernels are written for Triton)")
         self.layout = pool_layout(cfg, options, self.dtype, max_model_len, n_data, n_ctx)
         self.kv = KVCacheManager(cfg, self.layout, dense=dense, caching=caching, dtype=self.dtype)
         self.request_check = RequestCheck.of(cfg, self.layout, max_model_len, paged=not dense)

@@ -262,8 +262,6 @@ class Attention(nnx.Module):
         if self.compressor is not None:
             rows = meta.entry_rows[self.ratio]  # [B, S] rows of entry e in one layer of the ratio's pools
             n_ready = (pos + 1) // self.ratio  # entries query t may see
-            if opts.drop_compressed:
-                n_ready = jnp.zeros_like(n_ready)
             reads.update(rows=rows, n_ready=n_ready)
             writes["kv"] = self._compress(self.compressor, x, meta, pool, li, rows, "state_kv", "state_score",
                                           states, ops, opts, pre.get("compressor"))

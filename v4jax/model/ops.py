@@ -267,7 +267,7 @@ def _project_xla(x, ws):
 def _project_pallas(x, ws):
     """pallas_kernels.layer_linear.layer_linears over the weights it takes, in one launch: on the H200 a CSA
     layer's six projections of the attention input ran in 13 launches and 31 us at batch 1, in one (with its
-    split-D sum) and 13 us (scripts/bench_fused_projections.py)."""
+    split-D sum) and 13 us (v4jax bench kernels --sweep fused_projections)."""
     takes = [isinstance(w, L.LayerOf) and pallas_linear.supported(x, w.stack) for w in ws]
     if sum(takes) < 2:
         return [None] * len(ws)
@@ -279,7 +279,7 @@ def _project_pallas(x, ws):
 def _hc_post_pallas(f, x, post, comb):
     """pallas_kernels.hc_post on GPU (interpreted on CPU): XLA's form moves its bytes at about a quarter of the
     bandwidth (8192 tokens of Flash: 798 us in XLA, 151 us in the kernel; 2 launches a call in decode, 1 in the
-    kernel; scripts/bench_hc_post.py)."""
+    kernel; v4jax bench kernels --sweep hc_post)."""
     n, d = x.shape[-2:]
     f2, x2 = f.reshape(-1, d), x.reshape(-1, n, d)
     if f.dtype != x.dtype or not pallas_hc_post.supported(f2, x2):

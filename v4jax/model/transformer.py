@@ -61,7 +61,7 @@ class RunOptions:
     # Training / evaluation only (full-sequence forward):
     indexer_aux: bool = False  # sow IndexerAux (indexer log-probs and the attention-mass target) per CSA stack
     routing_aux: bool = False  # sow RoutingAux (the experts of every top-k-routed layer)
-    drop_compressed: bool = False  # attend to the window only (to measure what compressed entries earn)
+    drop_compressed: bool = False  # teacher-forced forward only: the window alone (what compressed entries earn)
     # The ops table of attention_impl as the forward runs it (ops_for, on a mesh mesh_ops): Transformer sets it once
     # per forward pass and the layers read it (a Linear inside the layer loop: its `linear`), never the string.
     ops: Any = None
