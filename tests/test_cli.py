@@ -64,14 +64,15 @@ def test_version(capsys):
 
 
 @pytest.mark.parametrize("argv", [["frobnicate"], ["generate", "--temperature", "warm"], ["generate", "--bogus"],
-                                  ["memory", "--context", "lots"], ["generate", "--max-model-len", "0"]])
+                                  ["memory", "--context", "lots"], ["generate", "--max-model-len", "0"],
+                                  ["generate", "--max-tokens", "-5"], ["generate", "--max-tokens", "0"]])
 def test_argument_errors_exit_2(capsys, no_model_load, argv):
     rc, _, err = _run(capsys, *argv)
     assert rc == 2 and "usage:" in err and "error:" in err
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["generate", "--max-tokens", "0"], "max_tokens must be an integer in [1, 2147483647]"),
+    (["generate", "--max-tokens", str(2**31)], "max_tokens must be an integer in [1, 2147483647]"),
     (["generate", "--top-p", "0"], "top_p must be a finite number in (0, 1]"),
     (["generate", "--seed", str(2**40)], "seed must be an integer in"),
     (["generate", "--stop-token-ids", "-3"], "stop_token_ids"),
@@ -88,10 +89,17 @@ def test_user_errors_are_one_line_before_the_model_loads(capsys, no_model_load, 
 
 
 def test_debug_shows_the_traceback(no_model_load):
-    with pytest.raises(ValueError, match="max_tokens"):
-        cli.main(["--debug", "generate", "--max-tokens", "0"])
-    with pytest.raises(ValueError, match="max_tokens"):
-        cli.main(["generate", "--max-tokens", "0", "--debug"])
+    with pytest.raises(ValueError, match="top_p"):
+        cli.main(["--debug", "generate", "--top-p", "0"])
+    with pytest.raises(ValueError, match="top_p"):
+        cli.main(["generate", "--top-p", "0", "--debug"])
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_names_every_preset(capsys, command):
+    from v4jax.config import PRESETS
+    rc, out, _ = _run(capsys, command, "--help")
+    assert rc == 0 and all(name in "".join(out.split()) for name in PRESETS)  # however the help wraps
 
 
 def test_corrupt_model_dir_is_one_line(capsys, tmp_path):

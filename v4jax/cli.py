@@ -58,6 +58,12 @@ def _int_list(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _model_help() -> str:
+    from v4jax.config import PRESETS
+    return (f"an HF-format checkpoint directory or a preset ({', '.join(PRESETS)}: random weights); default: the "
+            "embedded Shakespeare model")
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -96,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="A JAX/XLA inference stack for DeepSeek-V4-class models.")
     ap.add_argument("--version", action="version", version=f"v4jax {_version()}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    model_help = _model_help()
 
     g = sub.add_parser("generate", parents=[common], formatter_class=_Formatter,
                        help="generate text with a model", description=_wrap(
@@ -103,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "several are generated together and printed at the end. Sampling defaults are "
                            "SamplingParams' (vLLM's): temperature 0 is greedy."))
     g.add_argument("prompts", nargs="*", default=["ROMEO:"], metavar="PROMPT", help="prompt strings")
-    g.add_argument("--model", default=None, help="an HF-format checkpoint directory or a preset (tiny, "
-                   "flash-slice, flash, pro: random weights); default: the embedded Shakespeare model")
+    g.add_argument("--model", default=None, help=model_help)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and compute dtype")
-    g.add_argument("--max-tokens", type=int, default=sp.max_tokens, help="tokens to generate per prompt (at most)")
+    g.add_argument("--max-tokens", type=_positive_int, default=sp.max_tokens,
+                   help="tokens to generate per prompt (at most)")
     g.add_argument("--temperature", type=float, default=sp.temperature, help="sampling temperature; 0 = greedy")
     g.add_argument("--top-p", type=float, default=sp.top_p, help="nucleus sampling mass in (0, 1]; 1 = off")
     g.add_argument("--top-k", type=int, default=sp.top_k, help="sample among the k most likely tokens; 0 = off")
@@ -135,8 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "GET /v1/models, JetStream's POST /v1/generate and GET /v1/health, GET /health, GET "
                            "/metrics (Prometheus). SIGINT / SIGTERM drain: running requests get --shutdown-grace "
                            "seconds, then their streams end."))
-    s.add_argument("model", nargs="?", default=None, metavar="MODEL", help="an HF-format checkpoint directory or a "
-                   "preset (tiny, flash-slice, flash, pro: random weights); default: the embedded Shakespeare model")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help)
     add_server_arguments(s)
     add_llm_arguments(s)
     s.set_defaults(func=_serve)
