@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +17,9 @@ from sharding.rules import POOL_AXES
 from v4jax.config import CSA, SLIDING, ModelConfig
 from v4jax.model import layers as L
 from v4jax.model import quant
-from v4jax.model.layers import Linear, RMSNorm, init_normal
+from v4jax.model.layers import Linear, RMSNorm, RunOptions, init_normal
 from v4jax.model.ops import Ops, on_shards
 
-if TYPE_CHECKING:
-    from v4jax.model.transformer import RunOptions
 
 F32 = jnp.float32
 

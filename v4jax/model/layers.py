@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,23 @@ from v4jax.model import quant
 
 F32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST  # for matmuls of f32 inputs: the default rounds them to TF32 on the H200
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Static numerics switches of a forward pass."""
+    quant_sim: bool = False  # the official FP8 KV / FP4 indexer / FP8 activation rounding (reference §9.1)
+    attention_impl: str = "xla"  # "xla" | "pallas": the ops table (v4jax.model.ops)
+    # sharding.MeshRules (mesh + logical-axis table) when the model runs on a mesh: the MoE's routed experts and
+    # the Pallas calls run per shard (shard_map) and the steps replicate what the host reads; None = one device
+    mesh_rules: Any = None
+    # Training / evaluation only (full-sequence forward):
+    indexer_aux: bool = False  # sow IndexerAux (indexer log-probs and the attention-mass target) per CSA stack
+    routing_aux: bool = False  # sow RoutingAux (the experts of every top-k-routed layer)
+    drop_compressed: bool = False  # teacher-forced forward only: the window alone (what compressed entries earn)
+    # The ops table of attention_impl as the forward runs it (ops_for, on a mesh mesh_ops): Transformer sets it once
+    # per forward pass and the layers read it (a Linear inside the layer loop: its `linear`), never the string.
+    ops: Any = None
 
 
 def rms_norm(x, weight, eps):

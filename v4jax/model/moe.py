@@ -3,7 +3,6 @@ layers), the routed experts (the ops table's, per shard on a mesh) and the share
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +11,9 @@ from flax import nnx
 from v4jax.config import ModelConfig
 from v4jax.model import layers as L
 from v4jax.model import quant
-from v4jax.model.layers import Linear, init_normal
+from v4jax.model.layers import Linear, RunOptions, init_normal
 from v4jax.model.ops import XLA, Ops, on_shards
 
-if TYPE_CHECKING:
-    from v4jax.model.transformer import RunOptions
 
 F32 = jnp.float32
 

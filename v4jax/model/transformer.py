@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,7 @@ from flax import nnx
 from v4jax.config import ModelConfig, layer_stacks
 from v4jax.model import layers as L
 from v4jax.model.attention import Attention
-from v4jax.model.layers import Linear, RMSNorm, Table, init_normal
+from v4jax.model.layers import Linear, RMSNorm, RunOptions, Table, init_normal  # noqa: F401 (RunOptions: re-exported)
 from v4jax.model.moe import MoE, routed_experts
 from v4jax.model.ops import Ops, on_shards, ops_for
 
@@ -48,23 +47,6 @@ class IndexerAux(nnx.Intermediate):
 class RoutingAux(nnx.Intermediate):
     """The experts each top-k-routed layer chose: "routing" per top-k stack [n, B*T, k] (stacks in order), and
     "mtp_routing" [B*T, k] from the MTP block; sown under `nnx.capture` when RunOptions.routing_aux is set."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """Static numerics switches of a forward pass."""
-    quant_sim: bool = False  # the official FP8 KV / FP4 indexer / FP8 activation rounding (reference §9.1)
-    attention_impl: str = "xla"  # "xla" | "pallas": the ops table (v4jax.model.ops)
-    # sharding.MeshRules (mesh + logical-axis table) when the model runs on a mesh: the MoE's routed experts and
-    # the Pallas calls run per shard (shard_map) and the steps replicate what the host reads; None = one device
-    mesh_rules: Any = None
-    # Training / evaluation only (full-sequence forward):
-    indexer_aux: bool = False  # sow IndexerAux (indexer log-probs and the attention-mass target) per CSA stack
-    routing_aux: bool = False  # sow RoutingAux (the experts of every top-k-routed layer)
-    drop_compressed: bool = False  # teacher-forced forward only: the window alone (what compressed entries earn)
-    # The ops table of attention_impl as the forward runs it (ops_for, on a mesh mesh_ops): Transformer sets it once
-    # per forward pass and the layers read it (a Linear inside the layer loop: its `linear`), never the string.
-    ops: Any = None
 
 
 # Logical axes of the mHC mixing weights [(2 + N) N or N, N D] (sharding/rules.py maps names to mesh axes).
