@@ -21,6 +21,8 @@
 #   prefill    the prefill kernels' GPU tests, the experts sweep (v4jax bench kernels --sweep prefill_experts;
 #              SWEEP=0 skips), a profile of a 128K flash-slice prompt (v4jax bench generate --profile-prefill),
 #              the 128K prefill through generate
+#   defaults   LLM.generate at default options on a 32-slot flash-slice engine: the warm-up's programs and time,
+#              batch 1 / 32 at 4K, the 128K prefill (PREFILL_CHUNK=N another chunk)
 #   ab BASE [slice|prefill|1gpu]  the decode and prefill rows of `slice` (`prefill`: its 128K prefill; `1gpu`:
 #              flash-1gpu's decode rows) in a second tree BASE (e.g.
 #              `git archive COMMIT -- . ':!v4jax/default_model' | tar -x -C base`) and in this one, one after the other
@@ -132,6 +134,18 @@ slice)
     --out "$out/flash-1gpu/decode" 2>&1 | quiet | grep "^|\|Error\|error" | tail -8
   summary "$out/flash-1gpu/decode/decode.json" | head -20
   python3 -m v4jax.bench.table "$out/flash-1gpu"
+  ;;
+defaults)
+  # LLM.generate at default options on one many-slot engine (flash-slice, 32 slots): the warm-up (every program,
+  # at a 16K context), batch 1 / 32 at 4K, and the 128K prefill; PREFILL_CHUNK sets the chunk (default: the LLM's)
+  chunk=${PREFILL_CHUNK:+--prefill-chunk $PREFILL_CHUNK}
+  stamp "warm-up and decode at 4K, 32 slots"
+  timeout ${WARM_S:-300} python3 -W ignore -m v4jax.bench generate --model flash-slice --max-num-seqs 32 \
+    --max-model-len 16384 $chunk --warmup --batches 1,32 --contexts 4K --new 64 --out "$out/d16k" 2>&1 | quiet | tail -25
+  stamp "the 128K prefill and batch 32 at 4K, 32 slots, a 131584-token context"
+  timeout ${LONG_S:-240} python3 -W ignore -m v4jax.bench generate --model flash-slice --max-num-seqs 32 \
+    --max-model-len 131584 $chunk --batches 32 --contexts 4K --prefill 128K --new 64 --out "$out/d128k" 2>&1 \
+    | quiet | tail -12
   ;;
 ab)
   base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|prefill|1gpu]}

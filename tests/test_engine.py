@@ -111,30 +111,32 @@ def tiny_llm():
 
 def test_no_recompilation_after_warmup(tiny_llm):
     eng = tiny_llm.engine
+    before = eng.compiled_variants()
     n = eng.warmup()
-    assert n > 0
+    warmed = eng.compiled_variants()
+    assert n > 0 and 0 < warmed - before <= n  # programs compiled earlier in this process are not compiled again
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 500, int(rng.integers(1, 200))).tolist() for _ in range(50)]
     params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.7])),
                              top_k=int(rng.integers(0, 5)), seed=i) for i in range(50)]
     outs = tiny_llm.generate(prompts, params)
     assert [len(o.token_ids) <= p.max_tokens for o, p in zip(outs, params)] == [True] * 50
-    assert eng.compiled_variants() == n
+    assert eng.compiled_variants() == warmed
 
 
-def test_prefill_steps_do_not_branch_on_the_device(tiny_llm, monkeypatch):
-    # a step where nobody samples runs the greedy-only program (no full-vocabulary sort), one where somebody does
-    # the sampling one; neither has a device-side branch (on GPU a lax.cond waits on the host for its predicate)
+def test_prefill_step_has_no_device_branch(tiny_llm, monkeypatch):
+    # a prefill step runs the sampling program whether or not its rows sample (one program per shape for warm-up
+    # to compile); it has no device-side branch (on GPU a lax.cond waits on the host for its predicate)
     eng = tiny_llm.engine
     steps, calls = eng.steps, []
     monkeypatch.setattr(eng, "steps", dataclasses.replace(
         steps, prefill=lambda *a: (calls.append(jax.tree.map(_abstract, a)), steps.prefill(*a))[1]))
     tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
     tiny_llm.generate([[5, 6, 8]], SamplingParams(max_tokens=2, temperature=0.8, seed=1))
-    assert calls[0][0] is eng.greedy_spec and calls[-1][0] is eng.spec
-    greedy, sampled = (steps.prefill.lower(*a).as_text() for a in (calls[0], calls[-1]))
-    assert not any(op in t for t in (greedy, sampled) for op in ("stablehlo.case", "stablehlo.if"))
-    assert sampled.count("stablehlo.sort") > greedy.count("stablehlo.sort")
+    assert calls[0][0] is eng.spec and calls[-1][0] is eng.spec
+    text = steps.prefill.lower(*calls[0]).as_text()
+    assert not any(op in text for op in ("stablehlo.case", "stablehlo.if"))
+    assert "stablehlo.sort" in text
 
 
 def _abstract(x):

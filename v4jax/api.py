@@ -55,7 +55,11 @@ class EngineOptions:
     kv_layout: str = "paged"  # "paged" | "dense"
     page_size: int | None = None  # tokens per full page; default: 256 rounded up to the lcm of the ratios
     decode_steps: int = 8  # tokens per jitted decode call
-    prefill_chunk: int = 256  # largest prefill chunk
+    # tokens of one prefill step (one chunk, or several requests' chunks as rows). The H200, flash-slice, 32 slots:
+    # a 128K prompt prefilled in 3.60 s at 256, 1.56 s at 2048, 1.39 s at 8192; 32 prompts of 4K in 1.33 s at
+    # 2048 (a step of 2048 tokens already fills the GPU). Every chunk length is a program to compile: 2048 keeps
+    # their number lower than 8192 for 12 % at 128K.
+    prefill_chunk: int = 2048
     memory_budget_bytes: int | None = None  # size the pools from this budget instead of max_num_seqs * max_model_len
     enable_prefix_caching: bool = True  # reuse cached full pages of earlier requests' prefixes (paged layout)
     mesh: str | None = None  # e.g. "expert=4" or "data=2,tensor=2" (sharding/ maps logical axes to it), over

@@ -369,14 +369,14 @@ class JaxDecodeBench:
             # from a little earlier, so that the n_gen + 1 calls stay inside this context's page bucket
             self._occupy(context - (n_gen + 3) * k, rng)
             eng.step()  # the first dispatch (nothing to read yet)
-            compiled = eng.steps.compiled_variants()
+            compiled = eng.compiled_variants()
             for _ in range(n_gen):
                 t0 = time.perf_counter()
                 deltas = eng.step()
                 gen.append(time.perf_counter() - t0)
                 if len(deltas) != self.batch or any(len(d.new_token_ids) != k for d in deltas):
                     raise RuntimeError(f"an engine step advanced {[len(d.new_token_ids) for d in deltas]}")
-            if eng.steps.compiled_variants() != compiled:
+            if eng.compiled_variants() != compiled:
                 raise RuntimeError("the timed engine loop compiled a new decode variant: its times include a compile")
         return {
             "batch": self.batch, "context": context, "held_tokens": held, "k": k,

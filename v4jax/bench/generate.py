@@ -105,11 +105,16 @@ def markdown(data: dict) -> str:
     f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)
     lines = [f"Device: {data.get('device')}; JAX {data.get('jax')}; `{data.get('model')}` (random weights, bf16); "
              f"k = {data.get('k')}; prefill chunk {data.get('prefill_chunk')}; attention {data.get('attention_impl')}; "
+             f"slots {data.get('max_num_seqs', 'batch')}; "
              f"bf16 matmul rate {f(data.get('matmul_tflops'), '{:.0f}')} TFLOP/s.", ""]
     fc = data.get("first_call")
     if fc:
         lines += [f"First generate (16-token prompt, 16 new): {fc['first_s']:.1f} s; again: {fc['second_s']:.2f} s; "
                   f"compile ~{fc['compile_s']:.1f} s (model init {data.get('init_s', 0):.1f} s, not included).", ""]
+    wu = data.get("warmup")
+    if wu:
+        lines += [f"Warm-up: {wu['programs']} programs in {wu['s']:.1f} s (max_model_len {wu['max_model_len']}, "
+                  f"{wu['max_num_seqs']} slots).", ""]
     lines += ["| batch | context | prefill s (max_tokens=1) | prefill TFLOP/s (% of matmul) | decode ms/step "
               "(LLM.generate) | steady ms/step | tok/s | new tokens |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
@@ -134,8 +139,14 @@ def generate_main(argv=None) -> int:
     ap.add_argument("--prefill", default="", help="more contexts at batch 1 only (e.g. 128K)")
     ap.add_argument("--new", type=int, default=48, help="new tokens per request in a decode row")
     ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--prefill-chunk", type=int, default=256)
-    ap.add_argument("--attention-impl", default="xla", choices=("xla", "pallas"))
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the LLM's")
+    ap.add_argument("--attention-impl", default=None, choices=("xla", "pallas"), help="default: the LLM's")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="one engine of this many slots for every row (the "
+                    "user's case: a lone request on a many-slot engine); 0: an engine per row, of `batch` slots")
+    ap.add_argument("--max-model-len", type=int, default=0, help="with --max-num-seqs: the engine's context "
+                    "(default: the longest row's)")
+    ap.add_argument("--warmup", action="store_true", help="time the engine's warm-up (every program it can "
+                    "dispatch) before the rows")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cache", default="off", choices=("on", "off"), help="the persistent compilation cache")
     ap.add_argument("--deadline-s", type=float, default=None)
@@ -150,7 +161,9 @@ def generate_main(argv=None) -> int:
     if a.cache == "off":
         os.environ["V4JAX_COMPILATION_CACHE"] = "off"
     if a.profile_prefill:
-        return profile_prefill(a.model, (_parse_ints(a.prefill) or (131072,))[0], a.prefill_chunk,
+        from v4jax.api import EngineOptions
+        return profile_prefill(a.model, (_parse_ints(a.prefill) or (131072,))[0],
+                               a.prefill_chunk or EngineOptions.prefill_chunk,
                                a.attention_impl, a.dtype)
     if a.repeat_check:
         return repeat_check(a.model, a.attention_impl, a.dtype)
@@ -176,8 +189,11 @@ def generate_main(argv=None) -> int:
     batches, contexts, prefills = _parse_ints(a.batches), _parse_ints(a.contexts), _parse_ints(a.prefill)
     longest = max(contexts + prefills) + a.new + 2 * a.k
     t0 = time.perf_counter()
-    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=1, max_model_len=longest, decode_steps=a.k,
-              prefill_chunk=a.prefill_chunk, attention_impl=a.attention_impl)
+    chosen = {k: v for k, v in (("prefill_chunk", a.prefill_chunk), ("attention_impl", a.attention_impl))
+              if v is not None}
+    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=1, max_model_len=longest, decode_steps=a.k, **chosen)
+    data.update(prefill_chunk=llm.options.prefill_chunk, attention_impl=llm.options.attention_impl or "default",
+                max_num_seqs=a.max_num_seqs or "batch")
     jax.block_until_ready(jax.tree.leaves(llm._state))
     data["init_s"] = time.perf_counter() - t0
     data["matmul_tflops"] = measure_matmul_rate(8192 if dev.platform == "gpu" else 512) / 1e12
@@ -193,17 +209,29 @@ def generate_main(argv=None) -> int:
     write()
     print(f"[{time.perf_counter() - t_start:6.1f}s] first generate {data['first_call']}", flush=True)
     plan = [(b, c) for b in batches for c in contexts] + [(1, c) for c in prefills]
+    if a.max_num_seqs:
+        _engine_for(llm, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len or longest)
+    if a.warmup:
+        t0 = time.perf_counter()
+        programs = llm.engine.warmup(lambda i, n: i % 16 == 0 and print(
+            f"[{time.perf_counter() - t_start:6.1f}s] warm-up {i} / {n}", flush=True))
+        data["warmup"] = {"programs": programs, "s": time.perf_counter() - t0,
+                          "max_model_len": llm.max_model_len, "max_num_seqs": llm.options.max_num_seqs}
+        write()
+        print(f"[{time.perf_counter() - t_start:6.1f}s] warm-up {data['warmup']}", flush=True)
     for b, c in plan:
         if time.perf_counter() > deadline:
             data["rows"].append({"batch": b, "context": c, "error": "skipped: past --deadline-s"})
             write()
             continue
         try:
-            _engine_for(llm, max_num_seqs=b, max_model_len=c + a.new + 2 * a.k)
+            if not a.max_num_seqs:
+                _engine_for(llm, max_num_seqs=b, max_model_len=c + a.new + 2 * a.k)
             row = decode_row(llm, b, c, a.new, rng)
         except Exception as e:  # noqa: BLE001 - a row that fails is a result too
             row = {"batch": b, "context": c, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        llm._engine = None
+        if not a.max_num_seqs:
+            llm._engine = None
         data["rows"].append(row)
         write()
         print(f"[{time.perf_counter() - t_start:6.1f}s] {row}", flush=True)

@@ -429,6 +429,7 @@ def run_replay(llm, traces: Sequence[Trace], layouts: Sequence[str] = tuple(LAYO
         core = build_core(llm, layout, **over)
         out["engines"][layout] = dict(unit_bytes(core), memory_budget_bytes=over.get("memory_budget_bytes"),
                                       build_s=time.perf_counter() - t0)
+        compiled_before = core.compiled_variants()
         if warmup == "engine":
             t0 = time.perf_counter()
             n = core.warmup()
@@ -453,7 +454,7 @@ def run_replay(llm, traces: Sequence[Trace], layouts: Sequence[str] = tuple(LAYO
             _same_tokens(out, outputs)
             if on_row is not None:
                 on_row(out)
-        out["engines"][layout]["compiled_variants_after"] = core.compiled_variants()
+        out["engines"][layout]["compiled_variants_after"] = core.compiled_variants() - compiled_before
         del core
         gc.collect()
     out["rows"].sort(key=lambda r: ([t.name for t in traces].index(r["trace"]), list(LAYOUTS).index(r["layout"])))

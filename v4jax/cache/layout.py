@@ -78,7 +78,8 @@ def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: in
                          f"holds max_num_seqs / {n_data} slots): use a multiple of {n_data}")
     dense = options.kv_layout == "dense"
     caching = options.enable_prefix_caching and not dense
-    p, ps, n_swa = engine_layout(cfg, options.page_size, slots, options.prefill_chunk, options.decode_steps, n_data)
+    p, ps, n_swa = engine_layout(cfg, options.page_size, slots, min(options.prefill_chunk, max_model_len),
+                                 options.decode_steps, n_data)
     if caching:
         # window tails the prefix cache may keep (LRU beyond that): four per slot
         n_swa += 4 * slots * (-(-cfg.window_size // ps) + 1)

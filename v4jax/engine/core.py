@@ -14,10 +14,12 @@ is dispatched before step n's results are read, so the host's bookkeeping overla
 continues from call n's device-side state)."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -35,6 +37,10 @@ from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, DecodePlan, Request, Reque
 from v4jax.model import RunOptions, Transformer
 from v4jax.model.ops import ops_for
 from v4jax.engine.sampling import SamplingParams
+
+
+# Threads compiling at once in warm-up (each holds a program's compile memory)
+MAX_COMPILE_THREADS = 8
 
 
 def _pow2(n: int) -> int:
@@ -237,48 +243,83 @@ class EngineCore:
                                          self._page_bucket(max(s for _, s, _ in plans) + bucket))
         samp = S.SamplingState(temp, top_p, top_k, seed, sidx, tidx)
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
-        self.pools, self.store, tok, lp = self.steps.prefill(self._spec_for(temp), self._leaves, self.pools,
+        # One program per prefill shape, the sampling one: its full-vocabulary sort of at most MAX_PREFILL_ROWS rows
+        # is small beside a prefill step, and a greedy-only twin of every shape doubled what warm-up compiles.
+        self.pools, self.store, tok, lp = self.steps.prefill(self.spec, self._leaves, self.pools,
                                                              self.store, batch, pt, swa, samp)
         return tok, lp
 
     # ---- compile and report ----
-    def warmup(self) -> int:
-        """Compile every bucket the engine will use (prefill chunk x pages and decode x pages, each in its sampling
-        and greedy-only forms, the prefix restore) with no-op calls (no valid tokens). Returns the number of
-        compiled variants; afterwards nothing recompiles."""
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Compile every program the engine can dispatch (prefill rows x chunk x pages, decode x pages in its
+        sampling and greedy-only forms, the prefix restore and the decode-state merge), several at once; afterwards
+        nothing compiles. `progress(done, total)` after each program. Returns the number of programs compiled.
+
+        The step programs are compiled ahead of time (`lower(...).compile()` on the engine's own arrays, which
+        fills the caches a later call looks in, and runs nothing: the pools are untouched), in threads: XLA's
+        compiler releases the GIL, and one program compiles on few cores."""
         S.pin_trace_context()
-        s = self.layout.max_slots
-        page_buckets = sorted({self._page_bucket(n * self.layout.page_size)
-                               for n in range(1, self.layout.max_pages_per_seq + 1)})
-        top = self.scheduler.step_tokens
-        row_buckets = sorted({_pow2(r) for r in range(1, min(MAX_PREFILL_ROWS, s) + 1)})
-        shapes = [(rb, cb) for rb in row_buckets for cb in sorted({chunk_bucket(c) for c in range(1, top + 1)})
-                  if rb == 1 or rb * cb <= top]
         empty = [i for i, r in enumerate(self.scheduler.slots) if r is None]
         if self.kv.caching and empty:
             self.pools = self.steps.restore(self.pools, self.store, empty[0], 0)
+        programs = self._prefill_programs() + self._decode_programs()
+        done = 0
+
+        def compile_one(program):
+            S.pin_trace_context()  # the thread's own trace context must match the engine thread's
+            jitted, args = program
+            jitted.lower(*args).compile()
+
+        workers = max(1, min(len(programs), os.cpu_count() or 1, MAX_COMPILE_THREADS))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for f in concurrent.futures.as_completed([pool.submit(compile_one, p) for p in programs]):
+                f.result()
+                done += 1
+                if progress is not None:
+                    progress(done, len(programs))
+        return len(programs)
+
+    def _page_buckets(self) -> list[int]:
+        return sorted({self._page_bucket(n * self.layout.page_size) for n in range(1, self.layout.max_pages_per_seq + 1)})
+
+    def _prefill_programs(self) -> list:
+        """(jitted, arguments) of every prefill step shape: rows x chunk bucket within the step's token budget, each
+        with the page buckets its rows can need (a row of compiled length T needs T's pages at least)."""
+        s, top = self.layout.max_slots, self.scheduler.step_tokens
+        row_buckets = sorted({_pow2(r) for r in range(1, min(MAX_PREFILL_ROWS, s) + 1)})
+        shapes = [(rb, cb) for rb in row_buckets for cb in sorted({chunk_bucket(c) for c in range(1, top + 1)})
+                  if rb == 1 or rb * cb <= top]
         n_swa = self.kv.max_swa_pages
-        for nb in page_buckets:
-            pt, swa = self.kv.decode_tables(nb)
-            for (rb, cb), spec in itertools.product(shapes, (self.spec, self.greedy_spec)):
+        out = []
+        for nb in self._page_buckets():
+            for rb, cb in shapes:
+                if nb < self._page_bucket(cb):
+                    continue  # never dispatched: the pages of a chunk from position 0 already need a larger bucket
                 z = lambda dt=np.int32: np.zeros(rb, dt)
                 samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z())
                 batch = S.PrefillBatch(np.zeros((rb, cb), np.int32), z(), z(), z(bool), np.full(rb, s, np.int32))
-                self.pools, self.store, _, _ = self.steps.prefill(spec, self._leaves, self.pools, self.store, batch,
-                                                                  np.full((rb, nb), -1, np.int32),
-                                                                  np.full((rb, n_swa), -1, np.int32),
-                                                                  samp)
-            n = lambda dt=np.int32: np.zeros((s,), dt)
-            st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
-                               S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))
-            st = self.steps.carry(st, st, n(bool))
+                out.append((self.steps.prefill, (self.spec, self._leaves, self.pools, self.store, batch,
+                                                 np.full((rb, nb), -1, np.int32), np.full((rb, n_swa), -1, np.int32),
+                                                 samp)))
+        return out
+
+    def _decode_programs(self) -> list:
+        """(jitted, arguments) of the decode call at every page bucket, sampling and greedy-only."""
+        s = self.layout.max_slots
+        n = lambda dt=np.int32: np.zeros((s,), dt)
+        st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
+                           S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))
+        st = self.steps.carry(st, st, n(bool))  # the call sees the merge's device arrays (a signature of their own)
+        out = []
+        for nb in self._page_buckets():
+            pt, swa = self.kv.decode_tables(nb)
             for spec in (self.spec, self.greedy_spec):
-                self.pools, self.store, *_ = self.steps.decode(spec, self._leaves, self.pools, self.store, st, pt,
-                                                               swa)
-        return self.compiled_variants()
+                out.append((self.steps.decode, (spec, self._leaves, self.pools, self.store, st, pt, swa)))
+        return out
 
     def compiled_variants(self) -> int:
-        return self.steps.compiled_variants()
+        """Prefill and decode programs compiled (or loaded from the persistent cache) in this process so far."""
+        return S.compiled_programs()
 
     def stats(self) -> dict:
         """Pools (pages or slots in use and in all, and their bytes, from the layout's bytes per unit), per data

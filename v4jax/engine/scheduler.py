@@ -110,7 +110,8 @@ class Scheduler:
                  max_model_len: int):
         self.kv = kv
         self.page_size = kv.page_size
-        self.chunk, self.k, self.max_model_len = prefill_chunk, decode_steps, max_model_len
+        # a chunk never exceeds the context: no longer program is ever needed
+        self.chunk, self.k, self.max_model_len = min(prefill_chunk, max_model_len), decode_steps, max_model_len
         self.step_tokens = chunk_bucket(prefill_chunk)  # a prefill step's rows x compiled length stay within this
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * max_num_seqs

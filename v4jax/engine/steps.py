@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import threading
 from typing import Any
 
 import jax
@@ -241,6 +242,23 @@ class JittedSteps:
                            carry=jax.jit(_carry, out_shardings=carry_out),
                            restore=jax.jit(restore_slot_states, donate_argnums=0))
 
-    def compiled_variants(self) -> int:
-        """How many shapes the prefill and decode steps have been compiled for."""
-        return self.prefill._cache_size() + self.decode._cache_size()
+
+
+_STEP_NAMES = {n for f in (_prefill, _decode) for n in (f.__name__, f"jit({f.__name__})")}
+_compiled = [0]
+_counting = threading.Lock()
+
+
+def _count_compile(event: str, secs: float, *, fun_name: str = "", **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration" and fun_name in _STEP_NAMES:
+        with _counting:
+            _compiled[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compiled_programs() -> int:
+    """Prefill and decode programs compiled (or loaded from the persistent cache) in this process so far: JAX's
+    backend-compile event, which an ahead-of-time compile (warm-up) and a call's own compile both send."""
+    return _compiled[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import sys
 import time
 
 import uvicorn
@@ -169,9 +170,15 @@ def serve(llm, options: ServerOptions, *, warmup: bool = False) -> int:
     import jax
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s: %(message)s")
     if warmup:
+        from tqdm import tqdm
         t = time.perf_counter()
-        n = llm.engine.warmup()
-        log.info("warm-up: %d compiled variants in %.1f s", n, time.perf_counter() - t)
+        with tqdm(desc="warm-up: compiling the engine's programs", unit="program", file=sys.stderr,
+                  mininterval=2.0) as bar:
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+            n = llm.engine.warmup(progress)
+        log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t)
     leader = None
     if jax.process_count() > 1:
         from sharding.multihost import Channel

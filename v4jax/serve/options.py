@@ -92,8 +92,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="server log level")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log,
                    help="a log line per HTTP request")
-    p.add_argument("--warmup", action="store_true", help="compile every bucket the engine can use before "
-                   "serving (minutes on a CPU; the first requests of each shape compile otherwise)")
+    p.add_argument("--warmup", action="store_true", help="compile every program the engine can dispatch before "
+                   "answering, with a progress bar (several at once; the first requests of each shape compile "
+                   "otherwise). Long: flash-slice on an H200 took ~5.6 s a program at 8 threads, and a 16K "
+                   "context with 32 slots has ~200; the persistent compilation cache keeps them for the next start")
 
 
 def server_options(args) -> ServerOptions:
