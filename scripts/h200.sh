@@ -51,6 +51,10 @@
 #              a CPU dry run of the default model: SKIP_WHEELS=1 MODEL= SERVE_ARGS="--max-model-len 512" RATES="4"
 #              WARMUP=4 BENCH_ARGS="--num-requests 16 --prompt-len 32 --output-len 16 --vocab 2048" \
 #              bash scripts/h200.sh serve
+#   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
+#              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
+#              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
+#              NEW=16 VOCAB=500 bash scripts/h200.sh load
 #   multigpu N decode on N = 2 / 4 / 8 GPUs against one (v4jax bench mesh; kind nvidia-h200-xN) ->
 #              $OUT/mesh_<model>/mesh.json. CPU dry run: v4jax bench mesh --model tiny --dtype float32 \
 #              --meshes "tensor=2;expert=2" --batches 1,4 --context 64
@@ -146,6 +150,57 @@ defaults)
   timeout ${LONG_S:-240} python3 -W ignore -m v4jax.bench generate --model flash-slice --max-num-seqs 32 \
     --max-model-len 131584 $chunk --batches 32 --contexts 4K --prefill 128K --new 64 --out "$out/d128k" 2>&1 \
     | quiet | tail -12
+  ;;
+load)
+  # The server against its own engine, same batches, one call (carry [".whl"]): LLM.generate on one 64-slot
+  # engine at default options with 1 / 8 / 32 / 64 prompts of 1024 tokens and 256 new (its programs go into the
+  # persistent compilation cache), then `v4jax serve` with the same options, the cache warm, under 1 / 8 / 32 / 64
+  # concurrent streams of the same shapes (v4jax bench serve --rate inf); SIGTERM, exit code
+  if [ -z "${SKIP_WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:.
+  fi
+  export V4JAX_COMPILATION_CACHE=${V4JAX_COMPILATION_CACHE:-$out/jax_cache}
+  MODEL=${MODEL-flash-slice}
+  ENGINE_ARGS=${ENGINE_ARGS:---max-num-seqs 64 --max-model-len 2048}
+  STREAMS=${STREAMS:-1 8 32 64}
+  PROMPT=${PROMPT:-1024}; NEW=${NEW:-256}; PORT=${PORT:-8123}
+  stamp "LLM.generate: batches ${STREAMS// /,} x $PROMPT tokens, $NEW new"
+  timeout ${GEN_S:-330} python3 -W ignore -m v4jax.bench generate --model "$MODEL" $ENGINE_ARGS --cache on \
+    --batches "${STREAMS// /,}" --contexts "$PROMPT" --new "$NEW" --out "$out/generate" 2>&1 | quiet | tail -9
+  stamp "starting v4jax serve $MODEL"
+  python3 -W ignore -m v4jax.cli serve $MODEL --port "$PORT" --no-access-log $ENGINE_ARGS > "$out/server.log" 2>&1 &
+  pid=$!
+  python3 - "$PORT" "$pid" <<'EOF' || { stamp "server did not come up"; tail -20 "$out/server.log"; kill -9 "$pid"; exit 1; }
+import os, sys, time, httpx
+port, pid = int(sys.argv[1]), int(sys.argv[2])
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(1)
+    try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+EOF
+  stamp "server up"
+  for n in $STREAMS; do
+    stamp "bench serve: $n streams"
+    timeout ${SERVE_S:-90} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
+      --num-requests "$n" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
+      --warmup-requests "$n" --out "$out/s$n" 2>&1 | grep -v "^ \|^{\|^}" | tail -4
+  done
+  stamp "SIGTERM"
+  kill -TERM "$pid"
+  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  if kill -0 "$pid" 2>/dev/null; then stamp "server still running 30 s after SIGTERM"; kill -9 "$pid"; fi
+  wait "$pid"; stamp "server exit code $?"
   ;;
 ab)
   base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|prefill|1gpu]}
