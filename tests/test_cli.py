@@ -144,7 +144,7 @@ def test_generate_prints_streamed_and_batched(capsys, monkeypatch):
     def fake_generate(self, prompts, sp, stream=False):
         seen["prompts"], seen["sp"] = prompts, sp
         if stream:
-            return iter([(0, [5, 6], None), (0, [7], None)])
+            return (ev for ev in [(0, [5, 6], None), (0, [7], None)])  # a generator, as LLM's
         return [api.RequestOutput(p, [5, 6, 7], None, None, "length") for p in prompts]
 
     monkeypatch.setattr(api.LLM, "generate", fake_generate)

@@ -5,10 +5,15 @@
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 import warnings
-from typing import Iterator, Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +23,9 @@ from flax import nnx
 from v4jax.config import PRESETS, ModelConfig, preset
 from v4jax.detokenize import IncrementalDetokenizer
 from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
+from v4jax.engine.sampling import SamplingParams
 from v4jax.fields import FieldError, check_field
 from v4jax.model import RunOptions, Transformer
-from v4jax.engine.sampling import SamplingParams
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -41,6 +46,15 @@ class _Event:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
+
+
+class _Call:
+    """One generate call's requests (id -> prompt index) and its inbox: the events of its requests, put there by
+    whichever caller steps the engine."""
+
+    def __init__(self):
+        self.index: dict[str, int] = {}
+        self.inbox: collections.deque[_Event] = collections.deque()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +205,32 @@ def convert(src: str, out: str, *, dtype: str = "bfloat16", mesh: str | None = N
     return out
 
 
+@contextlib.contextmanager
+def _ctrl_c_after_step():
+    """On the main thread under Python's default SIGINT handler, a Ctrl-C during an engine step is raised as
+    KeyboardInterrupt once the step has ended (a second one at once). Raised inside the step it would leave the
+    engine half-updated (pools donated to a call whose results are never stored), and inside JAX's dispatch or
+    its garbage-collection callback it can be swallowed, or crash the runtime later."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    caught = []
+
+    def hold(signum, frame):
+        if caught:
+            raise KeyboardInterrupt
+        caught.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def _bucket(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
@@ -234,6 +274,12 @@ class LLM:
 
         self._forward = forward
         self._engine = None
+        # One engine serves every generate call, from any thread: one caller at a time steps it (its pools are
+        # donated to each step) while the others wait for their events; adds and aborts happen between steps.
+        self._cond = threading.Condition(threading.Lock())  # not reentrant: see _drop
+        self._stepping = False
+        self._owners: dict[str, _Call] = {}  # request id -> the call its events go to
+        self._dropped: collections.deque[_Call] = collections.deque()  # calls nobody reads, to abort
         self._check = None
         self._rejected = 0  # requests generate refused before they reached the engine
 
@@ -288,11 +334,14 @@ class LLM:
     def engine(self):
         """The engine, built on first use (by generate, or the server): its pools must fit what is free first."""
         if self._engine is None:
-            from v4jax.engine import EngineCore
-            from v4jax.memory import check_engine_fits, model_weight_bytes
-            check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,
-                              weight_bytes=model_weight_bytes(self.model))
-            self._engine = EngineCore(self.config, self.model, self.options, self.run_options, self.max_model_len)
+            with self._cond:  # once, whichever thread comes first
+                if self._engine is None:
+                    from v4jax.engine import EngineCore
+                    from v4jax.memory import check_engine_fits, model_weight_bytes
+                    check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,
+                                      weight_bytes=model_weight_bytes(self.model))
+                    self._engine = EngineCore(self.config, self.model, self.options, self.run_options,
+                                              self.max_model_len)
         return self._engine
 
     @property
@@ -360,71 +409,126 @@ class LLM:
             except RequestError as e:
                 self._rejected += 1
                 raise RequestError(f"prompt {i}: {e.message}", e.param, e.code) from None
-        events = self._events(self._submit(ids, params))
+        call = self._submit(ids, params)
         if stream:
-            return self._stream(events, ids)
+            events = self._stream(call, len(ids))
+            # a stream never started, or dropped without close(), is garbage: its requests end with it
+            weakref.finalize(events, self._drop, call).atexit = False
+            return events
         outs = [RequestOutput(p, [], None, [] if sp.logprobs else None, "length") for p, sp in zip(ids, params)]
-        for ev in events:
-            out = outs[ev.request_index]
-            out.token_ids.extend(ev.token_ids)
-            if out.logprobs is not None:
-                out.logprobs.extend(ev.logprobs)
-            if ev.finish_reason is not None:
-                out.finish_reason = ev.finish_reason
+        with contextlib.closing(self._events(call)) as events:  # an error or Ctrl-C here aborts what is left
+            for ev in events:
+                out = outs[ev.request_index]
+                out.token_ids.extend(ev.token_ids)
+                if out.logprobs is not None:
+                    out.logprobs.extend(ev.logprobs)
+                if ev.finish_reason is not None:
+                    out.finish_reason = ev.finish_reason
         for out in outs:
             out.text = self.decode(out.token_ids)
         return outs
 
-    def _submit(self, ids: list[list[int]], params: list[SamplingParams]) -> list[str]:
+    def _submit(self, ids: list[list[int]], params: list[SamplingParams]) -> _Call:
         """Add every prompt to the engine (all or none: a rejected one withdraws those already added)."""
-        core, rids = self.engine, []
-        try:
-            for i, (p, sp) in enumerate(zip(ids, params)):
-                rid = core.new_request_id()
-                core.add_request(rid, p, sp, sample_index=i)
-                rids.append(rid)
-        except BaseException:
-            for rid in rids:
-                core.abort(rid)
-            raise
-        return rids
+        core, call = self.engine, _Call()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._stepping)
+            try:
+                for i, (p, sp) in enumerate(zip(ids, params)):
+                    rid = core.new_request_id()
+                    core.add_request(rid, p, sp, sample_index=i)
+                    call.index[rid] = i
+                    self._owners[rid] = call
+            except BaseException:
+                self._dropped.append(call)
+                raise
+            finally:
+                self._abort_dropped()
+        return call
 
-    def _events(self, rids: list[str]) -> Iterator[_Event]:
-        """Step the engine until these requests finish. A consumer that stops early (a vanished client) aborts
-        what is left, and every page comes back."""
-        core = self.engine
-        index = {rid: i for i, rid in enumerate(rids)}
-        left = set(rids)
+    def _events(self, call: _Call) -> Iterator[_Event]:
+        """The call's events until each of its requests has finished, stepping the engine when the inbox is empty.
+        A consumer that stops early (closes it, or drops it) aborts what is left, and every page comes back."""
+        n_open = len(call.index)
         try:
-            while left:
-                for d in core.step():
-                    i = index.get(d.request_id)
-                    if i is None:
-                        continue
-                    if d.finish_reason is not None:
-                        left.discard(d.request_id)
-                    yield _Event(i, d.new_token_ids, d.new_logprobs, d.finish_reason)
+            while n_open:
+                if not call.inbox:
+                    self._step_for(call)
+                    continue
+                ev = call.inbox.popleft()
+                n_open -= ev.finish_reason is not None
+                yield ev
         finally:
-            for rid in left:
-                core.abort(rid)
+            if n_open:
+                self._drop(call)
+
+    def _step_for(self, call: _Call) -> None:
+        """Step the engine once, or wait while another thread steps it, until the call's inbox has events. Each
+        delta goes to the call that owns its request: another call's events wait in its inbox until it reads them
+        (an interleaved stream, a generate inside a stream's loop, another thread)."""
+        with self._cond:
+            self._cond.wait_for(lambda: call.inbox or not self._stepping)
+            if call.inbox:
+                return
+            self._stepping = True
+        deltas = []
+        with _ctrl_c_after_step():
+            try:
+                deltas = self._engine.step()
+            finally:
+                with self._cond:
+                    self._stepping = False
+                    for d in deltas:
+                        owner = self._owners.get(d.request_id)
+                        if owner is None:
+                            continue  # a dropped call's
+                        if d.finish_reason is not None:
+                            del self._owners[d.request_id]
+                        owner.inbox.append(_Event(owner.index[d.request_id], d.new_token_ids, d.new_logprobs,
+                                                  d.finish_reason))
+                    self._abort_dropped()
+                    self._cond.notify_all()
+
+    def _drop(self, call: _Call) -> None:
+        """Abort the call's unfinished requests: now when the engine is idle, else when the step running ends. It
+        may run inside a step (a finalizer run by a garbage collection), so it never waits for the lock."""
+        self._dropped.append(call)
+        if self._cond.acquire(blocking=False):
+            try:
+                if not self._stepping:
+                    self._abort_dropped()
+            finally:
+                self._cond.release()
+
+    def _abort_dropped(self) -> None:
+        """(Under the lock, between steps.) Abort the requests of dropped calls that have not finished."""
+        while self._dropped:
+            for rid in self._dropped.popleft().index:
+                if self._owners.pop(rid, None) is not None:
+                    self._engine.abort(rid)
 
     def stats(self) -> dict:
         """Pools (used / total pages), prefix cache (queried and hit tokens) and request counts (`rejected`: by
         the request check, in generate or at the engine)."""
-        st = self.engine.stats()
+        core = self.engine
+        with self._cond:
+            self._cond.wait_for(lambda: not self._stepping)
+            self._abort_dropped()
+            st = core.stats()
         st["requests"]["rejected"] += self._rejected
         return st
 
-    def _stream(self, events, ids) -> Iterator[tuple[int, list[int], str | None]]:
+    def _stream(self, call: _Call, n_prompts: int) -> Iterator[tuple[int, list[int], str | None]]:
         # text in O(new tokens) per event (decoding each request's whole output per event was quadratic: ~11 s of
         # host time over a 32K-token stream); a partial UTF-8 sequence is held back until its last byte arrives
-        detok = {i: IncrementalDetokenizer(self.decode) for i in range(len(ids))} if self.tokenizer else None
-        for ev in events:
-            new_text = None
-            if detok is not None:
-                d = detok[ev.request_index]
-                new_text = "".join(d.push(t) for t in ev.token_ids)
-                if ev.finish_reason is not None:
-                    new_text += d.flush()
-            if ev.token_ids or new_text:
-                yield ev.request_index, list(ev.token_ids), new_text
+        detok = {i: IncrementalDetokenizer(self.decode) for i in range(n_prompts)} if self.tokenizer else None
+        with contextlib.closing(self._events(call)) as events:  # closing the stream aborts what is left
+            for ev in events:
+                new_text = None
+                if detok is not None:
+                    d = detok[ev.request_index]
+                    new_text = "".join(d.push(t) for t in ev.token_ids)
+                    if ev.finish_reason is not None:
+                        new_text += d.flush()
+                if ev.token_ids or new_text:
+                    yield ev.request_index, list(ev.token_ids), new_text

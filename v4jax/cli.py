@@ -3,11 +3,12 @@
 `v4jax` alone (or `v4jax bench` alone) prints the help and exits 0. Errors in the arguments exit 2 with
 argparse's usage message; errors of the user's making found later (a model directory that is missing or
 corrupt, a prompt longer than the context, a model too big for the device...) print one line `error: ...` and
-exit 1; `--debug` shows the traceback instead.
+exit 1; `--debug` shows the traceback instead. Ctrl-C in `generate` aborts what is running and exits 130.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
@@ -152,19 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
-                       ("generate", "what LLM.generate users see: compile, prefill against the FLOP roofline, "
-                                    "decode ms/step (v4jax.bench.generate)"),
-                       ("kernels", "Pallas kernel timings against their jnp references, and their tile sweeps "
-                                   "(--tune, --sweep NAME; v4jax.bench.kernels)"),
-                       ("mesh", "decode on device meshes against one device: same tokens, ms/step, scaling "
-                                "(v4jax.bench.mesh)"),
+                       ("generate", ("what LLM.generate users see: compile, prefill against the FLOP roofline, "
+                                     "decode ms/step (v4jax.bench.generate)")),
+                       ("kernels", ("Pallas kernel timings against their jnp references, and their tile sweeps "
+                                    "(--tune, --sweep NAME; v4jax.bench.kernels)")),
+                       ("mesh", ("decode on device meshes against one device: same tokens, ms/step, scaling "
+                                 "(v4jax.bench.mesh)")),
                        ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.bench.replay)"),
                        ("serve", "open-loop load against a running v4jax serve (v4jax.bench.serve)"),
                        ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)"),
-                       ("tpu-aot", "every Pallas TPU kernel and the engine's steps compiled for a TPU with libtpu on "
-                                   "a CPU machine (v4jax.bench.tpu_aot)"),
-                       ("tpu-plan", "a preset's engine steps compiled for a TPU pod slice: memory per device "
-                                    "(v4jax.bench.tpu_aot)")):
+                       ("tpu-aot", ("every Pallas TPU kernel and the engine's steps compiled for a TPU with libtpu on "
+                                    "a CPU machine (v4jax.bench.tpu_aot)")),
+                       ("tpu-plan", ("a preset's engine steps compiled for a TPU pod slice: memory per device "
+                                     "(v4jax.bench.tpu_aot)"))):
         # Everything after the name, -h included, goes to the benchmark's own parser.
         p = bsub.add_parser(name, add_help=False, allow_abbrev=False, help=text, description=text)
         p.set_defaults(func=_bench, passthrough=True)
@@ -265,22 +266,31 @@ def _generate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, attention_impl=args.attention_impl, mesh=args.mesh, **opts)
     import jax
     if jax.process_index() != 0:  # every process generates the same; one prints
-        sys.stdout = open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
     prompts = args.prompts
     if llm.tokenizer is None:
         # A random preset has no tokenizer: feed the prompt's UTF-8 bytes as token ids.
         print(f"[{llm.source} has no tokenizer: prompt bytes are the token ids]", file=sys.stderr)
         prompts = [[b % llm.config.vocab_size for b in p.encode()] for p in args.prompts]
-    if args.no_stream or len(prompts) > 1:
-        for p, out in zip(args.prompts, llm.generate(prompts, sp)):
-            body = out.text if out.text is not None else " ".join(map(str, out.token_ids))
-            print(f"{p}{body}\n[{out.finish_reason}, {len(out.token_ids)} tokens]\n")
+    try:
+        if args.no_stream or len(prompts) > 1:
+            for p, out in zip(args.prompts, llm.generate(prompts, sp)):
+                body = out.text if out.text is not None else " ".join(map(str, out.token_ids))
+                print(f"{p}{body}\n[{out.finish_reason}, {len(out.token_ids)} tokens]\n")
+            return 0
+        print(args.prompts[0], end="", flush=True)
+        try:
+            with contextlib.closing(llm.generate(prompts, sp, stream=True)) as events:  # Ctrl-C: closing aborts
+                for _, toks, text in events:
+                    print(text if text is not None else " " + " ".join(map(str, toks)), end="", flush=True)
+        finally:
+            print(flush=True)  # the streamed line ends, interrupted or not
         return 0
-    print(args.prompts[0], end="", flush=True)
-    for _, toks, text in llm.generate(prompts, sp, stream=True):
-        print(text if text is not None else " " + " ".join(map(str, toks)), end="", flush=True)
-    print()
-    return 0
+    except KeyboardInterrupt:
+        # LLM.generate raises it between engine steps and its requests are aborted, but the call it dispatched
+        # last still runs: wait for it, as the runtime torn down under a running computation can crash the process
+        jax.block_until_ready(jax.live_arrays())
+        raise  # main: "interrupted", exit 130
 
 
 def _serve(args) -> int:
