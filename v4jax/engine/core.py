@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -86,6 +86,9 @@ class EngineCore:
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
         self.counts = {"rejected": 0}  # requests refused at add_request (finished and aborted: the scheduler's)
+        # (before, after): called around each step until the engine is first idle, and around warmup; whoever
+        # builds the engine may set them (the API's one-line notice that a first run compiles)
+        self.compile_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
 
     def _create_pools(self, n_boundary_rows: int, caching: bool):
         """The pools and the boundary store, created in their shards on a mesh (one jit, out_shardings from the
@@ -149,6 +152,8 @@ class EngineCore:
         prefill step, then read the previous decode call and the prefill's first tokens. Returns what each request
         gained since the last step."""
         S.pin_trace_context()
+        if self.compile_hooks is not None:
+            self.compile_hooks[0]()
         deltas, self._finished = self._finished, []
         sch = self.scheduler
         plan = sch.schedule(self._flight.running if self._flight is not None else ())
@@ -168,6 +173,9 @@ class EngineCore:
             deltas += sch.finish_prefill(plan.prefill, tok, lp)
         if self._flight is not None and not any(sch.slots[i] is r for i, r in self._flight.running):
             self._flight = None  # every request it decoded has ended: nothing left to read
+        if self.compile_hooks is not None and not self.has_unfinished_requests():
+            self.compile_hooks, (_, after) = None, self.compile_hooks
+            after()
         return deltas
 
     def _dispatch_decode(self, plan: DecodePlan | None, prev: _InFlight | None) -> _InFlight | None:
@@ -247,6 +255,8 @@ class EngineCore:
         and greedy-only forms, the prefix restore) with no-op calls (no valid tokens). Returns the number of
         compiled variants; afterwards nothing recompiles."""
         S.pin_trace_context()
+        if self.compile_hooks is not None:
+            self.compile_hooks[0]()
         s = self.layout.max_slots
         page_buckets = sorted({self._page_bucket(n * self.layout.page_size)
                                for n in range(1, self.layout.max_pages_per_seq + 1)})
@@ -275,6 +285,9 @@ class EngineCore:
             for spec in (self.spec, self.greedy_spec):
                 self.pools, self.store, *_ = self.steps.decode(spec, self._leaves, self.pools, self.store, st, pt,
                                                                swa)
+        if self.compile_hooks is not None:
+            self.compile_hooks, (_, after) = None, self.compile_hooks
+            after()
         return self.compiled_variants()
 
     def compiled_variants(self) -> int:
