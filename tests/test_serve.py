@@ -129,6 +129,12 @@ def test_generate_streams_the_text_of_the_result(served):
     assert all(len(pieces) > 1 for pieces in served.streamed.values())
 
 
+def test_finish_reasons_are_openai_values():
+    """The engine's "abort" (a shutdown cut the sequence short) leaves the OpenAI endpoints as "length"."""
+    from v4jax.serve.openai import finish_reason
+    assert [finish_reason(r) for r in (None, "stop", "length", "abort")] == [None, "stop", "length", "length"]
+
+
 def test_stop_strings_match_across_tokens_and_are_never_sent():
     toks = ["Hel", "lo, w", "or", "ld! ", "Bye"]
     decode = lambda ids: "".join(toks[i] for i in ids)
@@ -531,18 +537,26 @@ def test_bench_serve_against_the_server(served, tmp_path):
 
 
 def test_shutdown_ends_running_streams(served):
-    """Runs last: SIGTERM's path (handle_exit) with no grace: the running stream ends with finish_reason
-    "abort" and [DONE], the server stops, and the engine lets go of every page."""
+    """Runs last: SIGTERM's path (handle_exit) with no grace: the running stream ends early with [DONE] and the
+    OpenAI finish_reason "length" (the engine's "abort": cut short by the server), the server stops, and the engine
+    lets go of every page."""
     served.state.options.shutdown_grace_s = 0.0
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    aborted = lambda: served.state.metrics.registry.get_sample_value("v4jax_request_finished_total",
+                                                                    {"finish_reason": "abort"}) or 0
+    aborted_before = aborted()
     with served.http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
         served.server.shutdown_now()
         chunks, done = _sse(lines)
-    assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-    assert done and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert first["choices"][0]["finish_reason"] is None
+    assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["token_ids"]) for c in [first, *chunks]) < 200
     served.thread.join(30)
     assert not served.thread.is_alive()
     assert not served.state.orchestrator.accepting
     assert _idle_and_free(served.state)
+    # the server's metrics keep the engine's own reason
+    assert aborted() == aborted_before + 1

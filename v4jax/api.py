@@ -253,7 +253,6 @@ class LLM:
         self.mesh_rules = MeshRules.make(self.options.mesh)  # over every process's devices
         self.config, self.model, self.tokenizer, self.source = load_model(spec, _DTYPES[dtype], self.options.seed,
                                                                           self.mesh_rules)
-        compile_cache.watch_first_compile()  # the model's steps compile at the first generate
         self.dtype = dtype
         limit = self.options.max_model_len
         if limit is not None and limit > self.config.max_seq_len:
@@ -338,11 +337,23 @@ class LLM:
                 if self._engine is None:
                     from v4jax.engine import EngineCore
                     from v4jax.memory import check_engine_fits, model_weight_bytes
+                    first = self._first_compile()
+                    first.before()  # building the engine compiles too (its pools), then its first steps
                     check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,
                                       weight_bytes=model_weight_bytes(self.model))
-                    self._engine = EngineCore(self.config, self.model, self.options, self.run_options,
-                                              self.max_model_len)
+                    engine = EngineCore(self.config, self.model, self.options, self.run_options, self.max_model_len)
+                    engine.compile_hooks = first.hooks()
+                    self._engine = engine
         return self._engine
+
+    def _first_compile(self):
+        """The one-line notice before the engine is built and its first steps compile what the cache does not hold
+        yet, keyed on everything its programs depend on."""
+        from v4jax import compile_cache
+        devices = [(d.platform, d.device_kind) for d in jax.devices()]
+        signature = repr((jax.__version__, devices, self.config, self.dtype, self.options, self.max_model_len,
+                          self.run_options.attention_impl, self.run_options.quant_sim))
+        return compile_cache.FirstCompile(signature)
 
     @property
     def request_check(self) -> RequestCheck:

@@ -5,25 +5,23 @@ runs the same shapes loads them instead of compiling. `V4JAX_COMPILATION_CACHE=o
 value is the directory to use. `enable()` is called by `LLM.__init__` before anything compiles; it is idempotent
 and never overrides a cache directory the user configured in JAX directly.
 
-While the first slow compile after `watch_first_compile()` runs (one that misses the cache and takes longer than
-a second), one line on stderr says that it is happening and where it is cached; printed once per process, never
-on a run whose programs all come from the cache. It listens to JAX's monitoring events (a cache miss, or with
-the cache off the end of lowering, starts a timer; the end of the backend compile stops it).
+Before an engine is built and its first steps compile programs that are not in the cache yet, one line on stderr
+says that it is happening and where it is cached (`FirstCompile`): once per process, never on a run whose programs
+come from the cache. It is decided before compiling, not by JAX's monitoring events (JAX 0.10 reports a cache miss
+only once the compile is over).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
 
 ENV = "V4JAX_COMPILATION_CACHE"
 MIN_COMPILE_SECS = 0.0  # every program: loading a checkpoint compiles ~100 tiny ones (30 ms each on CPU, 3 s in all)
-ANNOUNCE_AFTER_SECS = 1.0  # a compile that runs this long gets the one-line message
-_state = {"dir": None, "announced": False, "watching": False, "timer": None}
+MARKERS = "v4jax-compiled"  # beside JAX's entries: one empty-ish file per engine signature a run has compiled
+_state = {"dir": None, "announced": False}
 _lock = threading.Lock()
-_MISS = "/jax/compilation_cache/cache_misses"
-_LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-_COMPILED = "/jax/core/compile/backend_compile_duration"
 
 
 def default_dir() -> str:
@@ -75,51 +73,57 @@ def _reset_jax_cache() -> None:
         pass
 
 
+def in_use() -> str | None:
+    """The directory JAX's persistent cache writes to now (ours or the user's), or None when it is off."""
+    import jax
+    return jax.config.jax_compilation_cache_dir or None
+
+
 def announce_first_compile(what: str = "the model") -> None:
     """Print, once per process, that a first compile is running and where its result is cached."""
     with _lock:
         if _state["announced"]:
             return
         _state["announced"] = True
-    where = f"cached in {_state['dir']}" if _state["dir"] else "compilation cache off"
+    d = in_use()
+    where = f"cached in {d}" if d else "compilation cache off"
     print(f"v4jax: compiling {what} for this shape (first run only; {where})", file=sys.stderr, flush=True)
 
 
-def watch_first_compile() -> None:
-    """From now on, announce the first compile that misses the cache and runs longer than ANNOUNCE_AFTER_SECS."""
-    import jax
+class FirstCompile:
+    """The one-line notice, before an engine is built and its first steps (or warm-up) compile programs that the
+    cache does not hold yet. `signature` is everything that decides the engine's programs (JAX version, backend
+    and devices, model config, dtype, options); a run whose steps have compiled writes a marker for it in the cache
+    directory (`MARKERS/<hash>`), so a later run with the same signature and cache says nothing. With the cache off
+    every run compiles, and says so. `LLM.engine` calls `before` as it builds the engine, the engine `after` once it
+    has first run its steps to the end (`EngineCore.compile_hooks`)."""
 
-    with _lock:
-        if _state["watching"] or _state["announced"]:
+    def __init__(self, signature: str, what: str = "the model"):
+        self.key = hashlib.sha256(signature.encode("utf-8")).hexdigest()[:32]
+        self.what = what
+        self._checked = False
+
+    def marker(self, directory: str) -> str:
+        return os.path.join(directory, MARKERS, self.key)
+
+    def before(self) -> None:
+        if self._checked:
             return
-        _state["watching"] = True
+        self._checked = True
+        d = in_use()
+        if d is None or not os.path.exists(self.marker(d)):
+            announce_first_compile(self.what)
 
-    def start():
-        with _lock:
-            if _state["announced"] or _state["timer"] is not None:
-                return
-            t = threading.Timer(ANNOUNCE_AFTER_SECS, announce_first_compile)
-            t.daemon = True
-            _state["timer"] = t
-        t.start()
-
-    def stop():
-        with _lock:
-            t, _state["timer"] = _state["timer"], None
-        if t is not None:
-            t.cancel()
-
-    def on_event(name, *args, **kwargs):
-        if name == _MISS and not _state["announced"]:
-            start()
-
-    def on_duration(name, secs, *args, **kwargs):
-        if _state["announced"]:
+    def after(self) -> None:
+        d = in_use()
+        if d is None:
             return
-        if name == _LOWERED and _state["dir"] is None:
-            start()
-        elif name == _COMPILED:
-            stop()
+        try:
+            os.makedirs(os.path.join(d, MARKERS), exist_ok=True)
+            with open(self.marker(d), "w", encoding="utf-8") as f:
+                f.write("compiled\n")
+        except OSError:  # a read-only cache: the next run says it again
+            pass
 
-    jax.monitoring.register_event_listener(on_event)
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    def hooks(self):
+        return self.before, self.after

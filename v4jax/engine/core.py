@@ -92,6 +92,9 @@ class EngineCore:
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
         self.counts = {"rejected": 0}  # requests refused at add_request (finished and aborted: the scheduler's)
+        # (before, after): called around each step until the engine is first idle, and around warmup; whoever
+        # builds the engine may set them (the API's one-line notice that a first run compiles)
+        self.compile_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
 
     def _create_pools(self, n_boundary_rows: int, caching: bool):
         """The pools and the boundary store, created in their shards on a mesh (one jit, out_shardings from the
@@ -155,6 +158,8 @@ class EngineCore:
         prefill step, then read the previous decode call and the prefill's first tokens. Returns what each request
         gained since the last step."""
         S.pin_trace_context()
+        if self.compile_hooks is not None:
+            self.compile_hooks[0]()
         deltas, self._finished = self._finished, []
         sch = self.scheduler
         plan = sch.schedule(self._flight.running if self._flight is not None else ())
@@ -174,6 +179,9 @@ class EngineCore:
             deltas += sch.finish_prefill(plan.prefill, tok, lp)
         if self._flight is not None and not any(sch.slots[i] is r for i, r in self._flight.running):
             self._flight = None  # every request it decoded has ended: nothing left to read
+        if self.compile_hooks is not None and not self.has_unfinished_requests():
+            self.compile_hooks, (_, after) = None, self.compile_hooks
+            after()
         return deltas
 
     def _dispatch_decode(self, plan: DecodePlan | None, prev: _InFlight | None) -> _InFlight | None:
@@ -259,6 +267,8 @@ class EngineCore:
         fills the caches a later call looks in, and runs nothing: the pools are untouched), in threads: XLA's
         compiler releases the GIL, and one program compiles on few cores."""
         S.pin_trace_context()
+        if self.compile_hooks is not None:
+            self.compile_hooks[0]()
         empty = [i for i, r in enumerate(self.scheduler.slots) if r is None]
         if self.kv.caching and empty:
             self.pools = self.steps.restore(self.pools, self.store, empty[0], 0)
@@ -277,6 +287,9 @@ class EngineCore:
                 done += 1
                 if progress is not None:
                     progress(done, len(programs))
+        if self.compile_hooks is not None:
+            self.compile_hooks, (_, after) = None, self.compile_hooks
+            after()
         return len(programs)
 
     def _page_buckets(self) -> list[int]:

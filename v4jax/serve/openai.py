@@ -41,6 +41,19 @@ class _Logprobs:
         return out
 
 
+# OpenAI's finish_reason takes "stop", "length", "content_filter", "tool_calls" or "function_call"; typed clients
+# (SDKs that decode it as an enum) refuse anything else. The engine's "abort" (the server shut down before the
+# sequence ended) is sent as "length": its text was cut short by a limit of the server, not ended by the model,
+# and "length" is the value that tells a client the output is truncated ("stop" would claim a natural end).
+# vLLM sends its internal "abort" as it is; the metrics keep the engine's own reasons.
+OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's finish_reason as an OpenAI value (None while the sequence runs)."""
+    return None if reason is None else OPENAI_FINISH_REASONS.get(reason, "stop")
+
+
 def _usage(prep: Prepared, completion_tokens: int) -> dict:
     prompt = sum(len(p) for p in prep.prompts)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
@@ -91,7 +104,7 @@ def router(state) -> APIRouter:
         for c in choices:
             lp = _Logprobs(state.codec, prep.logprobs).completion(c.token_ids, c.logprobs) \
                 if prep.logprobs is not None else None
-            ch = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            ch = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason)}
             if prep.return_token_ids:
                 ch["prompt_token_ids"], ch["token_ids"] = _prompt_of(prep, c.index), c.token_ids
             out.append(ch)
@@ -104,7 +117,7 @@ def router(state) -> APIRouter:
             lp = {"content": _Logprobs(state.codec, prep.logprobs).chat(c.token_ids, c.logprobs), "refusal": None} \
                 if prep.logprobs is not None else None
             ch = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                  "finish_reason": c.finish_reason}
+                  "finish_reason": finish_reason(c.finish_reason)}
             if prep.return_token_ids:
                 ch["prompt_token_ids"], ch["token_ids"] = _prompt_of(prep, c.index), c.token_ids
             out.append(ch)
@@ -146,7 +159,8 @@ def router(state) -> APIRouter:
             if not (out.text or out.token_ids or out.finish_reason):
                 return None
             lp = lps[out.index].completion(out.token_ids, out.logprobs) if prep.logprobs is not None else None
-            return {"index": out.index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
+            return {"index": out.index, "text": out.text, "logprobs": lp,
+                    "finish_reason": finish_reason(out.finish_reason)}
         return _events(rid, prep, stream, deadline, "text_completion", choice_of)
 
     def _chat_events(rid, prep, stream, deadline):
@@ -164,7 +178,8 @@ def router(state) -> APIRouter:
                 return None
             lp = {"content": lps[out.index].chat(out.token_ids, out.logprobs), "refusal": None} \
                 if prep.logprobs is not None else None
-            return {"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
+            return {"index": out.index, "delta": delta, "logprobs": lp,
+                    "finish_reason": finish_reason(out.finish_reason)}
         return _events(rid, prep, stream, deadline, "chat.completion.chunk", choice_of)
 
     return r

@@ -17,7 +17,7 @@ class ServerOptions:
     request_timeout_s: float = 600.0  # a request still running after this is aborted (408)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     shutdown_grace_s: float = 5.0  # on SIGINT / SIGTERM: time running requests get to finish before they are
-    # aborted (their streams end with finish_reason "abort")
+    # aborted (their streams end early, with OpenAI's finish_reason "length")
     log_level: str = "info"
     access_log: bool = True
 

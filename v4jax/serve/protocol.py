@@ -358,7 +358,7 @@ def parse_generate(body: dict, codec, limits, check) -> tuple[Prepared, bool]:
             raise bad("text_content", "this model has no tokenizer: use token_content")
         try:
             ids = codec.encode(text["text"].strip(), "text_content.text")
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise bad("text_content", str(e)) from None
     else:
         if not isinstance(toks, dict) or not _token_ids(toks.get("token_ids")) or set(toks) - {"token_ids"}:
@@ -366,7 +366,7 @@ def parse_generate(body: dict, codec, limits, check) -> tuple[Prepared, bool]:
                       "invalid_type")
         try:
             ids = codec.encode(toks["token_ids"], "token_content.token_ids")
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise bad("token_content", str(e)) from None
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
@@ -431,12 +431,19 @@ def _bad_text(v, path: str) -> str | None:
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object: bounded before parsing (depth, number sizes), every string valid UTF-8 text
-    (a lone surrogate escape such as "\\ud800" is refused, naming where it is), else a 400."""
+    """The body as a JSON object: UTF-8 (RFC 8259; a UTF-8 BOM is ignored), bounded before parsing (depth, number
+    sizes), every string valid UTF-8 text (a lone surrogate escape such as "\\ud800" is refused, naming where it
+    is), else a 400. Only UTF-8 is read: json.loads would also take UTF-16 and UTF-32 bodies, whose bytes these
+    checks do not read as they read UTF-8 (a lone surrogate escape in UTF-16 passed them, and failed later in the
+    tokenizer)."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not UTF-8 text: {e}", code="invalid_json") from None
     _bounded(raw)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"the body is not valid JSON: {type(e).__name__}", code="invalid_json") from None
