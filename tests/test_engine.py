@@ -380,3 +380,26 @@ def test_stats_pools_and_prefix_figures_are_what_the_engine_holds():
     assert pc["reused_pages"] - before["reused_pages"] == 2
     assert eng.stats()["requests"]["recomputed_tokens"] == 0
     assert _all_pages_free(eng)
+
+
+def test_top_logprobs_are_the_teacher_forced_top_n(tiny_llm):
+    """SamplingParams.top_logprobs = N: each generated token's N most likely alternatives (log-softmax of the raw
+    logits, before temperature) are the top N of one teacher-forced forward over the final sequence, in batches
+    mixing requests that ask for other N or none, over chunked prefills and several decode calls. Ranks may swap
+    only within the tolerance of a tie."""
+    prompts = _prompts((5, 40, 23), 500, seed=5)
+    params = [SamplingParams(max_tokens=9, top_logprobs=4, **GREEDY),
+              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.9, seed=2, ignore_eos=True, logprobs=True, top_logprobs=20)]
+    outs = tiny_llm.generate(prompts, params)
+    assert outs[1].top_logprobs is None
+    for p, sp, out in zip(prompts[::2], params[::2], outs[::2]):
+        lsm = _log_softmax(tiny_llm.logits(p + out.token_ids)[len(p) - 1:-1])
+        assert len(out.top_logprobs) == len(out.token_ids) == 9
+        for j, (t, pairs) in enumerate(zip(out.token_ids, out.top_logprobs)):
+            ranked = np.sort(lsm[j])[::-1][:sp.top_logprobs]
+            assert len(pairs) == sp.top_logprobs
+            for (i, lp), want in zip(pairs, ranked):
+                assert abs(lp - want) <= 1e-4 and abs(lp - lsm[j, i]) <= 1e-4
+            if sp.temperature == 0:  # greedy: the chosen token leads, with its own log-prob
+                assert pairs[0] == (t, out.logprobs[j])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -23,8 +24,8 @@ from flax import nnx
 from v4jax.config import PRESETS, ModelConfig, preset
 from v4jax.detokenize import IncrementalDetokenizer
 from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
-from v4jax.engine.sampling import SamplingParams
-from v4jax.fields import FieldError, check_field
+from v4jax.engine.sampling import SamplingParams, top_alternatives
+from v4jax.fields import MAX_TOP_LOGPROBS, FieldError, check_field
 from v4jax.model import RunOptions, Transformer
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
@@ -38,6 +39,16 @@ class RequestOutput:
     text: str | None
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
+    # with SamplingParams.top_logprobs = N: per generated token, the N most likely (token id, log-prob) pairs
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclasses.dataclass
+class PromptLogprobs:
+    """A prompt scored by one teacher-forced forward: for each token, log-softmax of the raw logits of the
+    positions before it (None for the first token, which nothing predicts)."""
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]  # the top_n most likely (token id, log-prob) pairs
 
 
 @dataclasses.dataclass
@@ -46,6 +57,7 @@ class _Event:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
+    top_logprobs: list = dataclasses.field(default_factory=list)
 
 
 class _Call:
@@ -271,7 +283,18 @@ class LLM:
             logits = nnx.merge(graphdef, state)(tokens, opts)
             return logits if mr is None else mr.replicate(logits)  # every process reads the whole of it
 
+        @functools.partial(jax.jit, static_argnums=2)
+        def score(state, tokens, n_top):
+            # log-softmax on device: the host gets [T] and [T, n_top], never [T, vocab]
+            logits = nnx.merge(graphdef, state)(tokens, opts)[0].astype(jnp.float32)
+            all_logprobs = jax.nn.log_softmax(logits[:-1], axis=-1)  # row t predicts token t + 1
+            chosen = jnp.take_along_axis(all_logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
+            top = top_alternatives(all_logprobs, n_top)
+            out = (chosen, top)
+            return out if mr is None else mr.replicate(out)
+
         self._forward = forward
+        self._score = score
         self._engine = None
         # One engine serves every generate call, from any thread: one caller at a time steps it (its pools are
         # donated to each step) while the others wait for their events; adds and aborts happen between steps.
@@ -327,6 +350,26 @@ class LLM:
         padded = np.zeros((1, _bucket(t)), np.int32)  # right padding cannot change earlier positions (causal)
         padded[0, :t] = ids
         return np.asarray(self._forward(self._state, jnp.asarray(padded)))[0, :t].astype(np.float32)
+
+    def prompt_logprobs(self, token_ids: Sequence[int], top_n: int = 0) -> PromptLogprobs:
+        """Each token's log-prob given the tokens before it, and the top_n most likely tokens at each position
+        (0..MAX_TOP_LOGPROBS), from one teacher-forced forward (as `logits`): what OpenAI's `echo` with
+        `logprobs` returns for a prompt, and what evaluation harnesses score continuations with."""
+        ids = self._check_ids(token_ids)
+        top_n = check_field("top_logprobs", top_n, field="top_n")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{len(ids)} tokens exceed the context limit of {self.max_model_len}")
+        t = len(ids)
+        padded = np.zeros((1, _bucket(t)), np.int32)  # right padding cannot change earlier positions (causal)
+        padded[0, :t] = ids
+        # one program per length bucket with or without alternatives (their count is sliced on the host)
+        n_top = MAX_TOP_LOGPROBS if top_n else 0
+        chosen, (top_lps, top_ids) = jax.device_get(self._score(self._state, jnp.asarray(padded), n_top))
+        chosen = chosen[:t - 1].tolist()
+        if not top_n:
+            return PromptLogprobs([None] + chosen, [None] + [[] for _ in chosen])
+        ids_l, lps_l = top_ids[:t - 1, :top_n].tolist(), top_lps[:t - 1, :top_n].tolist()
+        return PromptLogprobs([None] + chosen, [None] + [list(zip(i, lp)) for i, lp in zip(ids_l, lps_l)])
 
     # ---- generation ----
     @property
@@ -426,13 +469,16 @@ class LLM:
             # a stream never started, or dropped without close(), is garbage: its requests end with it
             weakref.finalize(events, self._drop, call).atexit = False
             return events
-        outs = [RequestOutput(p, [], None, [] if sp.logprobs else None, "length") for p, sp in zip(ids, params)]
+        outs = [RequestOutput(p, [], None, [] if sp.logprobs else None, "length",
+                              [] if sp.top_logprobs else None) for p, sp in zip(ids, params)]
         with contextlib.closing(self._events(call)) as events:  # an error or Ctrl-C here aborts what is left
             for ev in events:
                 out = outs[ev.request_index]
                 out.token_ids.extend(ev.token_ids)
                 if out.logprobs is not None:
                     out.logprobs.extend(ev.logprobs)
+                if out.top_logprobs is not None:
+                    out.top_logprobs.extend(ev.top_logprobs)
                 if ev.finish_reason is not None:
                     out.finish_reason = ev.finish_reason
         for out in outs:
@@ -496,7 +542,7 @@ class LLM:
                         if d.finish_reason is not None:
                             del self._owners[d.request_id]
                         owner.inbox.append(_Event(owner.index[d.request_id], d.new_token_ids, d.new_logprobs,
-                                                  d.finish_reason))
+                                                  d.finish_reason, d.new_top_logprobs))
                     self._abort_dropped()
                     self._cond.notify_all()
 

@@ -19,6 +19,9 @@ import numpy as np
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # floats the engine holds are float32
+# Most likely alternatives returned per token (vLLM's default max_logprobs, OpenAI's chat limit): the engine's
+# top-N program computes this many on device and each request takes its own N of them.
+MAX_TOP_LOGPROBS = 20
 
 
 class FieldError(ValueError):
@@ -58,6 +61,7 @@ RULES: dict[str, Rule] = {
     "seed": Int(INT32_MIN, optional=True, note="(seeds are int32 on device)"),
     "stop_token_ids[]": Int(0),
     "logprobs": BOOL,
+    "top_logprobs": Int(0, MAX_TOP_LOGPROBS),  # also chat's field of that name
     "ignore_eos": BOOL,
     # LLM(...) options (v4jax.api.EngineOptions)
     "quant_sim": BOOL,
@@ -75,8 +79,7 @@ RULES: dict[str, Rule] = {
     # the server's own request fields
     "n": Int(1),
     "num_samples": Int(0),
-    "completion_logprobs": Int(0),
-    "top_logprobs": Int(0),
+    "completion_logprobs": Int(0, MAX_TOP_LOGPROBS),  # /v1/completions' `logprobs: N` (OpenAI stops at 5)
 }
 
 

@@ -37,6 +37,7 @@ from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, DecodePlan, Request, Reque
 from v4jax.model import RunOptions, Transformer
 from v4jax.model.ops import ops_for
 from v4jax.engine.sampling import SamplingParams
+from v4jax.fields import MAX_TOP_LOGPROBS
 
 
 # Threads compiling at once in warm-up (each holds a program's compile memory)
@@ -87,6 +88,10 @@ class EngineCore:
         # XLA:GPU resolves by copying the predicate to the host and waiting: the host then cannot prepare the next
         # step while the device runs this one)
         self.greedy_spec = dataclasses.replace(self.spec, any_sampled=False)
+        # the same two with the top-N alternatives per token, for steps where a request asked for them
+        # (SamplingParams.top_logprobs); compiled at their first use, not by warmup()
+        self.top_specs = {spec.any_sampled: dataclasses.replace(spec, top_logprobs=MAX_TOP_LOGPROBS)
+                          for spec in (self.spec, self.greedy_spec)}
         self.steps = S.JittedSteps.make(run_options.mesh_rules)
         self._flight: _InFlight | None = None
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
@@ -175,8 +180,8 @@ class EngineCore:
             deltas += self._collect(self._flight)
         self._flight = flight
         if any(e == r.n_tokens for r, _, e in plan.prefill):
-            tok, lp = jax.device_get(prefill_out)
-            deltas += sch.finish_prefill(plan.prefill, tok, lp)
+            tok, lp, top = jax.device_get(prefill_out)
+            deltas += sch.finish_prefill(plan.prefill, tok, lp, top)
         if self._flight is not None and not any(sch.slots[i] is r for i, r in self._flight.running):
             self._flight = None  # every request it decoded has ended: nothing left to read
         if self.compile_hooks is not None and not self.has_unfinished_requests():
@@ -210,26 +215,34 @@ class EngineCore:
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
         pt, swa = self.kv.decode_tables(self._page_bucket(plan.upto))
-        self.pools, self.store, out, state = self.steps.decode(self._spec_for(temp), self._leaves, self.pools,
-                                                               self.store, state, pt, swa)
+        spec = self._spec_for(temp, any(r.params.top_logprobs for r in plan.running))
+        self.pools, self.store, out, state = self.steps.decode(spec, self._leaves, self.pools, self.store, state, pt,
+                                                               swa)
         return _InFlight(out, state, [(r.slot, r) for r in plan.running], {r.slot: r.fed for r in plan.running})
 
     def _collect(self, flight: _InFlight) -> list[RequestDelta]:
         """Wait for a dispatched call (one device_get) and advance its requests."""
-        toks, lps, n_out, stopped, still = jax.device_get((flight.out.tokens, flight.out.logprobs, flight.out.n_out,
-                                                           flight.out.stopped, flight.state.active))
-        return self.scheduler.finish_decode(flight.running, toks, lps, n_out, stopped, still)
+        out = flight.out
+        top = (out.top_ids, out.top_logprobs) if out.top_ids.shape[-1] else None  # read only where computed
+        toks, lps, n_out, stopped, still, top = jax.device_get((out.tokens, out.logprobs, out.n_out, out.stopped,
+                                                                flight.state.active, top))
+        return self.scheduler.finish_decode(flight.running, toks, lps, n_out, stopped, still, top)
 
     def _page_bucket(self, upto: int) -> int:
         return min(_pow2(-(-upto // self.layout.page_size)), self.layout.max_pages_per_seq)
 
-    def _spec_for(self, temperature) -> S.StepSpec:
-        """The step's program: the sampling one when a row of it samples, else the greedy-only one."""
-        return self.spec if (temperature > 0).any() else self.greedy_spec
+    def _spec_for(self, temperature, top_logprobs: bool = False) -> S.StepSpec:
+        """The step's program: the sampling one when a row of it samples, else the greedy-only one; with the top-N
+        alternatives when a request of the step asked for them."""
+        sampled = bool((temperature > 0).any())
+        if top_logprobs:
+            return self.top_specs[sampled]
+        return self.spec if sampled else self.greedy_spec
 
     def _dispatch_prefill(self, plans: list[tuple[Request, int, int]]):
         """Dispatch one prefill step (a chunk of each of up to MAX_PREFILL_ROWS requests, as rows of one batch);
-        returns its device outputs (a sampled token and its log-prob per row), or None without rows."""
+        returns its device outputs (a sampled token, its log-prob and the top alternatives per row), or None
+        without rows."""
         if not plans:
             return None
         n_rows = _pow2(len(plans))
@@ -251,17 +264,22 @@ class EngineCore:
                                          self._page_bucket(max(s for _, s, _ in plans) + bucket))
         samp = S.SamplingState(temp, top_p, top_k, seed, sidx, tidx)
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
-        # One program per prefill shape, the sampling one: its full-vocabulary sort of at most MAX_PREFILL_ROWS rows
-        # is small beside a prefill step, and a greedy-only twin of every shape doubled what warm-up compiles.
-        self.pools, self.store, tok, lp = self.steps.prefill(self.spec, self._leaves, self.pools,
-                                                             self.store, batch, pt, swa, samp)
-        return tok, lp
+        # One program per prefill shape and sampling form, the sampling one: its full-vocabulary sort of at most
+        # MAX_PREFILL_ROWS rows is small beside a prefill step, and a greedy-only twin of every shape doubled what
+        # warm-up compiles. The top-N variant only where a row ends its prompt (only that row's token is read).
+        top_n = any(r.params.top_logprobs and e == r.n_tokens for r, _, e in plans)
+        spec = self.top_specs[True] if top_n else self.spec
+        self.pools, self.store, tok, lp, top = self.steps.prefill(spec, self._leaves, self.pools, self.store, batch,
+                                                                  pt, swa, samp)
+        return tok, lp, top
 
     # ---- compile and report ----
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compile every program the engine can dispatch (prefill rows x chunk x pages, decode x pages in its
+        """Compile every program the engine can dispatch (prefill rows x chunk x pages, decode slots x pages in its
         sampling and greedy-only forms, the prefix restore and the decode-state merge), several at once; afterwards
-        nothing compiles. `progress(done, total)` after each program. Returns the number of programs compiled.
+        nothing compiles but the variants with top-N alternatives (`top_specs`), which compile at the first request
+        that asks for them (compiling them here would double the warm-up for what most deployments never use).
+        `progress(done, total)` after each program. Returns the number of programs compiled.
 
         The step programs are compiled ahead of time (`lower(...).compile()` on the engine's own arrays, which
         fills the caches a later call looks in, and runs nothing: the pools are untouched), in threads: XLA's

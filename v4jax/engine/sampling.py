@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4jax.fields import INT32_MAX, check_field, is_int
+from v4jax.fields import INT32_MAX, FieldError, check_field, is_int
 
 F32 = jnp.float32
 
@@ -42,13 +42,18 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    # with logprobs: the N most likely tokens at each generated position and their log-probs (0..MAX_TOP_LOGPROBS;
+    # vLLM's `logprobs=N`, OpenAI's `top_logprobs`), log-softmax of the raw logits like the chosen token's
+    top_logprobs: int = 0
 
     def __post_init__(self):
         # Every check runs here, at construction, by the rule table (v4jax.fields: int32 bounds, finite floats,
         # real bools): a bad value never reaches the engine (where it would fail late, e.g. as an int32 overflow
         # on its thread) or gets silently coerced (a string of digits, a float token id).
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos"):
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos", "top_logprobs"):
             object.__setattr__(self, name, check_field(name, getattr(self, name)))
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=True")
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
 
     def resolved_seed(self) -> int:
@@ -63,12 +68,17 @@ def request_key(seed, request_index, token_index):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), request_index), token_index)
 
 
-def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index, any_sampled: bool):
+def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index, any_sampled: bool,
+           n_top: int = 0):
     """One token per row. logits [B, V] f32; temperature/top_p [B] f32, top_k [B] int32 (0 = off),
-    seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B] f32), logprobs being
-    log-softmax of the raw logits at the chosen token. temperature == 0 is greedy (ties: lower index).
+    seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B] f32, top_ids [B, n_top]
+    int32, top_logprobs [B, n_top] f32), logprobs being log-softmax of the raw logits at the chosen token and the
+    top pair the n_top most likely tokens by the same log-softmax (ties: lower index first). temperature == 0 is
+    greedy (ties: lower index).
     any_sampled: whether some row has temperature > 0 (False: no full-vocabulary sort). The caller knows: a
-    device-side branch (`lax.cond`) would copy its predicate to the host and wait there on GPU."""
+    device-side branch (`lax.cond`) would copy its predicate to the host and wait there on GPU. n_top is static
+    for the same reason: 0 in the programs most steps run, MAX_TOP_LOGPROBS in those of steps where a request
+    asked for alternatives."""
     logits = logits.astype(F32)
     v = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -89,5 +99,17 @@ def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index,
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
     tokens = jnp.where(temperature > 0, sampled(), greedy) if any_sampled else greedy
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+    all_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jnp.take_along_axis(all_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = top_alternatives(all_logprobs, n_top)
+    return tokens, logprobs, top_ids, top_logprobs
+
+
+def top_alternatives(all_logprobs, n: int):
+    """(log-probs [..., n] f32, token ids [..., n] int32) of the n most likely tokens, most likely first; ties:
+    the lower id first (lax.top_k's order). A partial selection, not a sort of the vocabulary."""
+    if n == 0:
+        shape = all_logprobs.shape[:-1] + (0,)
+        return jnp.zeros(shape, F32), jnp.zeros(shape, jnp.int32)
+    vals, ids = jax.lax.top_k(all_logprobs, n)
+    return vals, ids.astype(jnp.int32)

@@ -36,6 +36,9 @@ class RequestDelta:
     new_token_ids: list[int]
     new_logprobs: list[float]  # empty unless the request asked for logprobs
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" at the end
+    # per new token, its position's `top_logprobs` most likely (token id, log-prob) pairs, most likely first; empty
+    # unless the request asked for them
+    new_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
@@ -321,9 +324,10 @@ class Scheduler:
             self.recomputed_tokens += max(0, min(e0, req.seen) - s0)
             self.kv.commit(req.slot, req.token_slice, req.fed, (e0,) if e0 % p == 0 else ())
 
-    def finish_prefill(self, chunks: list[tuple[Request, int, int]], tokens, logprobs) -> list[RequestDelta]:
-        """Rows that were their request's last chunk: its first generated token (row i of `tokens`, `logprobs`),
-        and it starts decoding (or ends)."""
+    def finish_prefill(self, chunks: list[tuple[Request, int, int]], tokens, logprobs, top=None) -> list[RequestDelta]:
+        """Rows that were their request's last chunk: its first generated token (row i of `tokens`, `logprobs`,
+        and of `top` = (ids [B, N], log-probs [B, N]) when the step computed alternatives), and it starts decoding
+        (or ends)."""
         deltas = []
         for row, (req, s0, e0) in enumerate(chunks):
             if e0 != req.n_tokens or req.slot is None or self.slots[req.slot] is not req:
@@ -337,13 +341,15 @@ class Scheduler:
             reason = ("stop" if stopped else "length") if done else None
             if done:
                 self._finish(req)
-            deltas.append(RequestDelta(req.request_id, [t], [lp] if req.params.logprobs else [], reason))
+            deltas.append(RequestDelta(req.request_id, [t], [lp] if req.params.logprobs else [], reason,
+                                       _alternatives(req, top, row, 1)))
         return deltas
 
     def finish_decode(self, running: Sequence[tuple[int, Request]], tokens, logprobs, n_out, stopped,
-                      still) -> list[RequestDelta]:
-        """A decode call's outputs (host arrays by slot) into its requests. A slot whose request ended, was
-        aborted or preempted after the call was dispatched is skipped: its tokens are not wanted."""
+                      still, top=None) -> list[RequestDelta]:
+        """A decode call's outputs (host arrays by slot; `top` = (ids [S, k, N], log-probs [S, k, N]) when the call
+        computed alternatives) into its requests. A slot whose request ended, was aborted or preempted after the
+        call was dispatched is skipped: its tokens are not wanted."""
         p = self.page_size
         deltas = []
         for i, r in running:
@@ -356,10 +362,19 @@ class Scheduler:
             self.kv.commit(i, r.token_slice, r.fed, range((f0 // p + 1) * p, r.fed + 1, p))  # boundaries reached
             reason = None if still[i] else ("stop" if stopped[i] else "length")
             deltas.append(RequestDelta(r.request_id, new, logprobs[i, :n].tolist() if r.params.logprobs else [],
-                                       reason))
+                                       reason, _alternatives(r, top, i, n)))
             if reason is not None:
                 self._finish(r)
         return deltas
+
+
+def _alternatives(req: Request, top, row: int, n: int) -> list[list[tuple[int, float]]]:
+    """The request's own N of the step's top alternatives for its n new tokens (row `row` of `top`)."""
+    m = req.params.top_logprobs
+    if not m or top is None:
+        return []
+    ids, lps = top[0][row, ..., :m].reshape(-1, m)[:n].tolist(), top[1][row, ..., :m].reshape(-1, m)[:n].tolist()
+    return [list(zip(i, lp)) for i, lp in zip(ids, lps)]
 
 
 def _pow2(n: int) -> int:

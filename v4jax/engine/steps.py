@@ -1,6 +1,7 @@
 """The jitted steps: module-level functions of (params, pools, inputs), pools donated, shapes bucketed.
 
-    prefill   B rows of T tokens (chunks of prompts) -> one sampled token per row
+    prefill   B rows of T tokens (chunks of prompts) -> one sampled token per row (its log-prob, and its top-N
+              alternatives in the programs that compute them)
     decode    k tokens for every slot in one loop of k steps (sampling, stop and length checks on device)
     restore   a slot's compressor state set to a cached boundary's (a prefix hit)
 
@@ -63,6 +64,11 @@ class StepSpec:
     # whether some row of the step samples (temperature > 0); False compiles a greedy-only step (the host knows
     # the step's requests, so the device never branches on it)
     any_sampled: bool = True
+    # most likely alternatives computed per sampled token: 0, or MAX_TOP_LOGPROBS in the programs of steps where a
+    # request asked for them. A top-20 over a 129K vocabulary cost nothing measurable on CPU up to batch 32 (a
+    # fifth more than the chosen token's log-softmax at batch 128), but XLA may lower a top-k that wide to a sort
+    # of each row on GPU: the programs most steps run leave it out, as the greedy ones leave out the sampling sort
+    top_logprobs: int = 0
 
     def model(self, leaves):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
@@ -109,6 +115,8 @@ class DecodeOutput:
     logprobs: jax.Array  # [S, k] f32
     n_out: jax.Array  # [S] int32, tokens each slot produced
     stopped: jax.Array  # [S] bool, ended on a stop token
+    top_ids: jax.Array  # [S, k, N] int32, the N = spec.top_logprobs most likely tokens at each step (N may be 0)
+    top_logprobs: jax.Array  # [S, k, N] f32
 
 
 def _write_tokens(spec: StepSpec, pools, token_ids, positions, ok, page_table):
@@ -159,9 +167,9 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     if spec.save_boundaries:
         rows = _boundary_rows(spec, batch.start + batch.n_valid, batch.n_valid > 0, swa_table)
         store = save_boundary_states(store, pools, batch.slot, rows)
-    tok, lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed, samp.sample_index,
-                     samp.token_index, spec.any_sampled)
-    return *_placed(spec, pools, store), *_host_readable(spec, (tok, lp))
+    tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed,
+                                      samp.sample_index, samp.token_index, spec.any_sampled, spec.top_logprobs)
+    return *_placed(spec, pools, store), *_host_readable(spec, (tok, lp, (top_ids, top_lp)))
 
 
 def early_exit() -> bool:
@@ -189,11 +197,13 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         if spec.save_boundaries:
             store = save_boundary_states(store, pools, None, _boundary_rows(spec, st.pos + 1, st.active, swa_table))
         sm = st.sampling
-        nxt, lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.seed, sm.sample_index, sm.token_index,
-                         spec.any_sampled)
+        nxt, lp, top_ids, top_lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.seed, sm.sample_index,
+                                          sm.token_index, spec.any_sampled, spec.top_logprobs)
         out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
                            logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
-                           stopped=out.stopped | (st.active & jnp.any(nxt[:, None] == st.stop_ids, axis=-1)))
+                           stopped=out.stopped | (st.active & jnp.any(nxt[:, None] == st.stop_ids, axis=-1)),
+                           top_ids=out.top_ids.at[:, i].set(top_ids),
+                           top_logprobs=out.top_logprobs.at[:, i].set(top_lp))
         is_stop = jnp.any(nxt[:, None] == st.stop_ids, axis=-1)
         full = (st.remaining <= 1) | (st.pos + 2 >= spec.max_model_len)
         adv = st.active.astype(jnp.int32)
@@ -202,8 +212,10 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
                          sampling=dataclasses.replace(sm, token_index=sm.token_index + adv))
         return pools, store, st, out
 
+    n_top = spec.top_logprobs
     out = DecodeOutput(tokens=jnp.zeros((s, k), jnp.int32), logprobs=jnp.zeros((s, k), jnp.float32),
-                       n_out=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool))
+                       n_out=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool),
+                       top_ids=jnp.zeros((s, k, n_top), jnp.int32), top_logprobs=jnp.zeros((s, k, n_top), jnp.float32))
     carry = (pools, store, state, out)
     if early_exit():
         _, carry = jax.lax.while_loop(lambda c: (c[0] < k) & jnp.any(c[1][2].active),

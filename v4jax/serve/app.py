@@ -49,7 +49,8 @@ class ServerState:
         self.model_id = self.options.served_model_name or model_id_of(llm)
         self.created = int(time.time())
         self.codec = TextCodec(llm)
-        self.engine = engine or LocalEngine(llm.engine)  # building it checks that its pools fit
+        # building the engine checks that its pools fit
+        self.engine = engine or LocalEngine(llm.engine, score_prompt=llm.prompt_logprobs)
         self.orchestrator = Orchestrator(self.engine, self.codec.decoder, max_waiting=self.options.max_waiting)
         self.metrics = ServerMetrics(self.orchestrator.stats)
         self.orchestrator.metrics = self.metrics

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from v4jax.engine.core import EngineCore, RequestDelta
 from v4jax.engine.sampling import SamplingParams
+from v4jax.engine.steps import pin_trace_context
 
 
 class ServingEngine(Protocol):
     """Called from the orchestrator's engine thread only (except `check`, which reads immutable limits)."""
     max_model_len: int
     max_num_seqs: int
+    scores_prompts: bool  # whether prompt_logprobs works here (the HTTP layer answers 501 where it does not)
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that could never run (v4jax.engine.checks.RequestError: its `param`
@@ -41,15 +43,23 @@ class ServingEngine(Protocol):
 
     def stats(self) -> dict: ...
 
+    def prompt_logprobs(self, prompt_ids: Sequence[int], top_n: int):
+        """The prompt scored by one teacher-forced forward (v4jax.api.PromptLogprobs: each token's log-prob given
+        those before it, and the top_n alternatives at each position), run between steps; NotImplementedError
+        where `scores_prompts` is False."""
+
 
 class LocalEngine:
-    """One `EngineCore` that interleaves prefill chunks with decodes (JetStream's interleaved mode)."""
+    """One `EngineCore` that interleaves prefill chunks with decodes (JetStream's interleaved mode).
+    `score_prompt(ids, top_n)`: the model's teacher-forced scoring (`LLM.prompt_logprobs`), or None."""
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, score_prompt: Callable | None = None):
         self.core = core
         self.max_model_len = core.max_model_len
         self.max_num_seqs = core.layout.max_slots
         self.request_check = core.request_check
+        self.score_prompt = score_prompt
+        self.scores_prompts = score_prompt is not None
 
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         # The engine's own check (EngineCore.add_request runs it too), before the request reaches the engine
@@ -81,13 +91,25 @@ class LocalEngine:
     def stats(self):
         return self.core.stats()
 
+    def prompt_logprobs(self, prompt_ids, top_n):
+        # On the engine thread between steps: the forward takes no pools (the steps' donated buffers are never
+        # its arguments), and running it here keeps its activations from sharing the device with a step's.
+        if self.score_prompt is None:
+            raise NotImplementedError("this engine was built without a scoring forward")
+        pin_trace_context()  # as before a step: the forward's programs then compile once, whichever call is first
+        return self.score_prompt(prompt_ids, top_n)
+
 
 class LeaderEngine:
     """Process 0 of several (one process per host, one mesh over all of them): the orchestrator drives it as it
     drives a `LocalEngine`, and each step it first publishes what changed since the last one (the requests added
     and aborted, fresh seeds already drawn) to the other processes, which replay it into their own `EngineCore`
     (`follow`) and take the same step: the scheduler is deterministic, so every process then calls the same
-    jitted steps on the same batch. HTTP, tokenizing and detokenizing stay on process 0."""
+    jitted steps on the same batch. HTTP, tokenizing and detokenizing stay on process 0.
+
+    Prompt scoring (`echo` with `logprobs`) is not offered: its forward is a program over every process's devices,
+    which the other processes would have to run in step, and `follow` replays engine steps only."""
+    scores_prompts = False
 
     def __init__(self, core: EngineCore, channel):
         self.core, self.local = core, LocalEngine(core)
@@ -126,6 +148,9 @@ class LeaderEngine:
 
     def stats(self):
         return self.local.stats()
+
+    def prompt_logprobs(self, prompt_ids, top_n):
+        raise NotImplementedError("prompt log-probs are not supported on a multi-process server")
 
     def close(self) -> None:
         """The other processes leave `follow` (call it once the engine thread has stopped)."""

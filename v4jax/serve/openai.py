@@ -1,11 +1,15 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions (streamed as SSE or not), /v1/models.
 
 Beyond OpenAI's fields, as vLLM has them: `top_k`, `ignore_eos`, `stop_token_ids`, `return_token_ids` (each
-choice, and each streamed chunk, carries the ids of its tokens). Log-probabilities are those of the chosen
-tokens (log-softmax of the raw logits); the engine does not compute alternatives, so `top_logprobs` lists the
-chosen token alone."""
+choice, and each streamed chunk, carries the ids of its tokens). Log-probabilities are log-softmax of the raw
+logits (before temperature / top-p / top-k): of each chosen token, and of the N most likely alternatives at its
+position (`logprobs: N` for completions, `top_logprobs: N` for chat; up to v4jax.fields.MAX_TOP_LOGPROBS).
+`echo: true` (completions) starts each choice with its prompt; with `logprobs`, the prompt's tokens are scored by
+one teacher-forced forward on the engine thread (the first token has none: nothing predicts it), and
+`max_tokens: 0` returns the prompt alone: what evaluation harnesses (lm-eval's `loglikelihood`) send."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -13,32 +17,66 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from v4jax.serve import streams as S
+from v4jax.serve.orchestrator import ShuttingDown
 from v4jax.serve.protocol import ApiError, Prepared, parse_chat, parse_completion
 
 
 class _Logprobs:
-    """OpenAI's log-probability objects for one choice, built as its tokens arrive."""
+    """OpenAI's log-probability objects for one choice, built as its tokens arrive (the echoed prompt's first)."""
 
     def __init__(self, codec, top: int):
         self.codec, self.top = codec, top
         self.offset = 0  # completions' text_offset: where the next token's text starts
 
-    def completion(self, ids, lps) -> dict:
+    def _texts_and_offsets(self, ids) -> tuple[list[str], list[int]]:
         toks = [self.codec.token_text(t) for t in ids]
         offsets = []
         for t in toks:
             offsets.append(self.offset)
             self.offset += len(t)
-        return {"tokens": toks, "token_logprobs": lps, "text_offset": offsets,
-                "top_logprobs": [{t: lp} for t, lp in zip(toks, lps)] if self.top else None}
+        return toks, offsets
 
-    def chat(self, ids, lps) -> list:
-        out = []
-        for t, lp in zip(ids, lps):
-            s = self.codec.token_text(t)
-            entry = {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-            out.append({**entry, "top_logprobs": [entry] if self.top else []})
-        return out
+    def _top_dict(self, token: str, logprob: float, alternatives) -> dict:
+        # the N most likely and the chosen token, as OpenAI's legacy completions give (up to N + 1 entries); of
+        # tokens with the same text (parts of one UTF-8 character) the most likely one's log-prob stays
+        d = {}
+        for i, lp in alternatives:
+            d.setdefault(self.codec.token_text(i), lp)
+        d.setdefault(token, logprob)
+        return d
+
+    def completion(self, ids, lps, tops) -> dict:
+        toks, offsets = self._texts_and_offsets(ids)
+        tops = tops or [()] * len(ids)
+        return {"tokens": toks, "token_logprobs": lps, "text_offset": offsets,
+                "top_logprobs": [self._top_dict(t, lp, alts) for t, lp, alts in zip(toks, lps, tops)]
+                if self.top else None}
+
+    def prompt(self, ids, scored, text: str) -> dict:
+        """The echoed prompt's part (scored: v4jax.api.PromptLogprobs); the first token's entries are null."""
+        toks, offsets = self._texts_and_offsets(ids)
+        self.offset = len(text)  # the generated text starts where the echoed prompt, as returned, ends
+        top = None
+        if self.top:
+            top = [None if alts is None else self._top_dict(t, lp, alts)
+                   for t, lp, alts in zip(toks, scored.logprobs, scored.top_logprobs)]
+        return {"tokens": toks, "token_logprobs": list(scored.logprobs), "text_offset": offsets, "top_logprobs": top}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        s = self.codec.token_text(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def chat(self, ids, lps, tops) -> list:
+        tops = tops or [()] * len(ids)
+        return [{**self._chat_entry(t, lp), "top_logprobs": [self._chat_entry(i, a) for i, a in alts[:self.top]]}
+                for t, lp, alts in zip(ids, lps, tops)]
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two parts of a completion's logprobs object (echoed prompt, generated text) as one."""
+    out = {k: first[k] + then[k] for k in ("tokens", "token_logprobs", "text_offset")}
+    out["top_logprobs"] = None if first["top_logprobs"] is None else first["top_logprobs"] + then["top_logprobs"]
+    return out
 
 
 # OpenAI's finish_reason takes "stop", "length", "content_filter", "tool_calls" or "function_call"; typed clients
@@ -74,6 +112,10 @@ def router(state) -> APIRouter:
         body = await S.read_json(request, state.options.max_body_bytes)
         state.check_model(body)
         prep = parse_completion(body, state.codec, state.limits, state.orchestrator.check)
+        if prep.echo and prep.logprobs is not None and not state.engine.scores_prompts:
+            raise ApiError(501, "'echo' with 'logprobs' (the prompt's log-probs) is not supported by this server's "
+                           "engine (a multi-process server); use 'echo' without 'logprobs', or one process",
+                           param="echo", code="unsupported")
         return await _serve(request, prep, chat=False)
 
     @r.post("/v1/chat/completions")
@@ -84,14 +126,40 @@ def router(state) -> APIRouter:
         return await _serve(request, prep, chat=True)
 
     async def _serve(request, prep: Prepared, chat: bool):
-        stream = S.submit(state, prep)
         deadline = time.monotonic() + state.options.request_timeout_s
+        scores = await _prompt_scores(prep, deadline)
+        if prep.prompt_only:  # nothing generated: the prompt tokens scored are all it processes
+            state.metrics.prompt_tokens.inc(prep.n * sum(len(p) for p in prep.prompts))
+        stream = None if prep.prompt_only else S.submit(state, prep)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if prep.stream:
-            events = (_chat_events if chat else _completion_events)(rid, prep, stream, deadline)
-            return S.EventStream(events, lambda: state.orchestrator.abort(stream))
-        choices = await S.collect(request, state, stream, deadline)
-        return JSONResponse(_chat_body(rid, prep, choices) if chat else _completion_body(rid, prep, choices))
+            events = _chat_events(rid, prep, stream, deadline) if chat else \
+                _completion_events(rid, prep, stream, deadline, scores)
+            return S.EventStream(events, lambda: stream is not None and state.orchestrator.abort(stream))
+        if stream is None:  # the prompt alone: every choice is its echo
+            choices = [S.Choice(i, finish_reason="length") for i in range(len(prep.prompts) * prep.n)]
+        else:
+            choices = await S.collect(request, state, stream, deadline)
+        return JSONResponse(_chat_body(rid, prep, choices) if chat else _completion_body(rid, prep, choices, scores))
+
+    async def _prompt_scores(prep: Prepared, deadline: float) -> list | None:
+        """With echo and logprobs: each prompt's log-probs (v4jax.api.PromptLogprobs), from the engine thread."""
+        if not (prep.echo and prep.logprobs is not None):
+            return None
+        try:
+            futures = [asyncio.wrap_future(state.orchestrator.score_prompt(ids, prep.logprobs))
+                       for ids in prep.prompts]
+        except ShuttingDown:
+            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+        try:
+            return await asyncio.wait_for(asyncio.gather(*futures), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise ApiError(408, f"the request did not finish within {state.options.request_timeout_s:g} s",
+                           code="request_timeout") from None
+        except NotImplementedError as e:
+            raise ApiError(501, f"'echo' with 'logprobs': {e}", param="echo", code="unsupported") from None
+        except ValueError as e:  # the forward's own checks (the parse step checked the same): a 400, not a 500
+            raise ApiError(400, str(e), param="prompt", code="invalid_value") from None
 
     def _head(rid, obj):
         return {"id": rid, "object": obj, "created": int(time.time()), "model": state.model_id}
@@ -99,12 +167,23 @@ def router(state) -> APIRouter:
     def _prompt_of(prep: Prepared, index: int) -> list[int]:
         return prep.prompts[index // prep.n]
 
-    def _completion_body(rid, prep, choices) -> dict:
+    def _echo_part(prep: Prepared, scores, index: int, lp: _Logprobs) -> tuple[str, dict | None]:
+        """The echoed prompt of choice `index`: its text, and its logprobs part (None without logprobs)."""
+        p = index // prep.n
+        part = lp.prompt(prep.prompts[p], scores[p], prep.prompt_texts[p]) if scores is not None else None
+        return prep.prompt_texts[p], part
+
+    def _completion_body(rid, prep, choices, scores) -> dict:
         out = []
         for c in choices:
-            lp = _Logprobs(state.codec, prep.logprobs).completion(c.token_ids, c.logprobs) \
-                if prep.logprobs is not None else None
-            ch = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason)}
+            lpb = _Logprobs(state.codec, prep.logprobs or 0)
+            text, lp = "", None
+            if prep.echo:
+                text, lp = _echo_part(prep, scores, c.index, lpb)
+            if prep.logprobs is not None:
+                gen = lpb.completion(c.token_ids, c.logprobs, c.top_logprobs)
+                lp = gen if lp is None else _joined(lp, gen)
+            ch = {"index": c.index, "text": text + c.text, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason)}
             if prep.return_token_ids:
                 ch["prompt_token_ids"], ch["token_ids"] = _prompt_of(prep, c.index), c.token_ids
             out.append(ch)
@@ -114,8 +193,8 @@ def router(state) -> APIRouter:
     def _chat_body(rid, prep, choices) -> dict:
         out = []
         for c in choices:
-            lp = {"content": _Logprobs(state.codec, prep.logprobs).chat(c.token_ids, c.logprobs), "refusal": None} \
-                if prep.logprobs is not None else None
+            lp = {"content": _Logprobs(state.codec, prep.logprobs).chat(c.token_ids, c.logprobs, c.top_logprobs),
+                  "refusal": None} if prep.logprobs is not None else None
             ch = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                   "finish_reason": finish_reason(c.finish_reason)}
             if prep.return_token_ids:
@@ -124,26 +203,34 @@ def router(state) -> APIRouter:
         return {**_head(rid, "chat.completion"), "choices": out,
                 "usage": _usage(prep, sum(len(c.token_ids) for c in choices))}
 
-    async def _events(rid, prep, stream, deadline, obj, choice_of):
-        """SSE chunks, one per sequence output; the usage chunk (if asked for), then [DONE]. A timeout or a
-        failed sequence ends the stream with an error event."""
+    async def _events(rid, prep, stream, deadline, obj, choice_of, first=()):
+        """SSE chunks: `first` (choices sent before any output: the echoed prompts), one per sequence output, the
+        usage chunk (if asked for), then [DONE]. A timeout or a failed sequence ends the stream with an error
+        event. stream None: nothing is generated."""
         head = _head(rid, obj)
         n_tokens = 0
+
+        def chunk(choice):
+            c = {**head, "choices": [choice]}
+            if prep.include_usage:
+                c["usage"] = None
+            return S.sse(c)
+
         try:
-            async for out in S.outputs(stream, deadline):
-                if out.error:
-                    yield S.sse(ApiError(500, f"generation failed: {out.error}", code="engine_error").body())
-                    continue
-                n_tokens += len(out.token_ids)
-                choice = choice_of(out)
-                if choice is None:
-                    continue
-                if prep.return_token_ids:
-                    choice["token_ids"] = out.token_ids
-                chunk = {**head, "choices": [choice]}
-                if prep.include_usage:
-                    chunk["usage"] = None
-                yield S.sse(chunk)
+            for choice in first:
+                yield chunk(choice)
+            if stream is not None:
+                async for out in S.outputs(stream, deadline):
+                    if out.error:
+                        yield S.sse(ApiError(500, f"generation failed: {out.error}", code="engine_error").body())
+                        continue
+                    n_tokens += len(out.token_ids)
+                    choice = choice_of(out)
+                    if choice is None:
+                        continue
+                    if prep.return_token_ids:
+                        choice["token_ids"] = out.token_ids
+                    yield chunk(choice)
             if prep.include_usage:
                 yield S.sse({**head, "choices": [], "usage": _usage(prep, n_tokens)})
         except S.RequestTimeout:
@@ -152,16 +239,23 @@ def router(state) -> APIRouter:
                                  code="request_timeout").body())
         yield S.SSE_DONE
 
-    def _completion_events(rid, prep, stream, deadline):
-        lps = [_Logprobs(state.codec, prep.logprobs or 0) for _ in range(stream.n_seqs)]
+    def _completion_events(rid, prep, stream, deadline, scores):
+        n_seqs = len(prep.prompts) * prep.n
+        lps = [_Logprobs(state.codec, prep.logprobs or 0) for _ in range(n_seqs)]
+        first = []
+        if prep.echo:  # each choice's first chunk is its prompt
+            for i in range(n_seqs):
+                text, lp = _echo_part(prep, scores, i, lps[i])
+                first.append({"index": i, "text": text, "logprobs": lp,
+                              "finish_reason": "length" if prep.prompt_only else None})
 
         def choice_of(out):
             if not (out.text or out.token_ids or out.finish_reason):
                 return None
-            lp = lps[out.index].completion(out.token_ids, out.logprobs) if prep.logprobs is not None else None
-            return {"index": out.index, "text": out.text, "logprobs": lp,
-                    "finish_reason": finish_reason(out.finish_reason)}
-        return _events(rid, prep, stream, deadline, "text_completion", choice_of)
+            lp = lps[out.index].completion(out.token_ids, out.logprobs, out.top_logprobs) \
+                if prep.logprobs is not None else None
+            return {"index": out.index, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out.finish_reason)}
+        return _events(rid, prep, stream, deadline, "text_completion", choice_of, first)
 
     def _chat_events(rid, prep, stream, deadline):
         lps = [_Logprobs(state.codec, prep.logprobs or 0) for _ in range(stream.n_seqs)]
@@ -176,7 +270,7 @@ def router(state) -> APIRouter:
                 delta["content"] = out.text
             if not delta and not out.token_ids and out.finish_reason is None:
                 return None
-            lp = {"content": lps[out.index].chat(out.token_ids, out.logprobs), "refusal": None} \
+            lp = {"content": lps[out.index].chat(out.token_ids, out.logprobs, out.top_logprobs), "refusal": None} \
                 if prep.logprobs is not None else None
             return {"index": out.index, "delta": delta, "logprobs": lp,
                     "finish_reason": finish_reason(out.finish_reason)}

@@ -51,6 +51,7 @@ class SeqOutput:
     logprobs: list[float]
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     error: str | None = None
+    top_logprobs: list = dataclasses.field(default_factory=list)  # per token: [(token id, log-prob)], if asked
 
 
 class RequestStream:
@@ -209,6 +210,14 @@ class Orchestrator:
         self._commands.put(("call", fn, fut))
         return fut
 
+    def score_prompt(self, prompt_ids: Sequence[int], top_n: int) -> concurrent.futures.Future:
+        """The prompt's log-probs (`ServingEngine.prompt_logprobs`), computed on the engine thread between steps:
+        the only thread that runs device work, so the forward never contends with a step for the device."""
+        if not self.accepting:
+            raise ShuttingDown()
+        ids = list(prompt_ids)
+        return self.run_on_engine(lambda engine: engine.prompt_logprobs(ids, top_n))
+
     def stats(self) -> dict:
         """The engine's stats() as of its last step (at most stats_interval_s old while busy)."""
         out = dict(self._stats)
@@ -349,7 +358,9 @@ class Orchestrator:
                 self._observe_finished(seq, t)
                 if not final:  # a stop string ended it; the engine still runs it
                     self._commands.put(("abort", seq.rid))
-            seq.stream.put(SeqOutput(seq.index, pushed.text, pushed.token_ids, pushed.logprobs, reason))
+            tops = d.new_top_logprobs[:len(pushed.token_ids)]  # those of the tokens that count
+            seq.stream.put(SeqOutput(seq.index, pushed.text, pushed.token_ids, pushed.logprobs, reason,
+                                     top_logprobs=tops))
         if d.finish_reason is not None:  # the engine has let go: its pages are free
             # Counted before in_flight drops, so whoever sees in_flight == 0 also sees every finish counted.
             if m is not None:

@@ -20,8 +20,6 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
           503: "service_unavailable_error"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
-MAX_TOP_LOGPROBS = 20  # and for chat
 
 
 class ApiError(Exception):
@@ -108,6 +106,9 @@ class Prepared:
     include_usage: bool
     logprobs: int | None  # None: off; else how many top alternatives were asked for
     return_token_ids: bool
+    echo: bool = False  # /v1/completions: each choice starts with its prompt (and, with logprobs, the prompt's)
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
+    prompt_texts: list[str] | None = None  # with echo: each prompt as the client sent it (ids: decoded)
 
 
 @dataclasses.dataclass
@@ -119,8 +120,6 @@ class Limits:
 
 def _unsupported(body: dict) -> None:
     """OpenAI fields this server does not implement: refused when set to anything but their neutral value."""
-    if body.get("echo"):
-        raise bad("echo", "'echo' is not supported")
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "'suffix' is not supported")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -161,14 +160,15 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, get_bool(so, "include_usage", False)
 
 
-def _sampling(body: dict, max_tokens: int, *, logprobs: bool) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, *, logprobs: int | None) -> SamplingParams:
+    """logprobs: None (off), or how many top alternatives to return with each token's log-prob."""
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
         raise bad("stop_token_ids", "'stop_token_ids' must be a list of token ids", "invalid_type")
     kw = dict(max_tokens=max_tokens, temperature=get_number(body, "temperature", 1.0),
               top_p=get_number(body, "top_p", 1.0), top_k=get_int(body, "top_k", 0),
-              seed=get_int(body, "seed", None), stop_token_ids=stop_ids or (), logprobs=logprobs,
-              ignore_eos=get_bool(body, "ignore_eos", False))
+              seed=get_int(body, "seed", None), stop_token_ids=stop_ids or (), logprobs=logprobs is not None,
+              top_logprobs=logprobs or 0, ignore_eos=get_bool(body, "ignore_eos", False))
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # its messages start with the field's name
@@ -176,9 +176,9 @@ def _sampling(body: dict, max_tokens: int, *, logprobs: bool) -> SamplingParams:
         raise bad(name if name in kw else None, str(e)) from None
 
 
-def _max_tokens(body: dict, names=("max_tokens",)):
+def _max_tokens(body: dict, names=("max_tokens",), lo: int = 1):
     for name in names:
-        v = get_int(body, name, None, lo=1, hi=2**31 - 1)
+        v = get_int(body, name, None, lo=lo, hi=2**31 - 1)
         if v is not None:
             return v, name
     return None, names[0]
@@ -241,17 +241,36 @@ def parse_completion(body: dict, codec, limits, check) -> Prepared:
     lp = body.get("logprobs")
     if lp is True or lp is False:  # some clients send chat's boolean form here
         lp = 0 if lp else None
-    logprobs = get_int({"logprobs": lp}, "logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
+    rule = RULES["completion_logprobs"]
+    logprobs = get_int({"logprobs": lp}, "logprobs", None, lo=rule.lo, hi=rule.hi)
     n = _n(body, limits, len(prompts))
     stop = _stop(body)
     if stop and not codec.has_tokenizer:
         raise bad("stop", "this model has no tokenizer: stop strings cannot be matched (use stop_token_ids)")
-    max_tokens, name = _max_tokens(body)
-    mts = _fit(prompts, max_tokens, limits, default_tokens=16)
-    params = [_sampling(body, mt, logprobs=logprobs is not None) for mt in mts]
-    _checked(prompts, params, check, name, "prompt")
+    echo = get_bool(body, "echo", False)
+    max_tokens, name = _max_tokens(body, lo=0)
+    prompt_only = max_tokens == 0
+    if prompt_only and not echo:
+        raise bad(name, "'max_tokens' must be at least 1 (0 only with 'echo': true, which returns the prompt "
+                  "alone, with its log-probs when 'logprobs' is set)")
+    if echo and logprobs is not None and not codec.has_tokenizer:
+        raise bad("echo", "this model has no tokenizer: 'echo' with 'logprobs' needs token texts")
+    # with max_tokens 0 nothing is generated; the sampling fields are still checked (as one token would be)
+    mts = _fit(prompts, 1 if prompt_only else max_tokens, limits, default_tokens=16)
+    params = [_sampling(body, mt, logprobs=logprobs) for mt in mts]
+    if prompt_only:
+        for i, ids in enumerate(prompts):  # scored by one forward: the context is its only limit
+            if len(ids) > limits.max_model_len:
+                where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise bad("prompt", f"{where}: prompt_len={len(ids)} exceeds the context limit max_model_len="
+                          f"{limits.max_model_len}", "context_length_exceeded")
+    else:
+        _checked(prompts, params, check, name, "prompt")
+    texts = None
+    if echo:
+        texts = [x if isinstance(x, str) else codec.decode(ids) for x, ids in zip(raw, prompts)]
     return Prepared(prompts, params, n, stop, stream, include_usage, logprobs,
-                    get_bool(body, "return_token_ids", False))
+                    get_bool(body, "return_token_ids", False), echo, prompt_only, texts)
 
 
 def _message_text(m: dict, i: int) -> str:
@@ -276,6 +295,8 @@ def _message_text(m: dict, i: int) -> str:
 
 def parse_chat(body: dict, codec, limits, check) -> Prepared:
     _unsupported(body)
+    if body.get("echo"):
+        raise bad("echo", "'echo' is a /v1/completions field")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list of messages", "invalid_type")
@@ -321,14 +342,14 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
         raise bad("messages", str(e)) from None
     stream, include_usage = _stream(body)
     want_lp = get_bool(body, "logprobs", False)
-    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = get_int(body, "top_logprobs", None)  # bounds: the rule table's
     if top is not None and not want_lp:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     n = _n(body, limits, 1)
     stop = _stop(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
     mts = _fit([ids], max_tokens, limits, default_tokens=None)
-    params = [_sampling(body, mts[0], logprobs=want_lp)]
+    params = [_sampling(body, mts[0], logprobs=(top or 0) if want_lp else None)]
     _checked([ids], params, check, name, "messages")
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
                     get_bool(body, "return_token_ids", False))

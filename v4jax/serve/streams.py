@@ -81,6 +81,7 @@ class Choice:
     logprobs: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    top_logprobs: list = dataclasses.field(default_factory=list)
 
 
 async def _until_disconnected(request) -> None:
@@ -100,6 +101,7 @@ async def collect(request, state, stream: RequestStream, deadline: float) -> lis
             c.text += out.text
             c.token_ids += out.token_ids
             c.logprobs += out.logprobs
+            c.top_logprobs += out.top_logprobs
             c.finish_reason, c.error = out.finish_reason, out.error
 
     work = asyncio.ensure_future(gather())
