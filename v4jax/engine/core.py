@@ -311,7 +311,8 @@ class EngineCore:
         return len(programs)
 
     def _page_buckets(self) -> list[int]:
-        return sorted({self._page_bucket(n * self.layout.page_size) for n in range(1, self.layout.max_pages_per_seq + 1)})
+        lay = self.layout
+        return sorted({self._page_bucket(n * lay.page_size) for n in range(1, lay.max_pages_per_seq + 1)})
 
     def _prefill_programs(self) -> list:
         """(jitted, arguments) of every prefill step shape: rows x chunk bucket within the step's token budget, each

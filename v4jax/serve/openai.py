@@ -183,7 +183,8 @@ def router(state) -> APIRouter:
             if prep.logprobs is not None:
                 gen = lpb.completion(c.token_ids, c.logprobs, c.top_logprobs)
                 lp = gen if lp is None else _joined(lp, gen)
-            ch = {"index": c.index, "text": text + c.text, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason)}
+            ch = {"index": c.index, "text": text + c.text, "logprobs": lp,
+                  "finish_reason": finish_reason(c.finish_reason)}
             if prep.return_token_ids:
                 ch["prompt_token_ids"], ch["token_ids"] = _prompt_of(prep, c.index), c.token_ids
             out.append(ch)
@@ -254,7 +255,8 @@ def router(state) -> APIRouter:
                 return None
             lp = lps[out.index].completion(out.token_ids, out.logprobs, out.top_logprobs) \
                 if prep.logprobs is not None else None
-            return {"index": out.index, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out.finish_reason)}
+            return {"index": out.index, "text": out.text, "logprobs": lp,
+                    "finish_reason": finish_reason(out.finish_reason)}
         return _events(rid, prep, stream, deadline, "text_completion", choice_of, first)
 
     def _chat_events(rid, prep, stream, deadline):
