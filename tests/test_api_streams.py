@@ -171,7 +171,8 @@ def test_ctrl_c_in_generate_exits_130():
     # background by a shell ignores SIGINT, and Python keeps a disposition it inherits as ignored
     run_cli = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
                "from v4jax.cli import main; sys.exit(main())")
-    cmd = [sys.executable, "-c", run_cli, "generate", "--max-tokens", "3000", "--ignore-eos", "To be"]
+    cmd = [sys.executable, "-c", run_cli, "generate", "--max-tokens", "3000", "--temperature", "0", "--ignore-eos",
+           "To be"]
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1")
     for trial, wait_for in enumerate((len("To be"), len("To be") + 40, len("To be") + 40)):
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

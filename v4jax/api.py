@@ -447,7 +447,11 @@ class LLM:
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  stream: bool = False):
         """Generate for one prompt or a list of prompts (strings or token-id lists). Returns a list of
-        RequestOutput, or with stream=True an iterator of (prompt_index, new_token_ids, new_text) events."""
+        RequestOutput, or with stream=True an iterator of (prompt_index, new_token_ids, new_text) events.
+
+        Calls share one engine: streams may be read interleaved, other calls made inside a stream's loop, and
+        calls come from several threads, each getting exactly its own events. A stream closed or dropped before
+        its end, and a call that raises (Ctrl-C: once the engine step running has ended), abort their requests."""
         plist, params = self._check_requests(prompts, sampling)
         if not plist:
             return iter(()) if stream else []
@@ -497,7 +501,7 @@ class LLM:
                     call.index[rid] = i
                     self._owners[rid] = call
             except BaseException:
-                self._dropped.append(call)
+                self._dropped.append(call)  # those already added are withdrawn
                 raise
             finally:
                 self._abort_dropped()
