@@ -66,7 +66,7 @@ def window_crossing_runs():
     last chunks hold 5, 1 (a one-token chunk), 1 and 6 tokens), then 18 decode tokens, so CSA (4) and HCA (16)
     windows close inside chunks, across chunk edges and in decode. Two slots: the last two prompts reuse a slot,
     whose compressor state must start empty. Counts, per impl, the calls (at trace time) of the compressor
-    kernels, keyed by kernel and number of rows (the decode step runs all max_num_seqs=2 slots, prefill one),
+    kernels, keyed by kernel and number of rows (a decode call runs slots 0..1 while slot 1 decodes, prefill one),
     and of the XLA compressor."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 500, n).tolist() for n in (61, 43, 1, 34)]

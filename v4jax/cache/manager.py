@@ -7,7 +7,7 @@
     kv.allocate(slot, lo, upto)                         # pages for positions [lo, upto); False if they do not fit
     kv.commit(slot, token_slice, upto, saved)           # full pages written up to `upto` into the prefix tree
     kv.free(slot)                                       # its pages return (the tree keeps what it holds)
-    kv.decode_tables(n_pages), kv.prefill_tables(...)   # the page tables of a step: private host arrays
+    kv.decode_tables(n_pages, rows), kv.prefill_tables(...)  # the page tables of a step: private host arrays
     kv.usage(slots_in_use), kv.prefix_stats()           # pages and bytes per pool; the prefix cache's counters
 
 Behind it, private: the page allocators and page tables (v4jax.cache.pages; the data-shard / context-shard rules
@@ -210,9 +210,11 @@ class KVCacheManager:
     def max_swa_pages(self) -> int:
         return self._tables.swa.shape[1]
 
-    def decode_tables(self, n_pages: int) -> tuple[np.ndarray, np.ndarray]:
-        """(full [slots, n_pages], SWA [slots, max SWA pages]) page tables of every slot: private copies."""
-        return _snapshot(self._tables.full[:, :n_pages]), _snapshot(self._tables.swa)
+    def decode_tables(self, n_pages: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(full [rows, n_pages], SWA [rows, max SWA pages]) page tables of slots 0 .. rows-1 (default: every
+        slot), row b slot b: private copies."""
+        t = self._tables
+        return _snapshot(t.full[:rows, :n_pages]), _snapshot(t.swa[:rows])
 
     def prefill_tables(self, slots: list[int], n_rows: int, n_pages: int) -> tuple[np.ndarray, np.ndarray]:
         """(full [n_rows, n_pages], SWA [n_rows, max SWA pages]) page tables of the listed slots as rows, -1 for

@@ -122,6 +122,33 @@ def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
     return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), stacks=tuple(stacks))
 
 
+# The per-slot arrays [n, slots, ...] (the compressor states): the pools a decode call may cut to its rows.
+SLOT_FIELDS = tuple(name for name, axes in LOGICAL_AXES.items() if axes[1:2] == ("slots",))
+
+
+def first_slots(pools: KVPools, n: int) -> KVPools:
+    """The pools with every per-slot array cut to slots [0, n) (the others as they are): a decode call of n rows
+    runs on these, so the slots past its rows are neither read nor written."""
+    def cut(a):
+        return a if a is None or a.shape[1] == n else jax.lax.slice_in_dim(a, 0, n, axis=1)
+
+    return dataclasses.replace(pools, stacks=tuple(
+        dataclasses.replace(lp, **{f: cut(getattr(lp, f)) for f in SLOT_FIELDS}) for lp in pools.stacks))
+
+
+def put_first_slots(pools: KVPools, part: KVPools) -> KVPools:
+    """`part` (first_slots(pools, n) after a step wrote it) back into `pools`: part's per-slot arrays written over
+    slots [0, n) in place (a dynamic_update_slice of a donated buffer), the others taken from part whole."""
+    def put(a, b):
+        if a is None or a.shape == b.shape:
+            return b
+        return jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=1)
+
+    stacks = tuple(dataclasses.replace(new, **{f: put(getattr(old, f), getattr(new, f)) for f in SLOT_FIELDS})
+                   for old, new in zip(pools.stacks, part.stacks))
+    return dataclasses.replace(part, stacks=stacks)
+
+
 def entry_rows(cfg: ModelConfig, layout: PoolLayout, page_table) -> dict:
     """ratio m -> [B, NP * P/m] row of each compressed entry in the ratio's pools (-1 where no page)."""
     out = {}

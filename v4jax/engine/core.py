@@ -51,8 +51,9 @@ def _pow2(n: int) -> int:
 @dataclasses.dataclass
 class _InFlight:
     """A dispatched decode call: its device outputs and end state, and the requests it decoded by slot."""
-    out: S.DecodeOutput
-    state: S.DecodeState
+    out: S.DecodeOutput  # [rows, ...]: row b is slot b
+    state: S.DecodeState  # [max_slots, ...]: every slot
+    rows: int  # the call's slot bucket: it decoded slots 0 .. rows-1
     running: list  # (slot, Request)
     fed: dict  # slot -> the request's `fed` when the call was dispatched
 
@@ -214,14 +215,29 @@ class EngineCore:
         # always through the (tiny) merge, so the decode step sees device arrays every time (numpy and device
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
-        pt, swa = self.kv.decode_tables(self._page_bucket(plan.upto))
+        rows = self._slot_bucket(max(r.slot for r in plan.running))
+        pt, swa = self.kv.decode_tables(self._page_bucket(plan.upto), rows)
         spec = self._spec_for(temp, any(r.params.top_logprobs for r in plan.running))
         self.pools, self.store, out, state = self.steps.decode(spec, self._leaves, self.pools, self.store, state, pt,
                                                                swa)
-        return _InFlight(out, state, [(r.slot, r) for r in plan.running], {r.slot: r.fed for r in plan.running})
+        return _InFlight(out, state, rows, [(r.slot, r) for r in plan.running],
+                         {r.slot: r.fed for r in plan.running})
+
+    def _slot_bucket(self, highest: int) -> int:
+        """Rows of a decode call whose highest running slot is `highest`: the next power of two (at most every
+        slot), rows 0..B-1 being slots 0..B-1, so that a few requests in a many-slot engine do not pay for every
+        slot (the scheduler admits into the lowest free slot, keeping them low). On a mesh with a `data` axis every
+        slot: the slots are split into data shards (shard-major), and the call's rows split as they do."""
+        s = self.layout.max_slots
+        return s if self.layout.data_shards > 1 else min(_pow2(highest + 1), s)
+
+    def _slot_buckets(self) -> list[int]:
+        """Every decode call's row count (warm-up compiles each)."""
+        return sorted({self._slot_bucket(i) for i in range(self.layout.max_slots)})
 
     def _collect(self, flight: _InFlight) -> list[RequestDelta]:
-        """Wait for a dispatched call (one device_get) and advance its requests."""
+        """Wait for a dispatched call (one device_get) and advance its requests (its outputs' row b is slot b, and
+        every running slot is below its row count)."""
         out = flight.out
         top = (out.top_ids, out.top_logprobs) if out.top_ids.shape[-1] else None  # read only where computed
         toks, lps, n_out, stopped, still, top = jax.device_get((out.tokens, out.logprobs, out.n_out, out.stopped,
@@ -336,15 +352,15 @@ class EngineCore:
         return out
 
     def _decode_programs(self) -> list:
-        """(jitted, arguments) of the decode call at every page bucket, sampling and greedy-only."""
+        """(jitted, arguments) of the decode call at every slot bucket x page bucket, sampling and greedy-only."""
         s = self.layout.max_slots
         n = lambda dt=np.int32: np.zeros((s,), dt)
         st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
                            S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))
         st = self.steps.carry(st, st, n(bool))  # the call sees the merge's device arrays (a signature of their own)
         out = []
-        for nb in self._page_buckets():
-            pt, swa = self.kv.decode_tables(nb)
+        for nb, rows in itertools.product(self._page_buckets(), self._slot_buckets()):
+            pt, swa = self.kv.decode_tables(nb, rows)
             for spec in (self.spec, self.greedy_spec):
                 out.append((self.steps.decode, (spec, self._leaves, self.pools, self.store, st, pt, swa)))
         return out

@@ -276,6 +276,8 @@ class Scheduler:
         swa_tokens = min(self.chunk, req.n_tokens) + 2 * self.k
         for _, _, d, hit in sorted(candidates, key=lambda c: c[:3]):
             if kv.admissible(hit, self._upto(req), swa_tokens, pending):
+                # the shard's lowest free slot: a decode call runs slots 0..B-1, B a power of two above the highest
+                # running slot (EngineCore._slot_bucket), so compact slots keep its rows few
                 return free[d][0], hit
         return None
 

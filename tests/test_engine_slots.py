@@ -1,0 +1,147 @@
+"""Decode slots bucketed by powers of two: a decode call runs slots 0..B-1, B the smallest power of two above the
+highest running slot, so a few requests in a many-slot engine do not pay for every slot. The tokens (greedy,
+float32) are those each request gets alone, across calls whose B grows and shrinks while the device-side state
+carries from one call to the next; warm-up compiles every bucket; the call's pools stay donated in place."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from v4jax import LLM, SamplingParams
+from v4jax.engine import steps as S
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "logprobs": True}
+# tests/test_engine.py's tiny engine options: in one run the programs come from the persistent compilation cache
+OPTIONS = {"dtype": "float32", "max_model_len": 256, "prefill_chunk": 16, "decode_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def llm4():
+    llm = LLM("tiny", max_num_seqs=4, **OPTIONS)
+    llm.engine.warmup()
+    return llm
+
+
+def _count_decode_rows(eng, monkeypatch) -> list:
+    """Record each dispatched decode call's (page-table rows, output rows, decode state rows)."""
+    rows, decode = [], eng.steps.decode
+
+    def counted(spec, leaves, pools, store, state, pt, swa):
+        out = decode(spec, leaves, pools, store, state, pt, swa)
+        rows.append((pt.shape[0], out[2].tokens.shape[0], out[3].tokens.shape[0]))
+        return out
+
+    monkeypatch.setattr(eng, "steps", dataclasses.replace(eng.steps, decode=counted))
+    return rows
+
+
+def _same(got, want):
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_a_lone_request_decodes_one_row(llm4, monkeypatch):
+    """Alone in a 4-slot engine a request runs decode calls of one row (its slot, 0) and gets the tokens and
+    log-probs of a 1-slot engine."""
+    eng = llm4.engine
+    rows = _count_decode_rows(eng, monkeypatch)
+    prompt = np.random.default_rng(0).integers(2, 500, 37).tolist()
+    sp = SamplingParams(max_tokens=22, **GREEDY)
+    got = llm4.generate([prompt], sp)[0]
+    assert rows and set(rows) == {(1, 1, eng.layout.max_slots)}, rows  # the state holds every slot
+    _same(got, LLM("tiny", max_num_seqs=1, **OPTIONS).generate([prompt], sp)[0])
+
+
+def test_buckets_grow_and_shrink_with_the_state_carried(llm4, monkeypatch):
+    """Requests arrive while others decode (prefilling meanwhile in slots above the call's rows) and finish at
+    different times, so B grows from 1 to 4 and shrinks again, calls continuing the previous call's device-side
+    state across changes both ways; every request gets the tokens and log-probs it gets alone. After warm-up
+    nothing compiles."""
+    eng = llm4.engine
+    compiled = eng.compiled_variants()
+    rng = np.random.default_rng(1)
+    # (arrival step, prompt length, max_tokens): into slots 0, 1, 2, then the lowest one free at step 12
+    plan = [(0, 5, 60), (3, 40, 30), (6, 20, 9), (12, 3, 14)]
+    prompts = [rng.integers(2, 500, n).tolist() for _, n, _ in plan]
+    params = [SamplingParams(max_tokens=m, **GREEDY) for _, _, m in plan]
+    calls, dispatch = [], eng._dispatch_decode
+
+    def traced(decode_plan, prev):
+        flight = dispatch(decode_plan, prev)
+        if flight is not None:
+            carried = bool(decode_plan.carried) and prev is not None
+            calls.append((flight.rows, prev.rows if carried else None))
+        return flight
+
+    monkeypatch.setattr(eng, "_dispatch_decode", traced)
+    out = {i: ([], []) for i in range(len(plan))}
+    step, last = 0, max(at for at, _, _ in plan)
+    while step <= last or eng.has_unfinished_requests():
+        for i, (at, _, _) in enumerate(plan):
+            if at == step:
+                eng.add_request(f"b{i}", prompts[i], params[i], sample_index=i)
+        for d in eng.step():
+            toks, lps = out[int(d.request_id[1:])]
+            toks += d.new_token_ids
+            lps += d.new_logprobs
+        step += 1
+        assert step < 500
+    monkeypatch.undo()
+    rows = [r for r, _ in calls]
+    assert {1, 2, 4} <= set(rows), calls
+    carried_changes = {(prev, r) for r, prev in calls if prev is not None and prev != r}
+    assert any(p < r for p, r in carried_changes) and any(p > r for p, r in carried_changes), calls
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        alone = llm4.generate([p], sp)[0]
+        assert out[i][0] == alone.token_ids and len(alone.token_ids) == sp.max_tokens
+        np.testing.assert_allclose(out[i][1], alone.logprobs, atol=1e-5)
+    assert eng.compiled_variants() == compiled, "a slot bucket compiled after warm-up"
+
+
+def test_warmup_compiles_every_slot_bucket(llm4):
+    """Warm-up compiles each slot bucket (1, 2, 4 of 4 slots) for every page bucket, sampling and greedy; a
+    generate whose decode calls cross the buckets compiles nothing more."""
+    eng = llm4.engine
+    assert eng._slot_buckets() == [1, 2, 4]
+    n = eng.compiled_variants()
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 500, int(rng.integers(1, 60))).tolist() for _ in range(7)]
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=float(rng.choice([0.0, 0.7])), seed=i)
+              for i in range(7)]
+    llm4.generate(prompts, params)
+    assert eng.compiled_variants() == n
+
+
+def test_the_call_updates_the_pools_in_place(llm4):
+    """The decode call of B < S rows writes its slots' compressor states back into the donated pools: every pool
+    and boundary-store buffer is aliased to an output, for each bucket as for the full one (no second copy of the
+    pools), and the slots past B come back bit for bit (a prefilling request's state there is its own)."""
+    from v4jax import cache as C
+    eng = llm4.engine
+    s = eng.layout.max_slots
+    def n(dt=np.int32):
+        return np.zeros((s,), dt)
+
+    state = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
+                          S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))
+    state = eng.steps.carry(state, state, n(bool))
+    donated = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((eng.pools, eng.store)))
+    for rows in eng._slot_buckets():
+        pt, swa = eng.kv.decode_tables(1, rows)
+        compiled = eng.steps.decode.lower(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
+                                          swa).compile()
+        assert compiled.memory_analysis().alias_size_in_bytes == donated, rows
+    # every slot's compressor states made distinct (free slots: a request starting there resets its own)
+    rng = np.random.default_rng(3)
+    eng.pools = dataclasses.replace(eng.pools, stacks=tuple(
+        dataclasses.replace(lp, **{f: jax.numpy.asarray(rng.standard_normal(getattr(lp, f).shape), np.float32)
+                                   for f in C.SLOT_FIELDS if getattr(lp, f) is not None})
+        for lp in eng.pools.stacks))
+    before = jax.tree.map(np.asarray, eng.pools)
+    pt, swa = eng.kv.decode_tables(1, 2)  # no row active: the call changes nothing
+    eng.pools, eng.store, out, end = eng.steps.decode(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
+                                                      swa)
+    assert out.tokens.shape == (2, eng.k) and end.tokens.shape == (s,)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(eng.pools)):
+        np.testing.assert_array_equal(a, np.asarray(b))
