@@ -289,8 +289,8 @@ def _generate(args) -> int:
             print(flush=True)  # the streamed line ends, interrupted or not
         return 0
     except KeyboardInterrupt:
-        # LLM.generate raises it between engine steps and its requests are aborted, but the call it dispatched
-        # last still runs: wait for it, as the runtime torn down under a running computation can crash the process
+        # raised between engine steps (by LLM.generate, or the loop above) and the requests aborted, but the call
+        # dispatched last still runs: wait for it, as the runtime torn down under a running computation can crash
         jax.block_until_ready(jax.live_arrays())
         raise  # main: "interrupted", exit 130
 
