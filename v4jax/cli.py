@@ -280,17 +280,40 @@ def _generate(args) -> int:
             return 0
         print(args.prompts[0], end="", flush=True)
         try:
-            with contextlib.closing(llm.generate(prompts, sp, stream=True)) as events:  # Ctrl-C: closing aborts
+            with _ctrl_c_as_flag() as ctrl_c, contextlib.closing(llm.generate(prompts, sp, stream=True)) as events:
                 for _, toks, text in events:
                     print(text if text is not None else " " + " ".join(map(str, toks)), end="", flush=True)
+                    if ctrl_c:
+                        raise KeyboardInterrupt  # here, between events: closing the stream aborts its request
         finally:
             print(flush=True)  # the streamed line ends, interrupted or not
         return 0
     except KeyboardInterrupt:
-        # LLM.generate raises it between engine steps and its requests are aborted, but the call it dispatched
-        # last still runs: wait for it, as the runtime torn down under a running computation can crash the process
+        # raised between engine steps (by LLM.generate, or the loop above) and the requests aborted, but the call
+        # dispatched last still runs: wait for it, as the runtime torn down under a running computation can crash
         jax.block_until_ready(jax.live_arrays())
         raise  # main: "interrupted", exit 130
+
+
+@contextlib.contextmanager
+def _ctrl_c_as_flag():
+    """A first Ctrl-C only fills the yielded list, for the caller to raise at a point of its choosing: raised
+    wherever Python happens to be, a KeyboardInterrupt can land in JAX's garbage-collection callback, which
+    swallows it (jax-ml/jax#18246; seen here during streams), or inside a dispatch. A second one raises at once."""
+    import signal
+
+    seen = []
+
+    def on_sigint(signum, frame):
+        if seen:
+            raise KeyboardInterrupt
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _serve(args) -> int:
