@@ -234,15 +234,15 @@ def test_engine_pools_match_the_engine_under_a_budget(dtype):
 
 
 def test_engine_pools_flash_numbers():
-    # Flash bf16 engine defaults (8 slots, P = 256, chunk 256, k = 8): per page = 256 * (6880 + 4) B.
+    # Flash bf16 engine defaults (8 slots, P = 256, chunk 2048, k = 8): per page = 256 * (6880 + 4) B.
     cfg = preset("flash")
     pools = M.engine_pools(cfg, EngineOptions(memory_budget_bytes=100 * GiB, enable_prefix_caching=False), T1M)
     lay = pools.layout
     assert lay.page_size == 256 and pools.per_page_bytes == 256 * 6884
-    # SWA: 8 decoding slots x (ceil((128 + 8) / 64) + 1) pages, plus ceil(256 / 64) + 1 for the one prefilling
-    # request = 37 pages of 64 tokens x 1 KiB x 43 layers.
-    swa = (8 * 4 + 5) * 64 * 1024 * 43
-    assert lay.n_swa_pages == 37 and pools.sizes["swa"].bytes == swa
+    # SWA: 8 decoding slots x (ceil((128 + 8) / 64) + 1) pages, plus ceil(2048 / 64) + 1 for the prefill step's
+    # chunk = 65 pages of 64 tokens x 1 KiB x 43 layers.
+    swa = (8 * 4 + 33) * 64 * 1024 * 43
+    assert lay.n_swa_pages == 65 and pools.sizes["swa"].bytes == swa
     assert pools.fixed_bytes == swa + 8 * (21 * 80 + 20 * 512) * 1024
     # in multiples of 8 pages (the HCA pool's 2 rows per page -> whole 16-row bf16 TPU tiles)
     assert lay.n_pages == (100 * GiB - pools.fixed_bytes) // pools.per_page_bytes // 8 * 8
