@@ -233,7 +233,9 @@ def test_logprobs_in_openai_shapes(served, client):
     ref = served.refs[0]
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
     lp = r.choices[0].logprobs
-    np.testing.assert_allclose(lp.token_logprobs, ref.logprobs, atol=1e-5)
+    # bf16: this lone request decodes in calls of one row, the references in calls of every prompt's rows (decode
+    # slots are bucketed), so the rounding differs in the last bits; the tokens are the same
+    np.testing.assert_allclose(lp.token_logprobs, ref.logprobs, atol=1e-2)
     assert "".join(lp.tokens) == ref.text and len(lp.top_logprobs) == MAX_TOKENS
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
