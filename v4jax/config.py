@@ -459,23 +459,33 @@ def preset(name: str) -> ModelConfig:
 # ---- the layer stack: stacks of layers of one shape, and the order in which the model runs them -----------
 @dataclasses.dataclass(frozen=True)
 class LayerStack:
-    """Main layers whose parameters and pools have one shape: same type, ratio and router kind. They are held
-    stacked on a leading axis, in layer order."""
+    """Main layers whose parameters and pools have one shape: same type and ratio. They are held stacked on a
+    leading axis, in layer order. The router kind does not split a stack: its first `n_hashed` layers (hash layers
+    are the model's first) route by their hash tables, the rest by the top-k gate; the stack holds the tables of
+    the first ([n_hashed, V, k]) and the selection biases of the rest ([n - n_hashed, E])."""
     kind: str
     ratio: int
-    hashed: bool
     layers: tuple[int, ...]
+    n_hashed: int = 0
+
+    @property
+    def n_topk(self) -> int:
+        """How many of the stack's layers route by the top-k gate (its last ones)."""
+        return len(self.layers) - self.n_hashed
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """`repeats` repetitions of a period of layers, from layer `start`: layer start + i * len(period) + j belongs
-    to stack period[j] at index base[j] + i * step[j]. repeats == 1: run unrolled; > 1: one `lax.scan`."""
+    to stack period[j] at index base[j] + i * step[j]. repeats == 1: run unrolled; > 1: one `lax.scan`.
+    hashed[j]: whether the layers of slot j route by the hash table (True), by the top-k gate (False), or some of
+    each (None: a scan over the stack's first layers, each picks by its index)."""
     start: int
     period: tuple[int, ...]
     repeats: int
     base: tuple[int, ...]
     step: tuple[int, ...]
+    hashed: tuple[bool | None, ...] = ()
 
     @property
     def n_layers(self) -> int:
@@ -495,24 +505,34 @@ MAX_PERIOD = 8  # longest period of layer shapes the plan looks for
 @functools.lru_cache(maxsize=None)
 def layer_stacks(cfg: ModelConfig) -> StackPlan:
     """Group the main layers into stacks of one shape and cover them, in order, with the fewest layer bodies a
-    program must hold: periodic runs (e.g. Flash's [CSA, HCA] x 20) become one scan over their period, the
-    irregular head and tail are unrolled. A program's size then depends on the pattern, not on the depth."""
+    program must hold: periodic runs (Flash's [CSA, HCA] x 20; any pattern of layer shapes that repeats, hash
+    layers included) become one scan over their smallest period, an irregular head and tail are unrolled. A
+    program's size then depends on the pattern, not on the depth."""
     keys, where, stacks = {}, [], []
     for i in range(cfg.n_layers):
-        key = (cfg.layer_type(i), cfg.compress_ratio(i), cfg.is_hash_layer(i))
+        key = (cfg.layer_type(i), cfg.compress_ratio(i))
         if key not in keys:
             keys[key] = len(stacks)
             stacks.append([])
         g = keys[key]
         where.append((g, len(stacks[g])))
         stacks[g].append(i)
+    n_hashed = [sum(cfg.is_hash_layer(i) for i in ls) for ls in stacks]
     gid = [g for g, _ in where]
     n = len(gid)
-    # cost of covering layers [0, i): (layer bodies + scans, scans); a scan costs one body more than its period
-    inf = (float("inf"), 0)
+
+    def hashed(i, p, r, j):
+        """Router kind of slot j of r repetitions of gid[i:i + p]: True / False / None (both)."""
+        g = gid[i + j]
+        first, last = where[i + j][1], where[i + (r - 1) * p + j][1]
+        return True if last < n_hashed[g] else False if first >= n_hashed[g] else None
+
+    # cost of covering layers [0, i): (layer bodies + scans, scan slots that run both router kinds, scans); a
+    # scan costs one body more than its period
+    inf = (float("inf"), 0, 0)
     best = [inf] * (n + 1)
     back: list = [None] * (n + 1)
-    best[0] = (0, 0)
+    best[0] = (0, 0, 0)
     for i in range(n):
         if best[i] == inf:
             continue
@@ -523,7 +543,8 @@ def layer_stacks(cfg: ModelConfig) -> StackPlan:
                 r += 1
             cands += [(p, rr) for rr in range(2, r + 1)]
         for p, r in cands:
-            c = best[i][0] + p + (r > 1), best[i][1] + (r > 1)
+            mixed = sum(hashed(i, p, r, j) is None for j in range(p))
+            c = best[i][0] + p + (r > 1), best[i][1] + mixed, best[i][2] + (r > 1)
             if c < best[i + p * r]:
                 best[i + p * r], back[i + p * r] = c, (i, p, r)
     segs = []
@@ -532,8 +553,9 @@ def layer_stacks(cfg: ModelConfig) -> StackPlan:
         i, p, r = back[j]
         period = tuple(gid[i:i + p])
         segs.append(Segment(start=i, period=period, repeats=r, base=tuple(where[i + k][1] for k in range(p)),
-                            step=tuple(period.count(g) for g in period)))
+                            step=tuple(period.count(g) for g in period),
+                            hashed=tuple(hashed(i, p, r, k) for k in range(p))))
         j = i
     names = list(keys)
-    return StackPlan(stacks=tuple(LayerStack(*names[g], tuple(ls)) for g, ls in enumerate(stacks)),
+    return StackPlan(stacks=tuple(LayerStack(*names[g], tuple(ls), n_hashed[g]) for g, ls in enumerate(stacks)),
                      where=tuple(where), segments=tuple(reversed(segs)))

@@ -191,13 +191,19 @@ def compress_windows(a, z, ratio: int, overlap: bool):
 def route(x, gate_w, gate_bias, tid2eid, token_ids, cfg: ModelConfig):
     """Router: sqrtsoftplus scores, bias for selection only (or the hash table), normalised, scaled.
     x [M, D] -> (weights [M, k] f32, experts [M, k] int32)."""
+    return route_by(x, gate_w, gate_bias, None if tid2eid is None else tid2eid[token_ids], cfg)
+
+
+def route_by(x, gate_w, gate_bias, table_experts, cfg: ModelConfig, hashed=None):
+    """`route` given the hash table's experts for the tokens [M, k] (a hash layer) or the selection bias [E]; with
+    both, `hashed` (a traced bool) picks between the two selections (a scan over hash and top-k layers)."""
     logits = jnp.einsum("md,ed->me", x.astype(F32), gate_w.astype(F32), precision=HI)
     scores = jnp.sqrt(jax.nn.softplus(logits))
-    if tid2eid is not None:
-        idx = tid2eid[token_ids].astype(jnp.int32)
-    else:
+    idx = None if table_experts is None else table_experts.astype(jnp.int32)
+    if gate_bias is not None:
         # Tie rule: higher score first, then lower index (lax.top_k keeps the lower index first).
-        _, idx = jax.lax.top_k(scores + gate_bias.astype(F32), cfg.n_activated_experts)
+        _, top = jax.lax.top_k(scores + gate_bias.astype(F32), cfg.n_activated_experts)
+        idx = top if idx is None else jnp.where(hashed, idx, top)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.route_scale
     return w, idx

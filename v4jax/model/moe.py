@@ -27,9 +27,14 @@ class Buffer(nnx.Variable):
 
 
 class Gate(nnx.Module):
+    """The router's weights: the gate [E, D] and either the hash table tid2eid [V, k] (a hash layer) or the
+    selection bias [E]. In a layer stack (Transformer, `config.LayerStack`) the gate is [n, E, D], the table holds
+    the stack's first `n_hashed` layers' [n_hashed, V, k] and the bias the rest's [n - n_hashed, E]."""
+
     def __init__(self, cfg: ModelConfig, hashed: bool, *, rngs, dtype):
         self.weight = nnx.Param(init_normal(rngs, (cfg.n_routed_experts, cfg.dim), cfg.dim ** -0.5, dtype),
                                 logical_axes=("router", "embed"))
+        self.n_hashed = int(hashed)
         if hashed:
             keys = jax.random.split(rngs.params(), cfg.vocab_size)
             perm = jax.vmap(lambda k: jax.random.permutation(k, cfg.n_routed_experts)[: cfg.n_activated_experts])(keys)
@@ -37,6 +42,27 @@ class Gate(nnx.Module):
         else:
             self.tid2eid, self.bias = None, nnx.Param(init_normal(rngs, (cfg.n_routed_experts,), 0.1, F32),
                                                       logical_axes=("router",))
+
+    def selection(self, token_ids, layer, hashed):
+        """(the hash table's experts for the tokens [M, k] or None, the selection bias [E] or None, the traced
+        pick between them or None) of one layer: `layer` None (the gate is one layer's) or its index in the stack,
+        `hashed` whether it is hash-routed (None: the index says, traced)."""
+        table = None if self.tid2eid is None else self.tid2eid[...]
+        bias = None if self.bias is None else self.bias[...]
+        if layer is None:
+            return None if table is None else table[token_ids], bias, None
+        nh = self.n_hashed
+        if table is None or bias is None:  # one router kind in the stack
+            hashed = table is not None
+        elif hashed is None and isinstance(layer, int):
+            hashed = layer < nh
+        if hashed is True:
+            return table[layer, token_ids], None, None
+        if hashed is False:
+            return None, L.layer_slice(bias, layer - nh), None
+        layer = jnp.asarray(layer, jnp.int32)
+        return (table[jnp.minimum(layer, nh - 1), token_ids], L.layer_slice(bias, jnp.maximum(layer - nh, 0)),
+                layer < nh)
 
 
 class Experts(nnx.Module):
@@ -116,20 +142,20 @@ class MoE(nnx.Module):
         self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype) if cfg.n_shared_experts else None
 
     @property
-    def hashed(self) -> bool:
-        return self.gate.tid2eid is not None
+    def topk(self) -> bool:
+        """Some layer of this gate routes by top-k (every layer but the hash layers)."""
+        return self.gate.bias is not None
 
-    def __call__(self, x, token_ids, opts: RunOptions, experts_fn=None, layer=None, project=None):
+    def __call__(self, x, token_ids, opts: RunOptions, experts_fn=None, layer=None, project=None, hashed=None):
         """Returns (y like x, the chosen experts [B*T, k] int32). experts_fn: the ops table's `experts` (on a mesh
         already per shard, mesh_ops; None: the XLA forms, per shard on a mesh); layer: the index of this layer in
-        its stack when the expert weights are the whole stack (see Transformer._run_layers); project: the ops
-        table's `project`, for the shared expert."""
+        its stack when the weights are the whole stack (see Transformer._run_layers), with `hashed` its router
+        kind (None: by the index); project: the ops table's `project`, for the shared expert."""
         cfg = self.cfg
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        tid2eid = None if self.gate.tid2eid is None else self.gate.tid2eid[...]
-        bias = None if self.gate.bias is None else self.gate.bias[...]
-        w, idx = L.route(flat, self.gate.weight[...], bias, tid2eid, token_ids.reshape(-1), cfg)
+        table_experts, bias, pick = self.gate.selection(token_ids.reshape(-1), layer, hashed)
+        w, idx = L.route_by(flat, self.gate.weight[...], bias, table_experts, cfg, pick)
         xin = quant.fp8_roundtrip(flat, 128) if opts.quant_sim else flat
         experts_fn = experts_fn or functools.partial(routed_experts, mesh_rules=opts.mesh_rules)
         y = experts_fn(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], cfg.swiglu_limit,

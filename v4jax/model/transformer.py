@@ -2,12 +2,17 @@
 step over the pools (v4jax.cache). The layer (Block: mHC around attention and the MoE), the MTP block, the model
 and its layer loop live here; attention in v4jax.model.attention, the MoE in v4jax.model.moe.
 
-The main layers are held in stacks (`config.layer_stacks`): layers of one shape (type, ratio, router kind) have
-their parameters stacked on a leading axis, `model.stacks[g]` is one Block whose every parameter is [n_g, ...],
-and official layer N is index i of stack g (`layers.3.attn.wq_a.weight` is `model.stacks[g].attn.wq_a.weight[i]`;
-routed experts are stacked on a further E axis). Both forwards run the layers as `lax.scan`s over periodic runs
-of the pattern (Flash: 3 unrolled layers, then one scan of [HCA, CSA] x 20), so a program's size and its compile
-time do not grow with depth. The forward runs as a pure function: `nnx.split` once, then jit over the state.
+The main layers are held in stacks (`config.layer_stacks`): layers of one shape (type and ratio) have their
+parameters stacked on a leading axis, `model.stacks[g]` is one Block whose every parameter is [n_g, ...], and
+official layer N is index i of stack g (`layers.3.attn.wq_a.weight` is `model.stacks[g].attn.wq_a.weight[i]`;
+routed experts are stacked on a further E axis). The router kind does not split a stack: the hash layers (the
+model's first) lead their stacks, the gate holds their tables and the other layers' selection biases (moe.Gate),
+and a scan slot over both kinds runs both selections, each layer keeping its own. Both forwards run the layers
+as `lax.scan`s over the smallest repeating unit of the pattern (Flash: 3 unrolled layers, then one scan of
+[HCA, CSA] x 20; 24 layers repeating [sliding, CSA, HCA, CSA]: one scan of 4 x 6), so a program's size and its
+compile time do not grow with depth (CPU, `tiny` widths with its hash layer, that period-4 pattern: the first
+`LLM.generate` took 22 s of CPU at 24 layers, 28 s at 4; 45 s at 24 while the hash layer was a stack of its own
+and broke the period). The forward runs as a pure function: `nnx.split` once, then jit over the state.
 Pieces of each layer (projections, compressor, indexer, output) are separate methods so that the engine's
 cached steps reuse exactly the same maths. On a mesh the cached path's pool writes and attention run per shard
 (`attention_core` under jax.shard_map): each shard holds a block of the compressed pools' rows (context
@@ -45,7 +50,8 @@ class IndexerAux(nnx.Intermediate):
 
 
 class RoutingAux(nnx.Intermediate):
-    """The experts each top-k-routed layer chose: "routing" per top-k stack [n, B*T, k] (stacks in order), and
+    """The experts each top-k-routed layer chose: "routing" per stack with top-k layers [n_topk, B*T, k] (stacks in
+    order, its top-k layers in order: the rows of its selection biases), and
     "mtp_routing" [B*T, k] from the MTP block; sown under `nnx.capture` when RunOptions.routing_aux is set."""
 
 
@@ -54,6 +60,7 @@ HC_FN_AXES = ("hc_mix", "hc_embed")
 
 
 _EXPERT_WEIGHTS = {("ffn", "experts", w) for w in ("w1", "w2", "w3")}
+_ROUTER_ROWS = {("ffn", "gate", "tid2eid"), ("ffn", "gate", "bias")}  # one row per hash / top-k layer of a stack
 
 
 def _is_expert_weight(path) -> bool:
@@ -61,13 +68,19 @@ def _is_expert_weight(path) -> bool:
     return tuple(getattr(k, "key", None) for k in path[-4:-1]) in _EXPERT_WEIGHTS
 
 
+def _is_router_rows(path) -> bool:
+    """A Block state's key path to a stack's hash tables or selection biases (moe.Gate: not one row a layer)."""
+    return tuple(getattr(k, "key", None) for k in path[-4:-1]) in _ROUTER_ROWS
+
+
 def _layer_of(path, stack, li, on_mesh: bool):
-    """What layer li of a Block state's leaf is inside the layer loop. The routed experts' weights stay whole (the
-    MoE reads layer li's own) and, off a mesh, a Linear's weight [n, O, D] becomes L.LayerOf (the ops table's
-    `linear` reads it in place): on the H200 a slice fed to a kernel or a matmul that cannot fuse it is a copy
-    every step (all experts of a layer: 2.1 ms of a 4.8 ms flash-slice step at batch 32). The rest is sliced (on a
-    mesh the projections are XLA's, partitioned by the rules, and the weights enter shard_maps as arrays)."""
-    if _is_expert_weight(path):
+    """What layer li of a Block state's leaf is inside the layer loop. The routed experts' weights and the router's
+    hash tables and selection biases stay whole (the MoE reads layer li's own) and, off a mesh, a Linear's weight
+    [n, O, D] becomes L.LayerOf (the ops table's `linear` reads it in place): on the H200 a slice fed to a kernel or
+    a matmul that cannot fuse it is a copy every step (all experts of a layer: 2.1 ms of a 4.8 ms flash-slice step
+    at batch 32). The rest is sliced (on a mesh the projections are XLA's, partitioned by the rules, and the
+    weights enter shard_maps as arrays)."""
+    if _is_expert_weight(path) or _is_router_rows(path):
         return stack
     if not on_mesh and getattr(path[-2], "key", None) == "weight" and stack.ndim == 3:
         return L.LayerOf(stack, li)
@@ -136,45 +149,63 @@ class Block(nnx.Module):
     def hc_ffn(self, x, sinkhorn=None):
         return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg, sinkhorn)
 
-    def ffn_part(self, x, token_ids, opts, ops: Ops | None = None, layer=None):
-        """ops: the cached path's ops table (None: the reference maths of the uncached forward); layer: see MoE."""
+    def ffn_part(self, x, token_ids, opts, ops: Ops | None = None, layer=None, hashed=None):
+        """ops: the cached path's ops table (None: the reference maths of the uncached forward); layer, hashed:
+        see MoE."""
         u, post, comb = self.hc_ffn(x, None if ops is None else ops.sinkhorn)
         if ops is None:
-            y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, layer=layer)
+            y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, layer=layer, hashed=hashed)
             return L.hc_post(y, x, post, comb), experts
-        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, ops.experts, layer, ops.project)
+        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, ops.experts, layer, ops.project, hashed)
         return ops.hc_post(y, x, post, comb), experts
 
-    def cached(self, x, meta, token_ids, pool, li, ops: Ops, opts: RunOptions):
+    def cached(self, x, meta, token_ids, pool, li, ops: Ops, opts: RunOptions, hashed=None):
         u, post, comb = self.hc_attn(x, ops.sinkhorn)
         a, pool = self.attn.cached(self.attn_norm(u), meta, pool, li, ops, opts)
         x = ops.hc_post(a, x, post, comb)
-        return self.ffn_part(x, token_ids, opts, ops, li)[0], pool
+        return self.ffn_part(x, token_ids, opts, ops, li, hashed)[0], pool
 
-    def __call__(self, x, positions, token_ids, opts: RunOptions, layer=None):
-        """Returns (streams, aux): aux["indexer"] (CSA, opts.indexer_aux), aux["routing"] (top-k routed layers,
-        opts.routing_aux). layer: see MoE."""
+    def __call__(self, x, positions, token_ids, opts: RunOptions, layer=None, hashed=None):
+        """Returns (streams, aux): aux["indexer"] (CSA, opts.indexer_aux), aux["routing"] (opts.routing_aux, when
+        some layer of the block routes by top-k: the stack's hash layers' too, dropped by the caller). layer,
+        hashed: see MoE."""
         u, post, comb = self.hc_attn(x)
         a, idx_aux = self.attn(self.attn_norm(u), positions, opts)
         x = L.hc_post(a, x, post, comb)
-        x, experts = self.ffn_part(x, token_ids, opts, layer=layer)
+        x, experts = self.ffn_part(x, token_ids, opts, layer=layer, hashed=hashed)
         aux = {}
         if idx_aux is not None:
             aux["indexer"] = idx_aux
-        if opts.routing_aux and not self.ffn.hashed:
+        if opts.routing_aux and self.ffn.topk:
             aux["routing"] = experts
         return x, aux
 
 
-def _stack(blocks: list) -> "Block":
-    """Blocks of one shape -> one Block whose every array is stacked on a new leading axis (logical axis
+def _stacked(trees):
+    """Like trees (Variables, or states of them) with every array stacked on a new leading axis (logical axis
     "layers")."""
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *trees)
+    return jax.tree.map(lambda v: v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"])),
+                        stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _stack(blocks: list) -> "Block":
+    """Blocks of one shape, in layer order -> one Block whose every array is stacked on a new leading axis. The
+    router kind may differ (the hash layers come first): the gate's hash tables are those of the hash layers and
+    its selection biases those of the others (moe.Gate)."""
+    gates = [b.ffn.gate for b in blocks]
+    tables = [g.tid2eid for g in gates if g.tid2eid is not None]
+    biases = [g.bias for g in gates if g.bias is not None]
+    assert all(g.tid2eid is not None for g in gates[:len(tables)]), "hash layers come first in a stack"
+    for g in gates:
+        g.tid2eid = g.bias = None
     graphdef, first = nnx.split(blocks[0])
-    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
-    stacked = jax.tree.map(lambda v: v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"])),
-                           stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge(graphdef, stacked)
+    out = nnx.merge(graphdef, _stacked([first] + [nnx.split(b)[1] for b in blocks[1:]]))
+    gate = out.ffn.gate
+    gate.tid2eid = nnx.data(_stacked(tables)) if tables else None
+    gate.bias = nnx.data(_stacked(biases)) if biases else None
+    gate.n_hashed = len(tables)
+    return out
 
 
 class MTPBlock(nnx.Module):
@@ -204,8 +235,32 @@ class MTPBlock(nnx.Module):
         return self.norm(y)
 
 
+class _Draws:
+    """The keys of `rngs.params()`, in the same order, with the stream's count kept in Python until `close`. Under a
+    trace (nnx.eval_shape, jit) each update of the count variable made Flax ask the traced count for its sharding,
+    and the error it catches walks the whole trace so far: building a model abstractly (every checkpoint load)
+    grew with the square of its depth (CPU, JAX 0.10.2: 35 s of CPU for Flash's 43 layers, 85 s for Pro's 61;
+    with the count in Python 1.8 s each)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self._stream = rngs.params
+        self._key, self._count, self._n = self._stream.key[...], self._stream.count[...], 0
+
+    def params(self):
+        self._n += 1
+        return jax.random.fold_in(self._key, self._count + (self._n - 1))
+
+    def close(self):
+        self._stream.count[...] = self._count + self._n
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, mtp: bool = True):
+        draws = _Draws(rngs)
+        self._build(cfg, draws, dtype, mtp)
+        draws.close()
+
+    def _build(self, cfg: ModelConfig, rngs, dtype, mtp: bool):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
         self.embed = Table(cfg.vocab_size, d, 1.0, rngs=rngs, dtype=dtype)
@@ -245,23 +300,24 @@ class Transformer(nnx.Module):
 
     # -- the layer loop --
     def _run_layers(self, layer, x, pools, opts: RunOptions, collect: bool = False):
-        """Run every main layer in order: `layer(block, g, li, x, pool) -> (x, pool, aux)` with `block` the
-        layer's parameters (a Block sliced out of stack g at index li) and `pool` stack g's pools (None in the
-        full-sequence forward). Returns (x, pools, per-stack aux: stack -> list of (li, aux) when collect)."""
+        """Run every main layer in order: `layer(block, g, li, hashed, x, pool) -> (x, pool, aux)` with `block`
+        the layer's parameters (a Block sliced out of stack g at index li), `hashed` its router kind (None: by li)
+        and `pool` stack g's pools (None in the full-sequence forward). Returns (x, pools, per-stack aux: stack ->
+        list of (li, aux) when collect)."""
         split = [nnx.split(s) for s in self.stacks]
         pools = None if pools is None else list(pools)
         on_mesh = opts.mesh_rules is not None
 
-        def run(g, li, x, pool):
+        def run(g, li, hashed, x, pool):
             graphdef, state = split[g]
             sliced = jax.tree_util.tree_map_with_path(lambda p, a: _layer_of(p, a, li, on_mesh), state)
-            return layer(nnx.merge(graphdef, sliced), g, li, x, pool)
+            return layer(nnx.merge(graphdef, sliced), g, li, hashed, x, pool)
 
         auxs: dict[int, list] = {}
         for seg in layer_stacks(self.cfg).segments:
             if seg.repeats == 1:  # unrolled
-                for g, li in zip(seg.period, seg.base):
-                    x, pool, aux = run(g, li, x, None if pools is None else pools[g])
+                for g, li, hashed in zip(seg.period, seg.base, seg.hashed):
+                    x, pool, aux = run(g, li, hashed, x, None if pools is None else pools[g])
                     if pools is not None:
                         pools[g] = pool
                     if collect:
@@ -275,7 +331,7 @@ class Transformer(nnx.Module):
                 out = []
                 for j, g in enumerate(seg.period):
                     li = seg.base[j] + i * seg.step[j]
-                    x, pool, aux = run(g, li, x, None if ps is None else ps[g])
+                    x, pool, aux = run(g, li, seg.hashed[j], x, None if ps is None else ps[g])
                     if ps is not None:
                         ps[g] = pool
                     out.append(aux if collect else None)
@@ -302,19 +358,20 @@ class Transformer(nnx.Module):
         x = self.embed_streams(token_ids)
         collect = opts.indexer_aux or opts.routing_aux
 
-        def layer(block, g, li, x, pool):
-            x, aux = block(x, positions, token_ids, opts, li)
+        def layer(block, g, li, hashed, x, pool):
+            x, aux = block(x, positions, token_ids, opts, li, hashed)
             return x, pool, aux
 
         x, _, auxs = self._run_layers(layer, x, None, opts, collect)
         routing = []
+        stacks = layer_stacks(self.cfg).stacks
         for g in sorted(auxs):
             per_layer = [a for _, a in sorted(auxs[g], key=lambda e: e[0])]
             if opts.indexer_aux and "indexer" in per_layer[0]:
                 self.sow(IndexerAux, "indexer_aux", jax.tree.map(lambda *a: jnp.stack(a),
                                                                  *[a["indexer"] for a in per_layer]))
-            if "routing" in per_layer[0]:
-                routing.append(jnp.stack([a["routing"] for a in per_layer]))
+            if "routing" in per_layer[0]:  # the stack's top-k layers (its last ones), as its selection biases
+                routing.append(jnp.stack([a["routing"] for a in per_layer[stacks[g].n_hashed:]]))
         if opts.routing_aux:
             self.sow(RoutingAux, "routing", tuple(routing))
         logits = self.logits_from_streams(x)
@@ -329,8 +386,8 @@ class Transformer(nnx.Module):
         opts = dataclasses.replace(opts, ops=ops)
         x = self.embed_streams(token_ids)
 
-        def layer(block, g, li, x, pool):
-            x, pool = block.cached(x, meta, token_ids, pool, li, ops, opts)
+        def layer(block, g, li, hashed, x, pool):
+            x, pool = block.cached(x, meta, token_ids, pool, li, ops, opts, hashed)
             return x, pool, None
 
         x, stacks, _ = self._run_layers(layer, x, pools.stacks, opts)

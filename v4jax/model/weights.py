@@ -1,9 +1,11 @@
 """Official checkpoint names <-> paths in the NNX model, and filling an abstract model from a tensor stream.
 
 Main layers live in stacks (`config.layer_stacks`): official `layers.N.<rest>` is `stacks.<g>.<rest>` at index i
-of the leading axis, (g, i) = layer_stacks(cfg).where[N]; routed experts `...ffn.experts.E.w1.weight` are a
-further index into `...ffn.experts.w1`. The loader fills each stacked array directly (one buffer per stacked
-parameter, assigned once every layer / expert of it has arrived)."""
+of the leading axis, (g, i) = layer_stacks(cfg).where[N], but for the router's selection bias, held for the
+stack's top-k layers alone (`ffn.gate.bias` at index i - n_hashed; the hash tables `ffn.gate.tid2eid` are the
+first n_hashed, at i); routed experts `...ffn.experts.E.w1.weight` are a further index into `...ffn.experts.w1`.
+The loader fills each stacked array directly (one buffer per stacked parameter, assigned once every layer /
+expert of it has arrived)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -30,7 +32,7 @@ def official_to_path(name: str, cfg: ModelConfig) -> tuple[tuple, tuple[int, ...
             raise KeyError(f"{name}: the model has {cfg.n_layers} layers")
         g, i = layer_stacks(cfg).where[parts[1]]
         parts[:2] = ["stacks", g]
-        index.append(i)
+        index.append(i - _bias_offset(cfg, parts))
     if parts[0] == "mtp" and len(parts) > 2 and parts[2] not in _MTP_OWN:
         parts.insert(2, "block")
     if "experts" in parts and parts[parts.index("experts") - 1] == "ffn" and isinstance(
@@ -40,6 +42,13 @@ def official_to_path(name: str, cfg: ModelConfig) -> tuple[tuple, tuple[int, ...
         assert parts[-1] == "weight", name
         return tuple(parts[:-1]), tuple(index)
     return tuple(parts), tuple(index)
+
+
+def _bias_offset(cfg: ModelConfig, parts: list) -> int:
+    """Rows of stack parts[1] before its first selection bias: its hash layers' (for `ffn.gate.bias`), else 0."""
+    if [str(p) for p in parts[2:]] != ["ffn", "gate", "bias"]:
+        return 0
+    return layer_stacks(cfg).stacks[int(parts[1])].n_hashed
 
 
 def _variable(model, path):
@@ -107,7 +116,7 @@ def _official_name(cfg: ModelConfig, path: tuple, index: tuple[int, ...]) -> str
     parts = [str(p) for p in path]
     index = list(index)
     if parts[0] == "stacks":
-        layer = layer_stacks(cfg).stacks[int(parts[1])].layers[index.pop(0)]
+        layer = layer_stacks(cfg).stacks[int(parts[1])].layers[index.pop(0) + _bias_offset(cfg, parts)]
         parts[:2] = ["layers", str(layer)]
     if parts[0] == "mtp" and len(parts) > 2 and parts[2] == "block":
         del parts[2]

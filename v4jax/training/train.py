@@ -117,9 +117,9 @@ def path_key(path) -> str:
 
 
 def routed_bias_keys(cfg: ModelConfig, mtp: bool = True) -> list[str]:
-    """Parameter keys of the top-k gates' selection biases ([n, E] per top-k-routed layer stack, then [E] of the
-    MTP block), in the order of the loads `forward_with_aux` returns."""
-    keys = [f"stacks.{g}.ffn.gate.bias" for g, st in enumerate(layer_stacks(cfg).stacks) if not st.hashed]
+    """Parameter keys of the top-k gates' selection biases ([n_topk, E] per layer stack with top-k layers, then [E]
+    of the MTP block), in the order of the loads `forward_with_aux` returns."""
+    keys = [f"stacks.{g}.ffn.gate.bias" for g, st in enumerate(layer_stacks(cfg).stacks) if st.n_topk]
     if mtp and cfg.n_mtp_layers and not cfg.is_hash_layer(cfg.n_layers):
         keys.append("mtp.0.block.ffn.gate.bias")
     return keys
@@ -147,7 +147,7 @@ def _values(state, name: str) -> list:
 def forward_with_aux(model: Transformer, x, opts: RunOptions, mtp: bool = True):
     """Full forward (and the MTP head when `mtp`) with the auxiliary outputs: returns (logits, mtp logits or
     None, indexer aux: a list of (logp, target) [B, T, S] per CSA layer, routing: a list of expert choices
-    [n, B*T, k] per routed_bias_keys entry)."""
+    [n_topk, B*T, k] per routed_bias_keys entry)."""
 
     def run(m, x):
         logits, streams = m(x, opts, return_streams=True)
@@ -250,7 +250,7 @@ def _loss(st: _Static, params, buffers, tokens):
         return jax.vmap(lambda i: jnp.bincount(i, length=e))(flat.reshape(-1, flat.shape[-1])).reshape(
             *flat.shape[:-1], e).astype(F32) * e / flat.shape[-1]
 
-    loads = [load(r) for r in routed]  # one per routed_bias_keys entry: [n, E] per stack, [E] for MTP
+    loads = [load(r) for r in routed]  # one per routed_bias_keys entry: [n_topk, E] per stack, [E] for MTP
     return loss, dict(loss=loss, ce=ce, mtp_ce=mtp_ce, idx_kl=idx_kl, idx_recall=idx_recall, loads=loads)
 
 
