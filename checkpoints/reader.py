@@ -260,11 +260,35 @@ class Checkpoint:
         arr = buf.view(dt).reshape(shape)
         return arr if dt.byteorder in ("=", "|", "<") else arr.astype(dt.newbyteorder("="))
 
+    def weight_format(self) -> tuple[str | None, str | None]:
+        """How the tensors the release quantises are stored: ("fp8" if every FP8 linear is e4m3 with block scales,
+        else None; "fp4" / "fp8" if every routed expert weight is packed e2m1 / e4m3, else None)."""
+        def common(kind: str) -> str | None:
+            got = {s.decode for s in self._sources.values() if s.spec.kind == kind}
+            return got.pop() if len(got) == 1 and got <= {"fp8", "fp4"} else None
+        return common(FP8), common(FP4)
+
+    def _stored(self, src: _Source, handles: dict) -> list[tuple[str, np.ndarray]]:
+        """(name, e4m3 or packed int8 weight), (its `.scale`, ue8m0 scales) as stored."""
+        arr = self._read_raw(src.stored, self._handle(handles, src.stored.file), src.part)
+        scale = self._read_raw(src.scale, self._handle(handles, src.scale.file))
+        if scale.dtype != formats.E8M0:
+            exp = formats.pow2_scale_exponent(formats.e8m0_to_float(scale), 1.0)
+            if not np.array_equal(np.ldexp(np.float32(1.0), exp), formats.e8m0_to_float(scale)):
+                raise CheckpointError(f"{_label(scale_name(src.official), src.scale)} holds scales that are not "
+                                      f"powers of two: load it with quantization='none'")
+            scale = formats.e8m0_from_exponent(exp)
+        return [(src.official, arr), (scale_name(src.official), scale)]
+
+    @staticmethod
+    def _handle(handles: dict, path: str):
+        if path not in handles:
+            handles[path] = open(path, "rb")
+        return handles[path]
+
     def _load(self, src: _Source, handles: dict) -> np.ndarray:
         def fh(path):
-            if path not in handles:
-                handles[path] = open(path, "rb")
-            return handles[path]
+            return self._handle(handles, path)
 
         arr = self._read_raw(src.stored, fh(src.stored.file), src.part)
         if src.decode == "float":
@@ -304,8 +328,11 @@ class Checkpoint:
             for h in handles.values():
                 h.close()
 
-    def iter_tensors(self, progress: bool = True, names=None) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield (official name, array) for every tensor (or `names`), in storage order, one at a time."""
+    def iter_tensors(self, progress: bool = True, names=None,
+                     stored: tuple[str, ...] = ()) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield (official name, array) for every tensor (or `names`), in storage order, one at a time. A tensor
+        stored quantized in one of the `stored` formats ("fp8", "fp4") comes as stored, followed by its `.scale`
+        (ue8m0); every other one dequantized."""
         wanted = None if names is None else set(names)
         todo = self.names if wanted is None else [n for n in self.names if n in wanted]
         if wanted is not None:
@@ -321,10 +348,11 @@ class Checkpoint:
         try:
             for n in todo:
                 src = self._sources[n]
-                arr = self._load(src, handles)
+                pieces = (self._stored(src, handles) if src.decode in stored
+                          else [(n, self._load(src, handles))])
                 if bar is not None:
                     bar.update(src.nbytes)
-                yield n, arr
+                yield from pieces
         finally:
             for h in handles.values():
                 h.close()

@@ -26,7 +26,7 @@ from v4jax.detokenize import IncrementalDetokenizer
 from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
 from v4jax.engine.sampling import SamplingParams, top_alternatives
 from v4jax.fields import MAX_TOP_LOGPROBS, FieldError, check_field
-from v4jax.model import RunOptions, Transformer
+from v4jax.model import RunOptions, Transformer, quant
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -73,6 +73,11 @@ class _Call:
 class EngineOptions:
     """Options of `LLM(..., **options)`; unknown names are an error."""
     quant_sim: bool = False
+    # How the weights the release quantises are held. None: as the checkpoint stores them (FP8 e4m3 linears with
+    # 128x128 ue8m0 block scales, FP4 e2m1 routed experts with 1x32 scales: dequantized inside each matmul, whose
+    # input is rounded to FP8 as the release computes); a preset's in `dtype`. "none": every weight dequantized to
+    # `dtype` at load. "fp8": the release's formats (FP8 linears, FP4 experts), a checkpoint must hold them.
+    quantization: str | None = None
     attention_impl: str | None = None  # "xla" | "pallas"; default: "pallas" on a GPU (its kernels are the fast path
     # there: BENCHMARKS.md), "xla" elsewhere (on CPU the kernels run interpreted; on TPU only their lowering is checked)
     seed: int = 0  # weights of a random preset
@@ -125,10 +130,24 @@ def _read_config(path: str) -> ModelConfig:
         raise ConfigError(f"config.json in {path} is not UTF-8 text: {e}") from None
 
 
-def load_model(spec: str | None, dtype, seed: int = 0,
-               mesh_rules=None) -> tuple[ModelConfig, Transformer, object, str]:
+def _weight_format(quantization: str | None, stored: quant.WeightFormat | None, what: str) -> quant.WeightFormat:
+    """The model's quant.WeightFormat for the `quantization` option, given what the checkpoint stores (None: a
+    preset, which has no storage of its own)."""
+    if quantization == "none":
+        return quant.DEQUANTIZED
+    if quantization is None:
+        return stored or quant.DEQUANTIZED
+    if stored is not None and stored != quant.RELEASE:
+        raise FieldError("quantization", f"quantization={quantization!r}: {what} stores FP8 linears as "
+                         f"{stored.linear or 'float'} and routed experts as {stored.experts or 'float'}, not FP8 / "
+                         f"FP4; load it with quantization=None (as stored) or 'none'")
+    return quant.RELEASE
+
+
+def load_model(spec: str | None, dtype, seed: int = 0, mesh_rules=None,
+               quantization: str | None = None) -> tuple[ModelConfig, Transformer, object, str]:
     """(config, model, tokenizer or None, description) for a preset name, an HF-format directory or an orbax
-    checkpoint directory (`convert`).
+    checkpoint directory (`convert`). `quantization`: see EngineOptions.
 
     Before anything is allocated, the weights' bytes on one device (of the abstract model, split as the mesh's
     rules split them) are checked against its memory (`v4jax.memory.check_weights_fit`). With `mesh_rules`
@@ -149,11 +168,12 @@ def load_model(spec: str | None, dtype, seed: int = 0,
         cfg = preset(spec)
         # param_bytes is the abstract model's byte count (nnx.eval_shape: tests/test_newcomer.py checks they
         # agree) without its cost: eval_shape of `flash` alone takes ~10 s, of `pro` ~25 s.
-        M.check_weights_fit(cfg, M.weight_bytes_on_mesh(cfg, mesh, jnp.dtype(dtype).itemsize), dtype,
+        weights = _weight_format(quantization, None, f"preset {spec!r}")
+        M.check_weights_fit(cfg, M.weight_bytes_on_mesh(cfg, mesh, jnp.dtype(dtype).itemsize, weights), dtype,
                             what=f"preset {spec!r}")
         warnings.warn(f"preset {spec!r}: random weights (seed {seed}); no tokenizer, prompts are token ids",
                       stacklevel=3)
-        model = create_model(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype), mesh_rules)
+        model = create_model(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype, weights=weights), mesh_rules)
         return cfg, model, None, f"preset {spec}"
     if not os.path.isdir(spec):
         hint = "" if os.path.exists(spec) else " (no such file or directory)"
@@ -164,25 +184,34 @@ def load_model(spec: str | None, dtype, seed: int = 0,
 
     cfg = _read_config(spec)
     if orbax_io.is_orbax_dir(spec):  # written by `v4jax convert`, restored onto this mesh
-        return cfg, _restore_orbax(spec, cfg, dtype, mesh_rules, mesh), _load_tokenizer(spec), spec
+        return cfg, _restore_orbax(spec, cfg, dtype, mesh_rules, mesh, quantization), _load_tokenizer(spec), spec
     ckpt = open_checkpoint(spec, cfg)
     if not ckpt.has_mtp and cfg.n_mtp_layers:
         warnings.warn(f"{spec}: no mtp.* weights; MTP is off", stacklevel=3)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=ckpt.has_mtp))
+    weights = _weight_format(quantization, quant.WeightFormat(*ckpt.weight_format()), spec)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=ckpt.has_mtp,
+                                                  weights=weights))
     M.check_weights_fit(cfg, M.weight_bytes_per_device(abstract, mesh), dtype, what=spec)
-    model = load_tensors(abstract, ckpt.iter_tensors(progress=True), mesh_rules)
+    # FP8 linears are kept as stored under both formats (the release's experts could be FP8 too: its first Flash)
+    stored = tuple(s for s in (weights.linear, weights.experts) if s is not None)
+    model = load_tensors(abstract, ckpt.iter_tensors(progress=True, stored=stored), mesh_rules)
     return cfg, model, _load_tokenizer(spec), spec
 
 
-def _restore_orbax(path: str, cfg: ModelConfig, dtype, mesh_rules, mesh) -> Transformer:
+def _restore_orbax(path: str, cfg: ModelConfig, dtype, mesh_rules, mesh, quantization=None) -> Transformer:
     """The model from an orbax checkpoint of `v4jax convert`, each array read straight into its shards of
-    `mesh_rules` (or onto the first device)."""
+    `mesh_rules` (or onto the first device), in the weight format it was written in."""
     from checkpoints import orbax_io
     from sharding.place import state_shardings
     from v4jax import memory as M
 
     meta = orbax_io.read_meta(path)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=meta["mtp"]))
+    weights = quant.WeightFormat(*meta.get("weights", (None, None)))
+    if quantization is not None and _weight_format(quantization, weights, path) != weights:
+        raise FieldError("quantization", f"quantization={quantization!r}: {path} holds its weights as "
+                         f"{weights}; convert the checkpoint again with that option")
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=meta["mtp"],
+                                                  weights=weights))
     M.check_weights_fit(cfg, M.weight_bytes_per_device(abstract, mesh), dtype, what=path)
     graphdef, state = nnx.split(abstract)
     if mesh_rules is None:
@@ -196,19 +225,23 @@ def _restore_orbax(path: str, cfg: ModelConfig, dtype, mesh_rules, mesh) -> Tran
     return nnx.merge(graphdef, state)
 
 
-def convert(src: str, out: str, *, dtype: str = "bfloat16", mesh: str | None = None, progress: bool = True) -> str:
+def convert(src: str, out: str, *, dtype: str = "bfloat16", mesh: str | None = None, progress: bool = True,
+            quantization: str | None = None) -> str:
     """An HF-format checkpoint directory (or a preset) -> an orbax checkpoint in `out`, written from the shards
-    of `mesh`; `LLM(out, mesh=...)` restores it onto any mesh. Tokenizer files are copied. Returns `out`."""
+    of `mesh`, its weights held as `quantization` says (EngineOptions); `LLM(out, mesh=...)` restores it onto any
+    mesh. Tokenizer files are copied. Returns `out`."""
     import shutil
 
     from checkpoints import orbax_io
     from sharding import MeshRules, multihost
     multihost.initialize()
     mr = MeshRules.make(mesh)
-    cfg, model, _, _ = load_model(src, _DTYPES[dtype], mesh_rules=mr)
+    cfg, model, _, _ = load_model(src, _DTYPES[dtype], mesh_rules=mr, quantization=quantization)
     os.makedirs(out, exist_ok=True)
+    weights = model.weight_format
     orbax_io.save(out, nnx.to_pure_dict(nnx.state(model)), cfg.to_hf_dict(),
-                  {"dtype": dtype, "mtp": len(model.mtp) > 0, "mesh": mesh, "source": os.path.abspath(src)
+                  {"dtype": dtype, "mtp": len(model.mtp) > 0, "mesh": mesh,
+                   "weights": [weights.linear, weights.experts], "source": os.path.abspath(src)
                    if os.path.isdir(src) else src}, progress=progress)
     if os.path.isdir(src) and jax.process_index() == 0:
         for name in os.listdir(src):
@@ -264,7 +297,7 @@ class LLM:
         from sharding import MeshRules
         self.mesh_rules = MeshRules.make(self.options.mesh)  # over every process's devices
         self.config, self.model, self.tokenizer, self.source = load_model(spec, _DTYPES[dtype], self.options.seed,
-                                                                          self.mesh_rules)
+                                                                          self.mesh_rules, self.options.quantization)
         self.dtype = dtype
         limit = self.options.max_model_len
         if limit is not None and limit > self.config.max_seq_len:
@@ -569,14 +602,17 @@ class LLM:
                     self._engine.abort(rid)
 
     def stats(self) -> dict:
-        """Pools (used / total pages), prefix cache (queried and hit tokens) and request counts (`rejected`: by
-        the request check, in generate or at the engine)."""
+        """Pools (used / total pages), prefix cache (queried and hit tokens), request counts (`rejected`: by
+        the request check, in generate or at the engine) and the weights' bytes (`bytes`, and `by_format`: "fp8",
+        "fp4" values with their scales, other arrays by dtype)."""
+        from v4jax import memory as M
         core = self.engine
         with self._cond:
             self._cond.wait_for(lambda: not self._stepping)
             self._abort_dropped()
             st = core.stats()
         st["requests"]["rejected"] += self._rejected
+        st["weights"] = M.weight_stats(self.model)
         return st
 
     def _stream(self, call: _Call, n_prompts: int) -> Iterator[tuple[int, list[int], str | None]]:

@@ -382,22 +382,26 @@ def _memory(args) -> int:
     fmts = [f.strip() for f in args.format.split(",") if f.strip()]
     reps = [M.report(cfg, args.context, args.requests, f) for f in fmts]
     wdt = 2 if dtype == "bfloat16" else 4
-    weights = M.param_bytes(cfg, wdt)["total"]
-    w_dev = M.weight_bytes_on_mesh(cfg, mesh, wdt)
+    wfmt = M.report_weight_format(cfg, args.model if args.model not in PRESETS else None, options.quantization)
+    weights = M.param_bytes(cfg, wdt, weights=wfmt)["total"]
+    w_dev = M.weight_bytes_on_mesh(cfg, mesh, wdt, wfmt)
     # the engine's pools for these options (LLM's max_model_len: the option, at most the model's)
     max_model_len = min(options.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
     pools = M.engine_pools(cfg, options, max_model_len, dtype)
     limit, source = M.device_memory_bytes()
     if args.json:
         out = {"model": args.model, "mesh": mesh, "reports": [dataclasses.asdict(r) for r in reps],
-               "weights": {"dtype": dtype, "total": weights, "per_device": w_dev},
+               "weights": {"dtype": dtype, "format": {"linear": wfmt.linear, "experts": wfmt.experts},
+                           "total": weights, "per_device": w_dev},
                "engine_pools": pools.as_dict(), "device_memory": {"bytes": limit, "source": source}}
         print(json.dumps(out, indent=1))
         return 0
     print(M.format_report(reps, title=f"## {args.model}: {args.requests} request(s) x {args.context} tokens"))
     print()
     mesh_s = ",".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "one device"
-    print(M.format_device_table(weights, w_dev, pools, mesh_s, n_dev, dtype, limit, source))
+    held = (f"as the release stores them (FP8 linears: {wfmt.linear}, routed experts: {wfmt.experts}, the rest "
+            f"{dtype})" if wfmt.quantized else None)
+    print(M.format_device_table(weights, w_dev, pools, mesh_s, n_dev, dtype, limit, source, held))
     return 0
 
 

@@ -66,6 +66,8 @@ RULES: dict[str, Rule] = {
     # LLM(...) options (v4jax.api.EngineOptions)
     "quant_sim": BOOL,
     "attention_impl": Rule("choice", optional=True, choices=("xla", "pallas")),
+    "quantization": Rule("choice", optional=True, choices=("none", "fp8"),
+                         note="(default: the checkpoint's own storage)"),
     "weights_seed": Int(INT32_MIN),
     "max_model_len": Int(1, optional=True, note="(default: the model's)"),
     "max_num_seqs": Int(1),

@@ -28,7 +28,8 @@ formulas: `engine_pools` reads v4jax.cache.layout (`pool_layout`: pages and slot
 `pool_sizes`: every pool's bytes off its shapes, over the whole mesh and on one device of it), so the memory
 command, the fit check (`check_engine_fits`) and admission (memory_budget_bytes) agree with the engine to the byte.
 `decode_read_bytes` is reference serving_systems.md §1.2: what one decode step must read per sequence.
-`param_bytes` / `decode_weight_bytes` count the weights (the roofline of v4jax.bench).
+`param_bytes` / `decode_weight_bytes` count the weights (the roofline of v4jax.bench), in the model dtype or as the
+release stores them (FP8 linears, FP4 routed experts: a quant.WeightFormat); `weight_stats` a model's own.
 `device_memory_bytes`, `model_weight_bytes` / `weight_bytes_per_device` / `weight_bytes_on_mesh` and the
 `check_*_fit` functions compare what a model and its pools need with what a device holds, before allocating.
 """
@@ -262,22 +263,48 @@ def attention_weight_count(cfg: ModelConfig, i: int) -> int:
     return count
 
 
-def param_bytes(cfg: ModelConfig, dtype_bytes: int = 2, mtp: bool = True) -> dict[str, int]:
+def stored_weight_bytes(shape, storage: str | None, dtype_bytes: int) -> int:
+    """Bytes of a weight of logical shape [..., O, I] held as `storage` ("fp8": e4m3 + a ue8m0 scale per 128x128
+    block; "fp4": two e2m1 a byte + a ue8m0 scale per 1x32 block; None: the model dtype)."""
+    from v4jax.model import quant
+    if storage is None:
+        return math.prod(shape) * dtype_bytes
+    return math.prod(quant.stored_shape(storage, shape)) + math.prod(quant.scale_shape(storage, shape))
+
+
+def fp8_linear_shapes(cfg: ModelConfig, i: int) -> list[tuple[int, int]]:
+    """[out, in] of layer i's attention linears the release stores as FP8: wq_a, wq_b, wkv, wo_a, wo_b, and on CSA
+    layers the indexer's wq_b (the rest of attention_weight_count is bf16: compressors, weights_proj)."""
+    h, k, q, g, r, d = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.dim
+    out = [(q, d), (h * k, q), (k, d), (g * r, h * k // g), (d, g * r)]
+    if cfg.layer_type(i) == CSA:
+        out.append((cfg.index_n_heads * cfg.index_head_dim, q))
+    return out
+
+
+def param_bytes(cfg: ModelConfig, dtype_bytes: int = 2, mtp: bool = True, weights=None) -> dict[str, int]:
     """Bytes of every parameter group of v4jax.model.Transformer (linear / embedding / expert weights in the
-    model dtype; norms, mHC, attention sinks, compressor `ape`, router bias in float32; hash tables int32).
+    model dtype, or as `weights` (quant.WeightFormat) holds the FP8 linears and routed experts; norms, mHC,
+    attention sinks, compressor `ape`, router bias in float32; hash tables int32).
     Keys: embed, head, top (final norm + mHC head), attn (all layers: projections, compressor, indexer, norms,
     sink, mHC of the layer), router, shared_expert, routed_expert (ONE expert of ONE layer), routed_experts
     (all, main layers), mtp (the MTP module, 0 if mtp=False), total."""
     w, f32 = dtype_bytes, 4
+    lin = None if weights is None else weights.linear
+    exp = None if weights is None else weights.experts
     d, n, v = cfg.dim, cfg.hc_mult, cfg.vocab_size
+    inter = cfg.moe_inter_dim
     mix = (2 + n) * n
+    one_expert = 2 * stored_weight_bytes((inter, d), exp, w) + stored_weight_bytes((d, inter), exp, w)
     out = dict(embed=v * d * w, head=v * d * w, top=d * f32 + (n * n * d + n + 1) * f32,
-               attn=0, router=0, shared_expert=0, routed_expert=3 * cfg.moe_inter_dim * d * w, routed_experts=0)
+               attn=0, router=0, shared_expert=0, routed_expert=one_expert, routed_experts=0)
 
     def block(i: int) -> dict[str, int]:
         kind, m, k = cfg.layer_type(i), cfg.compress_ratio(i), cfg.head_dim
         attn = 2 * d * f32 + 2 * (mix * n * d + mix + 3) * f32  # attn/ffn norms, hc_attn / hc_ffn fn+base+scale
-        attn += attention_weight_count(cfg, i) * w
+        fp8 = fp8_linear_shapes(cfg, i)
+        attn += (attention_weight_count(cfg, i) - sum(o * c for o, c in fp8)) * w
+        attn += sum(stored_weight_bytes(s, lin, w) for s in fp8)
         attn += (cfg.q_lora_rank + k + cfg.n_heads) * f32  # q_norm, kv_norm, attn_sink
         if kind != SLIDING:
             attn += (m * (2 if kind == CSA else 1) * k + k) * f32  # compressor ape, norm
@@ -286,9 +313,9 @@ def param_bytes(cfg: ModelConfig, dtype_bytes: int = 2, mtp: bool = True) -> dic
             attn += (m * 2 * ki + ki) * f32  # indexer compressor ape, norm
         router = cfg.n_routed_experts * d * w
         router += (v * cfg.n_activated_experts * 4) if cfg.is_hash_layer(i) else cfg.n_routed_experts * f32
-        shared = 3 * cfg.moe_inter_dim * d * w * cfg.n_shared_experts
-        return dict(attn=attn, router=router, shared_expert=shared,
-                    routed_experts=cfg.n_routed_experts * 3 * cfg.moe_inter_dim * d * w)
+        si = cfg.moe_inter_dim * cfg.n_shared_experts
+        shared = 2 * stored_weight_bytes((si, d), lin, w) + stored_weight_bytes((d, si), lin, w)
+        return dict(attn=attn, router=router, shared_expert=shared, routed_experts=cfg.n_routed_experts * one_expert)
 
     for i in range(cfg.n_layers):
         for key, val in block(i).items():
@@ -297,7 +324,8 @@ def param_bytes(cfg: ModelConfig, dtype_bytes: int = 2, mtp: bool = True) -> dic
     if mtp:
         for j in range(cfg.n_mtp_layers):
             b = block(cfg.n_layers + j)
-            out["mtp"] += sum(b.values()) + 2 * d * d * w + 3 * d * f32 + (n * n * d + n + 1) * f32
+            out["mtp"] += (sum(b.values()) + 2 * stored_weight_bytes((d, d), lin, w) + 3 * d * f32
+                           + (n * n * d + n + 1) * f32)
     out["total"] = (out["embed"] + out["head"] + out["top"] + out["attn"] + out["router"] + out["shared_expert"]
                     + out["routed_experts"] + out["mtp"])
     return out
@@ -309,11 +337,12 @@ def expected_active_experts(cfg: ModelConfig, batch: int) -> float:
     return e * (1.0 - (1.0 - k / e) ** batch)
 
 
-def decode_weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int = 2) -> dict[str, float]:
+def decode_weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int = 2, weights=None) -> dict[str, float]:
     """Weight bytes one decode step of `batch` tokens (one per sequence) must read: every attention / router /
     shared-expert / head weight, the embedding rows of the batch's tokens (at most `batch` rows), and only the
-    routed experts the batch activates (expected number under random routing). The MTP module is not run."""
-    pb = param_bytes(cfg, dtype_bytes, mtp=False)
+    routed experts the batch activates (expected number under random routing). The MTP module is not run.
+    weights: a quant.WeightFormat (None: all in the model dtype)."""
+    pb = param_bytes(cfg, dtype_bytes, mtp=False, weights=weights)
     act = expected_active_experts(cfg, batch)
     out = {
         "embed_rows": min(batch, cfg.vocab_size) * cfg.dim * dtype_bytes,
@@ -397,6 +426,49 @@ def model_weight_bytes(model) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model))))
 
 
+def report_weight_format(cfg: ModelConfig, checkpoint: str | None, quantization: str | None):
+    """The quant.WeightFormat the memory report counts: the release's for a preset (its random weights may be held
+    so: `quantization="fp8"`) unless quantization="none"; a checkpoint's as its config.json says it stores them
+    (`quantization_config` FP8 linears, `expert_dtype` fp4 experts, else FP8 ones), as LLM loads it."""
+    import json
+
+    from v4jax.model import quant
+    if quantization == "none":
+        return quant.DEQUANTIZED
+    if checkpoint is None or quantization == "fp8":
+        return quant.RELEASE
+    path = checkpoint if os.path.isfile(checkpoint) else os.path.join(checkpoint, "config.json")
+    with open(path) as f:
+        conf = json.load(f)
+    if (conf.get("quantization_config") or {}).get("quant_method") != "fp8":
+        return quant.DEQUANTIZED
+    return quant.WeightFormat("fp8", "fp4" if conf.get("expert_dtype") == "fp4" else "fp8")
+
+
+def weight_stats(model) -> dict:
+    """{"bytes": every variable's bytes, "by_format": bytes by storage format}: "fp8" (e4m3 values and their ue8m0
+    block scales), "fp4" (packed e2m1 and their scales), and the dtype name of every other array ("bfloat16",
+    "float32", "int32")."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    flat = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model))}
+
+    def storage(path, var) -> str:
+        dt = np.dtype(var.dtype)
+        if dt == np.dtype(jnp.float8_e8m0fnu):  # a scale: its weight's format (Linear.scale, Experts.wN_scale)
+            name = path[-1]
+            weight = path[:-1] + (("weight",) if name == "scale" else (name[: -len("_scale")],))
+            return storage(weight, flat[weight])
+        return {np.dtype(jnp.float8_e4m3fn): "fp8", np.dtype(np.uint8): "fp4"}.get(dt, dt.name)
+
+    by_format: dict[str, int] = {}
+    for path, var in flat.items():
+        fmt = storage(path, var)
+        by_format[fmt] = by_format.get(fmt, 0) + int(math.prod(var.shape) * np.dtype(var.dtype).itemsize)
+    return {"bytes": sum(by_format.values()), "by_format": dict(sorted(by_format.items()))}
+
+
 def abstract_model(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True):
     """The model as shapes only (nnx.eval_shape): bytes and shardings without allocating anything."""
     import jax.numpy as jnp
@@ -424,10 +496,19 @@ def weight_bytes_per_device(model, mesh=None) -> int:
     return int(total)
 
 
-def _param_arrays(cfg: ModelConfig, dtype_bytes: int, mtp: bool = True):
+def _param_arrays(cfg: ModelConfig, dtype_bytes: int, mtp: bool = True, weights=None):
     """(shape, bytes per element, logical axes) of every parameter array of v4jax.model.Transformer, layer by
-    layer, as its modules create them (the leading "layers" axis of a stack is never split, so it is left out)."""
+    layer, as its modules create them (the leading "layers" axis of a stack is never split, so it is left out);
+    `weights` (quant.WeightFormat): the FP8 linears' and routed experts' stored values and scales."""
+    from v4jax.model import quant
     w, f32 = dtype_bytes, 4
+    lin = None if weights is None else weights.linear
+    exp = None if weights is None else weights.experts
+
+    def stored(shape, itemsize, axes, storage):
+        if storage is None:
+            return [(shape, itemsize, axes)]
+        return [(quant.stored_shape(storage, shape), 1, axes), (quant.scale_shape(storage, shape), 1, axes)]
     d, n, v = cfg.dim, cfg.hc_mult, cfg.vocab_size
     mix = (2 + n) * n
     hc = [((mix, n * d), f32, ("hc_mix", "hc_embed")), ((mix,), f32, ("hc_mix",)), ((3,), f32, ("hc_scale",))]
@@ -437,10 +518,10 @@ def _param_arrays(cfg: ModelConfig, dtype_bytes: int, mtp: bool = True):
         h, k, q, g, r = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
         e, inter = cfg.n_routed_experts, cfg.moe_inter_dim
         out = [((d,), f32, ("embed",))] * 2 + hc * 2
-        out += [((q, d), w, ("q_lora", "embed")), ((q,), f32, ("q_lora",)), ((h * k, q), w, ("heads", "q_lora")),
-                ((k, d), w, ("head_dim", "embed")), ((k,), f32, ("head_dim",)),
-                ((g * r, h * k // g), w, ("o_lora", "group_heads")), ((d, g * r), w, ("embed", "o_lora")),
-                ((h,), f32, ("heads",))]
+        out += (stored((q, d), w, ("q_lora", "embed"), lin) + [((q,), f32, ("q_lora",))]
+                + stored((h * k, q), w, ("heads", "q_lora"), lin) + stored((k, d), w, ("head_dim", "embed"), lin)
+                + [((k,), f32, ("head_dim",))] + stored((g * r, h * k // g), w, ("o_lora", "group_heads"), lin)
+                + stored((d, g * r), w, ("embed", "o_lora"), lin) + [((h,), f32, ("heads",))])
 
         def compressor(kk, coff):
             return [((coff * kk, d), w, ("compress", "embed"))] * 2 + [
@@ -450,17 +531,17 @@ def _param_arrays(cfg: ModelConfig, dtype_bytes: int, mtp: bool = True):
             out += compressor(k, 2 if kind == CSA else 1)
         if kind == CSA:
             hi, ki = cfg.index_n_heads, cfg.index_head_dim
-            out += [((hi * ki, q), w, ("index_heads", "q_lora")), ((hi, d), w, ("index_heads", "embed"))]
+            out += stored((hi * ki, q), w, ("index_heads", "q_lora"), lin) + [((hi, d), w, ("index_heads", "embed"))]
             out += compressor(ki, 2)
         out.append(((e, d), w, ("router", "embed")))
         if cfg.is_hash_layer(i):
             out.append(((v, cfg.n_activated_experts), 4, ("hash_tokens", "routed")))
         else:
             out.append(((e,), f32, ("router",)))
-        out += [((e, inter, d), w, ("experts", "mlp", "embed"))] * 2
-        out += [((e, d, inter), w, ("experts", "embed", "mlp"))]
-        out += [((inter, d), w, ("mlp", "embed"))] * 2 * cfg.n_shared_experts
-        out += [((d, inter), w, ("embed", "mlp"))] * cfg.n_shared_experts
+        out += stored((e, inter, d), w, ("experts", "mlp", "embed"), exp) * 2
+        out += stored((e, d, inter), w, ("experts", "embed", "mlp"), exp)
+        si = inter * cfg.n_shared_experts
+        out += stored((si, d), w, ("mlp", "embed"), lin) * 2 + stored((d, si), w, ("embed", "mlp"), lin)
         return out
 
     head = [((n, n * d), f32, ("hc_mix", "hc_embed")), ((n,), f32, ("hc_mix",)), ((1,), f32, ("hc_scale",))]
@@ -468,18 +549,19 @@ def _param_arrays(cfg: ModelConfig, dtype_bytes: int, mtp: bool = True):
     for i in range(cfg.n_layers):
         out += block(i)
     for j in range(cfg.n_mtp_layers if mtp else 0):
-        out += block(cfg.n_layers + j) + [((d, d), w, ("embed", "embed"))] * 2 + [((d,), f32, ("embed",))] * 3 + head
+        out += (block(cfg.n_layers + j) + stored((d, d), w, ("embed", "embed"), lin) * 2
+                + [((d,), f32, ("embed",))] * 3 + head)
     return out
 
 
-def weight_bytes_on_mesh(cfg: ModelConfig, mesh=None, dtype_bytes: int = 2) -> int:
+def weight_bytes_on_mesh(cfg: ModelConfig, mesh=None, dtype_bytes: int = 2, weights=None) -> int:
     """weight_bytes_per_device without building the abstract model (instant for any config): every parameter
     array, as the model creates it, split as sharding/rules.py splits it. tests/test_newcomer.py checks it
     against weight_bytes_per_device of the abstract model."""
     from sharding.rules import parse_mesh_spec, split_factor
     shape = parse_mesh_spec(mesh)
     total = 0
-    for dims, itemsize, logical in _param_arrays(cfg, dtype_bytes):
+    for dims, itemsize, logical in _param_arrays(cfg, dtype_bytes, weights=weights):
         f = split_factor(logical, dims, shape) if shape else 1
         total += math.prod(dims) * itemsize // f
     return int(total)
@@ -608,13 +690,14 @@ def check_engine_fits(cfg: ModelConfig, options, max_model_len: int, dtype="bflo
 
 
 def format_device_table(weights: int, weights_per_device: int, pools: EnginePools, mesh: str, n_devices: int,
-                        dtype: str, limit: int | None, source: str) -> str:
+                        dtype: str, limit: int | None, source: str, weights_held: str | None = None) -> str:
     """Markdown: weights and the engine's pools (every pool, as the engine allocates it), in all and per device of
     the mesh, against one device's memory."""
     lay = pools.layout
     need = weights_per_device + pools.per_device
     cache = ", prefix cache" if pools.caching else ""
-    lines = [f"## Per device ({mesh}: {n_devices} device(s), weights and pools in {dtype})", "",
+    held = f"weights {weights_held}, pools in {dtype}" if weights_held else f"weights and pools in {dtype}"
+    lines = [f"## Per device ({mesh}: {n_devices} device(s), {held})", "",
              f"Engine pools ({pools.kv_layout}{cache}): {lay.max_slots} slots x max_model_len={pools.max_model_len}; "
              f"{lay.n_pages} full pages of {lay.page_size} tokens ({lay.n_pages * lay.page_size} tokens, "
              f"{pools.per_page_bytes} B a page), {lay.n_swa_pages} SWA pages of {lay.swa_page_size} tokens.", "",

@@ -6,7 +6,7 @@ per-token metadata). Knows nothing of pages or requests.
   moe          the router, the routed experts (per shard on a mesh), the shared expert
   layers       the jnp maths and the small shared modules (Linear, RMSNorm, Table)
   ops          the ops table: the XLA maths or the Pallas kernels
-  quant        the release's FP8 / FP4 rounding (quant_sim)
+  quant        the release's FP8 / FP4 rounding (quant_sim) and weight storage (kept as stored)
   weights      official checkpoint names <-> the model's parameters"""
 from v4jax.model.attention import attention_core, topk_mask
 from v4jax.model.transformer import IndexerAux, RoutingAux, RunOptions, Transformer

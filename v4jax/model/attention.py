@@ -170,7 +170,7 @@ class Attention(nnx.Module):
         self.kv_norm = RMSNorm(k, cfg.norm_eps, "head_dim", rngs=rngs)
         # wo_a is dequantized to bf16 by the official converter: a plain grouped einsum, no input rounding.
         self.wo_a = Linear(h * k // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, ("o_lora", "group_heads"),
-                           rngs=rngs, dtype=dtype)
+                           rngs=rngs, dtype=dtype, release_fp8=True)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, ("embed", "o_lora"), rngs=rngs, dtype=dtype,
                            fp8=True)
         self.attn_sink = nnx.Param(init_normal(rngs, (h,), 1.0, F32), logical_axes=("heads",))
@@ -285,6 +285,7 @@ class Attention(nnx.Module):
         if self.indexer is not None:
             groups["indexer compressor"] = [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
             groups["weights_proj"] = [self.indexer.weights_proj]
+        groups = {name: ms for name, ms in groups.items() if all(m.scale is None for m in ms)}  # stored: Linear's
         got = iter(ops.project(x, [m.weight.get_value() for ms in groups.values() for m in ms]))
         pre = {}
         for name, ms in groups.items():

@@ -52,7 +52,10 @@ def rms_norm(x, weight, eps):
 
 def linear(x, w, groups: int = 1):
     """y = x @ w.T with w in checkpoint layout [out, in]; f32 accumulation, output in x's dtype. With G groups,
-    x [..., G, in] and group g's outputs [..., g, out/G] are rows g*out/G .. of w against x[..., g, :]."""
+    x [..., G, in] and group g's outputs [..., g, out/G] are rows g*out/G .. of w against x[..., g, :]. w may be
+    quant.Quantized (dequantized to x's dtype: exact)."""
+    if isinstance(w, quant.Quantized):
+        w = w.astype(x.dtype)
     if groups > 1:
         wg = w.reshape(groups, w.shape[0] // groups, w.shape[1]).astype(x.dtype)
         return jnp.einsum("...gi,gri->...gr", x, wg, preferred_element_type=F32).astype(x.dtype)
@@ -217,6 +220,8 @@ def combine_pairs(y, weights):
 
 def layer_slice(a, i):
     """a[i] along the leading (layer stack) axis; i a Python int or a traced scalar."""
+    if isinstance(a, quant.Quantized):
+        return a[i]
     return a[i] if isinstance(i, int) else jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
 
 
@@ -239,9 +244,10 @@ def experts_form(m: int, k: int, n_exp: int) -> str:
     return "gather" if m * k < n_exp else "dense" if n_exp <= DENSE_EXPERTS_RATIO * k else "grouped"
 
 
-def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = None):
-    """The routed experts' sum_k w_k FFN_{e_k}(x). x [M, D]; weights/experts [M, k]; w1/w3 [E, I, D]; w2 [E, D, I].
-    Three forms, by measurement on the H200 (flash-slice, 16 experts, 6 active):
+def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = None, act_quant: bool = False):
+    """The routed experts' sum_k w_k FFN_{e_k}(x). x [M, D]; weights/experts [M, k]; w1/w3 [E, I, D]; w2 [E, D, I]
+    (arrays, or quant.Quantized: dequantized as read). Three forms, by measurement on the H200 (flash-slice, 16
+    experts, 6 active):
     * few tokens (M * k < E, decode at small batch): gather the selected experts' weights; only those are read.
     * few experts (E <= 4k): every expert over every token, weighted by the (mostly zero) combine weights: plain
       large matmuls. XLA:GPU lowers `lax.ragged_dot` as a dense matmul of all M * k sorted rows against every
@@ -249,23 +255,31 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = No
       to be transposed every call (14 of 42 ms of a batch-32 decode call).
     * otherwise: tokens sorted by expert, `lax.ragged_dot_general` (grouped matmul) contracting the weights'
       own input axis (no transpose).
-    `form` ("gather" | "dense" | "grouped") overrides the choice (the mesh path picks its own per shard)."""
+    `form` ("gather" | "dense" | "grouped") overrides the choice (the mesh path picks its own per shard).
+    act_quant: the release's numerics (reference §8.1; x comes rounded): w2's input is the routing weight times
+    the SwiGLU, cast to x's dtype and rounded to FP8 per 1x128 block, as the official Expert scales it before w2."""
     m, k = experts.shape
     n_exp = w1.shape[0]
     dt = x.dtype
+
+    def w2_input(h, w):  # h f32 [..., I], w the routing weight broadcast against it
+        return quant.fp8_roundtrip((h * w).astype(dt), 128) if act_quant else h.astype(dt)
+
     form = form or experts_form(m, k, n_exp)
     if form == "gather":
         g1, g3, g2 = w1[experts].astype(dt), w3[experts].astype(dt), w2[experts].astype(dt)  # [M, k, ...]
         h = swiglu(jnp.einsum("md,mkid->mki", x, g1, preferred_element_type=F32),
-                   jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit).astype(dt)
-        y = jnp.einsum("mki,mkdi->mkd", h, g2, preferred_element_type=F32)
-        return combine_pairs(y, weights)
+                   jnp.einsum("md,mkid->mki", x, g3, preferred_element_type=F32), limit)
+        y = jnp.einsum("mki,mkdi->mkd", w2_input(h, weights[..., None] if act_quant else 1.0), g2,
+                       preferred_element_type=F32)
+        return jnp.sum(y, axis=1) if act_quant else combine_pairs(y, weights)
     if form == "dense":
         combine = jnp.zeros((m, n_exp), F32).at[jnp.arange(m)[:, None], experts].add(weights)  # [M, E]
         h = swiglu(jnp.einsum("md,eid->emi", x, w1.astype(dt), preferred_element_type=F32),
-                   jnp.einsum("md,eid->emi", x, w3.astype(dt), preferred_element_type=F32), limit).astype(dt)
-        y = jnp.einsum("emi,edi->emd", h, w2.astype(dt), preferred_element_type=F32)
-        return jnp.einsum("emd,me->md", y, combine, precision=HI)
+                   jnp.einsum("md,eid->emi", x, w3.astype(dt), preferred_element_type=F32), limit)
+        y = jnp.einsum("emi,edi->emd", w2_input(h, combine.T[..., None] if act_quant else 1.0), w2.astype(dt),
+                       preferred_element_type=F32)
+        return jnp.sum(y, axis=0) if act_quant else jnp.einsum("emd,me->md", y, combine, precision=HI)
     flat_e = experts.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tok = order // k
@@ -274,8 +288,9 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, form: str | None = No
     dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     gmm = lambda a, w: jax.lax.ragged_dot_general(a, w.astype(dt), sizes, dims, preferred_element_type=F32)
-    h = swiglu(gmm(xs, w1), gmm(xs, w3), limit).astype(dt)
-    y = gmm(h, w2) * weights.reshape(-1)[order][:, None]
+    h = swiglu(gmm(xs, w1), gmm(xs, w3), limit)
+    sorted_w = weights.reshape(-1)[order][:, None]
+    y = gmm(w2_input(h, sorted_w), w2) if act_quant else gmm(h.astype(dt), w2) * sorted_w
     return jnp.zeros((m, x.shape[-1]), F32).at[tok].add(y)
 
 
@@ -373,23 +388,38 @@ class Table(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x @ weight.T, weight in checkpoint layout [out, in]."""
+    """y = x @ weight.T, weight in checkpoint layout [out, in]; as the release stores it (`store`): weight e4m3 and
+    `scale` its ue8m0 128x128 block scales."""
 
-    def __init__(self, n_in: int, n_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs, dtype, fp8: bool = False):
+    def __init__(self, n_in: int, n_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs, dtype, fp8: bool = False,
+                 release_fp8: bool | None = None):
         # axes: logical names of (out, in), mapped to mesh axes by sharding/rules.py
         self.weight = nnx.Param(init_normal(rngs, (n_out, n_in), n_in ** -0.5, dtype), logical_axes=tuple(axes))
-        self.fp8 = fp8  # an FP8/FP4 linear in the release: quant_sim rounds its input (1x128 blocks)
+        self.scale = None
+        self.fp8 = fp8  # an FP8/FP4 linear in the release: its input is rounded (1x128 blocks)
+        # FP8 in the release's checkpoint (wo_a too, which the official model dequantizes: its input is not rounded)
+        self.release_fp8 = fp8 if release_fp8 is None else release_fp8
+
+    def store(self, storage: str | None):
+        """Hold the weight as the release does ("fp8"; None: leave it in the model dtype)."""
+        if storage is None or not self.release_fp8:
+            return
+        axes = self.weight.get_metadata()["logical_axes"]
+        values, scale = quant.quantize(self.weight[...], storage)
+        self.weight = nnx.Param(values, logical_axes=axes)
+        self.scale = nnx.data(nnx.Param(scale, logical_axes=axes))
 
     def __call__(self, x, opts=None, groups: int = 1):
         """opts: the forward's RunOptions (v4jax.model.transformer); groups > 1: the grouped form of `linear`
         (x [..., G, in])."""
-        if opts is not None and opts.quant_sim and self.fp8:
+        if self.fp8 and (self.scale is not None or (opts is not None and opts.quant_sim)):
             x = quant.fp8_roundtrip(x, 128)
         w = self.weight.get_value()
+        if self.scale is not None:  # the jnp reference: dequantized inside the matmul
+            return linear(x, quant.Quantized(w[...], self.scale[...], "fp8"), groups)
         if isinstance(w, LayerOf):  # inside the layer loop, off a mesh: the forward's ops table reads it in place
             return opts.ops.linear(x, w.stack, w.index, groups)
         return linear(x, self.weight[...], groups)
-
 
 
 class RMSNorm(nnx.Module):

@@ -66,13 +66,35 @@ class Gate(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked on a leading axis: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down)."""
+    """Routed experts stacked on a leading axis: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down); as the release
+    stores them (`store`): the stored values and w1_scale / w2_scale / w3_scale their ue8m0 block scales."""
 
     def __init__(self, cfg: ModelConfig, *, rngs, dtype):
         e, i, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
         self.w1 = nnx.Param(init_normal(rngs, (e, i, d), d ** -0.5, dtype), logical_axes=EXPERT_UP_AXES)
         self.w2 = nnx.Param(init_normal(rngs, (e, d, i), i ** -0.5, dtype), logical_axes=EXPERT_DOWN_AXES)
         self.w3 = nnx.Param(init_normal(rngs, (e, i, d), d ** -0.5, dtype), logical_axes=EXPERT_UP_AXES)
+        self.w1_scale = self.w2_scale = self.w3_scale = None
+        self.storage = None  # "fp4" | "fp8" once stored
+
+    def store(self, storage: str | None):
+        """Hold the weights as the release does ("fp4", or "fp8" as its first Flash release; None: leave them)."""
+        if storage is None:
+            return
+        for name in ("w1", "w2", "w3"):
+            var = getattr(self, name)
+            axes = var.get_metadata()["logical_axes"]
+            values, scale = quant.quantize(var[...], storage)
+            setattr(self, name, nnx.Param(values, logical_axes=axes))
+            setattr(self, name + "_scale", nnx.data(nnx.Param(scale, logical_axes=axes)))
+        self.storage = storage
+
+    def weights(self):
+        """(w1, w2, w3): arrays, or quant.Quantized as stored."""
+        if self.storage is None:
+            return self.w1[...], self.w2[...], self.w3[...]
+        return tuple(quant.Quantized(getattr(self, n)[...], getattr(self, n + "_scale")[...], self.storage)
+                     for n in ("w1", "w2", "w3"))
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
@@ -83,20 +105,22 @@ def _mesh_axes(entry) -> tuple[str, ...]:
 DENSE_ROWS_PER_EXPERT = 8
 
 
-def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, ops: Ops = XLA, mesh_rules=None):
+def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, ops: Ops = XLA, mesh_rules=None,
+                   act_quant: bool = False):
     """The ops table's experts (default the XLA forms), on a mesh run per shard (shard_map): a shard holds some
     experts (expert parallel) and a slice of each one's width (tensor), runs its experts on every token routed to
     them, and the partial outputs add up over those mesh axes. Tokens are not dispatched: every shard sees the
     step's (few) tokens, so the only collective is the sum of [M, D]. `layer`: w1/w2/w3 are a layer stack and this
-    is the layer's index in it (a kernel reads the shard's stack in place)."""
+    is the layer's index in it (a kernel reads the shard's stack in place). act_quant: the release's numerics
+    (v4jax.model.layers.routed_experts)."""
     if mesh_rules is None:
-        return ops.experts(x, weights, experts, w1, w2, w3, limit, layer)
+        return ops.experts(x, weights, experts, w1, w2, w3, limit, layer, act_quant=act_quant)
     from jax.sharding import PartitionSpec as P
     stack = () if layer is None else ("layers",)
     up, down = mesh_rules.spec(stack + EXPERT_UP_AXES, w1.shape), mesh_rules.spec(stack + EXPERT_DOWN_AXES, w2.shape)
     e_axes, sum_axes = _mesh_axes(up[-3]), _mesh_axes(up[-3]) + _mesh_axes(up[-2])
     if not sum_axes and not ops.per_shard:
-        return ops.experts(x, weights, experts, w1, w2, w3, limit, layer)
+        return ops.experts(x, weights, experts, w1, w2, w3, limit, layer, act_quant=act_quant)
 
     def local(x, weights, experts, w1, w2, w3, layer):
         n_local = w1.shape[-3]
@@ -109,7 +133,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, ops: O
         form = "gather" if m * k < n_local else "dense" if m * k <= DENSE_ROWS_PER_EXPERT * n_local else "grouped"
         # Another shard's experts: no expert, weight 0 (the XLA forms give it a local one: no ragged tail).
         y = ops.experts(x, jnp.where(mine, weights, 0.0), jnp.where(mine, experts - first, -1), w1, w2, w3, limit,
-                        layer, form)
+                        layer, form, act_quant=act_quant)
         return jax.lax.psum(y, sum_axes) if sum_axes else y
 
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
@@ -126,6 +150,8 @@ class SharedExpert(nnx.Module):
     def __call__(self, x, limit, opts, project=None):
         """project: the ops table's `project` (w1 and w3 in one launch where it takes them)."""
         # The current official revision clamps the shared expert too (reference §9.3).
+        if self.w1.scale is not None:  # as stored: Linear's reference matmul
+            project = XLA.project
         xq = quant.fp8_roundtrip(x, 128) if opts.quant_sim else x  # as Linear rounds the input of w1 and w3
         h1, h3 = (project or XLA.project)(xq, [self.w1.weight.get_value(), self.w3.weight.get_value()])
         h1 = self.w1(x, opts) if h1 is None else h1.astype(x.dtype)  # rounded as Linear returns it
@@ -156,10 +182,10 @@ class MoE(nnx.Module):
         flat = x.reshape(-1, shape[-1])
         table_experts, bias, pick = self.gate.selection(token_ids.reshape(-1), layer, hashed)
         w, idx = L.route_by(flat, self.gate.weight[...], bias, table_experts, cfg, pick)
-        xin = quant.fp8_roundtrip(flat, 128) if opts.quant_sim else flat
+        act_quant = opts.quant_sim or self.experts.storage is not None  # the release's numerics
+        xin = quant.fp8_roundtrip(flat, 128) if act_quant else flat
         experts_fn = experts_fn or functools.partial(routed_experts, mesh_rules=opts.mesh_rules)
-        y = experts_fn(xin, w, idx, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], cfg.swiglu_limit,
-                       layer)
+        y = experts_fn(xin, w, idx, *self.experts.weights(), cfg.swiglu_limit, layer, act_quant=act_quant)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, cfg.swiglu_limit, opts, project).astype(F32)
         return y.astype(x.dtype).reshape(shape), idx

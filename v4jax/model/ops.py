@@ -25,10 +25,12 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       lse [B, T, H] the log of the softmax denominator, -inf where nothing is valid and there is no sink), what
       shards merge (the kernels' partial states cost a write and a read of o in f32, so only then).
   sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
-  experts(x, weights, experts, w1, w2, w3, limit, layer=None, form=None) -> [M, D] f32: the routed experts'
-      weighted sum (v4jax.model.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of another shard's
-      expert, weight 0); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the layer's experts are
-      used, else [E, ...]; form: the XLA form where the XLA forms run (None: by size).
+  experts(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False) -> [M, D] f32: the
+      routed experts' weighted sum (v4jax.model.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of
+      another shard's expert, weight 0); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the
+      layer's experts are used, else [E, ...]; w1/w2/w3 may be quant.Quantized (kept as stored); form: the XLA
+      form where the XLA forms run (None: by size); act_quant: the release's FP8 rounding of both matmuls'
+      inputs (the kernels do not round: the XLA forms run it).
   project(x, ws) -> [[..., O_k] f32 or None]: x @ w.T for several weights of one input in one launch, each
       w an L.LayerOf of a layer stack [n, O_k, D] (None for a weight the kernel does not take: the caller
       projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule).
@@ -66,6 +68,7 @@ from pallas_kernels import sinkhorn as pallas_sinkhorn
 from pallas_kernels import sparse_attention as pallas_sparse_attention
 from pallas_kernels import topk as pallas_topk
 from v4jax.model import layers as L
+from v4jax.model import quant
 
 F32 = jnp.float32
 
@@ -230,17 +233,20 @@ def _sinkhorn_pallas(comb, iters, eps):
     return pallas_sinkhorn.sinkhorn(comb, iters, eps)
 
 
-def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
+def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False):
     if layer is not None:
         w1, w2, w3 = (L.layer_slice(w, layer) for w in (w1, w2, w3))
     # a pair of no expert has weight 0: any expert's output will do
-    return L.routed_experts(x, weights, jnp.maximum(experts, 0), w1, w2, w3, limit, form)
+    return L.routed_experts(x, weights, jnp.maximum(experts, 0), w1, w2, w3, limit, form, act_quant)
 
 
-def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=None):
+def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False):
     """pallas_kernels.experts for a decode step's few tokens (each chosen expert's weights read once, from the
     layer stack in place) on GPU and, interpreted, on CPU; a prefill chunk's on Hopper GPUs as one grouped matmul
-    per weight (pallas_kernels.experts_grouped); the XLA forms for the sizes neither takes."""
+    per weight (pallas_kernels.experts_grouped); the XLA forms for the sizes neither takes, for weights kept as
+    stored and for the release's rounding (act_quant)."""
+    if act_quant or isinstance(w1, quant.Quantized):
+        return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form, act_quant)
     if pallas_experts.supported(x, w1):
         return pallas_experts.routed_experts(x, weights, experts, w1, w2, w3, limit, layer=layer)
     if form in (None, "grouped") and pallas_experts_grouped.supported(x, w1):

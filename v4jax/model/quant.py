@@ -1,9 +1,13 @@
-"""The official release's quantisation numerics as jnp round trips (reference §9.1), for `quant_sim=True`.
+"""The official release's quantisation numerics as jnp round trips (reference §9.1), for `quant_sim=True`, and the
+release's weight storage (FP8 / FP4 blocks, reference §8.1) as the model holds it when kept as stored.
 
 Values stay in float; each function rounds x exactly as the official kernels store it (FP8 e4m3 with ue8m0
 power-of-two block scales, FP4 e2m1 with power-of-two block scales, both round-to-nearest-even)."""
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy.linalg import hadamard
@@ -63,3 +67,138 @@ def hadamard_rotate(x):
     n = x.shape[-1]
     h = jnp.asarray(hadamard(n) * n ** -0.5, F32)
     return jnp.einsum("...i,ij->...j", x.astype(F32), h).astype(x.dtype)
+
+
+# ---- weights kept in the checkpoint's storage (reference §8.1) ------------------------------------------------
+FP8_BLOCK = 128  # FP8 weights: one ue8m0 scale per 128 x 128 block
+FP4_BLOCK = 32  # FP4 weights: one ue8m0 scale per 1 x 32 block along the input
+STORAGES = ("fp8", "fp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """How the weights the release quantises are held: `linear` "fp8" (e4m3, 128x128 ue8m0 blocks) or None (the
+    model dtype) for the FP8 linears (attention projections, the indexer's wq_b, the shared expert, MTP's
+    e_proj / h_proj); `experts` "fp4" (e2m1 two per byte, 1x32 ue8m0 blocks), "fp8" or None for the routed
+    experts."""
+    linear: str | None = None
+    experts: str | None = None
+
+    def __post_init__(self):
+        if self.linear not in (None, "fp8") or self.experts not in (None, *STORAGES):
+            raise ValueError(f"weight format: linear must be 'fp8' or None, experts 'fp4', 'fp8' or None; got {self}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.linear is not None or self.experts is not None
+
+
+DEQUANTIZED = WeightFormat()
+RELEASE = WeightFormat("fp8", "fp4")  # the current release (reference §1.1 `expert_dtype` fp4)
+
+
+def scale_shape(storage: str, shape) -> tuple[int, ...]:
+    """Shape of the ue8m0 scales of a weight of logical shape [..., O, I]."""
+    *lead, o, i = shape
+    if storage == "fp8":
+        return (*lead, -(-o // FP8_BLOCK), -(-i // FP8_BLOCK))
+    return (*lead, o, -(-i // FP4_BLOCK))
+
+
+def stored_shape(storage: str, shape) -> tuple[int, ...]:
+    """Shape of the stored values of a weight of logical shape [..., O, I] (FP4: two codes a byte)."""
+    *lead, o, i = shape
+    return (*lead, o, i) if storage == "fp8" else (*lead, o, -(-i // 2))
+
+
+STORED_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp4": jnp.uint8}
+SCALE_DTYPE = jnp.float8_e8m0fnu
+
+
+def scale_to_f32(scale):
+    """ue8m0 scales -> their float32 values 2^(byte - 127), exactly (a bit pattern: no conversion the backend may
+    lack)."""
+    b = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.uint32)
+    normal = jax.lax.bitcast_convert_type(b << 23, F32)
+    return jnp.where(b == 0, jnp.float32(2.0 ** -127), normal)
+
+
+_FP4_LUT = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+
+
+def _expand(s, axis: int, block: int, n: int):
+    return jnp.repeat(s, block, axis=axis)[(slice(None),) * (s.ndim + axis) + (slice(0, n),)]
+
+
+def dequantize(values, scale, storage: str, dtype, shape):
+    """The weight [..., O, I] in `dtype` from its stored values and scales (exact: an e4m3 or e2m1 value times a
+    power of two is a bf16 number)."""
+    *_, o, i = shape
+    s = scale_to_f32(scale)
+    if storage == "fp8":
+        w = values.astype(F32) * _expand(_expand(s, -2, FP8_BLOCK, o), -1, FP8_BLOCK, i)
+    else:
+        codes = jnp.stack([values & 0x0F, values >> 4], axis=-1).reshape(*values.shape[:-1], -1)[..., :i]
+        w = jnp.asarray(_FP4_LUT)[codes.astype(jnp.int32)] * _expand(s, -1, FP4_BLOCK, i)
+    return w.astype(dtype)
+
+
+def _block_scale_exponent(amax, qmax):
+    """Integer k with 2^k = 2^ceil(log2(amax / qmax)) (frexp: exact), clipped to the ue8m0 range."""
+    mant, exp = jnp.frexp(jnp.maximum(amax, qmax * 2.0 ** -127) / qmax)
+    return jnp.clip(jnp.where(mant == 0.5, exp - 1, exp), -127, 127)
+
+
+def quantize(w, storage: str):
+    """(values, scales) of a float weight [..., O, I] in `storage` (reference §8.1: the block amax over the format's
+    largest value, rounded up to a power of two; values rounded to nearest, ties to even)."""
+    *lead, o, i = w.shape
+    w = w.astype(F32)
+    if storage == "fp8":
+        po, pi = (-o) % FP8_BLOCK, (-i) % FP8_BLOCK
+        wp = jnp.pad(w, [(0, 0)] * len(lead) + [(0, po), (0, pi)])
+        blocks = wp.reshape(*lead, (o + po) // FP8_BLOCK, FP8_BLOCK, (i + pi) // FP8_BLOCK, FP8_BLOCK)
+        k = _block_scale_exponent(jnp.max(jnp.abs(blocks), axis=(-3, -1)), FP8_MAX)
+        inv = jnp.ldexp(jnp.ones_like(k, F32), -k)
+        q = jnp.clip(w * _expand(_expand(inv, -2, FP8_BLOCK, o), -1, FP8_BLOCK, i), -FP8_MAX, FP8_MAX)
+        values = q.astype(jnp.float8_e4m3fn)
+    else:
+        pi = (-i) % FP4_BLOCK
+        wp = jnp.pad(w, [(0, 0)] * (len(lead) + 1) + [(0, pi)])
+        k = _block_scale_exponent(jnp.max(jnp.abs(wp.reshape(*lead, o, -1, FP4_BLOCK)), axis=-1), FP4_MAX)
+        inv = jnp.ldexp(jnp.ones_like(k, F32), -k)
+        q = jnp.clip(w * _expand(inv, -1, FP4_BLOCK, i), -FP4_MAX, FP4_MAX)
+        codes = jax.lax.bitcast_convert_type(q.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+        codes = jnp.pad(codes, [(0, 0)] * (len(lead) + 1) + [(0, i % 2)])
+        values = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scale = jax.lax.bitcast_convert_type((k + 127).astype(jnp.uint8), SCALE_DTYPE)
+    return values, scale
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A weight [..., O, I] as stored: `values` (e4m3, or e2m1 codes two a byte) and ue8m0 `scale`s. Indexing its
+    leading axes (a layer of a stack, the experts of a gather) indexes both; `astype(dtype)` dequantizes, so the
+    matmul forms written for float weights read it unchanged (and round their inputs: `act_quant`)."""
+    values: jax.Array
+    scale: jax.Array
+    storage: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, o, i = self.values.shape
+        return (*lead, o, i if self.storage == "fp8" else 2 * i)
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        assert len(index) <= self.ndim - 2, "only the leading (stack, expert) axes are indexed"
+        return Quantized(self.values[index], self.scale[index], self.storage)
+
+    def astype(self, dtype):
+        return dequantize(self.values, self.scale, self.storage, dtype, self.shape)

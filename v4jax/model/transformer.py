@@ -38,7 +38,8 @@ from v4jax.config import ModelConfig, layer_stacks
 from v4jax.model import layers as L
 from v4jax.model.attention import Attention
 from v4jax.model.layers import Linear, RMSNorm, RunOptions, Table, init_normal  # noqa: F401 (RunOptions: re-exported)
-from v4jax.model.moe import MoE, routed_experts
+from v4jax.model import quant
+from v4jax.model.moe import Experts, MoE, routed_experts
 from v4jax.model.ops import Ops, on_shards, ops_for
 
 F32 = jnp.float32
@@ -59,7 +60,7 @@ class RoutingAux(nnx.Intermediate):
 HC_FN_AXES = ("hc_mix", "hc_embed")
 
 
-_EXPERT_WEIGHTS = {("ffn", "experts", w) for w in ("w1", "w2", "w3")}
+_EXPERT_WEIGHTS = {("ffn", "experts", w) for w in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")}
 _ROUTER_ROWS = {("ffn", "gate", "tid2eid"), ("ffn", "gate", "bias")}  # one row per hash / top-k layer of a stack
 
 
@@ -254,19 +255,32 @@ class _Draws:
         self._stream.count[...] = self._count + self._n
 
 
+def _store(module, weights: quant.WeightFormat):
+    """Hold the module's FP8 linears and routed experts as `weights` says (the release's storage, or the dtype)."""
+    for _, m in list(module.iter_modules()):
+        if isinstance(m, Linear):
+            m.store(weights.linear)
+        elif isinstance(m, Experts):
+            m.store(weights.experts)
+    return module
+
+
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, mtp: bool = True):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, mtp: bool = True,
+                 weights: quant.WeightFormat = quant.DEQUANTIZED):
+        """weights: how the weights the release quantises are held (quant.WeightFormat; a random init is quantised
+        as the release's converter would, layer by layer)."""
         draws = _Draws(rngs)
-        self._build(cfg, draws, dtype, mtp)
+        self._build(cfg, draws, dtype, mtp, weights)
         draws.close()
 
-    def _build(self, cfg: ModelConfig, rngs, dtype, mtp: bool):
+    def _build(self, cfg: ModelConfig, rngs, dtype, mtp: bool, weights: quant.WeightFormat):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
         self.embed = Table(cfg.vocab_size, d, 1.0, rngs=rngs, dtype=dtype)
         # Layers are built one by one in layer order (the random init does not depend on the grouping), then
         # stacked; each layer's own arrays are dropped as soon as its stack exists.
-        blocks = [Block(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.n_layers)]
+        blocks = [_store(Block(cfg, i, rngs=rngs, dtype=dtype), weights) for i in range(cfg.n_layers)]
         stacks = []
         for st in layer_stacks(cfg).stacks:
             stacks.append(_stack([blocks[i] for i in st.layers]))
@@ -278,11 +292,20 @@ class Transformer(nnx.Module):
         self.hc_head_base = nnx.Param(init_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
         self.hc_head_scale = nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",))
         self.head = Table(cfg.vocab_size, d, d ** -0.5, rngs=rngs, dtype=dtype)
-        self.mtp = nnx.List([MTPBlock(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.n_mtp_layers if mtp else 0)])
+        self.mtp = nnx.List([_store(MTPBlock(cfg, rngs=rngs, dtype=dtype), weights)
+                             for _ in range(cfg.n_mtp_layers if mtp else 0)])
 
     @property
     def dtype(self):
         return self.embed.weight.dtype
+
+    @property
+    def weight_format(self) -> quant.WeightFormat:
+        """How the weights the release quantises are held (see Transformer)."""
+        modules = [m for _, m in self.iter_modules()]
+        fp8 = any(isinstance(m, Linear) and m.scale is not None for m in modules)
+        experts = next((m.storage for m in modules if isinstance(m, Experts)), None)
+        return quant.WeightFormat("fp8" if fp8 else None, experts)
 
     def embed_streams(self, token_ids):
         e = self.embed.weight[...][token_ids]

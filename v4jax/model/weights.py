@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from v4jax.config import ModelConfig, layer_stacks
 from v4jax.model import Transformer
 
+_STORED_DTYPES = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.uint8), np.dtype(jnp.float8_e8m0fnu)}
 _MTP_OWN = {"e_proj", "h_proj", "enorm", "hnorm", "norm", "hc_head_fn", "hc_head_base", "hc_head_scale"}
 
 
@@ -39,7 +41,9 @@ def official_to_path(name: str, cfg: ModelConfig) -> tuple[tuple, tuple[int, ...
             parts[parts.index("experts") + 1], int):
         j = parts.index("experts")
         index.append(parts.pop(j + 1))
-        assert parts[-1] == "weight", name
+        assert parts[-1] in ("weight", "scale"), name
+        if parts[-1] == "scale":  # the block scales of an expert weight kept as stored (moe.Experts)
+            return tuple(parts[:-2]) + (f"{parts[-2]}_scale",), tuple(index)
         return tuple(parts[:-1]), tuple(index)
     return tuple(parts), tuple(index)
 
@@ -78,7 +82,11 @@ def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], 
         if tuple(arr.shape) != shape[len(index):]:
             raise ValueError(f"{name}: shape {tuple(arr.shape)} != model {shape[len(index):]}")
         sharding = None if mesh_rules is None else mesh_rules.sharding(variable_axes(var, name), shape)
-        host = np.asarray(arr).astype(np.dtype(var.dtype))
+        host = np.asarray(arr)
+        if var.dtype in _STORED_DTYPES and host.dtype not in (np.dtype(var.dtype), np.dtype(np.int8)):
+            raise ValueError(f"{name}: {host.dtype} values for a parameter held as stored ({var.dtype})")
+        # packed FP4 is int8 in the checkpoint, its bytes uint8 in the model
+        host = host.view(np.uint8) if host.dtype == np.int8 and var.dtype == np.uint8 else host.astype(var.dtype)
         if not index:
             var.set_value(put(host, sharding))
             assigned.add(path)
@@ -108,7 +116,8 @@ def load_tensors(model: Transformer, tensors: Iterable[tuple[str, np.ndarray]], 
 def _n_lead(path: tuple) -> int:
     """Leading axes of a model parameter that index official tensors (its stack's layers, routed experts)."""
     names = [str(p) for p in path]
-    return (names[0] == "stacks") + (len(names) >= 2 and names[-2] == "experts" and names[-1] in ("w1", "w2", "w3"))
+    return (names[0] == "stacks") + (len(names) >= 2 and names[-2] == "experts"
+                                     and names[-1] in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"))
 
 
 def _official_name(cfg: ModelConfig, path: tuple, index: tuple[int, ...]) -> str:
@@ -121,7 +130,8 @@ def _official_name(cfg: ModelConfig, path: tuple, index: tuple[int, ...]) -> str
     if parts[0] == "mtp" and len(parts) > 2 and parts[2] == "block":
         del parts[2]
     if index:  # routed experts
-        return ".".join(parts[:-1] + [str(index[0]), parts[-1], "weight"])
+        w, kind = parts[-1].split("_") if parts[-1].endswith("_scale") else (parts[-1], "weight")
+        return ".".join(parts[:-1] + [str(index[0]), w, kind])
     return ".".join(parts)
 
 
