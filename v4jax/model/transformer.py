@@ -257,7 +257,7 @@ class _Draws:
 
 def _store(module, weights: quant.WeightFormat):
     """Hold the module's FP8 linears and routed experts as `weights` says (the release's storage, or the dtype)."""
-    for _, m in list(module.iter_modules()):
+    for _, m in list(nnx.iter_modules(module)):
         if isinstance(m, Linear):
             m.store(weights.linear)
         elif isinstance(m, Experts):
@@ -302,7 +302,7 @@ class Transformer(nnx.Module):
     @property
     def weight_format(self) -> quant.WeightFormat:
         """How the weights the release quantises are held (see Transformer)."""
-        modules = [m for _, m in self.iter_modules()]
+        modules = [m for _, m in nnx.iter_modules(self)]
         fp8 = any(isinstance(m, Linear) and m.scale is not None for m in modules)
         experts = next((m.storage for m in modules if isinstance(m, Experts)), None)
         return quant.WeightFormat("fp8" if fp8 else None, experts)

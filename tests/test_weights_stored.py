@@ -1,0 +1,174 @@
+"""Weights kept in the checkpoint's storage (FP8 e4m3 linears with 128x128 ue8m0 scales, FP4 e2m1 routed experts
+with 1x32 scales): the matmuls that read them equal the dequantized load under quant_sim (the release's numerics
+simulated), and the bytes held, reported by stats() and by the memory report, are the stored ones."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hf_reference as H
+from checkpoints import formats as F
+from checkpoints import write_official_checkpoint
+from v4jax import LLM, SamplingParams
+from v4jax import memory as M
+from v4jax.api import EngineOptions
+from v4jax.config import preset
+from v4jax.fields import FieldError
+from v4jax.model import Transformer, quant
+from v4jax.model import layers as L
+
+OPTS = dict(dtype="float32", quant_sim=True, max_num_seqs=2, max_model_len=256, prefill_chunk=32)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """cfg_small_ratios (window 8, CSA 4, HCA 8), quantised as the release stores it. No MTP: the simulated load's
+    forward is then the program tests/test_model_parity.py's quant_sim test compiles (the compilation cache serves
+    it)."""
+    cfg = H.cfg_small_ratios()
+    d = tmp_path_factory.mktemp("fp8_fp4")
+    write_official_checkpoint(d, cfg, H.random_official_tensors(cfg, seed=5, include_mtp=False), fp8=True,
+                              fp4_experts=True, bf16=False)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def stored(ckpt):
+    return LLM(ckpt, **OPTS)
+
+
+@pytest.fixture(scope="module")
+def simulated(ckpt):
+    return LLM(ckpt, quantization="none", **OPTS)
+
+
+def test_quantize_is_the_checkpoint_format():
+    """The in-graph quantiser and dequantiser are the checkpoint writer's and reader's, bit for bit (partial
+    blocks included)."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((2, 200, 300)) * np.exp(rng.standard_normal((2, 200, 1)))).astype(np.float32)
+    for storage, write, read in (("fp8", F.quant_fp8_blocks, F.dequant_fp8_blocks),
+                                 ("fp4", F.quant_fp4, lambda v, s: F.unpack_fp4(v.view(np.int8), s))):
+        q = quant.Quantized(*jax.jit(lambda w: quant.quantize(w, storage))(w), storage)
+        assert q.shape == w.shape
+        for e in range(2):
+            values, scale = write(w[e])
+            assert np.array_equal(np.asarray(q.values[e]).view(np.uint8), values.view(np.uint8)), storage
+            assert np.array_equal(np.asarray(q.scale[e]).view(np.uint8), scale.view(np.uint8)), storage
+            np.testing.assert_array_equal(np.asarray(q[e].astype(jnp.float32)), read(values, scale))
+
+
+def _fp8_rows(a):
+    """FP8 rounding per 1x128 block with ue8m0 scales, by the checkpoint formats (numpy)."""
+    return F.dequant_fp8_blocks(*F.quant_fp8_blocks(a, (1, 128)), (1, 128))
+
+
+def _release_experts(x, weights, experts, w1, w2, w3, limit):
+    """The official Expert per (token, pair) in numpy: FP8-rounded input, clamped SwiGLU, the routing weight times
+    it rounded to FP8 before w2, outputs summed."""
+    r = _fp8_rows
+    xq = r(x)
+    out = np.zeros_like(x)
+    for m in range(x.shape[0]):
+        for k in range(experts.shape[1]):
+            e = experts[m, k]
+            g, u = xq[m] @ w1[e].T, xq[m] @ w3[e].T
+            g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            h = weights[m, k] * g / (1 + np.exp(-g)) * u
+            out[m] += r(h[None])[0] @ w2[e].T
+    return out
+
+
+def test_routed_experts_read_stored_weights():
+    """Every XLA form of the routed experts reads FP4 (and FP8) expert stacks as the release computes them."""
+    rng = np.random.default_rng(1)
+    n_exp, d, i, m, k = 8, 64, 96, 6, 2
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    experts = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(m)]).astype(np.int32)
+    weights = rng.uniform(0.2, 1.5, (m, k)).astype(np.float32)
+    xq = _fp8_rows(x)
+    forms = jax.jit(lambda *a: [L.routed_experts(*a, 10.0, form, act_quant=True)
+                                for form in ("gather", "dense", "grouped")])
+    for storage in ("fp4", "fp8"):
+        raw = [rng.standard_normal(s).astype(np.float32) * 0.3 for s in ((n_exp, i, d), (n_exp, d, i), (n_exp, i, d))]
+        write = F.quant_fp4 if storage == "fp4" else F.quant_fp8_blocks
+        stored = [[write(w[e]) for e in range(n_exp)] for w in raw]  # as the checkpoint holds them
+        ws = [quant.Quantized(jnp.asarray(np.stack([v.view(np.uint8) if storage == "fp4" else v for v, _ in st])),
+                              jnp.asarray(np.stack([s for _, s in st])), storage) for st in stored]
+        read = (lambda v, s: F.unpack_fp4(v, s)) if storage == "fp4" else F.dequant_fp8_blocks
+        deq = [np.stack([read(v, s) for v, s in st]) for st in stored]
+        ref = _release_experts(x, weights, experts, *deq, 10.0)
+        for form, got in zip(("gather", "dense", "grouped"), forms(xq, weights, experts, *ws)):
+            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5, err_msg=f"{storage} {form}")
+        plain = _release_experts(x, np.ones_like(weights), experts, *deq, 10.0)
+        assert np.abs(plain - ref).max() > 1e-3  # the routing weights enter before w2's rounding
+
+
+def test_linear_reads_stored_weight():
+    lin = L.Linear(200, 160, ("embed", "mlp"), rngs=nnx.Rngs(0), dtype=jnp.float32, fp8=True)
+    w = np.asarray(lin.weight[...])
+    lin.store("fp8")
+    assert lin.weight.dtype == jnp.float8_e4m3fn and lin.scale.shape == (2, 2)
+    x = np.random.default_rng(2).standard_normal((3, 200)).astype(np.float32)
+    ref = _fp8_rows(x) @ F.dequant_fp8_blocks(*F.quant_fp8_blocks(w)).T
+    got = nnx.jit(lambda lin, x: lin(x))(lin, jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_stored_logits_equal_simulated(stored, simulated):
+    """A teacher-forced forward over 60 tokens (every window and compression boundary of the config many times)."""
+    assert stored.model.weight_format == quant.RELEASE
+    assert simulated.model.weight_format == quant.DEQUANTIZED
+    ids = np.random.default_rng(3).integers(2, stored.config.vocab_size, 60).tolist()
+    np.testing.assert_allclose(stored.logits(ids), simulated.logits(ids), atol=1e-4, rtol=0)
+
+
+def test_stored_bytes(stored):
+    """Weight bytes held: FP8 parts at most 0.6x, FP4 experts at most 0.3x of the bf16 load; stats() and the memory
+    report count the same bytes."""
+    cfg = stored.config
+    held = M.weight_stats(stored.model)
+    assert held["bytes"] == sum(held["by_format"].values())
+    assert held["bytes"] == M.param_bytes(cfg, 4, mtp=False, weights=quant.RELEASE)["total"]  # float32 for the rest
+    bf16 = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, mtp=False))
+    bf16_bytes = {tuple(map(str, p)): math.prod(v.shape) * 2 for p, v in nnx.to_flat_state(nnx.state(bf16))}
+    for storage, dtype, most in (("fp8", jnp.float8_e4m3fn, 0.6), ("fp4", jnp.uint8, 0.3)):
+        paths = [tuple(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(stored.model)) if v.dtype == dtype]
+        assert paths, storage
+        assert held["by_format"][storage] <= most * sum(bf16_bytes[p] for p in paths), storage
+
+
+def test_memory_report_in_stored_bytes():
+    """The release's files: Flash 148.66 GiB (the size listed in binary units: 159.6 GB), Pro 864.7 GB; the
+    analytical count equals the abstract model's, split over a mesh too."""
+    assert M.param_bytes(preset("flash"), weights=quant.RELEASE)["total"] / 2 ** 30 == pytest.approx(148.66,
+                                                                                                   rel=5e-4)
+    assert M.param_bytes(preset("pro"), weights=quant.RELEASE)["total"] / 1e9 == pytest.approx(864.7, rel=5e-4)
+    cfg = preset("tiny")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, weights=quant.RELEASE))
+    for mesh in (None, "expert=2,tensor=2"):
+        assert M.weight_bytes_per_device(model, mesh) == M.weight_bytes_on_mesh(cfg, mesh, 2, quant.RELEASE)
+    assert M.weight_stats(model)["bytes"] == M.param_bytes(cfg, 2, weights=quant.RELEASE)["total"]
+
+
+def test_quantization_option_is_checked(tiny_checkpoint):
+    with pytest.raises(FieldError, match="quantization"):
+        EngineOptions(quantization="int4")
+    with pytest.raises(FieldError, match="quantization='fp8'"):  # a float checkpoint has no FP8 storage to keep
+        LLM(tiny_checkpoint, quantization="fp8")
+
+
+@pytest.mark.slow
+def test_stored_engine_equals_simulated(stored, simulated):
+    """Greedy decoding through the engine (chunked prefill, decode calls) over prompts of 5 and 37 tokens and 40
+    new tokens each: the same tokens and log-probs within 1e-4."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, stored.config.vocab_size, n).tolist() for n in (5, 37)]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True)
+    for a, b in zip(stored.generate(prompts, sp), simulated.generate(prompts, sp)):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert stored.stats()["weights"] == M.weight_stats(stored.model)
