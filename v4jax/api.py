@@ -144,6 +144,39 @@ def _weight_format(quantization: str | None, stored: quant.WeightFormat | None, 
     return quant.RELEASE
 
 
+def _check_stored_experts_split(abstract, mesh_rules, what: str) -> None:
+    """Routed experts kept as stored run per shard (shard_map): each shard dequantizes its own block of values
+    with its own block of scales, so the mesh must split a scale array as it splits its values."""
+    from sharding.place import variable_axes
+    flat = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(abstract))}
+    for path, scale in flat.items():
+        if len(path) < 2 or path[-2] != "experts" or not path[-1].endswith("_scale"):
+            continue
+        values = flat[path[:-1] + (path[-1][: -len("_scale")],)]
+        axes = variable_axes(values)
+        got, want = mesh_rules.spec(axes, scale.shape), mesh_rules.spec(axes, values.shape)
+        if got != want:
+            raise FieldError("quantization", f"{what}: the mesh splits {'.'.join(path[:-1])} as {want} but its "
+                             f"block scales {tuple(scale.shape)} as {got}; load it with quantization='none' or use a "
+                             "mesh whose axes divide the scale blocks")
+
+
+def _check_expert_width_split(cfg: ModelConfig, mesh_rules, mesh: str) -> None:
+    """The release's rounding of w2's input (quant_sim, or experts kept as stored) takes blocks of 128 along the
+    expert width, which each shard rounds on its own: a mesh may split the width only into multiples of 128."""
+    from v4jax.model.moe import EXPERT_DOWN_AXES
+    shape = (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
+    axes = mesh_rules.spec(EXPERT_DOWN_AXES, shape)[-1]
+    ways = 1 if axes is None else int(np.prod([mesh_rules.mesh.shape[a] for a in ((axes,) if isinstance(axes, str)
+                                                                                  else axes)]))
+    if (cfg.moe_inter_dim // ways) % quant.FP8_BLOCK:
+        raise FieldError("mesh", f"mesh={mesh!r} splits the routed experts' width {cfg.moe_inter_dim} into "
+                         f"{ways} shards of {cfg.moe_inter_dim // ways}: the release's FP8 rounding of their "
+                         f"down projection's input takes blocks of {quant.FP8_BLOCK} (quant_sim, or experts kept as "
+                         "stored); use a mesh whose `tensor` axis leaves whole blocks, or quantization='none' "
+                         "without quant_sim")
+
+
 def load_model(spec: str | None, dtype, seed: int = 0, mesh_rules=None,
                quantization: str | None = None) -> tuple[ModelConfig, Transformer, object, str]:
     """(config, model, tokenizer or None, description) for a preset name, an HF-format directory or an orbax
@@ -173,6 +206,9 @@ def load_model(spec: str | None, dtype, seed: int = 0, mesh_rules=None,
                             what=f"preset {spec!r}")
         warnings.warn(f"preset {spec!r}: random weights (seed {seed}); no tokenizer, prompts are token ids",
                       stacklevel=3)
+        if mesh_rules is not None and weights.experts is not None:
+            _check_stored_experts_split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                                                           weights=weights)), mesh_rules, spec)
         model = create_model(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype, weights=weights), mesh_rules)
         return cfg, model, None, f"preset {spec}"
     if not os.path.isdir(spec):
@@ -192,6 +228,8 @@ def load_model(spec: str | None, dtype, seed: int = 0, mesh_rules=None,
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=ckpt.has_mtp,
                                                   weights=weights))
     M.check_weights_fit(cfg, M.weight_bytes_per_device(abstract, mesh), dtype, what=spec)
+    if mesh_rules is not None and weights.experts is not None:
+        _check_stored_experts_split(abstract, mesh_rules, spec)
     # FP8 linears are kept as stored under both formats (the release's experts could be FP8 too: its first Flash)
     stored = tuple(s for s in (weights.linear, weights.experts) if s is not None)
     model = load_tensors(abstract, ckpt.iter_tensors(progress=True, stored=stored), mesh_rules)
@@ -304,6 +342,8 @@ class LLM:
             raise FieldError("max_model_len", f"max_model_len={limit} exceeds this model's context limit of "
                              f"{self.config.max_seq_len} tokens (its config's max_position_embeddings)")
         self.max_model_len = self.config.max_seq_len if limit is None else limit
+        if self.mesh_rules is not None and (self.options.quant_sim or self.model.weight_format.experts):
+            _check_expert_width_split(self.config, self.mesh_rules, self.options.mesh)
         impl = self.options.attention_impl or ("pallas" if jax.default_backend() == "gpu" else "xla")
         self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=impl, mesh_rules=self.mesh_rules)
         graphdef, state = nnx.split(self.model)
