@@ -148,6 +148,8 @@ def generate_main(argv=None) -> int:
     ap.add_argument("--warmup", action="store_true", help="time the engine's warm-up (every program it can "
                     "dispatch) before the rows")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=("none", "fp8"), help="default: the LLM's (a preset's "
+                    "weights in --dtype); fp8: the release's FP8 linears and FP4 experts")
     ap.add_argument("--cache", default="off", choices=("on", "off"), help="the persistent compilation cache")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--out", default=None)
@@ -178,6 +180,7 @@ def generate_main(argv=None) -> int:
     data = {"command": "v4jax bench generate " + " ".join(argv if argv is not None else sys.argv[1:]),
             "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
             "model": a.model, "k": a.k, "prefill_chunk": a.prefill_chunk, "attention_impl": a.attention_impl,
+            "quantization": a.quantization,
             "rows": []}
 
     def write():
@@ -189,8 +192,8 @@ def generate_main(argv=None) -> int:
     batches, contexts, prefills = _parse_ints(a.batches), _parse_ints(a.contexts), _parse_ints(a.prefill)
     longest = max(contexts + prefills) + a.new + 2 * a.k
     t0 = time.perf_counter()
-    chosen = {k: v for k, v in (("prefill_chunk", a.prefill_chunk), ("attention_impl", a.attention_impl))
-              if v is not None}
+    chosen = {k: v for k, v in (("prefill_chunk", a.prefill_chunk), ("attention_impl", a.attention_impl),
+                                ("quantization", a.quantization)) if v is not None}
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=1, max_model_len=longest, decode_steps=a.k, **chosen)
     data.update(prefill_chunk=llm.options.prefill_chunk, attention_impl=llm.options.attention_impl or "default",
                 max_num_seqs=a.max_num_seqs or "batch")
