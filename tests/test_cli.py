@@ -121,10 +121,14 @@ def test_memory_reports_weights_and_pools_per_device(capsys):
     rc, out, _ = _run(capsys, "memory", "--model", "flash", "--context", "64K", "--mesh", "expert=8")
     assert rc == 0
     assert "| **KV per context token (B)** | **6880** |" in out  # the pool report (bf16 column)
-    assert "## Per device (expert=8: 8 device(s)" in out and "| weights | | | 542.00 GiB | 80.00 GiB |" in out
+    # the weights as the release stores them (FP8 linears, FP4 routed experts: its 148.66 GiB), or in bf16
+    assert "## Per device (expert=8: 8 device(s), weights as the release stores them" in out
+    assert "| weights | | | 148.64 GiB | 25.92 GiB |" in out
     # the engine's pools for LLM's options (max_model_len: the model's 1M), every pool a row
     assert "8 slots x max_model_len=1048576; 32768 full pages of 256 tokens" in out
     assert "| pool c4_index | 32768 pages of 256 tokens | 344064 | 10.50 GiB | 10.50 GiB |" in out
+    rc, out, _ = _run(capsys, "memory", "--model", "flash", "--mesh", "expert=8", "--quantization", "none")
+    assert "| weights | | | 542.00 GiB | 80.00 GiB |" in out
     rc, out, _ = _run(capsys, "memory", "--model", "tiny", "--context", "1K", "--json", "--mesh", "tensor=2")
     d = json.loads(out)
     assert rc == 0 and d["mesh"] == {"tensor": 2} and 0 < d["weights"]["per_device"] < d["weights"]["total"]

@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", metavar="OUT", help="the orbax checkpoint directory to write")
     c.add_argument("--mesh", default=None, help="devices per mesh axis to load and write from, e.g. expert=8")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype")
+    c.add_argument("--quantization", default=None, choices=["none", "fp8"], help="weights as the source stores them "
+                   "(default), dequantized to --dtype (none), or the release's FP8 / FP4 formats (fp8)")
     c.set_defaults(func=_convert)
     ap.set_defaults(func=lambda args: _help(ap))
     return ap
@@ -345,7 +347,7 @@ BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4j
 
 def _convert(args) -> int:
     from v4jax.api import convert
-    convert(args.source, args.out, dtype=args.dtype, mesh=args.mesh)
+    convert(args.source, args.out, dtype=args.dtype, mesh=args.mesh, quantization=args.quantization)
     print(f"wrote {args.out}")
     return 0
 
