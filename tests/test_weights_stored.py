@@ -126,6 +126,41 @@ def test_stored_logits_equal_simulated(stored, simulated):
     np.testing.assert_allclose(stored.logits(ids), simulated.logits(ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
+def test_orbax_keeps_stored_weights(ckpt, stored, tmp_path):
+    """`v4jax convert` writes the weights as held; the restored model is the same program on the same values."""
+    from v4jax.api import convert
+    out = convert(ckpt, str(tmp_path / "orbax"), dtype="float32", progress=False)
+    restored = LLM(out, **OPTS)
+    assert restored.model.weight_format == quant.RELEASE
+    ids = np.random.default_rng(4).integers(2, stored.config.vocab_size, 60).tolist()  # the compiled bucket
+    np.testing.assert_array_equal(restored.logits(ids), stored.logits(ids))
+
+
+@pytest.mark.slow
+def test_fp8_experts_load_as_stored(tmp_path):
+    """The first Flash release's layout (routed experts in FP8 128x128 blocks too) loads as stored: every stored
+    weight dequantizes to the dequantized load's value."""
+    from v4jax.api import load_model
+    cfg = H.cfg_small_ratios().replace(moe_inter_dim=160)  # two 128-blocks, one partial
+    write_official_checkpoint(tmp_path, cfg, H.random_official_tensors(cfg, seed=6), fp8=True, fp4_experts=False,
+                              bf16=False)
+    _, kept, _, _ = load_model(str(tmp_path), jnp.float32)
+    _, deq, _, _ = load_model(str(tmp_path), jnp.float32, quantization="none")
+    assert kept.weight_format == quant.WeightFormat("fp8", "fp8") and len(kept.mtp) == 1
+    want = {tuple(map(str, p)): np.asarray(v) for p, v in nnx.to_flat_state(nnx.state(deq))}
+    held = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(kept))}
+    n = 0
+    for path, v in held.items():
+        if v.dtype != jnp.float8_e4m3fn:
+            continue
+        scale = path[:-1] + ("scale",) if path[-1] == "weight" else path[:-1] + (path[-1] + "_scale",)
+        got = quant.Quantized(v[...], held[scale][...], "fp8").astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), want[path], err_msg=".".join(path))
+        n += 1
+    assert n > 20
+
+
 def test_stored_bytes(stored):
     """Weight bytes held: FP8 parts at most 0.6x, FP4 experts at most 0.3x of the bf16 load; stats() and the memory
     report count the same bytes."""
