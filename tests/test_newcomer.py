@@ -93,7 +93,11 @@ def test_too_big_preset_fails_before_allocating(monkeypatch):
     msg = str(e.value)
     assert "the weights need 542.00 GiB" in msg and "100.00 GiB" in msg and M.MEMORY_ENV in msg
     assert "smaller preset ('flash-1gpu', 'flash-slice', 'tiny')" in msg and "mesh='expert=8' (80.00 GiB of weights per device" in msg
-    monkeypatch.setenv(M.MEMORY_ENV, "1000000")  # below tiny's 1.4 MB of bf16 weights
+    monkeypatch.setenv(M.MEMORY_ENV, str(200 << 30))  # the release's formats fit (148.64 GiB)
+    with pytest.raises(M.DeviceMemoryError, match=r"would fit: quantization='fp8' \(FP8 linears and FP4 experts as "
+                                                   r"the release stores them: 148.64 GiB\)"):
+        LLM("flash")
+    monkeypatch.setenv(M.MEMORY_ENV, "500000")  # below tiny's 1.4 MB of bf16 weights and 0.87 MB as stored
     with pytest.raises(M.DeviceMemoryError, match="preset 'tiny'.*would fit: a device with more memory"):
         LLM("tiny")
 

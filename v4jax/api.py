@@ -203,7 +203,7 @@ def load_model(spec: str | None, dtype, seed: int = 0, mesh_rules=None,
         # agree) without its cost: eval_shape of `flash` alone takes ~10 s, of `pro` ~25 s.
         weights = _weight_format(quantization, None, f"preset {spec!r}")
         M.check_weights_fit(cfg, M.weight_bytes_on_mesh(cfg, mesh, jnp.dtype(dtype).itemsize, weights), dtype,
-                            what=f"preset {spec!r}")
+                            what=f"preset {spec!r}", weights=weights)
         warnings.warn(f"preset {spec!r}: random weights (seed {seed}); no tokenizer, prompts are token ids",
                       stacklevel=3)
         if mesh_rules is not None and weights.experts is not None:
@@ -227,7 +227,7 @@ def load_model(spec: str | None, dtype, seed: int = 0, mesh_rules=None,
     weights = _weight_format(quantization, quant.WeightFormat(*ckpt.weight_format()), spec)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=ckpt.has_mtp,
                                                   weights=weights))
-    M.check_weights_fit(cfg, M.weight_bytes_per_device(abstract, mesh), dtype, what=spec)
+    M.check_weights_fit(cfg, M.weight_bytes_per_device(abstract, mesh), dtype, what=spec, weights=weights)
     if mesh_rules is not None and weights.experts is not None:
         _check_stored_experts_split(abstract, mesh_rules, spec)
     # FP8 linears are kept as stored under both formats (the release's experts could be FP8 too: its first Flash)

@@ -622,10 +622,17 @@ def engine_pools(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16"
                        caching=caching, max_model_len=max_model_len)
 
 
-def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int) -> str:
-    """What would fit instead: smaller presets, bf16, and the mesh that brings the per-device share under."""
+def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int, weights=None) -> str:
+    """What would fit instead: the release's weight formats, smaller presets, bf16, and the mesh that brings the
+    per-device share under."""
     from v4jax.config import PRESETS, preset
+    from v4jax.model import quant
     hints = []
+    if weights is None or not weights.quantized:
+        stored = param_bytes(cfg, dtype_bytes, weights=quant.RELEASE)["total"]
+        if stored <= 0.9 * limit:
+            hints.append(f"quantization='fp8' (FP8 linears and FP4 experts as the release stores them: "
+                         f"{_human(stored)})")
     smaller = [n for n in sorted(PRESETS) if param_bytes(preset(n), dtype_bytes)["total"] <= 0.9 * limit]
     if smaller:
         hints.append("a smaller preset (" + ", ".join(repr(n) for n in smaller) + ")")
@@ -643,7 +650,7 @@ def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int) -> str
 
 
 def check_weights_fit(cfg: ModelConfig, weight_bytes: int, dtype=None, *, what: str = "the model",
-                      limit: int | None = None, headroom: float = 0.9) -> None:
+                      limit: int | None = None, headroom: float = 0.9, weights=None) -> None:
     """Raise DeviceMemoryError if `weight_bytes` exceed `headroom` of one device's memory (`limit`, default
     device_memory_bytes()), saying what would fit. Nothing is allocated; unknown memory skips the check."""
     source = "the given limit"
@@ -653,9 +660,12 @@ def check_weights_fit(cfg: ModelConfig, weight_bytes: int, dtype=None, *, what: 
         return
     import numpy as np
     db = 2 if dtype is None else np.dtype(dtype).itemsize
+    held = np.dtype(dtype or "bfloat16").name
+    if weights is not None and weights.quantized:
+        held = f"FP8 / FP4 as the release stores them, the rest {held}"
     raise DeviceMemoryError(
-        f"{what}: the weights need {_human(weight_bytes)} ({np.dtype(dtype or 'bfloat16').name}) but one device "
-        f"holds {_human(limit)} ({source}); would fit: {_fits_hint(cfg, weight_bytes, limit, db)}. "
+        f"{what}: the weights need {_human(weight_bytes)} ({held}) but one device "
+        f"holds {_human(limit)} ({source}); would fit: {_fits_hint(cfg, weight_bytes, limit, db, weights)}. "
         f"Set ${MEMORY_ENV} to override the detected memory")
 
 
