@@ -164,6 +164,7 @@ def test_threads_share_the_engine(llm, alone):
     assert _idle(llm)
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_ctrl_c_in_generate_exits_130():
     """Ctrl-C while the prompt prefills (just after its echo) and while tokens stream: the requests are aborted,
     one line says so, and the process exits 130 with no traceback and no crash at exit."""

@@ -129,6 +129,7 @@ MALFORMED = [  # (path, body, param or None)
 ]
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_malformed_requests_are_4xx_and_the_connection_is_kept(served):
     state, port = served
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)

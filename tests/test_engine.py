@@ -78,11 +78,9 @@ def chunk_reference(real_llm):
     return prompts, real_llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
 
 
-# chunk 7 (many chunks a prompt, none a multiple of 4, windows closing inside chunks and at their edges) by
-# default; chunk 1 (a token per step, ~40 s) and 64 (~20 s) with -m slow; chunks of 1 and 7 are also in the
-# engine-core sweep
-@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7,
-                                   pytest.param(64, marks=pytest.mark.slow)])
+# chunk 7 (many chunks a prompt, none a multiple of 4, windows closing inside chunks and at their edges), chunk 1
+# (a token per step) and 64, with -m slow: chunks of 7 are in the default run's engine-core sweep
+@pytest.mark.parametrize("chunk", [pytest.param(c, marks=pytest.mark.slow) for c in (1, 7, 64)])
 def test_chunked_prefill_same_outputs(real_ckpt, chunk_reference, chunk):
     prompts, ref = chunk_reference
     llm = LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=512, prefill_chunk=chunk)
@@ -233,6 +231,7 @@ def test_pipelined_scheduler_equals_synchronous_steps(tiny_llm, monkeypatch):
     assert _all_pages_free(eng)
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_fixed_length_decode_calls_equal_early_exit(monkeypatch):
     """The GPU form of the decode call (k steps always, no early exit once every slot stopped: the extra steps
     must change nothing) gives the early-exit form's tokens, log-probs and finish reasons, greedy and sampled,

@@ -75,7 +75,7 @@ def test_scores_reference_head_groups(rng, monkeypatch):
 @pytest.mark.parametrize("B,T,S,dtype,tol,mode", [
     (2, 3, 700, jnp.float32, 1e-5, "tpu"),     # S-blocks of 512 with padding; several sub-chunks
     (1, 10, 130, jnp.bfloat16, 1e-3, "tpu"),   # T > 8: query blocks of 8 with padding
-    (2, 3, 700, jnp.float32, 1e-5, "hlo"),     # the fast interpreter behind interpret=True
+    pytest.param(2, 3, 700, jnp.float32, 1e-5, "hlo", marks=pytest.mark.slow),  # interpret=True's fast interpreter
 ])
 def test_scores_tpu_kernel_interpret(rng, B, T, S, dtype, tol, mode):
     args = _score_inputs(rng, B, T, 16, 32, S, 800, dtype)

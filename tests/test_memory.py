@@ -250,7 +250,7 @@ def test_engine_pools_flash_numbers():
     assert M.engine_pools(cfg, EngineOptions(), T1M).layout.n_pages == 8 * T1M // 256
 
 
-@pytest.mark.parametrize("budget", [None, pytest.param(3_000_000, marks=pytest.mark.slow)])  # budget case: -m slow
+@pytest.mark.parametrize("budget", [pytest.param(b, marks=pytest.mark.slow) for b in (None, 3_000_000)])  # -m slow
 def test_pools_hold_whole_tpu_tiles(budget):
     """Pages come in multiples of page_multiple, so every compressed pool is whole TPU tiles of rows (16 bf16
     rows) and the TPU kernels never pad (copy) a pool; the budget arithmetic is the engine's."""

@@ -449,6 +449,7 @@ def test_request_timeout_aborts(served):
     assert _idle_and_free(served.state)
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_load_with_disconnects_returns_every_page(served):
     """64 concurrent streaming clients, a quarter leaving at random points: no 5xx, every complete stream is
     whole, every page comes back, and /metrics counts it all."""

@@ -94,6 +94,7 @@ def test_sampling_params_top_logprobs_bounds():
         assert e.value.field == "top_logprobs"
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_generate_returns_the_top_alternatives_of_each_token(served):
     out = served.generated
     lsm = _log_softmax(served.llm, served.ids + out.token_ids)

@@ -175,6 +175,7 @@ def test_experts_kernel_runs_per_shard(worker_results):
 POOL_MESHES = ["data=2,context=2,tensor=2", "data=4,tensor=2"]
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_memory_command_per_device():
     """`v4jax memory --json` with an LLM's options reports exactly what the engine built with them holds over a
     mesh: the bytes of its pools and boundary store in all, and on one device (the most any device's shards
