@@ -110,13 +110,15 @@ def tpu_gather_finish(ids, flag_smem, row0, buf, stage, *, n):
     d = stage.shape[-1]
     c = lax.broadcasted_iota(jnp.int32, (t * t, t), 0)
     j = lax.broadcasted_iota(jnp.int32, (t * t, t), 1)
-    prec = lax.Precision.HIGHEST if stage.dtype == F32 else None
+    # bytes (entries in a byte format) are picked in f32: exact for 0..255
+    mdt = stage.dtype if jnp.issubdtype(stage.dtype, jnp.floating) else F32
+    prec = lax.Precision.HIGHEST if mdt == F32 else None
     for g in range(n // t):
         @pl.when(flag_smem[0, row0 // t + g] == 0)
         def _():
             r = jnp.maximum(ids[:, g * t:(g + 1) * t], 0)                        # [1, t]
-            pt = (c == j * t + r % t).astype(stage.dtype)                        # [t*t, t]: P transposed
-            tiles = stage[pl.ds(g * t, t)].reshape(t * t, d)
+            pt = (c == j * t + r % t).astype(mdt)                                # [t*t, t]: P transposed
+            tiles = stage[pl.ds(g * t, t)].reshape(t * t, d).astype(mdt)
             rows = lax.dot_general(pt, tiles, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=F32)
             buf[pl.ds(g * t, t), :] = rows.astype(buf.dtype)
 

@@ -65,6 +65,7 @@ RULES: dict[str, Rule] = {
     "ignore_eos": BOOL,
     # LLM(...) options (v4jax.api.EngineOptions)
     "quant_sim": BOOL,
+    "kv_cache_dtype": Rule("choice", choices=("auto", "bfloat16", "fp8")),
     "attention_impl": Rule("choice", optional=True, choices=("xla", "pallas")),
     "weights_seed": Int(INT32_MIN),
     "max_model_len": Int(1, optional=True, note="(default: the model's)"),

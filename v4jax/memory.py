@@ -38,7 +38,8 @@ import dataclasses
 import math
 import os
 
-from v4jax.cache.layout import FULL_PAGE_POOLS, PoolLayout, PoolSize, mesh_shards, pool_layout, pool_sizes
+from v4jax.cache.layout import (FULL_PAGE_POOLS, PoolLayout, PoolSize, kv_cache_dtype, mesh_shards, pool_layout,
+                                pool_sizes)
 from v4jax.config import CSA, HCA, SLIDING, ModelConfig
 
 FORMATS = ("bf16", "f32", "fp8", "fp4")
@@ -531,9 +532,10 @@ class EnginePools:
 def engine_pools(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16") -> EnginePools:
     """The pools an engine built with `options` (an api.EngineOptions, or anything with its fields: max_num_seqs,
     kv_layout, page_size, prefill_chunk, decode_steps, memory_budget_bytes, enable_prefix_caching, mesh) and
-    `max_model_len` allocates, in `dtype` (the model's), from the layout the engine itself uses. Nothing is
+    `max_model_len` allocates, with `dtype` the model's (the pools' is options.kv_cache_dtype's), from the layout the engine itself uses. Nothing is
     allocated. A mesh whose `data` axis does not divide max_num_seqs is a ValueError, as in the engine."""
     n_data, n_ctx = mesh_shards(options.mesh)
+    dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)
     lay = pool_layout(cfg, options, dtype, max_model_len, n_data, n_ctx)
     caching = bool(options.enable_prefix_caching) and options.kv_layout != "dense"
     return EnginePools(layout=lay, sizes=pool_sizes(cfg, lay, dtype, caching), kv_layout=options.kv_layout,
