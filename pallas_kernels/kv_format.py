@@ -8,6 +8,8 @@ FP8 entry (window, C4 and C128 entries; `Fp8Entry`), per entry of `dim` values w
 FP4 key (C4 indexer keys, already Hadamard-rotated; `Fp4Key`), per key of `dim` values:
   [0, dim / 2)                   e2m1 codes, two per byte, the even dim in the low nibble
   [dim / 2, dim / 2 + dim / 32)  ue8m0 scales, one per 32 dims (64 + 4 = 68 B for dim 128)
+  then zero padding to a multiple of 4 bytes (none for dim 128)
+Both are whole 32-bit words, which the TPU-style kernels gather (`as_words`) as they gather f32 rows.
 
 Encoding rounds exactly as the release does and as v4jax.model.quant simulates it (fp8_roundtrip with block 64
 over the NoPE dims, fp4_roundtrip with block 32): decoding gives the simulated values bit for bit. The functions are
@@ -131,7 +133,7 @@ class Fp4Key:
 
     @property
     def nbytes(self) -> int:
-        return self.dim // 2 + self.dim // FP4_BLOCK
+        return -(-(self.dim // 2 + self.dim // FP4_BLOCK) // 4) * 4
 
     def encode(self, x):
         """x [..., dim] (Hadamard-rotated keys) -> uint8 [..., nbytes]."""
@@ -140,7 +142,8 @@ class Fp4Key:
         y = jnp.clip(xb / s[..., None], -FP4_MAX, FP4_MAX)
         code = (e2m1_code(y) | jnp.where(y < 0, 8, 0)).reshape(*x.shape[:-1], self.dim // 2, 2)
         packed = (code[..., 0] | (code[..., 1] << 4)).astype(U8)
-        return jnp.concatenate([packed, sb], axis=-1)
+        pad = jnp.zeros((*x.shape[:-1], self.nbytes - self.dim // 2 - sb.shape[-1]), U8)
+        return jnp.concatenate([packed, sb, pad], axis=-1)
 
     def decode(self, b, dtype=F32):
         """uint8 [..., nbytes] -> [..., dim] in dtype."""
@@ -149,6 +152,16 @@ class Fp4Key:
         code = jnp.stack([p & 15, p >> 4], axis=-1).reshape(*b.shape[:-1], self.dim)
         s = _ue8m0(b[..., half:half + self.dim // FP4_BLOCK])
         return (e2m1_value(code) * _expand(s, FP4_BLOCK, self.dim)).astype(dtype)
+
+
+def as_words(pool):
+    """uint8 rows [R, E] (E a multiple of 4) -> the same bytes as uint32 words [R, E / 4]."""
+    return lax.bitcast_convert_type(pool.reshape(*pool.shape[:-1], -1, 4), U32)
+
+
+def from_words(words):
+    """as_words' inverse: uint32 [..., E / 4] -> uint8 [..., E]."""
+    return lax.bitcast_convert_type(words, U8).reshape(*words.shape[:-1], -1)
 
 
 def decode_rows(pool, rows, fmt, dtype):

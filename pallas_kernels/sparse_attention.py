@@ -143,9 +143,9 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
         copy(i, slot, wait=True)
         ids = rows_vmem[:, pl.ds(pl.multiple_of(i * chunk, chunk), chunk)]   # [1, C]
         tpu_gather_finish(ids, flag_smem, i * chunk, buf.at[slot], stage.at[slot], n=chunk)
-        k = buf[slot]                                       # [C, D] (bytes: [C, fmt.nbytes], decoded here)
+        k = buf[slot]                                       # [C, D] (bytes: [C, fmt.nbytes / 4] words)
         if fmt is not None:
-            k = fmt.decode(k, cdt)
+            k = fmt.decode(kv_format.from_words(k), cdt)
         s = mm_nt(q, k.astype(cdt)) * scale                 # [H, C] f32
         valid = ids >= 0                                    # [1, C]
         s = jnp.where(valid, s, -jnp.inf)
@@ -167,7 +167,10 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
 def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                           return_lse=False, entry_format=None):
     B, T, H, D = q.shape
-    E = swa_pool.shape[-1]  # a pool row: D values, or entry_format.nbytes bytes
+    if entry_format is not None:  # bytes gathered as 32-bit words, as f32 rows are
+        swa_pool = kv_format.as_words(swa_pool)
+        cmp_pool = None if cmp_pool is None else kv_format.as_words(cmp_pool)
+    E = swa_pool.shape[-1]  # a pool row: D values, or entry_format.nbytes / 4 words
     C = _TPU_CHUNK
     G = tile_rows(swa_pool.dtype)
     sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)

@@ -127,8 +127,9 @@ class ModelConfig:
 
     @property
     def fp4_key_bytes(self) -> int:
-        """One FP4 indexer key: two e2m1 codes per byte, a ue8m0 scale per 32 dims (64 + 4 = 68 B for 128 dims)."""
-        return self.index_head_dim // 2 + self.index_head_dim // FP4_BLOCK
+        """One FP4 indexer key: two e2m1 codes per byte, a ue8m0 scale per 32 dims, padded to a multiple of 4 (the
+        kernels gather 32-bit words): 64 + 4 = 68 B for 128 dims."""
+        return -(-(self.index_head_dim // 2 + self.index_head_dim // FP4_BLOCK) // 4) * 4
 
     @property
     def ratios_in_use(self) -> tuple[int, ...]:

@@ -7,7 +7,8 @@ Formats (entry layouts):
   "fp8"   vLLM / SGLang / FlashMLA "MODEL1 FP8" (reference serving_systems.md §1.1): main entry = nope dims in
           e4m3 (448 B) + rope dims in bf16 (64 x 2 = 128 B) + one ue8m0 scale byte per 64 nope dims (7 B) padded
           to a multiple of 8 B = 584 B; indexer key = index_head_dim e4m3 bytes + one fp32 scale = 132 B.
-  "fp4"   as "fp8" but MXFP4 indexer keys: index_head_dim / 2 + 4 = 68 B.
+  "fp4"   as "fp8" but MXFP4 indexer keys: index_head_dim / 2 + a ue8m0 scale per 32 dims = 68 B. What an engine
+          with kv_cache_dtype="fp8" allocates (the byte layouts: pallas_kernels.kv_format).
 The window (SWA) entry has the main entry's format. Compressor partial state is float32 in every format.
 Token ids are int32 (4 B per token) and are reported apart from the KV figure, which (like both references)
 excludes them.
@@ -65,16 +66,14 @@ def main_entry_bytes(cfg: ModelConfig, fmt: str = "bf16") -> int:
         return 2 * cfg.head_dim
     if f == "f32":
         return 4 * cfg.head_dim
-    nope, rope = cfg.nope_head_dim, cfg.rope_head_dim
-    raw = nope + 2 * rope + math.ceil(nope / 64)  # e4m3 nope + bf16 rope + ue8m0 scale per 64 nope dims
-    return -(-raw // 8) * 8  # 583 -> 584: the pad byte
+    return cfg.fp8_entry_bytes  # e4m3 nope + bf16 rope + ue8m0 scale per 64 nope dims + pad (583 -> 584)
 
 
 def index_key_bytes(cfg: ModelConfig, fmt: str = "bf16") -> int:
-    """Bytes of one C4 indexer key: 256 bf16 / 132 FP8 (128 + fp32 scale) / 68 FP4 (64 + fp32 scale)."""
+    """Bytes of one C4 indexer key: 256 bf16 / 132 FP8 (128 + fp32 scale) / 68 FP4 (64 + a ue8m0 scale per 32)."""
     f = _fmt(fmt)
     d = cfg.index_head_dim
-    return {"bf16": 2 * d, "f32": 4 * d, "fp8": d + 4, "fp4": d // 2 + 4}[f]
+    return {"bf16": 2 * d, "f32": 4 * d, "fp8": d + 4, "fp4": cfg.fp4_key_bytes}[f]
 
 
 def _layers(cfg: ModelConfig, mtp: bool = False) -> list[tuple[str, int]]:
