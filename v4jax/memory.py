@@ -496,6 +496,7 @@ class EnginePools:
     kv_layout: str
     caching: bool  # the prefix cache (its window tails and boundary rows are in the `swa` pool)
     max_model_len: int
+    kv_cache_dtype: str = "auto"  # the option the pools were laid out for
 
     @property
     def total(self) -> int:
@@ -518,6 +519,7 @@ class EnginePools:
     def as_dict(self) -> dict:
         lay = self.layout
         return {"max_model_len": self.max_model_len, "max_num_seqs": lay.max_slots, "kv_layout": self.kv_layout,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 "enable_prefix_caching": self.caching,
                 "mesh": {"data": lay.data_shards, "context": lay.context_shards},
                 "page_size": lay.page_size, "swa_page_size": lay.swa_page_size, "n_pages": lay.n_pages,
@@ -538,7 +540,7 @@ def engine_pools(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16"
     lay = pool_layout(cfg, options, dtype, max_model_len, n_data, n_ctx)
     caching = bool(options.enable_prefix_caching) and options.kv_layout != "dense"
     return EnginePools(layout=lay, sizes=pool_sizes(cfg, lay, dtype, caching), kv_layout=options.kv_layout,
-                       caching=caching, max_model_len=max_model_len)
+                       caching=caching, max_model_len=max_model_len, kv_cache_dtype=options.kv_cache_dtype)
 
 
 def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int) -> str:
@@ -615,7 +617,8 @@ def format_device_table(weights: int, weights_per_device: int, pools: EnginePool
     lay = pools.layout
     need = weights_per_device + pools.per_device
     cache = ", prefix cache" if pools.caching else ""
-    lines = [f"## Per device ({mesh}: {n_devices} device(s), weights and pools in {dtype})", "",
+    kv = dtype if pools.kv_cache_dtype == "auto" else pools.kv_cache_dtype
+    lines = [f"## Per device ({mesh}: {n_devices} device(s), weights in {dtype}, pools in {kv})", "",
              f"Engine pools ({pools.kv_layout}{cache}): {lay.max_slots} slots x max_model_len={pools.max_model_len}; "
              f"{lay.n_pages} full pages of {lay.page_size} tokens ({lay.n_pages * lay.page_size} tokens, "
              f"{pools.per_page_bytes} B a page), {lay.n_swa_pages} SWA pages of {lay.swa_page_size} tokens.", "",
