@@ -92,7 +92,7 @@ def _tpu_scores_kernel(rows_smem, flag_smem, tile_smem, q_ref, w_ref, nv_ref, ro
         ids = rows_vmem[:, part]                                               # [1, sub]
         tpu_gather_finish(ids, flag_smem, c * sub, buf.at[part], stage.at[part], n=sub)
         keys = buf[part, :]                                                    # [sub, Di] (bytes: as words)
-        keys = (keys if fmt is None else fmt.decode(kv_format.from_words(keys), cdt)).astype(cdt)
+        keys = (keys if fmt is None else fmt.decode_words(keys, cdt)).astype(cdt)  # (planar, as q is)
         s_idx = s_blk * sb + c * sub + lax.broadcasted_iota(jnp.int32, (1, sub), 1)
         row_ok = ids >= 0                                                      # [1, sub]
         for t in range(tq):
@@ -104,8 +104,9 @@ def _tpu_scores_kernel(rows_smem, flag_smem, tile_smem, q_ref, w_ref, nv_ref, ro
 
 def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False, key_format=None):
     B, T, Hi, Di = q.shape
-    if key_format is not None:  # bytes gathered as 32-bit words, as f32 rows are
+    if key_format is not None:  # bytes gathered as 32-bit words (as f32 rows are), decoded in planar order
         key_pool = kv_format.as_words(key_pool)
+        q = q[..., key_format.planar]
     E = key_pool.shape[-1]  # a pool row: Di values, or key_format.nbytes / 4 words
     S = rows.shape[-1]
     sb = min(_TPU_SB, round_up(S, _TPU_SUB))

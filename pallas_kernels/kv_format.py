@@ -9,7 +9,10 @@ FP4 key (C4 indexer keys, already Hadamard-rotated; `Fp4Key`), per key of `dim` 
   [0, dim / 2)                   e2m1 codes, two per byte, the even dim in the low nibble
   [dim / 2, dim / 2 + dim / 32)  ue8m0 scales, one per 32 dims (64 + 4 = 68 B for dim 128)
   then zero padding to a multiple of 4 bytes (none for dim 128)
-Both are whole 32-bit words, which the TPU-style kernels gather (`as_words`) as they gather f32 rows.
+Both are whole 32-bit words, which the TPU-style kernels gather (`as_words`) as they gather f32 rows and decode
+in place (`decode_words`): word by word, with shifts and same-width bitcasts only (Mosaic changes no bit widths), into
+a fixed permutation of the dims (`planar`: the dims each byte or nibble position of the words holds, one plane after
+another); the kernels take q in that order too, and put o back.
 
 Encoding rounds exactly as the release does and as v4jax.model.quant simulates it (fp8_roundtrip with block 64
 over the NoPE dims, fp4_roundtrip with block 32): decoding gives the simulated values bit for bit. The functions are
@@ -77,6 +80,28 @@ def e2m1_value(code):
     return jnp.where((code & 8) != 0, -v, v)
 
 
+def _e4m3_value(c):
+    """e4m3 codes (uint32 0..255, NaN never stored) -> f32: the f32 bit pattern of a normal code, m * 2^-9 of a
+    subnormal one."""
+    sign = (c >> 7) << 31
+    e, m = (c >> 3) & 15, c & 7
+    normal = lax.bitcast_convert_type(sign | ((e + 120) << 23) | (m << 20), F32)
+    sub = m.astype(F32) * 2.0 ** -9
+    return jnp.where(e == 0, jnp.where(sign != 0, -sub, sub), normal)
+
+
+def _byte_of(w, i):
+    """Byte i (static) of the little-endian words w [..., n] as uint32 [..., 1]."""
+    return (w[..., i // 4:i // 4 + 1] >> (8 * (i % 4))) & 0xFF
+
+
+def _per_plane(scales, group, n):
+    """Per-block scales (a list of [..., 1]) -> [..., n] for a plane whose element i lies in block i // group."""
+    parts = [jnp.broadcast_to(s, (*s.shape[:-1], min(group, n - j * group))) for j, s in enumerate(scales)
+             if j * group < n]
+    return jnp.concatenate(parts, axis=-1)
+
+
 def _bytes_le(u16):
     """uint16-valued ints [..., n] -> their bytes [..., 2n], low byte first."""
     u = u16.astype(U32)
@@ -112,6 +137,29 @@ class Fp8Entry:
         pad = jnp.zeros((*x.shape[:-1], self.nbytes - self.nope - 2 * self.rope - self.n_scales), U8)
         return jnp.concatenate([q, rope, sb, pad], axis=-1)
 
+    @property
+    def planar(self):
+        """The dims in `decode_words`' order: NoPE dims 4i + b for b = 0..3 (byte b of word i), then RoPE dims
+        2i and 2i + 1 (the low and high half of word i)."""
+        import numpy as np
+        nope, rope = self.nope, self.rope
+        return np.concatenate([np.arange(b, nope, 4) for b in range(4)]
+                              + [nope + np.arange(h, rope, 2) for h in range(2)])
+
+    def decode_words(self, w, dtype=F32):
+        """uint32 words [..., nbytes / 4] (as_words) -> [..., dim] in dtype, the dims in `planar` order."""
+        nope, rope = self.nope, self.rope
+        if nope % 4:
+            raise ValueError(f"FP8 entries decode by words when the NoPE dims are a multiple of 4, got {nope}")
+        nw, off = nope // 4, nope + 2 * rope
+        scales = [_ue8m0(_byte_of(w, off + j)) for j in range(self.n_scales)]
+        s = _per_plane(scales, FP8_BLOCK // 4, nw)
+        codes = w[..., :nw]
+        planes = [_e4m3_value((codes >> (8 * b)) & 0xFF) * s for b in range(4)]
+        r = w[..., nw:nw + rope // 2]
+        planes += [lax.bitcast_convert_type(r << 16, F32), lax.bitcast_convert_type((r >> 16) << 16, F32)]
+        return jnp.concatenate(planes, axis=-1).astype(dtype)
+
     def decode(self, b, dtype=F32):
         """uint8 [..., nbytes] -> [..., dim] in dtype."""
         nope, rope = self.nope, self.rope
@@ -145,6 +193,19 @@ class Fp4Key:
         pad = jnp.zeros((*x.shape[:-1], self.nbytes - self.dim // 2 - sb.shape[-1]), U8)
         return jnp.concatenate([packed, sb, pad], axis=-1)
 
+    @property
+    def planar(self):
+        """The dims in `decode_words`' order: dims 8i + j for j = 0..7 (nibble j of word i)."""
+        import numpy as np
+        return np.concatenate([np.arange(j, self.dim, 8) for j in range(8)])
+
+    def decode_words(self, w, dtype=F32):
+        """uint32 words [..., nbytes / 4] (as_words) -> [..., dim] in dtype, the dims in `planar` order."""
+        nw, half = self.dim // 8, self.dim // 2
+        s = _per_plane([_ue8m0(_byte_of(w, half + j)) for j in range(self.dim // FP4_BLOCK)], FP4_BLOCK // 8, nw)
+        codes = w[..., :nw]
+        return jnp.concatenate([e2m1_value((codes >> (4 * j)) & 15) * s for j in range(8)], axis=-1).astype(dtype)
+
     def decode(self, b, dtype=F32):
         """uint8 [..., nbytes] -> [..., dim] in dtype."""
         half = self.dim // 2
@@ -157,11 +218,6 @@ class Fp4Key:
 def as_words(pool):
     """uint8 rows [R, E] (E a multiple of 4) -> the same bytes as uint32 words [R, E / 4]."""
     return lax.bitcast_convert_type(pool.reshape(*pool.shape[:-1], -1, 4), U32)
-
-
-def from_words(words):
-    """as_words' inverse: uint32 [..., E / 4] -> uint8 [..., E]."""
-    return lax.bitcast_convert_type(words, U8).reshape(*words.shape[:-1], -1)
 
 
 def decode_rows(pool, rows, fmt, dtype):

@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -145,7 +146,7 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
         tpu_gather_finish(ids, flag_smem, i * chunk, buf.at[slot], stage.at[slot], n=chunk)
         k = buf[slot]                                       # [C, D] (bytes: [C, fmt.nbytes / 4] words)
         if fmt is not None:
-            k = fmt.decode(kv_format.from_words(k), cdt)
+            k = fmt.decode_words(k, cdt)                    # the dims in fmt.planar order, as q's
         s = mm_nt(q, k.astype(cdt)) * scale                 # [H, C] f32
         valid = ids >= 0                                    # [1, C]
         s = jnp.where(valid, s, -jnp.inf)
@@ -167,9 +168,10 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
 def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                           return_lse=False, entry_format=None):
     B, T, H, D = q.shape
-    if entry_format is not None:  # bytes gathered as 32-bit words, as f32 rows are
+    if entry_format is not None:  # bytes gathered as 32-bit words (as f32 rows are), decoded in planar order
         swa_pool = kv_format.as_words(swa_pool)
         cmp_pool = None if cmp_pool is None else kv_format.as_words(cmp_pool)
+        q = q[..., entry_format.planar]
     E = swa_pool.shape[-1]  # a pool row: D values, or entry_format.nbytes / 4 words
     C = _TPU_CHUNK
     G = tile_rows(swa_pool.dtype)
@@ -225,6 +227,8 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
         name="v4_sparse_attention",
     )(rows.reshape(B * T, 1, n_rows), flag.reshape(B * T, 1, -1), tile.reshape(B * T, 1, -1), q,
       sink.astype(F32).reshape(H, 1), rows.reshape(B, T, 1, n_rows), swa_pool, cmp_arg)
+    if entry_format is not None:
+        o = o[..., np.argsort(entry_format.planar)]
     return (o, lse[..., 0]) if return_lse else o
 
 
