@@ -47,8 +47,8 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     writes: name -> (rows of layer li [B, E], values [B, E, K]); reads: the window's rows and positions, the
     query positions, and on compressed layers the entries' rows [B, S] with n_ready (and the indexer's queries
     and head weights on CSA layers). formats: pool name -> its entry format (pallas_kernels.kv_format) where the
-    pool stores bytes (kv_cache_dtype="fp8"): writes are encoded, the ops decode what they read. Rows are global (one layer's ids, -1 = none); each shard keeps those of its
-    block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
+    pool stores bytes (kv_cache_dtype="fp8"): writes are encoded, the ops decode what they read. Rows are global
+    (one layer's ids, -1 = none); each shard keeps those of its block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
     the result is the single-device one (sharding/context.py). row_axes: mesh axes the B rows are split over (a
     shard has its own rows, whose entries lie in its blocks along those axes: nothing to merge over them).
     Returns (o [B, T, H, K], pools)."""
@@ -316,8 +316,8 @@ class Attention(nnx.Module):
     def _compress(self, comp: Compressor, x, meta, pool, li, rows, st_kv_name, st_sc_name, states: dict,
                   ops: Ops, opts: RunOptions, proj=None, fp8: bool = False):
         """Run a compressor over the step's tokens from the rows' states (the new states go into `states`); proj:
-        its two projections of x, computed by the caller; fp8: the pools store the release's formats. Returns (pool rows [B, E] of the windows it closed,
-        -1 = none; their entries, rounded as the layer stores them)."""
+        its two projections of x, computed by the caller; fp8: the pools store the release's formats. Returns (pool
+        rows [B, E] of the windows it closed, -1 = none; their entries, rounded as the layer stores them)."""
         st_kv, st_sc = getattr(pool, st_kv_name), getattr(pool, st_sc_name)
         if meta.slot is None and opts.mesh_rules is None:  # every slot: the ops read the layer's in the stack
             entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, L.LayerOf(st_kv, li), L.LayerOf(st_sc, li),

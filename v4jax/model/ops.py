@@ -63,8 +63,8 @@ from pallas_kernels import compressor_gpu as pallas_compressor_gpu
 from pallas_kernels import experts as pallas_experts
 from pallas_kernels import experts_grouped as pallas_experts_grouped
 from pallas_kernels import hc_post as pallas_hc_post
-from pallas_kernels import kv_format
 from pallas_kernels import indexer as pallas_indexer
+from pallas_kernels import kv_format
 from pallas_kernels import layer_linear as pallas_linear
 from pallas_kernels import sinkhorn as pallas_sinkhorn
 from pallas_kernels import sparse_attention as pallas_sparse_attention
