@@ -176,6 +176,48 @@ def test_kernels_lower_for_tpu():
     assert "tpu_custom_call" in exp.mlir_module()
 
 
+def test_attention_core_on_byte_pools(rng):
+    """One CSA layer's writes and attention (attention_core, the XLA ops) on byte pools equal the same on float
+    pools holding the decoded values with the writes rounded as stored; and split over 4 shards of the context axis,
+    as on a mesh, the same outputs and bytes as one device."""
+    from test_context import AXIS, _layer_inputs
+
+    from sharding import context
+    from v4jax.model import attention_core
+    from v4jax.model.ops import ops_for
+    q, sink, pools, writes, reads = _layer_inputs(rng, "csa", kd=16, ki=32)
+    fmt = {"swa": F.Fp8Entry(16, 4), "kv": F.Fp8Entry(16, 4), "idx": F.Fp4Key(32)}
+    codec = {name: _jit(f) for name, f in fmt.items()}
+    stored = {name: codec[name][0](a) for name, a in pools.items()}
+    decoded = {name: codec[name][1](a) for name, a in stored.items()}
+    rounded = {name: (r, codec[name][1](codec[name][0](v))) for name, (r, v) in writes.items()}
+    static = dict(ops=ops_for("xla"), scale=0.25, window=4, topk=5)
+    li = jnp.int32(1)
+    whole = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
+    want, want_pools = jax.jit(lambda p: attention_core(whole, q, sink, p, rounded, reads, li, **static))(decoded)
+    core = functools.partial(attention_core, formats=fmt, **static)
+    got, got_pools = jax.jit(lambda p: core(whole, q, sink, p, writes, reads, li))(stored)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for name, a in got_pools.items():
+        np.testing.assert_array_equal(np.asarray(codec[name][1](a)), np.asarray(want_pools[name]))
+
+    n = 4
+    split = {name: context.RowBlock(() if name == "swa" else (AXIS,), a.shape[1] // (1 if name == "swa" else n))
+             for name, a in stored.items()}
+
+    def blocks_of(name, a):  # [layers, R, E] -> [n, layers, R / n, E] (the SWA pool: a copy per shard)
+        if name == "swa":
+            return jnp.broadcast_to(a, (n,) + a.shape)
+        return jnp.moveaxis(a.reshape(a.shape[0], n, -1, a.shape[-1]), 1, 0)
+
+    shards, shard_pools = jax.jit(jax.vmap(lambda p: core(split, q, sink, p, writes, reads, li), axis_name=AXIS))(
+        {name: blocks_of(name, a) for name, a in stored.items()})
+    for c in range(n):
+        np.testing.assert_allclose(shards[c], got, rtol=1e-5, atol=1e-6)
+    for name, a in got_pools.items():
+        np.testing.assert_array_equal(shard_pools[name], blocks_of(name, a))
+
+
 # ---- pools: bytes per token in the layout, the memory report and stats() ---------------------------------------
 
 def test_pool_bytes_are_the_formats():
