@@ -106,6 +106,31 @@ def test_fp4_rounding_ties_to_even_exactly():
     np.testing.assert_array_equal(r(-mids), -np.array([0, 1, 1, 2, 2, 4, 4], np.float32))
 
 
+def test_indexer_against_fp4_keys_rounds_as_the_release():
+    """Without quant_sim, FP4 keys (kv_cache_dtype="fp8") still get the release's indexer numerics: keys
+    Hadamard-rotated before the pool encodes them (their stored values are quant_sim's keys), queries rotated and
+    rounded to FP4."""
+    from flax import nnx
+
+    from v4jax.config import CSA
+    from v4jax.model import RunOptions
+    from v4jax.model import layers as L
+    from v4jax.model.attention import Indexer
+    cfg = preset("tiny")
+    ix_ = Indexer(cfg, 4, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    cos, sin = L.rope_cos_sin(tuple(L.rope_inv_freq(cfg, CSA)), jnp.arange(5)[None])
+    qr = jnp.asarray(np.random.default_rng(1).standard_normal((1, 5, cfg.q_lora_rank)), jnp.float32)
+    plain, sim = RunOptions(), RunOptions(quant_sim=True)
+    got, want = jax.jit(lambda qr: (ix_.queries(qr, cos, sin, plain, fp4_keys=True),
+                                    quant.fp4_roundtrip(quant.hadamard_rotate(ix_.queries(qr, cos, sin, plain)))))(qr)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    k = _values(np.random.default_rng(2), (7, cfg.index_head_dim))
+    fmt = F.Fp4Key(cfg.index_head_dim)
+    got, want = jax.jit(lambda k: (fmt.decode(fmt.encode(ix_.round_keys(k, plain, fp4_keys=True))),
+                                   ix_.round_keys(k, sim)))(k)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 # ---- kernels: byte pools read as the reference reads the decoded values -----------------------------------------
 
 
