@@ -221,6 +221,7 @@ def as_words(pool):
 
 
 def decode_rows(pool, rows, fmt, dtype):
-    """pool[rows] as values: gathered, then decoded where `fmt` (an entry format) is set, else cast to dtype."""
-    got = jnp.take(pool, rows, axis=0)
+    """pool[rows] (rows in range) as values: gathered, then decoded where `fmt` (an entry format) is set, else cast
+    to dtype."""
+    got = pool[rows]
     return got.astype(dtype) if fmt is None else fmt.decode(got, dtype)
