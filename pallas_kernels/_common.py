@@ -110,15 +110,22 @@ def tpu_gather_finish(ids, flag_smem, row0, buf, stage, *, n):
     d = stage.shape[-1]
     c = lax.broadcasted_iota(jnp.int32, (t * t, t), 0)
     j = lax.broadcasted_iota(jnp.int32, (t * t, t), 1)
-    prec = lax.Precision.HIGHEST if stage.dtype == F32 else None
+    words = stage.dtype == jnp.uint32  # entries in a byte format: picked as two 16-bit halves in f32 (exact)
+    mdt = F32 if words else stage.dtype
+    prec = lax.Precision.HIGHEST if mdt == F32 else None
     for g in range(n // t):
         @pl.when(flag_smem[0, row0 // t + g] == 0)
         def _():
             r = jnp.maximum(ids[:, g * t:(g + 1) * t], 0)                        # [1, t]
-            pt = (c == j * t + r % t).astype(stage.dtype)                        # [t*t, t]: P transposed
+            pt = (c == j * t + r % t).astype(mdt)                                # [t*t, t]: P transposed
             tiles = stage[pl.ds(g * t, t)].reshape(t * t, d)
-            rows = lax.dot_general(pt, tiles, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=F32)
-            buf[pl.ds(g * t, t), :] = rows.astype(buf.dtype)
+            pick = lambda x: lax.dot_general(pt, x, (((0,), (0,)), ((), ())), precision=prec,
+                                             preferred_element_type=F32)
+            if words:
+                hi, lo = pick((tiles >> 16).astype(F32)), pick((tiles & 0xFFFF).astype(F32))
+                buf[pl.ds(g * t, t), :] = (hi.astype(jnp.uint32) << 16) | lo.astype(jnp.uint32)
+            else:
+                buf[pl.ds(g * t, t), :] = pick(tiles).astype(buf.dtype)
 
 
 def dot_f32(a, b, dims):

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _compat
+from . import _compat, kv_format
 from ._common import (F32, common_compute_dtype, gather_groups, mm_nn, mm_nt, next_pow2, pad_last, round_up, tile_rows,
                       tiled_view, tpu_gather_finish, tpu_gather_start)
 from .topk import topk, topk_ref
@@ -34,12 +34,14 @@ from .topk import topk, topk_ref
 _REF_BYTES_LIMIT = 1 << 28
 
 
-def indexer_scores_ref(q, w, key_pool, rows, n_valid):
-    """q [B,T,Hi,Di], w [B,T,Hi] f32, key_pool [R,Di], rows [B,S] int32, n_valid [B,T] int32 -> [B,T,S] f32."""
+def indexer_scores_ref(q, w, key_pool, rows, n_valid, key_format=None):
+    """q [B,T,Hi,Di], w [B,T,Hi] f32, key_pool [R,Di] (or uint8 [R, key_format.nbytes]: keys in that byte format,
+    pallas_kernels.kv_format), rows [B,S] int32, n_valid [B,T] int32 -> [B,T,S] f32."""
     B, T, Hi, Di = q.shape
     S = rows.shape[-1]
     valid_row = rows >= 0
-    keys = jnp.take(key_pool, jnp.where(valid_row, rows, 0), axis=0)          # [B, S, Di]
+    keys = kv_format.decode_rows(key_pool, jnp.where(valid_row, rows, 0), key_format,
+                                 key_pool.dtype if key_format is None else q.dtype)    # [B, S, Di]
     hg = Hi
     while hg > 1 and B * T * hg * S * 4 > _REF_BYTES_LIMIT and Hi % (hg // 2) == 0:
         hg //= 2
@@ -72,7 +74,7 @@ _TPU_TQ = 8       # queries per grid step (when T > 8)
 
 
 def _tpu_scores_kernel(rows_smem, flag_smem, tile_smem, q_ref, w_ref, nv_ref, rows_vmem, pool_hbm, o_ref,
-                       buf, stage, sem, *, sb, sub, tq):
+                       buf, stage, sem, *, sb, sub, tq, fmt):
     s_blk = pl.program_id(2)
 
     def gather(c, wait):
@@ -89,7 +91,8 @@ def _tpu_scores_kernel(rows_smem, flag_smem, tile_smem, q_ref, w_ref, nv_ref, ro
         part = pl.ds(c * sub, sub)
         ids = rows_vmem[:, part]                                               # [1, sub]
         tpu_gather_finish(ids, flag_smem, c * sub, buf.at[part], stage.at[part], n=sub)
-        keys = buf[part, :].astype(cdt)                                        # [sub, Di]
+        keys = buf[part, :]                                                    # [sub, Di] (bytes: as words)
+        keys = (keys if fmt is None else fmt.decode_words(keys, cdt)).astype(cdt)  # (planar, as q is)
         s_idx = s_blk * sb + c * sub + lax.broadcasted_iota(jnp.int32, (1, sub), 1)
         row_ok = ids >= 0                                                      # [1, sub]
         for t in range(tq):
@@ -99,8 +102,12 @@ def _tpu_scores_kernel(rows_smem, flag_smem, tile_smem, q_ref, w_ref, nv_ref, ro
             o_ref[pl.ds(t, 1), part] = jnp.where(ok, sc, -jnp.inf)
 
 
-def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
+def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False, key_format=None):
     B, T, Hi, Di = q.shape
+    if key_format is not None:  # bytes gathered as 32-bit words (as f32 rows are), decoded in planar order
+        key_pool = kv_format.as_words(key_pool)
+        q = q[..., key_format.planar]
+    E = key_pool.shape[-1]  # a pool row: Di values, or key_format.nbytes / 4 words
     S = rows.shape[-1]
     sb = min(_TPU_SB, round_up(S, _TPU_SUB))
     Sp = round_up(S, sb)
@@ -116,7 +123,7 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
         w = jnp.pad(w, ((0, 0), (0, Tp - T), (0, 0)))
         n_valid = jnp.pad(n_valid, ((0, 0), (0, Tp - T)))
     ng = sb // G
-    kernel = functools.partial(_tpu_scores_kernel, sb=sb, sub=min(_TPU_SUB, sb), tq=tq)
+    kernel = functools.partial(_tpu_scores_kernel, sb=sb, sub=min(_TPU_SUB, sb), tq=tq, fmt=key_format)
     smem = lambda n: pl.BlockSpec((None, 1, n), lambda b, t, s: (b * n_s + s, 0, 0), memory_space=pltpu.SMEM)
     out = pl.pallas_call(
         kernel,
@@ -132,8 +139,8 @@ def _indexer_scores_tpu(q, w, key_pool, rows, n_valid, *, interpret=False):
         ],
         out_specs=pl.BlockSpec((None, tq, sb), lambda b, t, s: (b, t, s)),
         # one DMA semaphore per sub-chunk: a wait only proves that ITS chunk's bytes arrived
-        scratch_shapes=[pltpu.VMEM((sb, Di), key_pool.dtype),
-                        pltpu.VMEM((sb, G, Di), key_pool.dtype),   # tiles of the keys not in whole-tile runs
+        scratch_shapes=[pltpu.VMEM((sb, E), key_pool.dtype),
+                        pltpu.VMEM((sb, G, E), key_pool.dtype),   # tiles of the keys not in whole-tile runs
                         pltpu.SemaphoreType.DMA((sb // min(_TPU_SUB, sb),))],
         compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=_compat.interpret_arg(interpret, "hlo"),
@@ -247,15 +254,18 @@ def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_G
     return out[:, :T, :S]
 
 
-def indexer_scores(q, w, key_pool, rows, n_valid, *, interpret=False):
+def indexer_scores(q, w, key_pool, rows, n_valid, *, interpret=False, key_format=None):
     """Pallas indexer scores; same contract as `indexer_scores_ref`. GPU: Triton kernel; TPU: Mosaic kernel;
-    interpret=True or CPU: the TPU-style kernel in the HLO interpreter (tests also use strict TPU interpret)."""
+    interpret=True or CPU: the TPU-style kernel in the HLO interpreter (tests also use strict TPU interpret).
+    key_format: keys stored as bytes (kv_format.Fp4Key), decoded on chip by the TPU-style kernel; on a GPU the
+    reference runs for now."""
     be = _compat.backend()
     if be == "gpu" and not interpret:
-        if _gpu_scores_supported(q, key_pool):
+        if key_format is None and _gpu_scores_supported(q, key_pool):
             return _indexer_scores_gpu(q, w, key_pool, rows, n_valid)
-        return indexer_scores_ref(q, w, key_pool, rows, n_valid)
-    return _indexer_scores_tpu(q, w, key_pool, rows, n_valid, interpret=interpret or be != "tpu")
+        return indexer_scores_ref(q, w, key_pool, rows, n_valid, key_format)
+    return _indexer_scores_tpu(q, w, key_pool, rows, n_valid, interpret=interpret or be != "tpu",
+                               key_format=key_format)
 
 
 def indexer_topk(q, w, key_pool, rows, n_valid, k, *, impl="xla", interpret=False):

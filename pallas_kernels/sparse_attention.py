@@ -22,11 +22,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _compat
+from . import _compat, kv_format
 from ._common import (F32, MASK_FLOOR, common_compute_dtype, gather_groups, mm_nt, pad_last, pv_matmul, round_up,
                       tile_rows, tiled_view, tpu_gather_finish, tpu_gather_start)
 
@@ -37,13 +38,14 @@ from ._common import (F32, MASK_FLOOR, common_compute_dtype, gather_groups, mm_n
 _REF_BYTES_LIMIT = 1 << 28  # chunk the reference over T when the gathered rows would exceed this
 
 
-def _ref_block(q, sets, sink, scale):
-    """q [B, t, H, D]; sets: list of (pool, rows [B, t, J]). Returns (o [B, t, H, D] f32, lse [B, t, H] f32)."""
+def _ref_block(q, sets, sink, scale, fmt=None):
+    """q [B, t, H, D]; sets: list of (pool, rows [B, t, J]); fmt: the pools' entry format where they store bytes.
+    Returns (o [B, t, H, D] f32, lse [B, t, H] f32)."""
     hi = lax.Precision.HIGHEST
     scores, keys = [], []
     for pool, rows in sets:
         valid = rows >= 0
-        k = jnp.take(pool, jnp.where(valid, rows, 0), axis=0)  # [B, t, J, D]
+        k = kv_format.decode_rows(pool, jnp.where(valid, rows, 0), fmt, pool.dtype if fmt is None else q.dtype)
         k = jnp.where(valid[..., None], k, jnp.zeros((), k.dtype))
         s = jnp.einsum("bthd,btjd->bthj", q, k, preferred_element_type=F32, precision=hi) * scale
         scores.append(jnp.where(valid[:, :, None, :], s, -jnp.inf))
@@ -66,8 +68,10 @@ def _sets(swa_pool, swa_rows, cmp_pool, cmp_rows):
     return sets
 
 
-def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, return_lse=False):
-    """jnp reference. q [B, T, H, D]; pools [R, D]; rows [B, T, J] int32 (-1 = none); sink [H] f32."""
+def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, return_lse=False,
+                         entry_format=None):
+    """jnp reference. q [B, T, H, D]; pools [R, D], or uint8 [R, entry_format.nbytes] of the entries in that byte
+    format (pallas_kernels.kv_format); rows [B, T, J] int32 (-1 = none); sink [H] f32."""
     B, T, H, D = q.shape
     sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
     J = sum(r.shape[-1] for _, r in sets)
@@ -78,13 +82,13 @@ def sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sca
         while T % tc:
             tc -= 1
     if tc == T:
-        o, lse = _ref_block(q, sets, sink, scale)
+        o, lse = _ref_block(q, sets, sink, scale, entry_format)
     else:
-        o, lse = _ref_chunked(q, sets, sink, scale, tc)
+        o, lse = _ref_chunked(q, sets, sink, scale, tc, entry_format)
     return (o, lse) if return_lse else o.astype(q.dtype)
 
 
-def _ref_chunked(q, sets, sink, scale, tc):
+def _ref_chunked(q, sets, sink, scale, tc, fmt=None):
     B, T, H, D = q.shape
     n = T // tc
 
@@ -94,7 +98,7 @@ def _ref_chunked(q, sets, sink, scale, tc):
     qs = split(q)
     rows = [split(r) for _, r in sets]
     pools = [p for p, _ in sets]
-    o, lse = lax.map(lambda a: _ref_block(a[0], list(zip(pools, a[1])), sink, scale), (qs, rows))
+    o, lse = lax.map(lambda a: _ref_block(a[0], list(zip(pools, a[1])), sink, scale, fmt), (qs, rows))
     return jnp.moveaxis(o, 0, 1).reshape(B, T, H, D), jnp.moveaxis(lse, 0, 1).reshape(B, T, H)
 
 
@@ -106,7 +110,7 @@ _TPU_CHUNK = 128   # rows per online-softmax step (lane-dense scores [H, 128])
 
 
 def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa_hbm, cmp_hbm, o_ref, lse_ref,
-                buf, stage, sem, m_ref, l_ref, acc_ref, *, n_swa_chunks, n_chunks, scale, chunk):
+                buf, stage, sem, m_ref, l_ref, acc_ref, *, n_swa_chunks, n_chunks, scale, chunk, fmt):
     def copy(i, slot, wait):
         args = (rows_smem, flag_smem, tile_smem, i * chunk, buf.at[slot], stage.at[slot], sem.at[slot])
 
@@ -125,7 +129,7 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
     l_ref[...] = jnp.exp(sink - m0)
     acc_ref[...] = jnp.zeros_like(acc_ref)
     q = q_ref[...]
-    cdt = common_compute_dtype(q.dtype, buf.dtype)
+    cdt = common_compute_dtype(q.dtype, buf.dtype)  # f32 for entries stored as bytes
     q = q.astype(cdt)
 
     copy(0, 0, wait=False)
@@ -140,7 +144,9 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
         copy(i, slot, wait=True)
         ids = rows_vmem[:, pl.ds(pl.multiple_of(i * chunk, chunk), chunk)]   # [1, C]
         tpu_gather_finish(ids, flag_smem, i * chunk, buf.at[slot], stage.at[slot], n=chunk)
-        k = buf[slot]                                       # [C, D]
+        k = buf[slot]                                       # [C, D] (bytes: [C, fmt.nbytes / 4] words)
+        if fmt is not None:
+            k = fmt.decode_words(k, cdt)                    # the dims in fmt.planar order, as q's
         s = mm_nt(q, k.astype(cdt)) * scale                 # [H, C] f32
         valid = ids >= 0                                    # [1, C]
         s = jnp.where(valid, s, -jnp.inf)
@@ -160,8 +166,13 @@ def _tpu_kernel(rows_smem, flag_smem, tile_smem, q_ref, sink_ref, rows_vmem, swa
 
 
 def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
-                          return_lse=False):
+                          return_lse=False, entry_format=None):
     B, T, H, D = q.shape
+    if entry_format is not None:  # bytes gathered as 32-bit words (as f32 rows are), decoded in planar order
+        swa_pool = kv_format.as_words(swa_pool)
+        cmp_pool = None if cmp_pool is None else kv_format.as_words(cmp_pool)
+        q = q[..., entry_format.planar]
+    E = swa_pool.shape[-1]  # a pool row: D values, or entry_format.nbytes / 4 words
     C = _TPU_CHUNK
     G = tile_rows(swa_pool.dtype)
     sets = _sets(swa_pool, swa_rows, cmp_pool, cmp_rows)
@@ -184,7 +195,7 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     cmp_arg = cmp_pool if has_cmp else swa_pool
 
     kernel = functools.partial(_tpu_kernel, n_swa_chunks=n_swa_chunks, n_chunks=n_chunks, scale=float(scale),
-                               chunk=C)
+                               chunk=C, fmt=entry_format)
     # SMEM blocks are [1, n] slices of [B*T, 1, n] arrays (TPU block rule: last two dims full or (8, 128)-aligned).
     smem = lambda n: pl.BlockSpec((None, 1, n), lambda b, t: (b * T + t, 0, 0), memory_space=pltpu.SMEM)
     in_specs = [
@@ -204,8 +215,8 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
         out_specs=(pl.BlockSpec((None, None, H, D), lambda b, t: (b, t, 0, 0)),
                    pl.BlockSpec((None, None, H, 1), lambda b, t: (b, t, 0, 0))),
         scratch_shapes=[
-            pltpu.VMEM((2, C, D), swa_pool.dtype),
-            pltpu.VMEM((2, C, G, D), swa_pool.dtype),     # the tiles of rows that are not in whole-tile runs
+            pltpu.VMEM((2, C, E), swa_pool.dtype),
+            pltpu.VMEM((2, C, G, E), swa_pool.dtype),     # the tiles of rows that are not in whole-tile runs
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.VMEM((H, 1), F32),
             pltpu.VMEM((H, 1), F32),
@@ -216,6 +227,8 @@ def _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
         name="v4_sparse_attention",
     )(rows.reshape(B * T, 1, n_rows), flag.reshape(B * T, 1, -1), tile.reshape(B * T, 1, -1), q,
       sink.astype(F32).reshape(H, 1), rows.reshape(B, T, 1, n_rows), swa_pool, cmp_arg)
+    if entry_format is not None:
+        o = o[..., np.argsort(entry_format.planar)]
     return (o, lse[..., 0]) if return_lse else o
 
 
@@ -382,8 +395,11 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
 # --------------------------------------------------------------------------------------------------------------
 
 def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
-                     return_lse=False, valid_prefix=False):
+                     return_lse=False, valid_prefix=False, entry_format=None):
     """Pallas sparse attention; same contract as `sparse_attention_ref`.
+
+    entry_format: the pools hold entries as bytes in this format (pallas_kernels.kv_format.Fp8Entry); the
+    TPU-style kernel gathers the bytes and decodes them on chip; on a GPU the reference runs for now.
 
     valid_prefix: a hint that each query's valid compressed rows end where its -1s begin (HCA: every entry before
     n_ready); the GPU kernel then stops each query's loop after its last valid block. On the H200, the last
@@ -395,10 +411,11 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
     kernel in the HLO interpreter (fast; the tests also run it in the strict TPU interpret mode).
     """
     be = _compat.backend()
-    if be == "gpu" and not interpret and _gpu_supported(q, swa_pool, cmp_pool):
+    if be == "gpu" and not interpret and entry_format is None and _gpu_supported(q, swa_pool, cmp_pool):
         return _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
                                      return_lse=return_lse, skip_tail=valid_prefix)
     if be == "gpu" and not interpret:
-        return sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale, return_lse=return_lse)
+        return sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale, return_lse=return_lse,
+                                    entry_format=entry_format)
     return _sparse_attention_tpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
-                                 interpret=interpret or be != "tpu", return_lse=return_lse)
+                                 interpret=interpret or be != "tpu", return_lse=return_lse, entry_format=entry_format)

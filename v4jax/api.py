@@ -78,6 +78,9 @@ class EngineOptions:
     # input is rounded to FP8 as the release computes); a preset's in `dtype`. "none": every weight dequantized to
     # `dtype` at load. "fp8": the release's formats (FP8 linears, FP4 experts), a checkpoint must hold them.
     quantization: str | None = None
+    # the pools' storage: "auto" (the model's dtype), "bfloat16", or "fp8": the release's formats (FP8 window and
+    # compressed entries, 584 B for Flash; FP4 indexer keys, 68 B), written quantised, decoded where read
+    kv_cache_dtype: str = "auto"
     attention_impl: str | None = None  # "xla" | "pallas"; default: "pallas" on a GPU (its kernels are the fast path
     # there: BENCHMARKS.md), "xla" elsewhere (on CPU the kernels run interpreted; on TPU only their lowering is checked)
     seed: int = 0  # weights of a random preset

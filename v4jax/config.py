@@ -23,6 +23,12 @@ _HF_LAYER_TYPE = {
 _HF_LAYER_TYPE_NAME = {v: k for k, v in _HF_LAYER_TYPE.items()}
 
 
+# Storage of the KV pools (`kv_cache_dtype`): "auto" = the model's dtype; "fp8" = the release's formats: window,
+# C4 and C128 entries as FP8 entries, C4 indexer keys as FP4 keys (fp8_entry_bytes / fp4_key_bytes).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
+FP8_BLOCK, FP4_BLOCK = 64, 32  # values per ue8m0 scale: FP8 entry NoPE dims, FP4 indexer key dims
+
+
 class ConfigError(ValueError):
     """A config value that v4jax cannot run; the message names the key."""
 
@@ -111,6 +117,19 @@ class ModelConfig:
     @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.rope_head_dim
+
+    @property
+    def fp8_entry_bytes(self) -> int:
+        """One FP8 KV entry: NoPE dims in e4m3, RoPE dims in bf16, a ue8m0 scale per 64 NoPE dims, padded to a
+        multiple of 8 (448 + 128 + 7 + 1 pad = 584 B for head_dim 512, rope 64: vLLM / FlashMLA's layout)."""
+        nope = self.nope_head_dim
+        return -(-(nope + 2 * self.rope_head_dim + -(-nope // FP8_BLOCK)) // 8) * 8
+
+    @property
+    def fp4_key_bytes(self) -> int:
+        """One FP4 indexer key: two e2m1 codes per byte, a ue8m0 scale per 32 dims, padded to a multiple of 4 (the
+        kernels gather 32-bit words): 64 + 4 = 68 B for 128 dims."""
+        return -(-(self.index_head_dim // 2 + self.index_head_dim // FP4_BLOCK) // 4) * 4
 
     @property
     def ratios_in_use(self) -> tuple[int, ...]:

@@ -65,6 +65,7 @@ RULES: dict[str, Rule] = {
     "ignore_eos": BOOL,
     # LLM(...) options (v4jax.api.EngineOptions)
     "quant_sim": BOOL,
+    "kv_cache_dtype": Rule("choice", choices=("auto", "bfloat16", "fp8")),
     "attention_impl": Rule("choice", optional=True, choices=("xla", "pallas")),
     "quantization": Rule("choice", optional=True, choices=("none", "fp8"),
                          note="(default: the checkpoint's own storage)"),

@@ -7,7 +7,8 @@ Formats (entry layouts):
   "fp8"   vLLM / SGLang / FlashMLA "MODEL1 FP8" (reference serving_systems.md §1.1): main entry = nope dims in
           e4m3 (448 B) + rope dims in bf16 (64 x 2 = 128 B) + one ue8m0 scale byte per 64 nope dims (7 B) padded
           to a multiple of 8 B = 584 B; indexer key = index_head_dim e4m3 bytes + one fp32 scale = 132 B.
-  "fp4"   as "fp8" but MXFP4 indexer keys: index_head_dim / 2 + 4 = 68 B.
+  "fp4"   as "fp8" but MXFP4 indexer keys: index_head_dim / 2 + a ue8m0 scale per 32 dims = 68 B. What an engine
+          with kv_cache_dtype="fp8" allocates (the byte layouts: pallas_kernels.kv_format).
 The window (SWA) entry has the main entry's format. Compressor partial state is float32 in every format.
 Token ids are int32 (4 B per token) and are reported apart from the KV figure, which (like both references)
 excludes them.
@@ -39,7 +40,8 @@ import dataclasses
 import math
 import os
 
-from v4jax.cache.layout import FULL_PAGE_POOLS, PoolLayout, PoolSize, mesh_shards, pool_layout, pool_sizes
+from v4jax.cache.layout import (FULL_PAGE_POOLS, PoolLayout, PoolSize, kv_cache_dtype, mesh_shards, pool_layout,
+                                pool_sizes)
 from v4jax.config import CSA, HCA, SLIDING, ModelConfig
 
 FORMATS = ("bf16", "f32", "fp8", "fp4")
@@ -65,16 +67,14 @@ def main_entry_bytes(cfg: ModelConfig, fmt: str = "bf16") -> int:
         return 2 * cfg.head_dim
     if f == "f32":
         return 4 * cfg.head_dim
-    nope, rope = cfg.nope_head_dim, cfg.rope_head_dim
-    raw = nope + 2 * rope + math.ceil(nope / 64)  # e4m3 nope + bf16 rope + ue8m0 scale per 64 nope dims
-    return -(-raw // 8) * 8  # 583 -> 584: the pad byte
+    return cfg.fp8_entry_bytes  # e4m3 nope + bf16 rope + ue8m0 scale per 64 nope dims + pad (583 -> 584)
 
 
 def index_key_bytes(cfg: ModelConfig, fmt: str = "bf16") -> int:
-    """Bytes of one C4 indexer key: 256 bf16 / 132 FP8 (128 + fp32 scale) / 68 FP4 (64 + fp32 scale)."""
+    """Bytes of one C4 indexer key: 256 bf16 / 132 FP8 (128 + fp32 scale) / 68 FP4 (64 + a ue8m0 scale per 32)."""
     f = _fmt(fmt)
     d = cfg.index_head_dim
-    return {"bf16": 2 * d, "f32": 4 * d, "fp8": d + 4, "fp4": d // 2 + 4}[f]
+    return {"bf16": 2 * d, "f32": 4 * d, "fp8": d + 4, "fp4": cfg.fp4_key_bytes}[f]
 
 
 def _layers(cfg: ModelConfig, mtp: bool = False) -> list[tuple[str, int]]:
@@ -578,6 +578,7 @@ class EnginePools:
     kv_layout: str
     caching: bool  # the prefix cache (its window tails and boundary rows are in the `swa` pool)
     max_model_len: int
+    kv_cache_dtype: str = "auto"  # the option the pools were laid out for
 
     @property
     def total(self) -> int:
@@ -600,6 +601,7 @@ class EnginePools:
     def as_dict(self) -> dict:
         lay = self.layout
         return {"max_model_len": self.max_model_len, "max_num_seqs": lay.max_slots, "kv_layout": self.kv_layout,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 "enable_prefix_caching": self.caching,
                 "mesh": {"data": lay.data_shards, "context": lay.context_shards},
                 "page_size": lay.page_size, "swa_page_size": lay.swa_page_size, "n_pages": lay.n_pages,
@@ -613,13 +615,14 @@ class EnginePools:
 def engine_pools(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16") -> EnginePools:
     """The pools an engine built with `options` (an api.EngineOptions, or anything with its fields: max_num_seqs,
     kv_layout, page_size, prefill_chunk, decode_steps, memory_budget_bytes, enable_prefix_caching, mesh) and
-    `max_model_len` allocates, in `dtype` (the model's), from the layout the engine itself uses. Nothing is
+    `max_model_len` allocates, with `dtype` the model's (the pools' is options.kv_cache_dtype's), from the layout the engine itself uses. Nothing is
     allocated. A mesh whose `data` axis does not divide max_num_seqs is a ValueError, as in the engine."""
     n_data, n_ctx = mesh_shards(options.mesh)
+    dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)
     lay = pool_layout(cfg, options, dtype, max_model_len, n_data, n_ctx)
     caching = bool(options.enable_prefix_caching) and options.kv_layout != "dense"
     return EnginePools(layout=lay, sizes=pool_sizes(cfg, lay, dtype, caching), kv_layout=options.kv_layout,
-                       caching=caching, max_model_len=max_model_len)
+                       caching=caching, max_model_len=max_model_len, kv_cache_dtype=options.kv_cache_dtype)
 
 
 def _fits_hint(cfg: ModelConfig, need: int, limit: int, dtype_bytes: int, weights=None) -> str:
@@ -706,8 +709,9 @@ def format_device_table(weights: int, weights_per_device: int, pools: EnginePool
     lay = pools.layout
     need = weights_per_device + pools.per_device
     cache = ", prefix cache" if pools.caching else ""
-    held = f"weights {weights_held}, pools in {dtype}" if weights_held else f"weights and pools in {dtype}"
-    lines = [f"## Per device ({mesh}: {n_devices} device(s), {held})", "",
+    held = f"weights {weights_held}" if weights_held else f"weights in {dtype}"
+    kv = dtype if pools.kv_cache_dtype == "auto" else pools.kv_cache_dtype
+    lines = [f"## Per device ({mesh}: {n_devices} device(s), {held}, pools in {kv})", "",
              f"Engine pools ({pools.kv_layout}{cache}): {lay.max_slots} slots x max_model_len={pools.max_model_len}; "
              f"{lay.n_pages} full pages of {lay.page_size} tokens ({lay.n_pages * lay.page_size} tokens, "
              f"{pools.per_page_bytes} B a page), {lay.n_swa_pages} SWA pages of {lay.swa_page_size} tokens.", "",

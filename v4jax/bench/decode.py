@@ -197,6 +197,9 @@ def _random_like(shape, dtype, vocab: int, seed: int):
     h = jnp.full(shape, np.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF), jnp.uint32)
     for d in range(len(shape)):
         h = mix(h + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(0x85EBCA6B + 2 * d))
+    if dtype == np.uint8:  # entries as bytes (kv_cache_dtype="fp8"): below 0x78 every byte decodes finite (e4m3
+        # codes, ue8m0 scales up to 2^-8, bf16 high bytes)
+        return (h % np.uint32(0x78)).astype(dtype)
     if np.issubdtype(dtype, np.integer):
         return (h % np.uint32(vocab)).astype(dtype)
     return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(dtype)

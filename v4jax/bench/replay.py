@@ -246,8 +246,9 @@ def budget_for_pages(cfg, options, max_model_len: int, dtype, n_pages: int) -> i
     compressor states, and the full pages."""
     import math
 
-    from v4jax.cache.layout import mesh_shards, page_multiple, pool_layout, pool_sizes
+    from v4jax.cache.layout import kv_cache_dtype, mesh_shards, page_multiple, pool_layout, pool_sizes
     n_data, n_ctx = mesh_shards(options.mesh)
+    dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)
     lay = pool_layout(cfg, dataclasses.replace(options, memory_budget_bytes=None), dtype, max_model_len, n_data,
                       n_ctx)
     caching = options.enable_prefix_caching and options.kv_layout == "paged"

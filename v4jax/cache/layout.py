@@ -7,17 +7,26 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from v4jax.cache.boundary import LOGICAL_AXES as BOUNDARY_AXES, init_boundary_store
-from v4jax.cache.pools import LOGICAL_AXES, PoolLayout, init_pools
-from v4jax.config import ModelConfig
+from v4jax.cache.pools import FP8, LOGICAL_AXES, PoolLayout, init_pools
+from v4jax.config import KV_CACHE_DTYPES, ModelConfig
 
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}  # the memory report's names
-_NAMED_ITEMSIZE = {"bf16": 2, "bfloat16": 2, "f32": 4, "float32": 4, "fp32": 4}
+_NAMED_ITEMSIZE = {"bf16": 2, "bfloat16": 2, "f32": 4, "float32": 4, "fp32": 4, FP8: 1}
 # The pools that grow by full pages (the rest: SWA pages with their boundary rows, per-slot compressor state)
 FULL_PAGE_POOLS = ("c4_kv", "c4_index", "c128_kv", "tokens")
+
+
+def kv_cache_dtype(kv_cache_dtype: str, model_dtype):
+    """The pools' dtype (init_pools) for the option `kv_cache_dtype`: "auto" = the model's dtype, "bfloat16", or
+    "fp8" (the release's FP8 entries and FP4 indexer keys, stored as bytes)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return {"auto": model_dtype, "bfloat16": jnp.bfloat16, "fp8": FP8}[kv_cache_dtype]
 
 
 def mesh_shards(mesh) -> tuple[int, int]:

@@ -7,6 +7,9 @@ any layout turns into row ids:
   swa          [n, n_swa_pages * Ps, K]          raw token KV of the window; small pages of Ps tokens
   kv           [n, n_pages * P/m, K]             compressed entries (C4 on CSA layers, C128 on HCA layers)
   idx          [n, n_pages * P/m, Ki]            C4 indexer keys (CSA layers)
+With kv_cache_dtype="fp8" these three are uint8 rows of the release's formats (pallas_kernels.kv_format): K is
+then the FP8 entry's bytes (584 for Flash), Ki the FP4 key's (68); the model encodes what it writes and decodes
+what it reads.
   state_*      [n, slots, C*m, C*K]       f32    compressor partial windows, per slot (never shared)
 Layer N of the model is `pools.stacks[g]` at index i, (g, i) = `layer_stacks(cfg).where[N]` (`layer_pool`).
 A full page of P tokens addresses its rows of every compressed pool by arithmetic: entry e of ratio m lives
@@ -25,6 +28,7 @@ from sharding.rules import POOL_AXES
 from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
 
 F32 = jnp.float32
+FP8 = "fp8"  # the pools' dtype under kv_cache_dtype="fp8" (init_pools)
 
 LOGICAL_AXES = POOL_AXES  # pool field -> logical axis names of its dims (sharding/rules.py maps names to mesh axes)
 
@@ -100,7 +104,12 @@ class PoolLayout:
 
 
 def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
-    p, k = layout.page_size, cfg.head_dim
+    """Zero pools. dtype: the entries' dtype, or "fp8" (kv_cache_dtype="fp8"): uint8 rows of the release's
+    formats, FP8 entries in `swa` and `kv` (cfg.fp8_entry_bytes), FP4 keys in `idx` (cfg.fp4_key_bytes)."""
+    p = layout.page_size
+    k, ki = cfg.head_dim, cfg.index_head_dim
+    if isinstance(dtype, str) and dtype == FP8:
+        dtype, k, ki = jnp.uint8, cfg.fp8_entry_bytes, cfg.fp4_key_bytes
     stacks = []
     for stack in layer_stacks(cfg).stacks:
         n, kind, m = len(stack.layers), stack.kind, stack.ratio
@@ -112,11 +121,11 @@ def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
         rows = layout.n_pages * (p // m)
         st = lambda d: (jnp.zeros((n, layout.max_slots, coff * m, coff * d), F32),
                         jnp.full((n, layout.max_slots, coff * m, coff * d), -jnp.inf, F32))
-        skv, ssc = st(k)
+        skv, ssc = st(cfg.head_dim)
         lp = LayerPool(swa=swa, kv=jnp.zeros((n, rows, k), dtype), state_kv=skv, state_score=ssc)
         if kind == CSA:
             ikv, isc = st(cfg.index_head_dim)
-            lp = dataclasses.replace(lp, idx=jnp.zeros((n, rows, cfg.index_head_dim), dtype),
+            lp = dataclasses.replace(lp, idx=jnp.zeros((n, rows, ki), dtype),
                                      idx_state_kv=ikv, idx_state_score=isc)
         stacks.append(lp)
     return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), stacks=tuple(stacks))

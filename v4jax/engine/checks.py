@@ -61,9 +61,9 @@ class RequestCheck:
     def for_options(cls, cfg: ModelConfig, options, dtype, max_model_len: int,
                     mesh_shape: dict | None = None) -> "RequestCheck":
         """The check of the engine these options would build (the same layout function), without building it."""
-        from v4jax.cache.layout import pool_layout
+        from v4jax.cache.layout import kv_cache_dtype, pool_layout
         mesh_shape = mesh_shape or {}
-        lay = pool_layout(cfg, options, dtype, max_model_len, mesh_shape.get("data", 1), mesh_shape.get("context", 1))
+        lay = pool_layout(cfg, options, kv_cache_dtype(options.kv_cache_dtype, dtype), max_model_len, mesh_shape.get("data", 1), mesh_shape.get("context", 1))
         return cls.of(cfg, lay, max_model_len, paged=options.kv_layout != "dense")
 
     @property

@@ -27,7 +27,7 @@ from flax import nnx
 
 from v4jax import cache as C
 from v4jax.cache.boundary import init_boundary_store
-from v4jax.cache.layout import pool_layout
+from v4jax.cache.layout import kv_cache_dtype, pool_layout
 from v4jax.cache.manager import KVCacheManager
 from v4jax.config import ModelConfig
 from v4jax.engine import steps as S
@@ -76,8 +76,9 @@ class EngineCore:
         if ops.from_xla:  # said once, here, rather than found out from a profile
             warnings.warn(f"attention_impl={run_options.attention_impl!r} on this backend: {', '.join(ops.from_xla)} "
                           "run as the XLA table's (their kernels are written for Triton)")
-        self.layout = pool_layout(cfg, options, self.dtype, max_model_len, n_data, n_ctx)
-        self.kv = KVCacheManager(cfg, self.layout, dense=dense, caching=caching, dtype=self.dtype)
+        self.kv_dtype = kv_cache_dtype(options.kv_cache_dtype, self.dtype)  # the pools' (init_pools)
+        self.layout = pool_layout(cfg, options, self.kv_dtype, max_model_len, n_data, n_ctx)
+        self.kv = KVCacheManager(cfg, self.layout, dense=dense, caching=caching, dtype=self.kv_dtype)
         self.request_check = RequestCheck.of(cfg, self.layout, max_model_len, paged=not dense)
         self.scheduler = Scheduler(self.kv, max_num_seqs=slots, prefill_chunk=options.prefill_chunk,
                                    decode_steps=self.k, max_model_len=max_model_len)
@@ -109,7 +110,7 @@ class EngineCore:
         from v4jax.cache.boundary import store_shardings
 
         def make():
-            pools = C.init_pools(self.cfg, self.layout, self.dtype)
+            pools = C.init_pools(self.cfg, self.layout, self.kv_dtype)
             store = init_boundary_store(pools, n_boundary_rows)
             if not caching:
                 store = dataclasses.replace(store, layers=tuple(None for _ in store.layers))

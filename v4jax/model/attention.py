@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import kv_format
 from sharding import context
 from sharding.rules import POOL_AXES
 from v4jax.config import CSA, SLIDING, ModelConfig
@@ -39,18 +40,20 @@ def _flat(pool):
 
 
 def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict, li, *, ops: Ops, scale: float,
-                   window: int, topk: int, row_axes: tuple[str, ...] = ()):
+                   window: int, topk: int, formats: dict | None = None, row_axes: tuple[str, ...] = ()):
     """One layer's pool writes and attention over the rows this shard holds (all of them on one device).
 
     blocks: pool name -> context.RowBlock, the rows of `pools[name]` ([n, R, K], the stack's n layers) held here;
     writes: name -> (rows of layer li [B, E], values [B, E, K]); reads: the window's rows and positions, the
     query positions, and on compressed layers the entries' rows [B, S] with n_ready (and the indexer's queries
-    and head weights on CSA layers). Rows are global (one layer's ids, -1 = none); each shard keeps those of its
-    block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
+    and head weights on CSA layers). formats: pool name -> its entry format (pallas_kernels.kv_format) where the
+    pool stores bytes (kv_cache_dtype="fp8"): writes are encoded, the ops decode what they read. Rows are global
+    (one layer's ids, -1 = none); each shard keeps those of its block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
     the result is the single-device one (sharding/context.py). row_axes: mesh axes the B rows are split over (a
     shard has its own rows, whose entries lie in its blocks along those axes: nothing to merge over them).
     Returns (o [B, T, H, K], pools)."""
     merge = tuple(dict.fromkeys(a for b in blocks.values() for a in b.axes if a not in row_axes))
+    formats = formats or {}
 
     def local(name, rows):  # global rows of layer li -> rows of this shard's flat view (-1 = elsewhere / none)
         r = blocks[name].local(rows)
@@ -65,13 +68,15 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
         rows, values = writes[name]
         dst = _flat(pool)
         r = local(name, rows).reshape(-1)
-        flat[name] = dst.at[jnp.where(r >= 0, r, dst.shape[0])].set(
-            values.reshape(-1, values.shape[-1]).astype(dst.dtype), mode="drop")
+        values = values.reshape(-1, values.shape[-1])
+        values = formats[name].encode(values) if name in formats else values.astype(dst.dtype)
+        flat[name] = dst.at[jnp.where(r >= 0, r, dst.shape[0])].set(values, mode="drop")
     kv = flat.get("kv")
     hca_rows = sel_rows = None
     if "idx" in flat:
         rows = reads["rows"]
-        scores, at = ops.select(reads["iq"], reads["w"], flat["idx"], local("idx", rows), reads["n_ready"], topk)
+        scores, at = ops.select(reads["iq"], reads["w"], flat["idx"], local("idx", rows), reads["n_ready"], topk,
+                                formats.get("idx"))
         _, at = context.merge_topk(scores, at, topk, tuple(a for a in blocks["idx"].axes if a not in row_axes))
         picked = jnp.take_along_axis(jnp.broadcast_to(rows[:, None, :], (*at.shape[:2], rows.shape[1])),
                                      jnp.maximum(at, 0), axis=2)
@@ -80,7 +85,7 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
         hca_rows = counted("kv", reads["rows"])
     o = ops.attend(q, jnp.where(context.first_along(merge), sink, -jnp.inf), scale, flat["swa"],
                    counted("swa", reads["win_rows"]), reads["win_pos"], reads["pos"], window, kv, hca_rows,
-                   reads.get("n_ready"), sel_rows, with_lse=bool(merge))
+                   reads.get("n_ready"), sel_rows, with_lse=bool(merge), entry_format=formats.get("swa"))
     if merge:
         o = context.merge_softmax(*o, merge)
     return o, {name: f.reshape(pools[name].shape) for name, f in flat.items()}
@@ -121,11 +126,12 @@ class Indexer(nnx.Module):
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, ("index_heads", "embed"), rngs=rngs, dtype=dtype)
         self.compressor = Compressor(cfg, ratio, cfg.index_head_dim, overlap=True, rngs=rngs, dtype=dtype)
 
-    def queries(self, qr, cos, sin, opts: RunOptions):
-        """qr [B, T, Q] -> indexer queries [B, T, Hi, Ki] (RoPE at the query position)."""
+    def queries(self, qr, cos, sin, opts: RunOptions, fp4_keys: bool = False):
+        """qr [B, T, Q] -> indexer queries [B, T, Hi, Ki] (RoPE at the query position). Against FP4 keys
+        (kv_cache_dtype="fp8") or under quant_sim, Hadamard-rotated and rounded to FP4 as the release scores."""
         q = self.wq_b(qr, opts).reshape(*qr.shape[:-1], self.n_heads, self.head_dim)
         q = L.apply_rope(q, cos[..., None, :], sin[..., None, :])
-        if opts.quant_sim:
+        if opts.quant_sim or fp4_keys:
             q = quant.fp4_roundtrip(quant.hadamard_rotate(q), 32)
         return q
 
@@ -138,11 +144,12 @@ class Indexer(nnx.Module):
     def finish_keys(self, pooled, cos, sin, dtype, opts: RunOptions):
         return self.round_keys(self.compressor.finish(pooled, cos, sin, dtype), opts)
 
-    def round_keys(self, k, opts: RunOptions):
-        """Finished keys -> the keys the indexer stores (quant_sim: Hadamard rotation, FP4 rounding)."""
-        if opts.quant_sim:
-            k = quant.fp4_roundtrip(quant.hadamard_rotate(k), 32)
-        return k
+    def round_keys(self, k, opts: RunOptions, fp4_keys: bool = False):
+        """Finished keys -> the keys the indexer stores: Hadamard-rotated under quant_sim (then rounded to FP4) and
+        for FP4 keys (fp4_keys: rounded as the pool encodes them)."""
+        if opts.quant_sim or fp4_keys:
+            k = quant.hadamard_rotate(k)
+        return quant.fp4_roundtrip(k, 32) if opts.quant_sim else k
 
 
 def topk_mask(scores, valid, k: int):
@@ -248,6 +255,7 @@ class Attention(nnx.Module):
         li this layer's index in it. Returns (out [B, T, D], pool with this step's writes)."""
         pos = meta.positions
         cos, sin = self.rope(pos)
+        fp8 = pool.swa.dtype == jnp.uint8  # kv_cache_dtype="fp8": the pools hold bytes (init_pools)
         pre = self._input_projections(x, ops, opts)
         q, qr = self.queries(x, cos, sin, opts, pre.get("wq_a"))
         kv = self.window_kv(x, cos, sin, opts, pre.get("wkv"))
@@ -261,15 +269,24 @@ class Attention(nnx.Module):
             n_ready = (pos + 1) // self.ratio  # entries query t may see
             reads.update(rows=rows, n_ready=n_ready)
             writes["kv"] = self._compress(self.compressor, x, meta, pool, li, rows, "state_kv", "state_score",
-                                          states, ops, opts, pre.get("compressor"))
+                                          states, ops, opts, pre.get("compressor"), fp8)
             if self.indexer is not None:
                 writes["idx"] = self._compress(self.indexer.compressor, x, meta, pool, li, rows, "idx_state_kv",
-                                               "idx_state_score", states, ops, opts, pre.get("indexer compressor"))
-                reads.update(iq=self.indexer.queries(qr, cos, sin, opts),
+                                               "idx_state_score", states, ops, opts, pre.get("indexer compressor"),
+                                               fp8)
+                reads.update(iq=self.indexer.queries(qr, cos, sin, opts, fp4_keys=fp8),
                              w=self.indexer.head_weights(x, pre.get("weights_proj")))
         pools = {name: getattr(pool, name) for name in writes}
-        o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules, meta.slot is None)
+        formats = self.entry_formats() if fp8 else {}
+        o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules, meta.slot is None,
+                                      {name: f for name, f in formats.items() if name in pools})
         return self.output(o.astype(q.dtype), cos, sin, opts), dataclasses.replace(pool, **pools, **states)
+
+    def entry_formats(self) -> dict:
+        """Pool name -> the entry format it stores under kv_cache_dtype="fp8" (pallas_kernels.kv_format)."""
+        cfg = self.cfg
+        entry = kv_format.Fp8Entry(cfg.head_dim, cfg.rope_head_dim)
+        return {"swa": entry, "kv": entry, "idx": kv_format.Fp4Key(cfg.index_head_dim)}
 
     def _input_projections(self, x, ops: Ops, opts: RunOptions) -> dict:
         """The projections of the attention input that the ops table runs in one launch (`Ops.project`: a decode
@@ -298,10 +315,10 @@ class Attention(nnx.Module):
         return pre
 
     def _compress(self, comp: Compressor, x, meta, pool, li, rows, st_kv_name, st_sc_name, states: dict,
-                  ops: Ops, opts: RunOptions, proj=None):
+                  ops: Ops, opts: RunOptions, proj=None, fp8: bool = False):
         """Run a compressor over the step's tokens from the rows' states (the new states go into `states`); proj:
-        its two projections of x, computed by the caller. Returns (pool rows [B, E] of the windows it closed,
-        -1 = none; their entries, rounded as the layer stores them)."""
+        its two projections of x, computed by the caller; fp8: the pools store the release's formats. Returns (pool
+        rows [B, E] of the windows it closed, -1 = none; their entries, rounded as the layer stores them)."""
         st_kv, st_sc = getattr(pool, st_kv_name), getattr(pool, st_sc_name)
         if meta.slot is None and opts.mesh_rules is None:  # every slot: the ops read the layer's in the stack
             entries, ent, ok, nkv, nsc = ops.compress(comp, x, meta, L.LayerOf(st_kv, li), L.LayerOf(st_sc, li),
@@ -313,13 +330,13 @@ class Attention(nnx.Module):
         if comp is self.compressor:
             entries = self.kv_round(entries, opts)
         else:
-            entries = self.indexer.round_keys(entries, opts)
+            entries = self.indexer.round_keys(entries, opts, fp4_keys=fp8)
         states.update({st_kv_name: nkv, st_sc_name: nsc})
         s = rows.shape[1]
         row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
         return jnp.where(ok & (ent >= 0) & (ent < s), row, -1), entries
 
-    def _attend_pools(self, q, pools, writes, reads, li, ops: Ops, mesh_rules, rows_are_slots: bool):
+    def _attend_pools(self, q, pools, writes, reads, li, ops: Ops, mesh_rules, rows_are_slots: bool, formats: dict):
         """Store the step's writes into the pools and attend over them (`attention_core`). On a mesh this runs per
         shard: jax.shard_map manual over every mesh axis (Mosaic kernels cannot be partitioned automatically), the
         heads split over `tensor` as the rules table says, every pool's rows in the blocks its sharding gives,
@@ -329,7 +346,8 @@ class Attention(nnx.Module):
         cfg = self.cfg
         sink = self.attn_sink[...]
         li = jnp.asarray(li, jnp.int32)
-        static = dict(ops=ops, scale=cfg.head_dim ** -0.5, window=cfg.window_size, topk=cfg.index_topk)
+        static = dict(ops=ops, scale=cfg.head_dim ** -0.5, window=cfg.window_size, topk=cfg.index_topk,
+                      formats=formats)
         if mesh_rules is None:
             blocks = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
             return attention_core(blocks, q, sink, pools, writes, reads, li, **static)

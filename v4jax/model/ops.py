@@ -15,15 +15,18 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       mesh) st_* may be L.LayerOf(stack [n, slots, ...], layer): the new states then come back as the whole stack
       (the GPU kernel updates it in place). proj: (x @ wkv.T, x @ wgate.T) in f32 where `project` gave them
       (a kernel that projects inside itself ignores them).
-  select(iq, w, idx_pool, rows, n_ready, k) -> (scores, positions) [B, T, min(k, S)]: the Lightning Indexer's
-      top-k of each query over the entries of `rows` [B, S] it may see (entry e < n_ready [B, T]): positions
-      along S, best first (higher score, then lower position), -1 (score -inf) where fewer are valid.
-  attend(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows, with_lse=False)
+  select(iq, w, idx_pool, rows, n_ready, k, key_format=None) -> (scores, positions) [B, T, min(k, S)]: the
+      Lightning Indexer's top-k of each query over the entries of `rows` [B, S] it may see (entry e < n_ready
+      [B, T]): positions along S, best first (higher score, then lower position), -1 (score -inf) where fewer are
+      valid. key_format: the keys' byte format where the pool stores bytes (pallas_kernels.kv_format.Fp4Key).
+  attend(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows, with_lse=False,
+         entry_format=None)
       -> o [B, T, H, K]: one softmax with the sink (-inf: none) over each query's window (win_rows / win_pos
       [B, U]: the rows and positions of the chunk's window union) and either all ready entries of hca_rows [B, S]
       (HCA) or its selected rows sel_rows [B, T, k] (CSA); kv is None on sliding layers. with_lse: (o in f32,
       lse [B, T, H] the log of the softmax denominator, -inf where nothing is valid and there is no sink), what
-      shards merge (the kernels' partial states cost a write and a read of o in f32, so only then).
+      shards merge (the kernels' partial states cost a write and a read of o in f32, so only then). entry_format:
+      the entries' byte format where swa and kv store bytes (pallas_kernels.kv_format.Fp8Entry).
   sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
   experts(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False) -> [M, D] f32: the
       routed experts' weighted sum (v4jax.model.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of
@@ -63,6 +66,7 @@ from pallas_kernels import experts as pallas_experts
 from pallas_kernels import experts_grouped as pallas_experts_grouped
 from pallas_kernels import hc_post as pallas_hc_post
 from pallas_kernels import indexer as pallas_indexer
+from pallas_kernels import kv_format
 from pallas_kernels import layer_linear as pallas_linear
 from pallas_kernels import sinkhorn as pallas_sinkhorn
 from pallas_kernels import sparse_attention as pallas_sparse_attention
@@ -118,8 +122,9 @@ def _compress_xla(comp, x, meta, st_kv, st_sc, rope, proj=None):
     return comp.finish(pooled, cos, sin, x.dtype), ent, ok, _state_put(st_kv, nkv), _state_put(st_sc, nsc)
 
 
-def _select_xla(iq, w, idx_pool, rows, n_ready, k):
-    scores = L.index_scores(iq, w, idx_pool[jnp.maximum(rows, 0)])  # [B, T, S]
+def _select_xla(iq, w, idx_pool, rows, n_ready, k, key_format=None):
+    keys = kv_format.decode_rows(idx_pool, jnp.maximum(rows, 0), key_format, iq.dtype)
+    scores = L.index_scores(iq, w, keys)  # [B, T, S]
     # -0.0 is the score 0: lax.top_k orders floats totally (-0.0 below 0.0), the tie rule by number
     scores = jnp.where(_ready(rows, n_ready), jnp.where(scores == 0, 0.0, scores), -jnp.inf)
     vals, at = jax.lax.top_k(scores, min(k, rows.shape[1]))
@@ -127,17 +132,20 @@ def _select_xla(iq, w, idx_pool, rows, n_ready, k):
 
 
 def _attend_xla(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows,
-                with_lse=False):
-    keys = swa[jnp.maximum(win_rows, 0)]  # [B, U, K]: the chunk's window union, shared by its queries
+                with_lse=False, entry_format=None):
+    def rows(pool, r):  # pool[r] in q's dtype (decoded where the pool stores bytes)
+        return kv_format.decode_rows(pool, jnp.maximum(r, 0), entry_format, q.dtype)
+
+    keys = rows(swa, win_rows)  # [B, U, K]: the chunk's window union, shared by its queries
     wp = win_pos[:, None, :]
     valid = (win_rows[:, None, :] >= 0) & (wp <= pos[:, :, None]) & (wp > pos[:, :, None] - window)
     sel_keys = sel_valid = None
     if hca_rows is not None:
-        keys = jnp.concatenate([keys, kv[jnp.maximum(hca_rows, 0)]], axis=1)
+        keys = jnp.concatenate([keys, rows(kv, hca_rows)], axis=1)
         valid = jnp.concatenate([valid, _ready(hca_rows, n_ready)], axis=-1)
     if sel_rows is not None:
-        sel_keys, sel_valid = kv[jnp.maximum(sel_rows, 0)].astype(q.dtype), sel_rows >= 0  # [B, T, k, K]
-    o, lse = L.attend(q, keys.astype(q.dtype), valid, sel_keys, sel_valid, sink, scale)
+        sel_keys, sel_valid = rows(kv, sel_rows), sel_rows >= 0  # [B, T, k, K]
+    o, lse = L.attend(q, keys, valid, sel_keys, sel_valid, sink, scale)
     return (o, lse) if with_lse else o.astype(q.dtype)
 
 
@@ -198,17 +206,17 @@ def _compress_decode_gpu_stack(comp, x, meta, st_kv, st_sc, rope, proj=None):
     return entry.astype(x.dtype)[:, None], (pos // m)[:, None], emitted[:, None], nkv, nsc
 
 
-def _select_pallas(iq, w, idx_pool, rows, n_ready, k):
+def _select_pallas(iq, w, idx_pool, rows, n_ready, k, key_format=None):
     """pallas_kernels.indexer's scores, then pallas_kernels.topk (the scores of the k are read back for the
     cross-shard merge)."""
-    scores = pallas_indexer.indexer_scores(iq, w, idx_pool, rows, n_ready)
+    scores = pallas_indexer.indexer_scores(iq, w, idx_pool, rows, n_ready, key_format=key_format)
     at = pallas_topk.topk(scores, min(k, rows.shape[1]))
     vals = jnp.take_along_axis(scores, jnp.maximum(at, 0), axis=2)
     return jnp.where(at >= 0, vals, -jnp.inf), at
 
 
 def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows,
-                   with_lse=False):
+                   with_lse=False, entry_format=None):
     """pallas_kernels.sparse_attention over per-query row lists, gathered inside the kernel."""
     b, t = q.shape[:2]
     # Query t's window is win_rows[t : t + W] (win_pos starts at start - W + 1).
@@ -220,7 +228,8 @@ def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_
         cmp_rows = jnp.where(e < n_ready[:, :, None], hca_rows[:, None, :], -1)
     return pallas_sparse_attention.sparse_attention(q, swa, swa_rows, None if cmp_rows is None else kv, cmp_rows, sink,
                                                    scale=scale, return_lse=with_lse,
-                                                   valid_prefix=hca_rows is not None)
+                                                   valid_prefix=hca_rows is not None,
+                                                   entry_format=entry_format)
 
 
 def _sinkhorn_pallas(comb, iters, eps):

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.linalg import hadamard
 
+from pallas_kernels import kv_format
+
 F32 = jnp.float32
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -27,9 +29,8 @@ def _blocks(x, block):
 
 
 def _pow2_scale(amax, floor, qmax):
-    """2^ceil(log2(max(amax, floor) / qmax)), exactly (frexp, not exp2/log2, which round on some backends)."""
-    mant, exp = jnp.frexp(jnp.maximum(amax, floor) / qmax)
-    return jnp.ldexp(jnp.ones_like(mant), jnp.where(mant == 0.5, exp - 1, exp))
+    """2^ceil(log2(max(amax, floor) / qmax)), exactly (the stored formats' scale: pallas_kernels.kv_format)."""
+    return kv_format.pow2_scale(amax, floor, qmax)[0]
 
 
 def fp8_roundtrip(x, block: int):
@@ -40,18 +41,9 @@ def fp8_roundtrip(x, block: int):
     return q.reshape(*x.shape[:-1], -1)[..., :k].astype(x.dtype)
 
 
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-
-
 def _round_e2m1(y):
-    """Round |y| <= 6 to the nearest e2m1 value, ties to the even mantissa (hardware RNE)."""
-    a = jnp.abs(y)
-    grid = jnp.asarray(_E2M1)
-    dist = jnp.abs(a[..., None] - grid)
-    # Among equidistant neighbours prefer the even code (index parity = mantissa bit).
-    even_bonus = jnp.asarray((np.arange(8) % 2) * 1e-7, F32)
-    idx = jnp.argmin(dist + even_bonus * (dist > 0), axis=-1)
-    return jnp.sign(y) * grid[idx]
+    """Round |y| <= 6 to the nearest e2m1 value, ties to the even mantissa (hardware RNE), as FP4 keys store it."""
+    return kv_format.e2m1_value(kv_format.e2m1_code(y) | jnp.where(y < 0, 8, 0))
 
 
 def fp4_roundtrip(x, block: int = 32):

@@ -35,6 +35,8 @@ class ServerOptions:
 
 _LLM_HELP = {
     "quant_sim": "the release's FP8-KV / FP4-indexer / FP8-activation rounding",
+    "kv_cache_dtype": "KV pools' storage: the model's dtype (auto), bfloat16, or the release's FP8 entries and FP4 "
+                      "indexer keys (fp8)",
     "attention_impl": "kernels: the XLA references or the Pallas kernels (default: pallas on a GPU, else xla)",
     "quantization": "weights: as the checkpoint stores them (default; a preset's in --dtype), 'none' dequantized to "
                     "--dtype, 'fp8' the release's FP8 linears and FP4 experts",
@@ -49,7 +51,8 @@ _LLM_HELP = {
     "enable_prefix_caching": "reuse cached full pages of earlier requests' prefixes",
     "mesh": "devices per mesh axis, e.g. expert=4 or data=2,tensor=2 (default: one device)",
 }
-_CHOICES = {"attention_impl": ["xla", "pallas"], "kv_layout": ["paged", "dense"], "quantization": ["none", "fp8"]}
+_CHOICES = {"attention_impl": ["xla", "pallas"], "kv_layout": ["paged", "dense"], "quantization": ["none", "fp8"],
+            "kv_cache_dtype": ["auto", "bfloat16", "fp8"]}
 
 
 def add_llm_arguments(p: argparse.ArgumentParser) -> None:
