@@ -4,8 +4,10 @@ A speculative step of a decode call (v4jax.engine.steps, `_spec_decode`), per sl
   draft    the MTP block at the positions it has not seen (the main streams of the last verify step's accepted
            tokens, with the token after each), then k-1 more steps on its own output streams: k draft tokens
   verify   the main model over the slot's next token and the k drafts (k+1 query tokens, one `cached` step)
-  accept   greedy: the drafts up to the first that differs from the model's own choice, plus the model's token
-           after them (1 .. k+1 tokens); sampled rows take the model's first token (no draft is used for them)
+  accept   greedy rows: the drafts up to the first that differs from the model's own choice, plus the model's
+           token after them (1 .. k+1 tokens); sampled rows: the standard rejection rule (`accept_sampled`), so their
+           tokens are distributed exactly as plain sampling's, with keys from (seed, request, token index) as a
+           plain step's, so a seeded request is reproducible
   commit   what the accepted tokens wrote is kept and what the rejected ones wrote is undone or never read
 
 What the rejected tokens touched and why each is exact:
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 
 from v4jax import cache as C
 from v4jax.config import CSA, ModelConfig, layer_stacks
+from v4jax.engine.sampling import filtered_probs, request_key
 from v4jax.fields import FieldError, is_int
 from v4jax.model import layers as L
 from v4jax.model.attention import pending_of
@@ -157,10 +160,55 @@ def prefill_drafter(model, cfg, layout, pools: C.KVPools, streams, batch, sample
         tokens=d.tokens.at[at, 0].set(sampled, mode="drop")))
 
 
-def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, swa_table, rows, opts, table=None):
+def token_keys(sm, n: int):
+    """[B, n] sampling keys of each row's next n tokens: request_key(seed, request position, token index + j)."""
+    ti = sm.token_index[:, None] + jnp.arange(n)[None, :]
+    return jax.vmap(jax.vmap(request_key, (None, None, 0)), (0, 0, 0))(sm.seed, sm.sample_index, ti)
+
+
+def purpose(keys, i: int):
+    """Independent keys for one use of a token's key (1: its draft, 2: its acceptance, 3: its correction)."""
+    return jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, i)))(keys)
+
+
+def _proposal(logits, sm, keys, sampled: bool):
+    """A draft token [B] from the MTP block's logits [B, V], and its distribution [B, V] (None if no row samples):
+    greedy rows take the argmax, sampled rows draw from the logits filtered as their own sampling filters them."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return greedy, None
+    q = filtered_probs(logits, sm.temperature, sm.top_p, sm.top_k)
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
+    return jnp.where(sm.temperature > 0, drawn, greedy), q
+
+
+def accept_sampled(p, q, drafts, u, keys):
+    """The standard rejection rule (lossless: the tokens kept are distributed as the target's own samples, whatever
+    the drafts). p [B, k+1, V]: the target's distributions at the k+1 verified positions; q [B, k, V]: the
+    drafter's, drafts [B, k] drawn from them; u [B, k] uniform in [0, 1); keys [B, k+1]: the key of the token
+    drawn after the accepted drafts. Draft j is kept while u_j < p_j(d_j) / q_j(d_j); at the first rejected j the
+    token is drawn from max(p_j - q_j, 0) (normalised), and after k kept drafts from p_k. Returns (drafts kept [B],
+    tokens [B, k+1]: the kept drafts, then the drawn token)."""
+    b, k = drafts.shape
+    pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    n = jnp.sum(jnp.cumprod(u * qd < pd, axis=1), axis=1)
+    rows = jnp.arange(b)
+    pn = p[rows, n]
+    residual = jnp.maximum(pn - jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)[rows, n], 0.0)
+    dist = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, pn)
+    drawn = jax.vmap(jax.random.categorical)(keys[rows, n], jnp.log(dist)).astype(jnp.int32)
+    tokens = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1).at[rows, n].set(drawn)
+    return n, tokens
+
+
+def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, swa_table, rows, opts, sm,
+          sampled: bool, table=None):
     """k draft tokens [B, k] per row (slot b = row b) whose next token sits at position pos [B]: the MTP block over
     the positions it has not seen (its drafter state: the main streams up to pos-1), then k-1 steps on its own
-    output streams and drafts. Rows not `live` write nothing. Returns (drafts, the MTP window pool swa).
+    output streams and drafts. Rows not `live` write nothing. Greedy rows draft the argmax, sampled rows draw from
+    the MTP block's distribution filtered as their sampling filters (sm: their SamplingState). Returns (drafts,
+    their distributions [B, k, V] (None unless `sampled`), the MTP window pool swa).
     table: tests only, [B, max positions] tokens to draft instead (drafts of position p+1.. read table[b, p+1..])."""
     t = d.hidden.shape[1]
     mpool = C.LayerPool(swa=d.swa)
@@ -169,7 +217,8 @@ def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, sw
     meta = C.make_meta(cfg, layout, d.start, n, jnp.zeros_like(live), None, page_table, swa_table, t, rows)
     y, mpool = model.mtp_cached(d.hidden, d.tokens, meta, mpool, opts)
     y = jnp.take_along_axis(y, jnp.maximum(n - 1, 0)[:, None, None, None], axis=1)[:, 0]
-    first = jnp.argmax(model.mtp_head(y), axis=-1).astype(jnp.int32)
+    keys = purpose(token_keys(sm, k), 1) if sampled else jnp.zeros((live.shape[0], k), jnp.uint32)
+    first, q0 = _proposal(model.mtp_head(y), sm, keys[:, 0], sampled)
 
     def step(carry, i):
         y, tok, swa = carry
@@ -177,15 +226,19 @@ def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, sw
                            swa_table, 1, rows)
         y, p = model.mtp_cached(y[:, None], tok[:, None], meta, C.LayerPool(swa=swa), opts)
         y = y[:, 0]
-        tok = jnp.argmax(model.mtp_head(y), axis=-1).astype(jnp.int32)
-        return (y, tok, p.swa), tok
+        tok, q = _proposal(model.mtp_head(y), sm, jnp.take(keys, i + 1, axis=1), sampled)
+        return (y, tok, p.swa), (tok, q)
 
     swa = mpool.swa
-    drafts = first[:, None]
+    drafts, qs = first[:, None], None if q0 is None else q0[:, None]
     if k > 1:
-        (_, _, swa), more = jax.lax.scan(step, (y, first, swa), jnp.arange(k - 1, dtype=jnp.int32))
+        (_, _, swa), (more, q_more) = jax.lax.scan(step, (y, first, swa), jnp.arange(k - 1, dtype=jnp.int32))
         drafts = jnp.concatenate([drafts, more.T], axis=1)
+        if sampled:
+            qs = jnp.concatenate([qs, jnp.moveaxis(q_more, 0, 1)], axis=1)
     if table is not None:
         at = jnp.clip(pos[:, None] + 1 + jnp.arange(k)[None, :], 0, table.shape[1] - 1)
         drafts = jnp.take_along_axis(table, at, axis=1)
-    return drafts, swa
+        if sampled:  # forced drafts count as drawn from a point mass: the rule stays lossless
+            qs = jax.nn.one_hot(drafts, qs.shape[-1], dtype=qs.dtype)
+    return drafts, qs, swa

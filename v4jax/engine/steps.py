@@ -25,7 +25,7 @@ from v4jax.cache.boundary import restore_slot_states, save_boundary_states
 from v4jax.config import ModelConfig
 from v4jax.model import RunOptions
 from v4jax.engine import spec as SP
-from v4jax.engine.sampling import sample, top_alternatives
+from v4jax.engine.sampling import filtered_probs, sample, top_alternatives
 from v4jax.model.transformer import last_valid
 
 MAX_STOP = 8  # stop token ids per request held on device (EOS included)
@@ -290,21 +290,24 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         sm = st.sampling
         live = st.active & (out.n_out < k)
         greedy = sm.temperature <= 0
-        # draft (rows that sample take no draft: their first token is drawn as a plain step draws it)
-        drafts, mtp_swa = SP.draft(model, cfg, lay, pools.draft, st.pos, live, d, page_table, swa_table, rows,
-                                   spec.opts, table)
+        drafts, q, mtp_swa = SP.draft(model, cfg, lay, pools.draft, st.pos, live, d, page_table, swa_table, rows,
+                                      spec.opts, sm, spec.any_sampled, table)
         # verify the slot's next token and the drafts, the compressor states kept (SP.with_pending)
         fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)  # [s, d+1]
         meta = C.make_meta(cfg, lay, st.pos, live.astype(jnp.int32) * (d + 1), jnp.zeros((s,), bool), None,
                            page_table, swa_table, d + 1, rows)
         streams, vpools = model.cached_streams(fed, meta, SP.with_pending(pools, d + 1), spec.opts)
         logits = model.logits_from_streams(streams)  # [s, d+1, V]
-        first, _, _, _ = sample(logits[:, 0], sm.temperature, sm.top_p, sm.top_k, sm.seed, sm.sample_index,
-                                sm.token_index, spec.any_sampled, 0)
-        target = jnp.argmax(logits, axis=-1).astype(jnp.int32).at[:, 0].set(first)
-        # accept: the drafts up to the first the model would not have chosen, then the model's own token
-        match = (drafts == target[:, :d]) & greedy[:, None]
-        n_acc = jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+        # accept (greedy): the drafts up to the first the model would not have chosen, then the model's own token
+        target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        n_acc = jnp.sum(jnp.cumprod(drafts == target[:, :d], axis=1), axis=1)
+        if spec.any_sampled:  # sampled rows: the rejection rule
+            keys = SP.token_keys(sm, d + 1)
+            p = jax.vmap(lambda lg: filtered_probs(lg, sm.temperature, sm.top_p, sm.top_k), 1, 1)(logits)
+            u = jax.vmap(jax.vmap(jax.random.uniform))(SP.purpose(keys[:, :d], 2))
+            n_smp, t_smp = SP.accept_sampled(p, q, drafts, u, SP.purpose(keys, 3))
+            n_acc = jnp.where(greedy, n_acc, n_smp)
+            target = jnp.where(greedy[:, None], target, t_smp)
         is_stop = jnp.any(target[:, :, None] == st.stop_ids[:, None, :], axis=-1)  # [s, d+1]
         first_stop = jnp.min(jnp.where(is_stop, j, d + 1), axis=1)
         cap = jnp.maximum(1, jnp.minimum(jnp.minimum(k - out.n_out, st.remaining), spec.max_model_len - st.pos - 1))
@@ -332,7 +335,7 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         b = jnp.arange(s)[:, None]
         top_lp, top_ids = top_alternatives(all_lp, spec.top_logprobs)
         stopped = live & (first_stop < n)
-        drafting = live & greedy
+        drafting = live
         out = DecodeOutput(tokens=out.tokens.at[b, col].set(target, mode="drop"),
                            logprobs=out.logprobs.at[b, col].set(lp, mode="drop"), n_out=out.n_out + n,
                            stopped=out.stopped | stopped, top_ids=out.top_ids.at[b, col].set(top_ids, mode="drop"),
