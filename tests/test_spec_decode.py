@@ -227,4 +227,5 @@ def test_flags_and_metrics():
     assert got["v4jax_spec_decode_num_drafts_total"] == 10
     assert got["v4jax_spec_decode_num_draft_tokens_total"] == 30
     assert got["v4jax_spec_decode_num_accepted_tokens_total"] == 12
-    assert [got[f'v4jax_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(3)] == [7, 4, 1]
+    per_pos = "v4jax_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [got[f'{per_pos}{{position="{i}"}}'] for i in range(3)] == [7, 4, 1]

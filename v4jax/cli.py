@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
-                       help="benchmarks (decode, generate, kernels, mesh, replay, serve, spec, table, tpu-aot, tpu-plan)",
+                       help="benchmarks (decode, generate, kernels, mesh, replay, serve, spec, table, tpu-aot, "
+                            "tpu-plan)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),

@@ -2,7 +2,8 @@
 
     prefill   B rows of T tokens (chunks of prompts) -> one sampled token per row (its log-prob, and its top-N
               alternatives in the programs that compute them)
-    decode    k tokens for slots 0..B-1 in one loop of k steps (sampling, stop and length checks on device)
+    decode    k tokens for slots 0..B-1 in one loop of k steps (sampling, stop and length checks on device); with
+              speculative decoding, a loop of draft + verify steps that keep 1..d+1 tokens each (v4jax.engine.spec)
     restore   a slot's compressor state set to a cached boundary's (a prefix hit)
 
 Everything static about a step lives in one `StepSpec` (hashed by identity: jit looks it up on every call, and
