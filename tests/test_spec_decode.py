@@ -13,6 +13,7 @@ import pytest
 import hf_reference as H
 from checkpoints import write_official_checkpoint
 from v4jax import LLM, SamplingParams
+from v4jax.config import preset
 from v4jax.fields import FieldError
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -147,6 +148,36 @@ def test_sampled_seeded_reproducible():
     b = llm.generate(prompts, sp)
     assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 12
     _assert_teacher_forced(llm, prompts[1], a[1])
+
+
+@pytest.mark.slow
+def test_preemption_with_speculation():
+    """Pools of 4 full pages for two requests admitted at 1 page each that grow to 3 each while speculating: one is
+    preempted (recomputed later from its tokens), and both still give the plain greedy tokens."""
+    from v4jax.api import EngineOptions
+    from v4jax.cache.layout import pool_layout
+
+    opts = dict(OPTIONS, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, enable_prefix_caching=False)
+    cfg = preset("tiny")
+
+    def pages(budget):
+        kw = {k: v for k, v in opts.items() if k != "dtype"}
+        try:
+            return pool_layout(cfg, EngineOptions(memory_budget_bytes=budget, **kw), np.float32, 128).n_pages
+        except ValueError:
+            return 0
+
+    lo, hi = 1, 1 << 40
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pages(mid) >= 4 else (mid + 1, hi)
+    llm = LLM("tiny", memory_budget_bytes=lo, **opts)
+    assert llm.engine.layout.n_pages == 4
+    prompts = _prompts((20, 18), llm.config.vocab_size, seed=4)
+    outs = llm.generate(prompts, dataclasses.replace(GREEDY, max_tokens=60))
+    for p, o in zip(prompts, outs):
+        _assert_teacher_forced(llm, p, o)
+    assert llm.stats()["requests"]["preempted"] > 0
 
 
 def test_speculative_config_errors(tmp_path):
