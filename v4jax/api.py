@@ -25,6 +25,7 @@ from v4jax.config import PRESETS, ModelConfig, preset
 from v4jax.detokenize import IncrementalDetokenizer
 from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
 from v4jax.engine.sampling import SamplingParams, top_alternatives
+from v4jax.engine.spec import speculative_tokens
 from v4jax.fields import MAX_TOP_LOGPROBS, FieldError, check_field
 from v4jax.model import RunOptions, Transformer, quant
 
@@ -98,13 +99,24 @@ class EngineOptions:
     enable_prefix_caching: bool = True  # reuse cached full pages of earlier requests' prefixes (paged layout)
     mesh: str | None = None  # e.g. "expert=4" or "data=2,tensor=2" (sharding/ maps logical axes to it), over
     # every process's devices once jax.distributed runs (sharding.multihost.initialize, called by LLM)
+    # {"method": "mtp", "num_speculative_tokens": k} (vLLM's shape): each decode step drafts k tokens with the
+    # model's MTP block and verifies them in one step (v4jax.engine.spec); greedy outputs are unchanged
+    speculative_config: dict | None = None
 
     def __post_init__(self):
         # every option by the rule table (v4jax.fields): ints are ints in range (int32; bytes int64), bools are
         # bools, choices are strings among the choices, the mesh is a string; the message names the option
         for f in dataclasses.fields(self):
+            if f.name == "speculative_config":
+                continue
             rule = "weights_seed" if f.name == "seed" else f.name
             object.__setattr__(self, f.name, check_field(rule, getattr(self, f.name), field=f.name))
+        speculative_tokens(self.speculative_config, self.decode_steps)  # a FieldError naming the option
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k of speculative_config (0: no speculation)."""
+        return speculative_tokens(self.speculative_config, self.decode_steps)
 
 
 def _load_tokenizer(path: str):
@@ -347,6 +359,13 @@ class LLM:
         self.max_model_len = self.config.max_seq_len if limit is None else limit
         if self.mesh_rules is not None and (self.options.quant_sim or self.model.weight_format.experts):
             _check_expert_width_split(self.config, self.mesh_rules, self.options.mesh)
+        if self.options.speculative_config is not None:
+            if not len(self.model.mtp):
+                raise FieldError("speculative_config", f"speculative_config {self.options.speculative_config} needs "
+                                 f"the model's MTP block, and {self.source} has no MTP weights (mtp.*)")
+            if self.mesh_rules is not None:
+                raise FieldError("speculative_config", "speculative_config does not run on a mesh yet (mesh="
+                                 f"{self.options.mesh!r}): leave one of them out")
         impl = self.options.attention_impl or ("pallas" if jax.default_backend() == "gpu" else "xla")
         self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=impl, mesh_rules=self.mesh_rules)
         graphdef, state = nnx.split(self.model)

@@ -94,6 +94,7 @@ def _wrap(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from v4jax.engine.sampling import SamplingParams
+    from v4jax.serve.options import json_object
     sp = SamplingParams()
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "$V4JAX_COORDINATOR_ADDRESS, a LeaderWorkerSet's leader, or what a TPU pod / SLURM job says)")
     g.add_argument("--num-processes", type=_positive_int, default=None, help="multi-host: processes in the job")
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+    g.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help="speculative decoding with the model's MTP block, e.g. "
+                   "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'")
     g.add_argument("--no-stream", action="store_true", help="print each result at the end")
     g.set_defaults(func=_generate)
 
@@ -149,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
-                       help="benchmarks (decode, generate, kernels, mesh, replay, serve, table, tpu-aot, tpu-plan)",
+                       help="benchmarks (decode, generate, kernels, mesh, replay, serve, spec, table, tpu-aot, "
+                            "tpu-plan)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
@@ -161,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(v4jax.bench.mesh)")),
                        ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.bench.replay)"),
                        ("serve", "open-loop load against a running v4jax serve (v4jax.bench.serve)"),
+                       ("spec", ("speculative decoding with the MTP block against plain decoding: ms/token, "
+                                 "acceptance by draft position (v4jax.bench.spec)")),
                        ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)"),
                        ("tpu-aot", ("every Pallas TPU kernel and the engine's steps compiled for a TPU with libtpu on "
                                     "a CPU machine (v4jax.bench.tpu_aot)")),
@@ -265,6 +272,8 @@ def _generate(args) -> int:
     from v4jax import LLM
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     opts = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if args.speculative_config is not None:
+        opts["speculative_config"] = args.speculative_config
     llm = LLM(args.model, dtype=args.dtype, attention_impl=args.attention_impl, mesh=args.mesh, **opts)
     import jax
     if jax.process_index() != 0:  # every process generates the same; one prints
@@ -341,6 +350,7 @@ def _bench(args) -> int:
 BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4jax.bench.generate", "generate_main"),
               "kernels": ("v4jax.bench.kernels", "main"), "mesh": ("v4jax.bench.mesh", "main"),
               "replay": ("v4jax.bench.replay", "main"), "serve": ("v4jax.bench.serve", "main"),
+              "spec": ("v4jax.bench.spec", "spec_main"),
               "table": ("v4jax.bench.table", "main"), "tpu-aot": ("v4jax.bench.tpu_aot", "aot_main"),
               "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main")}
 

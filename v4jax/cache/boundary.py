@@ -91,7 +91,10 @@ def restore_slot_states(pools: KVPools, store: BoundaryStore, slot, row) -> KVPo
                                       axis=1)
             upd[name] = st.at[:, slot].set(new)
         stacks.append(dataclasses.replace(lp, **upd))
-    return dataclasses.replace(pools, stacks=tuple(stacks))
+    draft = pools.draft
+    if draft is not None:  # the drafter resumes from the main streams of the slot's next prefill
+        draft = dataclasses.replace(draft, count=draft.count.at[slot].set(0))
+    return dataclasses.replace(pools, stacks=tuple(stacks), draft=draft)
 
 
 def store_bytes(store: BoundaryStore) -> int:

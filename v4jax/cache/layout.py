@@ -104,7 +104,8 @@ def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: in
         if budget:
             fixed, per_page = pool_cost(cfg, PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_blocks,
                                                         n_swa_pages=n_swa, max_slots=slots, max_pages_per_seq=1,
-                                                        max_swa_pages_per_seq=1), dtype, caching)
+                                                        max_swa_pages_per_seq=1,
+                                                        draft_tokens=options.num_speculative_tokens), dtype, caching)
             n_pages = int((budget - fixed) // per_page)
             if n_pages < 1:
                 raise ValueError(f"memory_budget_bytes={budget} is below the fixed pools ({fixed} bytes: window "
@@ -115,7 +116,7 @@ def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: in
             n_pages -= n_pages % (mult if n_pages >= mult else n_blocks)
     return PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
                       max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa, data_shards=n_data,
-                      context_shards=n_ctx)
+                      context_shards=n_ctx, draft_tokens=options.num_speculative_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,8 @@ def pool_sizes(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> di
     pool's `device_bytes` what one device of its mesh holds (device_split)."""
     dtype = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     pools = jax.eval_shape(lambda: init_pools(cfg, layout, dtype))
-    arrays = {k: [] for k in ("swa", "c4_kv", "c4_index", "c128_kv", "tokens", "compressor_state")}
+    arrays = {k: [] for k in ("swa", "c4_kv", "c4_index", "c128_kv", "tokens", "compressor_state", "mtp_swa",
+                              "draft_state")}
     for lp in pools.stacks:
         arrays["swa"].append(("swa", lp.swa))
         for f in ("state_kv", "state_score", "idx_state_kv", "idx_state_score"):
@@ -168,6 +170,11 @@ def pool_sizes(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> di
             arrays["c128_kv"].append(("kv", lp.kv))
     arrays["tokens"].append(("tokens", pools.tokens))
     logical = dict(LOGICAL_AXES)
+    if pools.draft is not None:  # the MTP layer's window (its own pool) and the drafter's per-slot streams
+        arrays["mtp_swa"].append(("swa", pools.draft.swa))
+        for f in ("hidden", "start", "count", "tokens"):
+            arrays["draft_state"].append((f"draft_{f}", getattr(pools.draft, f)))
+            logical[f"draft_{f}"] = ("slots",)
     if caching:
         store = jax.eval_shape(lambda: init_boundary_store(pools, layout.n_swa_pages))
         logical["boundary"] = BOUNDARY_AXES
@@ -180,8 +187,11 @@ def pool_sizes(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> di
         return sum(a.size * a.dtype.itemsize // device_split(logical[f], a.shape, layout)
                    for f, a in arrays[name] if a is not None)
 
-    page, units = f"{layout.page_size} tokens", {"swa": layout.n_swa_pages, "compressor_state": layout.max_slots}
-    unit = {"swa": f"{layout.swa_page_size} tokens", "compressor_state": "slot"}
+    page = f"{layout.page_size} tokens"
+    units = {"swa": layout.n_swa_pages, "mtp_swa": layout.n_swa_pages, "compressor_state": layout.max_slots,
+             "draft_state": layout.max_slots}
+    unit = {"swa": f"{layout.swa_page_size} tokens", "mtp_swa": f"{layout.swa_page_size} tokens",
+            "compressor_state": "slot", "draft_state": "slot"}
     out = {}
     for name in arrays:
         b = nbytes(name)

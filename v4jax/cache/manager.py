@@ -237,7 +237,8 @@ class KVCacheManager:
             full_used, swa_used = n * lay.max_pages_per_seq, n * lay.max_swa_pages_per_seq
         else:
             full_used, swa_used = t.full_alloc.n_used, t.swa_alloc.n_used
-        used = {"swa": swa_used, "compressor_state": len(slots_in_use)}
+        used = {"swa": swa_used, "mtp_swa": swa_used, "compressor_state": len(slots_in_use),
+                "draft_state": len(slots_in_use)}
         if self._sizes is None:
             self._sizes = pool_sizes(self.cfg, lay, self._dtype or "bfloat16", self.caching)
         out = {}

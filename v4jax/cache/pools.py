@@ -55,6 +55,27 @@ class LayerPool:
     state_score: jax.Array | None = None
     idx_state_kv: jax.Array | None = None  # [n, slots, 2m, 2Ki] f32
     idx_state_score: jax.Array | None = None
+    # Set only inside a speculative verify step (v4jax.engine.spec): each compressor's inputs (a, z) of the step's
+    # tokens [n, B, T, C*K] f32, written instead of new states, which stay as they were until the accepted tokens
+    # are known and folded in (v4jax.model.attention.pending_of names the state each one belongs to).
+    pending_kv: jax.Array | None = None
+    pending_score: jax.Array | None = None
+    idx_pending_kv: jax.Array | None = None
+    idx_pending_score: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftState:
+    """The MTP drafter's state (speculative decoding). Its window KV lives in rows of the SWA pool's shape, addressed
+    by the same SWA page ids (so a page's main and MTP window rows come and go together); per slot, the main model's
+    final streams at the positions the drafter has not been fed yet (the MTP block at position i reads the main
+    streams at i and token i+1), at most k+1 of them (one verify step's)."""
+    swa: jax.Array  # [1, R_swa, K]
+    hidden: jax.Array  # [slots, k+1, N, D]: main streams at positions start .. start+count-1
+    start: jax.Array  # [slots] int32
+    count: jax.Array  # [slots] int32 (0: none)
+    tokens: jax.Array  # [slots, k+1] int32: the token after each of those positions
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +83,7 @@ class LayerPool:
 class KVPools:
     tokens: jax.Array  # [n_pages, P] int32
     stacks: tuple  # LayerPool per layer stack (config.layer_stacks(cfg).stacks)
+    draft: DraftState | None = None  # with speculative decoding (PoolLayout.draft_tokens > 0)
 
     def layer_pool(self, cfg: ModelConfig, layer: int) -> LayerPool:
         """Main layer `layer`'s pools (views of its stack's arrays at its index), e.g. for tests and reports."""
@@ -101,6 +123,7 @@ class PoolLayout:
     # slots data_shards blocks (the contract: v4jax.cache.pages.PageTables)
     data_shards: int = 1
     context_shards: int = 1
+    draft_tokens: int = 0  # k, drafts per speculative step (0: no drafter state)
 
 
 def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
@@ -128,7 +151,13 @@ def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
             lp = dataclasses.replace(lp, idx=jnp.zeros((n, rows, ki), dtype),
                                      idx_state_kv=ikv, idx_state_score=isc)
         stacks.append(lp)
-    return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), stacks=tuple(stacks))
+    draft = None
+    if layout.draft_tokens:
+        n, slots, t = cfg.hc_mult, layout.max_slots, layout.draft_tokens + 1
+        draft = DraftState(swa=jnp.zeros((1, layout.n_swa_pages * layout.swa_page_size, k), dtype),
+                           hidden=jnp.zeros((slots, t, n, cfg.dim), dtype), start=jnp.zeros((slots,), jnp.int32),
+                           count=jnp.zeros((slots,), jnp.int32), tokens=jnp.zeros((slots, t), jnp.int32))
+    return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), stacks=tuple(stacks), draft=draft)
 
 
 # The per-slot arrays [n, slots, ...] (the compressor states): the pools a decode call may cut to its rows.
@@ -203,4 +232,8 @@ def pool_bytes(tree: Any) -> dict[str, int]:
             if arr is not None:
                 out[f.name] = out.get(f.name, 0) + arr.size * arr.dtype.itemsize
     out["tokens"] = tree.tokens.size * tree.tokens.dtype.itemsize
+    if tree.draft is not None:
+        for f in dataclasses.fields(tree.draft):
+            arr = getattr(tree.draft, f.name)
+            out[f"draft_{f.name}"] = arr.size * arr.dtype.itemsize
     return out

@@ -99,6 +99,9 @@ class EngineCore:
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
         self.counts = {"rejected": 0}  # requests refused at add_request (finished and aborted: the scheduler's)
+        # speculative decoding: draft steps of the slots (each proposes draft_tokens), drafts accepted, by position
+        self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                            "accepted_by_position": [0] * self.layout.draft_tokens}
         # (before, after): called around each step until the engine is first idle, and around warmup; whoever
         # builds the engine may set them (the API's one-line notice that a first run compiles)
         self.compile_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
@@ -241,8 +244,17 @@ class EngineCore:
         every running slot is below its row count)."""
         out = flight.out
         top = (out.top_ids, out.top_logprobs) if out.top_ids.shape[-1] else None  # read only where computed
-        toks, lps, n_out, stopped, still, top = jax.device_get((out.tokens, out.logprobs, out.n_out, out.stopped,
-                                                                flight.state.active, top))
+        spec = (out.drafts, out.accepted) if self.layout.draft_tokens else None
+        toks, lps, n_out, stopped, still, top, spec = jax.device_get((out.tokens, out.logprobs, out.n_out, out.stopped,
+                                                                      flight.state.active, top, spec))
+        if spec is not None:
+            slots = [i for i, _ in flight.running]
+            drafts, accepted = spec[0][slots], spec[1][slots]
+            c = self.spec_decode
+            c["num_drafts"] += int(drafts.sum())
+            c["num_draft_tokens"] += int(drafts.sum()) * self.layout.draft_tokens
+            c["num_accepted_tokens"] += int(accepted.sum())
+            c["accepted_by_position"] = [a + int(b) for a, b in zip(c["accepted_by_position"], accepted.sum(0))]
         return self.scheduler.finish_decode(flight.running, toks, lps, n_out, stopped, still, top)
 
     def _page_bucket(self, upto: int) -> int:
@@ -380,6 +392,7 @@ class EngineCore:
             # on a mesh with data / context axes: each shard's own pages (a request uses only its shard's)
             "shards": kv.shard_usage(in_use),
             "prefix_cache": kv.prefix_stats(),
+            "spec_decode": dict(self.spec_decode, accepted_by_position=list(self.spec_decode["accepted_by_position"])),
             "requests": {
                 "running": len(sch.running()), "prefilling": len(sch.prefilling()), "waiting": len(sch.waiting),
                 "finished": sch.n_finished, "aborted": sch.n_aborted, "preempted": sch.n_preempted,

@@ -105,6 +105,20 @@ def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index,
     return tokens, logprobs, top_ids, top_logprobs
 
 
+def filtered_probs(logits, temperature, top_p, top_k):
+    """The distribution `sample` draws a row's token from: logits [B, V] f32 scaled by temperature, cut to top-k,
+    then to the smallest prefix whose mass reaches top_p (ties: the lower index first). Returns [B, V] f32 in
+    vocabulary order. Rows with temperature 0 get a near one-hot of the argmax (unused: they are greedy)."""
+    b, v = logits.shape
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    scaled = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperature, 1e-6)[:, None]
+    keep = jnp.arange(v)[None, :] < jnp.where(top_k > 0, top_k, v)[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    keep = keep & (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    return jnp.zeros_like(probs).at[jnp.arange(b)[:, None], order].set(probs)
+
+
 def top_alternatives(all_logprobs, n: int):
     """(log-probs [..., n] f32, token ids [..., n] int32) of the n most likely tokens, most likely first; ties:
     the lower id first (lax.top_k's order). A partial selection, not a sort of the vocabulary."""

@@ -2,7 +2,8 @@
 
     prefill   B rows of T tokens (chunks of prompts) -> one sampled token per row (its log-prob, and its top-N
               alternatives in the programs that compute them)
-    decode    k tokens for slots 0..B-1 in one loop of k steps (sampling, stop and length checks on device)
+    decode    k tokens for slots 0..B-1 in one loop of k steps (sampling, stop and length checks on device); with
+              speculative decoding, a loop of draft + verify steps that keep 1..d+1 tokens each (v4jax.engine.spec)
     restore   a slot's compressor state set to a cached boundary's (a prefix hit)
 
 Everything static about a step lives in one `StepSpec` (hashed by identity: jit looks it up on every call, and
@@ -24,7 +25,9 @@ from v4jax import cache as C
 from v4jax.cache.boundary import restore_slot_states, save_boundary_states
 from v4jax.config import ModelConfig
 from v4jax.model import RunOptions
-from v4jax.engine.sampling import sample
+from v4jax.engine import spec as SP
+from v4jax.engine.sampling import filtered_probs, sample, top_alternatives
+from v4jax.model.transformer import last_valid
 
 MAX_STOP = 8  # stop token ids per request held on device (EOS included)
 
@@ -69,6 +72,9 @@ class StepSpec:
     # fifth more than the chosen token's log-softmax at batch 128), but XLA may lower a top-k that wide to a sort
     # of each row on GPU: the programs most steps run leave it out, as the greedy ones leave out the sampling sort
     top_logprobs: int = 0
+    # tests only: with speculative decoding, drafts read from this [slots, positions] token table instead of the
+    # MTP block (right or wrong on purpose, so that every acceptance path runs)
+    draft_table: Any = None
 
     def model(self, leaves):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
@@ -120,6 +126,10 @@ class DecodeOutput:
     stopped: jax.Array  # [B] bool, ended on a stop token
     top_ids: jax.Array  # [B, k, N] int32, the N = spec.top_logprobs most likely tokens at each step (N may be 0)
     top_logprobs: jax.Array  # [B, k, N] f32
+    # speculative decoding (else [B, 0] and zeros): per slot, its draft steps and how often each draft position
+    # was accepted
+    drafts: jax.Array  # [B] int32
+    accepted: jax.Array  # [B, d] int32, d drafts a step
 
 
 def _write_tokens(spec: StepSpec, pools, token_ids, positions, ok, page_table):
@@ -164,7 +174,9 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     t = batch.tokens.shape[1]
     meta = C.make_meta(spec.cfg, spec.layout, batch.start, batch.n_valid, batch.fresh, batch.slot, page_table,
                        swa_table, t)
-    logits, pools = spec.model(leaves).cached(batch.tokens, meta, pools, spec.opts)
+    model = spec.model(leaves)
+    streams, pools = model.cached_streams(batch.tokens, meta, pools, spec.opts)
+    logits = model.logits_from_streams(last_valid(streams, batch.n_valid))
     pools = _write_tokens(spec, pools, batch.tokens, meta.positions, jnp.arange(t)[None] < batch.n_valid[:, None],
                           page_table)
     if spec.save_boundaries:
@@ -172,6 +184,9 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
         store = save_boundary_states(store, pools, batch.slot, rows)
     tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed,
                                       samp.sample_index, samp.token_index, spec.any_sampled, spec.top_logprobs)
+    if pools.draft is not None:
+        pools = SP.prefill_drafter(model, spec.cfg, spec.layout, pools, streams, batch, tok, page_table, swa_table,
+                                   spec.opts)
     return *_placed(spec, pools, store), *_host_readable(spec, (tok, lp, (top_ids, top_lp)))
 
 
@@ -184,12 +199,23 @@ def early_exit() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def _empty_output(spec: StepSpec, s: int) -> DecodeOutput:
+    k, n_top = spec.decode_steps, spec.top_logprobs
+    return DecodeOutput(tokens=jnp.zeros((s, k), jnp.int32), logprobs=jnp.zeros((s, k), jnp.float32),
+                        n_out=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool),
+                        top_ids=jnp.zeros((s, k, n_top), jnp.int32), top_logprobs=jnp.zeros((s, k, n_top), jnp.float32),
+                        drafts=jnp.zeros((s,), jnp.int32),
+                        accepted=jnp.zeros((s, spec.layout.draft_tokens), jnp.int32))
+
+
 def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table, swa_table):
     """k steps of slots 0..B-1, B = the page tables' rows (a power of two covering every running slot; the engine's
     slot bucket). Only those slots' compressor states are read and written: a lone request in a 32-slot engine
     would otherwise run attention, the MoE (its idle rows' dummy tokens route to experts, whose weights are then
     read) and the compressors for every slot (flash-slice on the H200: 2.10 ms a step against ~1.7 ms on a
     1-slot engine). state: every slot's (DecodeState), its rows past B passed on as they are."""
+    if spec.layout.draft_tokens:
+        return _spec_decode(spec, leaves, pools, store, state, page_table, swa_table)
     model = spec.model(leaves)
     s, k = page_table.shape[0], spec.decode_steps
     rows = C.entry_rows(spec.cfg, spec.layout, page_table)  # the page tables are fixed for the whole call
@@ -216,7 +242,8 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
                            logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
                            stopped=out.stopped | (st.active & jnp.any(nxt[:, None] == st.stop_ids, axis=-1)),
                            top_ids=out.top_ids.at[:, i].set(top_ids),
-                           top_logprobs=out.top_logprobs.at[:, i].set(top_lp))
+                           top_logprobs=out.top_logprobs.at[:, i].set(top_lp), drafts=out.drafts,
+                           accepted=out.accepted)
         is_stop = jnp.any(nxt[:, None] == st.stop_ids, axis=-1)
         full = (st.remaining <= 1) | (st.pos + 2 >= spec.max_model_len)
         adv = st.active.astype(jnp.int32)
@@ -225,11 +252,7 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
                          sampling=dataclasses.replace(sm, token_index=sm.token_index + adv))
         return pools, store, st, out
 
-    n_top = spec.top_logprobs
-    out = DecodeOutput(tokens=jnp.zeros((s, k), jnp.int32), logprobs=jnp.zeros((s, k), jnp.float32),
-                       n_out=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool),
-                       top_ids=jnp.zeros((s, k, n_top), jnp.int32),
-                       top_logprobs=jnp.zeros((s, k, n_top), jnp.float32))
+    out = _empty_output(spec, s)
     carry = (pools, store, state, out)
     if early_exit():
         _, carry = jax.lax.while_loop(lambda c: (c[0] < k) & jnp.any(c[1][2].active),
@@ -242,6 +265,105 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
     pools, store, state, out = carry
     if s < spec.layout.max_slots:
         pools = C.put_first_slots(all_pools, pools)
+        state = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=0), all_state, state)
+    return *_placed(spec, pools, store), *_host_readable(spec, (out, state))
+
+
+def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table, swa_table):
+    """`_decode` with speculation (v4jax.engine.spec): each step drafts d tokens per slot with the MTP block,
+    verifies them in one step of d+1 query tokens and keeps 1 .. d+1 tokens; steps repeat until every slot has its
+    k = decode_steps tokens (the pages reserved for the call hold k more positions a slot), stopped or ended."""
+    model, cfg, lay = spec.model(leaves), spec.cfg, spec.layout
+    s, k, d = page_table.shape[0], spec.decode_steps, lay.draft_tokens
+    rows = C.entry_rows(cfg, lay, page_table)
+    all_pools, all_state = pools, state
+    if s < lay.max_slots:
+        pools, _ = _placed(spec, C.first_slots(pools, s), store)
+        state = jax.tree.map(lambda a: a[:s], state)
+    dr = pools.draft
+    pools = dataclasses.replace(pools, draft=dataclasses.replace(
+        dr, hidden=dr.hidden[:s], start=dr.start[:s], count=dr.count[:s], tokens=dr.tokens[:s]))
+    j = jnp.arange(d + 1)[None, :]
+    table = None if spec.draft_table is None else jnp.asarray(spec.draft_table)[:s]
+
+    def body(carry):
+        pools, store, st, out = carry
+        sm = st.sampling
+        live = st.active & (out.n_out < k)
+        greedy = sm.temperature <= 0
+        drafts, q, mtp_swa = SP.draft(model, cfg, lay, pools.draft, st.pos, live, d, page_table, swa_table, rows,
+                                      spec.opts, sm, spec.any_sampled, table)
+        # verify the slot's next token and the drafts, the compressor states kept (SP.with_pending)
+        fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)  # [s, d+1]
+        meta = C.make_meta(cfg, lay, st.pos, live.astype(jnp.int32) * (d + 1), jnp.zeros((s,), bool), None,
+                           page_table, swa_table, d + 1, rows)
+        streams, vpools = model.cached_streams(fed, meta, SP.with_pending(pools, d + 1), spec.opts)
+        logits = model.logits_from_streams(streams)  # [s, d+1, V]
+        # accept (greedy): the drafts up to the first the model would not have chosen, then the model's own token
+        target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        n_acc = jnp.sum(jnp.cumprod(drafts == target[:, :d], axis=1), axis=1)
+        if spec.any_sampled:  # sampled rows: the rejection rule
+            keys = SP.token_keys(sm, d + 1)
+            p = jax.vmap(lambda lg: filtered_probs(lg, sm.temperature, sm.top_p, sm.top_k), 1, 1)(logits)
+            u = jax.vmap(jax.vmap(jax.random.uniform))(SP.purpose(keys[:, :d], 2))
+            n_smp, t_smp = SP.accept_sampled(p, q, drafts, u, SP.purpose(keys, 3))
+            n_acc = jnp.where(greedy, n_acc, n_smp)
+            target = jnp.where(greedy[:, None], target, t_smp)
+        is_stop = jnp.any(target[:, :, None] == st.stop_ids[:, None, :], axis=-1)  # [s, d+1]
+        first_stop = jnp.min(jnp.where(is_stop, j, d + 1), axis=1)
+        cap = jnp.maximum(1, jnp.minimum(jnp.minimum(k - out.n_out, st.remaining), spec.max_model_len - st.pos - 1))
+        n = jnp.where(live, jnp.minimum(jnp.minimum(n_acc + 1, cap), first_stop + 1), 0)
+        # commit
+        kept = j < n[:, None]
+        pools = SP.commit(cfg, vpools, st.pos, n)
+        pools = _write_tokens(spec, pools, fed, meta.positions, kept, page_table)
+        if spec.save_boundaries:
+            p = lay.page_size
+            to_boundary = (st.pos // p + 1) * p - st.pos
+            at = live & (to_boundary <= n)
+            store = save_boundary_states(store, SP.states_at(cfg, vpools, st.pos, jnp.where(at, to_boundary, 0)),
+                                         None, _boundary_rows(spec, st.pos + to_boundary, at, swa_table))
+        dr = pools.draft
+        l4 = live[:, None, None, None]
+        pools = dataclasses.replace(pools, draft=C.DraftState(
+            swa=mtp_swa, hidden=jnp.where(l4, streams.astype(dr.hidden.dtype), dr.hidden),
+            start=jnp.where(live, st.pos, dr.start), count=jnp.where(live, n, dr.count),
+            tokens=jnp.where(live[:, None], target, dr.tokens)))
+        # outputs: token j of the step goes to column n_out + j
+        all_lp = jax.nn.log_softmax(logits, axis=-1)
+        lp = jnp.take_along_axis(all_lp, target[..., None], axis=-1)[..., 0]
+        col = jnp.where(kept, out.n_out[:, None] + j, k)  # out of range: dropped
+        b = jnp.arange(s)[:, None]
+        top_lp, top_ids = top_alternatives(all_lp, spec.top_logprobs)
+        stopped = live & (first_stop < n)
+        drafting = live
+        out = DecodeOutput(tokens=out.tokens.at[b, col].set(target, mode="drop"),
+                           logprobs=out.logprobs.at[b, col].set(lp, mode="drop"), n_out=out.n_out + n,
+                           stopped=out.stopped | stopped, top_ids=out.top_ids.at[b, col].set(top_ids, mode="drop"),
+                           top_logprobs=out.top_logprobs.at[b, col].set(top_lp, mode="drop"),
+                           drafts=out.drafts + drafting,
+                           accepted=out.accepted + (drafting[:, None] & (j[:, :d] < n_acc[:, None])))
+        pos, remaining = st.pos + n, st.remaining - n
+        full = (remaining <= 0) | (pos + 1 >= spec.max_model_len)
+        last = jnp.take_along_axis(target, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+        st = DecodeState(tokens=jnp.where(live, last, st.tokens), pos=pos,
+                         active=st.active & ~(live & (stopped | full)), remaining=remaining, stop_ids=st.stop_ids,
+                         sampling=dataclasses.replace(sm, token_index=sm.token_index + n))
+        return pools, store, st, out
+
+    # Stops once every slot has its k tokens, on every backend: a fixed count would be k steps (each gives a live
+    # slot one token at least), each a verify of d+1 tokens and d MTP steps, where at 1.5-1.8 tokens a step about
+    # half of them are needed; the GPU's wait for the predicate each step (see early_exit) should cost less (not
+    # measured yet).
+    carry = jax.lax.while_loop(lambda c: jnp.any(c[2].active & (c[3].n_out < k)), body,
+                               (pools, store, state, _empty_output(spec, s)))
+    pools, store, state, out = carry
+    if s < lay.max_slots:
+        dr, whole = pools.draft, all_pools.draft
+        put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=0)
+        pools = C.put_first_slots(all_pools, dataclasses.replace(pools, draft=dataclasses.replace(
+            dr, hidden=put(whole.hidden, dr.hidden), start=put(whole.start, dr.start),
+            count=put(whole.count, dr.count), tokens=put(whole.tokens, dr.tokens))))
         state = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=0), all_state, state)
     return *_placed(spec, pools, store), *_host_readable(spec, (out, state))
 

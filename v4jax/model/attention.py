@@ -22,6 +22,11 @@ from v4jax.model.layers import Linear, RMSNorm, RunOptions, init_normal
 from v4jax.model.ops import Ops, on_shards
 
 
+def pending_of(state_field: str) -> str:
+    """The pool field holding a verify step's compressor inputs for the state `state_field` (v4jax.cache.pools)."""
+    return state_field.replace("state", "pending")
+
+
 F32 = jnp.float32
 
 
@@ -331,7 +336,14 @@ class Attention(nnx.Module):
             entries = self.kv_round(entries, opts)
         else:
             entries = self.indexer.round_keys(entries, opts, fp4_keys=fp8)
-        states.update({st_kv_name: nkv, st_sc_name: nsc})
+        pend_kv = getattr(pool, pending_of(st_kv_name))
+        if pend_kv is None:
+            states.update({st_kv_name: nkv, st_sc_name: nsc})
+        else:  # a speculative verify step: keep the states, record the tokens' inputs (v4jax.engine.spec)
+            a, z = comp.project(x, meta.positions, proj)
+            pend_sc = getattr(pool, pending_of(st_sc_name))
+            states.update({pending_of(st_kv_name): pend_kv.at[li].set(a),
+                           pending_of(st_sc_name): pend_sc.at[li].set(z)})
         s = rows.shape[1]
         row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
         return jnp.where(ok & (ent >= 0) & (ent < s), row, -1), entries

@@ -209,6 +209,12 @@ def _stack(blocks: list) -> "Block":
     return out
 
 
+def last_valid(x, n_valid):
+    """x [B, T, ...] -> [B, ...]: each row's last valid token (n_valid [B]; row 0's first where none)."""
+    last = jnp.maximum(n_valid - 1, 0)
+    return jnp.take_along_axis(x, last.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
 class MTPBlock(nnx.Module):
     """Multi-token prediction (reference §7): predicts token i+2 from the main streams at i and token i+1."""
 
@@ -400,23 +406,48 @@ class Transformer(nnx.Module):
         logits = self.logits_from_streams(x)
         return (logits, x) if return_streams else logits
 
-    def cached(self, token_ids, meta, pools, opts: RunOptions = RunOptions()):
-        """One step over the pools: token_ids [B, T] at meta's positions. Returns (logits [B, V] f32 of each
-        row's last valid token, pools with the step's writes)."""
+    def _cached_ops(self, meta, opts: RunOptions) -> RunOptions:
         ops = ops_for(opts.attention_impl)
         if opts.mesh_rules is not None:
             ops = mesh_ops(ops, opts.mesh_rules, rows_are_slots=meta.slot is None)
-        opts = dataclasses.replace(opts, ops=ops)
+        return dataclasses.replace(opts, ops=ops)
+
+    def cached_streams(self, token_ids, meta, pools, opts: RunOptions = RunOptions()):
+        """One step over the pools: token_ids [B, T] at meta's positions. Returns (the final streams [B, T, N, D]
+        of every token, before the head; pools with the step's writes)."""
+        opts = self._cached_ops(meta, opts)
         x = self.embed_streams(token_ids)
 
         def layer(block, g, li, hashed, x, pool):
-            x, pool = block.cached(x, meta, token_ids, pool, li, ops, opts, hashed)
+            x, pool = block.cached(x, meta, token_ids, pool, li, opts.ops, opts, hashed)
             return x, pool, None
 
         x, stacks, _ = self._run_layers(layer, x, pools.stacks, opts)
-        last = jnp.maximum(meta.n_valid - 1, 0)
-        x_last = jnp.take_along_axis(x, last[:, None, None, None], axis=1)[:, 0]
-        return self.logits_from_streams(x_last), dataclasses.replace(pools, stacks=tuple(stacks))
+        return x, dataclasses.replace(pools, stacks=tuple(stacks))
+
+    def cached(self, token_ids, meta, pools, opts: RunOptions = RunOptions()):
+        """One step over the pools: token_ids [B, T] at meta's positions. Returns (logits [B, V] f32 of each
+        row's last valid token, pools with the step's writes)."""
+        x, pools = self.cached_streams(token_ids, meta, pools, opts)
+        return self.logits_from_streams(last_valid(x, meta.n_valid)), pools
+
+    def mtp_cached(self, hidden, next_ids, meta, pool, opts: RunOptions = RunOptions()):
+        """The MTP block over its window pool: at meta's positions i, the main streams at i (hidden [B, T, N, D])
+        and token i+1 (next_ids [B, T]). pool: a LayerPool with the MTP layer's window (swa [1, R, K]). Returns
+        (the block's output streams [B, T, N, D], which also stand in for the main streams when it drafts again
+        from its own draft; pool)."""
+        opts = self._cached_ops(meta, opts)
+        ops, mtp = opts.ops, self.mtp[0]
+        x = mtp.streams_in(self.embed.weight[...][next_ids], hidden, opts)
+        blk = mtp.block
+        u, post, comb = blk.hc_attn(x, ops.sinkhorn)
+        a, pool = blk.attn.cached(blk.attn_norm(u), meta, pool, 0, ops, opts)
+        x = ops.hc_post(a, x, post, comb)
+        return blk.ffn_part(x, next_ids, opts, ops)[0], pool
+
+    def mtp_head(self, streams):
+        """The MTP block's output streams [..., N, D] -> logits [..., V] f32 (the shared head)."""
+        return self.head_logits(self.mtp[0].collapse(streams))
 
     def mtp_logits(self, streams, token_ids, opts: RunOptions = RunOptions()):
         """MTP head over a full sequence: position i sees the main streams at i and token i+1 and predicts

@@ -67,6 +67,18 @@ class _EngineCollector:
         yield CounterMetricFamily("v4jax_recomputed_tokens", "Prompt and generated tokens computed again: after a "
                                   "preemption, or past cached pages that could not be resumed from (a dropped "
                                   "window tail)", value=rq.get("recomputed_tokens", 0))
+        sd = s.get("spec_decode", {})
+        yield CounterMetricFamily("v4jax_spec_decode_num_drafts", "Speculative steps of the decode slots (each "
+                                  "drafts num_speculative_tokens tokens)", value=sd.get("num_drafts", 0))
+        yield CounterMetricFamily("v4jax_spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                  value=sd.get("num_draft_tokens", 0))
+        yield CounterMetricFamily("v4jax_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                  value=sd.get("num_accepted_tokens", 0))
+        by_pos = CounterMetricFamily("v4jax_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                     "their position in the draft (0: the first)", labels=["position"])
+        for i, n in enumerate(sd.get("accepted_by_position", [])):
+            by_pos.add_metric([str(i)], n)
+        yield by_pos
         srv = s.get("server", {})
         yield GaugeMetricFamily("v4jax_num_requests_in_flight", "Sequences admitted and not yet released by the "
                                 "engine", value=srv.get("in_flight", 0))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 
 @dataclasses.dataclass
@@ -50,9 +51,18 @@ _LLM_HELP = {
     "memory_budget_bytes": "size the KV pools from this byte budget instead of max_num_seqs x max_model_len",
     "enable_prefix_caching": "reuse cached full pages of earlier requests' prefixes",
     "mesh": "devices per mesh axis, e.g. expert=4 or data=2,tensor=2 (default: one device)",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'",
 }
 _CHOICES = {"attention_impl": ["xla", "pallas"], "kv_layout": ["paged", "dense"], "quantization": ["none", "fp8"],
             "kv_cache_dtype": ["auto", "bfloat16", "fp8"]}
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (argparse reports the ValueError as a bad value)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text!r}")
+    return value
 
 
 def add_llm_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +77,8 @@ def add_llm_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
         elif kind.startswith("int"):
             p.add_argument(flag, type=int, default=f.default, help=helptext)
+        elif kind.startswith("dict"):
+            p.add_argument(flag, type=json_object, default=f.default, metavar="JSON", help=helptext)
         else:
             p.add_argument(flag, default=f.default, choices=_CHOICES.get(f.name), help=helptext)
 
