@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from v4jax.config import FP4_BLOCK, FP8_BLOCK
+# values per ue8m0 scale: FP8 entry NoPE dims, FP4 indexer key dims. v4jax.config sizes the entries with the same
+# two numbers (the kernels import nothing from v4jax; tests/test_kv_fp8.py checks the sizes agree)
+FP8_BLOCK, FP4_BLOCK = 64, 32
 
 F32 = jnp.float32
 U8, U32 = jnp.uint8, jnp.uint32

@@ -79,7 +79,7 @@ def chunk_reference(real_llm):
 
 
 # chunk 7 (many chunks a prompt, none a multiple of 4, windows closing inside chunks and at their edges), chunk 1
-# (a token per step) and 64, with -m slow: chunks of 7 are in the default run's engine-core sweep
+# (a token per step) and 64, with -m slow (chunks of 7 are in the engine-core sweep, also -m slow)
 @pytest.mark.parametrize("chunk", [pytest.param(c, marks=pytest.mark.slow) for c in (1, 7, 64)])
 def test_chunked_prefill_same_outputs(real_ckpt, chunk_reference, chunk):
     prompts, ref = chunk_reference
@@ -343,6 +343,7 @@ def test_page_table_snapshot_is_private(tiny_llm):
         t.full[:], t.swa[:] = was
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_stats_pools_and_prefix_figures_are_what_the_engine_holds():
     """stats(): every pool's used / total pages and their bytes are the engine's (bytes per unit from the layout,
     the totals summing to the arrays it allocated); reused pages are the prefix hits in pages."""

@@ -43,9 +43,8 @@ def _sweep_params(lens):
     return [SamplingParams(max_tokens=min(12, MAX_LEN - n), **GREEDY) for n in lens]
 
 
-# chunk 7 (many chunks per prompt) by default; 1, 256 and 2048 (whole prompts, batched prefill rows) with -m slow
-@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7, pytest.param(256, marks=pytest.mark.slow),
-                                   pytest.param(2048, marks=pytest.mark.slow)])
+# chunk 7 (many chunks per prompt), 1, 256 and 2048 (whole prompts, batched prefill rows): -m slow (minutes on CPU)
+@pytest.mark.parametrize("chunk", [pytest.param(c, marks=pytest.mark.slow) for c in (1, 7, 256, 2048)])
 def test_every_request_completes_and_equals_alone(chunk):
     """More requests than slots, prompts up to max_model_len - 1, chunks 1 / 7 / 256 / 2048: every request
     completes with the greedy tokens it gets when run alone."""

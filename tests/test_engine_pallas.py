@@ -15,6 +15,7 @@ from v4jax.model import ops
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_pallas_engine_equals_xla(monkeypatch):
     # crosses CSA (4) and HCA (16) windows in prefill (chunks of 16 + 5 and 16 + 16 + 16 + 12 tokens) and in decode
     # (at 24, 28 and 64); every chunk compiles at 16 tokens (interpret-mode Pallas programs take ~20 s each)
@@ -95,6 +96,7 @@ def window_crossing_runs():
 
 
 @pytest.mark.slow  # with the next test ~70 s; the kernels across windows: tests/test_kernels_compressor.py
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_pallas_engine_calls_compressor_kernels(window_crossing_runs):
     _, counts = window_crossing_runs
     xla, pallas = counts["xla"], counts["pallas"]
@@ -107,6 +109,7 @@ def test_pallas_engine_calls_compressor_kernels(window_crossing_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_pallas_engine_equals_xla_across_windows(window_crossing_runs):
     outs, _ = window_crossing_runs
     for a, b in zip(outs["xla"], outs["pallas"]):

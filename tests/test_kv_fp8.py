@@ -385,3 +385,9 @@ def test_fp8_pools_dense_layout(real_ckpt, quant_sim_run):
     prompts, _, params, _, _ = quant_sim_run
     want = LLM(real_ckpt, kv_cache_dtype="bfloat16", kv_layout="dense", **ENGINE).generate(prompts, params)
     _same(LLM(real_ckpt, kv_cache_dtype="fp8", kv_layout="dense", **ENGINE).generate(prompts, params), want)
+
+
+def test_kernel_and_config_block_sizes_agree():
+    from pallas_kernels import kv_format
+    from v4jax import config
+    assert (kv_format.FP8_BLOCK, kv_format.FP4_BLOCK) == (config.FP8_BLOCK, config.FP4_BLOCK)

@@ -42,6 +42,7 @@ def _row(rep, trace, layout):
     return row
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_multi_turn_reuses_the_reusable_prefix(replayed):
     rep, chat, _ = replayed
     assert rep["engines"]["paged+prefix"]["n_pages"] >= 4 * chat.working_set_pages(PAGE, SLOTS)
@@ -56,6 +57,7 @@ def test_multi_turn_reuses_the_reusable_prefix(replayed):
         assert _row(rep, "multi_turn", layout)["reused_tokens"] == 0
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_agentic_keeps_hitting_as_the_context_grows(replayed):
     rep, _, agent = replayed
     row = _row(rep, "agentic", "paged+prefix")
@@ -67,6 +69,7 @@ def test_agentic_keeps_hitting_as_the_context_grows(replayed):
     assert sum(hits) == row["reused_tokens"]
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_outputs_identical_between_layouts(replayed):
     rep, chat, agent = replayed
     for trace in (chat, agent):
@@ -77,6 +80,7 @@ def test_outputs_identical_between_layouts(replayed):
             assert all(r["finish"] == "length" for r in row["per_request"])
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_report_has_every_column(replayed, tmp_path):
     rep, _, _ = replayed
     md = R.markdown(rep).splitlines()

@@ -124,6 +124,7 @@ def _check_mtp_drafts(llm):
     assert st["num_accepted_tokens"] == sum(st["accepted_by_position"])
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_greedy_with_forced_drafts_equals_plain_greedy():
     _check_forced(_spec_llm(3))
 
