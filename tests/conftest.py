@@ -73,3 +73,15 @@ def tiny_checkpoint(tmp_path_factory):
     write_official_checkpoint(d, cfg, model_to_official(Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)),
                               fp8=False, fp4_experts=False, bf16=False)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def real_ckpt(tmp_path_factory):
+    """cfg_real_ratios (window 128, CSA 4 with a binding top-16, HCA 128) with random weights, float32 on disk."""
+    import hf_reference as H
+    from checkpoints import write_official_checkpoint
+    cfg = H.cfg_real_ratios()
+    d = tmp_path_factory.mktemp("real")
+    write_official_checkpoint(d, cfg, H.random_official_tensors(cfg, seed=5, include_mtp=False), fp8=False,
+                              fp4_experts=False, bf16=False)
+    return str(d)

@@ -8,21 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-import hf_reference as H
-from checkpoints import write_official_checkpoint
 from v4jax import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
-
-
-@pytest.fixture(scope="module")
-def real_ckpt(tmp_path_factory):
-    """cfg_real_ratios (window 128, CSA 4 with a binding top-16, HCA 128) with random weights, float32 on disk."""
-    cfg = H.cfg_real_ratios()
-    d = tmp_path_factory.mktemp("real")
-    write_official_checkpoint(d, cfg, H.random_official_tensors(cfg, seed=5, include_mtp=False), fp8=False,
-                              fp4_experts=False, bf16=False)
-    return str(d)
 
 
 def _log_softmax(x):

@@ -295,18 +295,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 ENGINE = dict(dtype="float32", quant_sim=True, max_num_seqs=4, max_model_len=1200, prefill_chunk=256)
 
 
-@pytest.fixture(scope="module")
-def real_ckpt(tmp_path_factory):
-    """cfg_real_ratios (window 128, CSA 4 with a binding top-16, HCA 128) with random weights, float32 on disk."""
-    import hf_reference as H
-    from checkpoints import write_official_checkpoint
-    cfg = H.cfg_real_ratios()
-    d = tmp_path_factory.mktemp("real")
-    write_official_checkpoint(d, cfg, H.random_official_tensors(cfg, seed=5, include_mtp=False), fp8=False,
-                              fp4_experts=False, bf16=False)
-    return str(d)
-
-
 def _same(got, want):
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
