@@ -20,7 +20,7 @@ __all__ = ["decode_main", "generate_main", "kernels_main", "markdown", "measure_
 
 
 def kernels_main(argv=None) -> int:
-    from v4jax.bench.kernels import main as run
+    from v4jax.bench.kernels_cli import main as run
     return run(argv)
 
 
