@@ -370,6 +370,7 @@ def test_stats_pools_and_prefix_figures_are_what_the_engine_holds():
     assert _all_pages_free(eng)
 
 
+@pytest.mark.slow  # minutes on CPU (the server's top-N against the forward stays in the default run); -m slow
 def test_top_logprobs_are_the_teacher_forced_top_n(tiny_llm):
     """SamplingParams.top_logprobs = N: each generated token's N most likely alternatives (log-softmax of the raw
     logits, before temperature) are the top N of one teacher-forced forward over the final sequence, in batches

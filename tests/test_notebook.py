@@ -2,11 +2,13 @@
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow  # minutes on CPU; -m slow
 def test_quickstart_notebook_runs(tmp_path):
     path = os.path.join(HERE, "..", "notebooks", "quickstart.ipynb")
     nb = nbformat.read(path, as_version=4)
