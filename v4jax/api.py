@@ -184,7 +184,7 @@ def _check_expert_width_split(cfg: ModelConfig, mesh_rules, mesh: str) -> None:
     axes = mesh_rules.spec(EXPERT_DOWN_AXES, shape)[-1]
     ways = 1 if axes is None else int(np.prod([mesh_rules.mesh.shape[a] for a in ((axes,) if isinstance(axes, str)
                                                                                   else axes)]))
-    if (cfg.moe_inter_dim // ways) % quant.FP8_BLOCK:
+    if ways > 1 and (cfg.moe_inter_dim // ways) % quant.FP8_BLOCK:
         raise FieldError("mesh", f"mesh={mesh!r} splits the routed experts' width {cfg.moe_inter_dim} into "
                          f"{ways} shards of {cfg.moe_inter_dim // ways}: the release's FP8 rounding of their "
                          f"down projection's input takes blocks of {quant.FP8_BLOCK} (quant_sim, or experts kept as "
