@@ -78,7 +78,7 @@ def main(directory: str) -> int:
 
     # each data shard's pools hold 5 of the 9 full pages its two requests need: preemption by recompute
     opts = EngineOptions(kv_cache_dtype="fp8", **{k: v for k, v in ENGINE.items() if k != "dtype"})
-    lay = dataclasses.replace(pool_layout(cfg, opts, "fp8", 1200), n_pages=10)
+    lay = dataclasses.replace(pool_layout(cfg, opts, "fp8", 1200, 2), n_pages=10)
     budget = sum(s.bytes for s in pool_sizes(cfg, lay, "fp8", True).values())
     small = LLM(directory, kv_cache_dtype="fp8", mesh="data=2", memory_budget_bytes=budget, **ENGINE)
     _compare("preempted", small.generate(prompts, params), want, pages=small.engine.layout.n_pages,

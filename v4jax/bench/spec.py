@@ -58,6 +58,17 @@ def _forced_table(llm, outs, accept: float, seed: int = 1):
     return table
 
 
+def _same_prefix(outs, plain) -> float:
+    """The share of generated tokens before each request's first difference from plain decoding. In float32 it
+    must be 1 (speculation is lossless); in bfloat16 the verify step's k+1-token shapes round differently from a
+    1-token step, and random weights leave near-ties that flip."""
+    agree = total = 0
+    for o, p in zip(outs, plain, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(o.token_ids, p.token_ids)) if a != b), len(p.token_ids))
+        agree, total = agree + n, total + len(p.token_ids)
+    return agree / total
+
+
 def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: int = 0,
         accepts=(None,)) -> list[dict]:
     """Rows for plain decoding and each (k, acceptance) pair at each batch; acceptance None is the drafter's own, a
@@ -91,7 +102,8 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
             after = llm.stats()["spec_decode"]
             if not k:
                 plain[b] = outs
-            elif [o.token_ids for o in outs] != [o.token_ids for o in plain[b]]:
+            same = _same_prefix(outs, plain[b])
+            if same < 1.0 and dtype == "float32":
                 raise AssertionError(f"k={k}, batch {b}: greedy outputs differ from plain decoding")
             steps = after["num_drafts"] - before["num_drafts"]
             acc = [x - y for x, y in zip(after["accepted_by_position"], before["accepted_by_position"])]
@@ -100,7 +112,7 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
                    "context": context, "seconds": t_long, "prefill_seconds": t_short, "ms_per_token": ms,
                    "tokens_per_s": 1e3 * b / ms, "steps": steps,
                    "accepted_by_position": [x / steps for x in acc] if steps else [],
-                   "tokens_per_step": 1 + sum(acc) / steps if steps else 1.0}
+                   "tokens_per_step": 1 + sum(acc) / steps if steps else 1.0, "same_as_plain": same}
             row["speedup"] = row["tokens_per_s"] / next(
                 r["tokens_per_s"] for r in rows + [row] if r["k"] == 0 and r["batch"] == b)
             rows.append(row)
@@ -111,13 +123,13 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| k | drafts | batch | context | decode ms / token | tokens/s | vs plain | tokens / step | "
-             "accepted by position |", "|---|---|---|---|---|---|---|---|---|"]
+             "accepted by position | same as plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " / ".join(f"{100 * a:.0f} %" for a in r["accepted_by_position"]) or "-"
         drafts = "-" if not r["k"] else ("MTP block" if r["accept"] == "drafter" else f"forced {r['accept']:g}")
         lines.append(f"| {r['k'] or 'plain'} | {drafts} | {r['batch']} | {r['context'] or 'play openings'} | "
                      f"{r['ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {acc} |")
+                     f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {acc} | {100 * r['same_as_plain']:.0f} % |")
     return "\n".join(lines)
 
 
