@@ -364,9 +364,6 @@ class LLM:
             _check_expert_width_split(self.config, self.mesh_rules, self.options.mesh)
         if self.options.speculative_config is not None:
             self._check_drafter()
-            if self.mesh_rules is not None:
-                raise FieldError("speculative_config", "speculative_config does not run on a mesh yet (mesh="
-                                 f"{self.options.mesh!r}): leave one of them out")
         impl = self.options.attention_impl or ("pallas" if jax.default_backend() == "gpu" else "xla")
         self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=impl, mesh_rules=self.mesh_rules)
         graphdef, state = nnx.split(self.model)

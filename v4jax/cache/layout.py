@@ -173,8 +173,10 @@ def pool_sizes(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> di
     if pools.draft is not None:  # the MTP layer's window (its own pool) and the drafter's per-slot streams
         arrays["mtp_swa"].append(("swa", pools.draft.swa))
         for f in ("hidden", "start", "count", "tokens"):
-            arrays["draft_state"].append((f"draft_{f}", getattr(pools.draft, f)))
-            logical[f"draft_{f}"] = ("slots",)
+            a = getattr(pools.draft, f)
+            arrays["draft_state"].append((f"draft_{f}", a))
+            if a is not None:
+                logical[f"draft_{f}"] = ("slots",) + (None,) * (a.ndim - 1)
     if caching:
         store = jax.eval_shape(lambda: init_boundary_store(pools, layout.n_swa_pages))
         logical["boundary"] = BOUNDARY_AXES

@@ -41,7 +41,12 @@ def pool_shardings(pools: "KVPools", sharding_of) -> "KVPools":
 
     stacks = tuple(dataclasses.replace(lp, **{f.name: one(f.name, getattr(lp, f.name)) for f in dataclasses.fields(lp)})
                    for lp in pools.stacks)
-    return dataclasses.replace(pools, tokens=one("tokens", pools.tokens), stacks=stacks)
+    draft = pools.draft
+    if draft is not None:  # the drafter's window rows as the window pool's; its per-slot fields over the slots
+        per_slot = lambda a: None if a is None else sharding_of(("slots",) + (None,) * (a.ndim - 1), a.shape)
+        draft = DraftState(swa=one("swa", draft.swa), hidden=per_slot(draft.hidden), start=per_slot(draft.start),
+                           count=per_slot(draft.count), tokens=per_slot(draft.tokens))
+    return dataclasses.replace(pools, tokens=one("tokens", pools.tokens), stacks=stacks, draft=draft)
 
 
 @jax.tree_util.register_dataclass
