@@ -261,3 +261,24 @@ def test_flags_and_metrics():
     assert got["v4jax_spec_decode_num_accepted_tokens_total"] == 12
     per_pos = "v4jax_spec_decode_num_accepted_tokens_per_pos_total"
     assert [got[f'{per_pos}{{position="{i}"}}'] for i in range(3)] == [7, 4, 1]
+
+
+@pytest.mark.slow  # two engines to compile; -m slow
+def test_speculation_on_fp8_cache_entries():
+    """With FP8 cache entries and FP4 indexer keys, speculation gives plain decoding's greedy tokens on the same
+    cache format, log-probs within 1e-5 (rejected drafts leave the byte pools as if never written)."""
+    prompts = _prompts(LENS, 512, seed=3)
+    plain = LLM("tiny", kv_cache_dtype="fp8", **OPTIONS)
+    want = plain.generate(prompts, GREEDY)
+    llm = LLM("tiny", kv_cache_dtype="fp8", speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+              **OPTIONS)
+    table = np.zeros((OPTIONS["max_num_seqs"], OPTIONS["max_model_len"]), np.int32)
+    for i, (p, w) in enumerate(zip(prompts, want)):
+        seq = np.asarray(p + w.token_ids, np.int32)
+        wrong = np.zeros(len(seq), bool) if i == 0 else np.random.default_rng(1).random(len(seq)) < 0.3
+        table[i, :len(seq)] = np.where(wrong, (seq + 1) % 512, seq)
+    _forced(llm, table)
+    for got, w in zip(llm.generate(prompts, GREEDY), want):
+        assert got.token_ids == w.token_ids
+        np.testing.assert_allclose(got.logprobs, w.logprobs, atol=1e-5)
+    assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
