@@ -24,6 +24,7 @@ EPILOG = """examples:
   v4jax bench kernels --small                         the kernel benchmark (its own flags: bench kernels -h)
   v4jax bench replay                                  prefix-cache replay traces (its own flags: bench replay -h)
   v4jax serve --port 8000                             OpenAI-compatible server of the embedded model
+  v4jax router --prefill URL --decode URL             one endpoint over prefill and decode servers
   v4jax bench serve --rate 4 --num-requests 64        load generator against a running server
 """
 
@@ -151,6 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(s)
     add_llm_arguments(s)
     s.set_defaults(func=_serve)
+
+    rt = sub.add_parser("router", parents=[common], formatter_class=_Formatter,
+                        help="one OpenAI endpoint in front of prefill and decode servers (disaggregation)",
+                        description=_wrap(
+                            "Route OpenAI requests (/v1/completions, /v1/chat/completions, streamed or not) to "
+                            "`v4jax serve --disaggregation-mode decode` servers, each request naming the "
+                            "`--disaggregation-mode prefill` servers that prefill it (least loaded first). A server "
+                            "that fails before the first token is retried once on another; then 503."))
+    rt.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers")
+    rt.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers")
+    rt.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    rt.add_argument("--port", type=int, default=8000, help="port to bind")
+    rt.add_argument("--pd-secret", default=None, help="the servers' shared secret (their --pd-secret)")
+    rt.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=600.0,
+                    help="seconds a forwarded request may take")
+    rt.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    rt.set_defaults(func=_router)
 
     b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
                        help="benchmarks (decode, generate, kernels, mesh, replay, serve, spec, table, tpu-aot, "
@@ -338,6 +356,13 @@ def _serve(args) -> int:
     from v4jax import LLM
     from v4jax.serve import serve
     return serve(LLM(args.model, **llm_kwargs(args)), opts, warmup=args.warmup)
+
+
+def _router(args) -> int:
+    from v4jax.serve.router import RouterOptions, run_router
+    return run_router(RouterOptions(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+                                    pd_secret=args.pd_secret, request_timeout_s=args.request_timeout_s,
+                                    log_level=args.log_level))
 
 
 def _bench(args) -> int:
