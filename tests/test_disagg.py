@@ -170,15 +170,17 @@ def test_local_pair_as_one_serving_engine(engines):
 
 @pytest.mark.parametrize("path", ["jax", "http"])
 def test_transport_checks_every_transfer(engines, path):
-    """Both transports deliver the state bit for bit; a wrong checksum, or (HTTP) cut bytes, are refused."""
+    """Both transports deliver the state bit for bit (a short prompt has no C128 entry yet: an empty array); a
+    wrong checksum, or (HTTP) cut bytes, are refused."""
     from v4jax.serve.pd import StateTransport
     prefill, _ = engines
-    prompt = _prompts((40,), prefill.cfg.vocab_size, seed=6)[0]
-    st = _prefill(prefill, "t", prompt, SamplingParams(max_tokens=3, **GREEDY))
     sender, receiver = StateTransport(path=path), StateTransport(path=path)
-    control = sender.offer(st)
-    got = receiver.pull(control, sender.take_bytes)
-    assert got.meta == st.meta and all(np.array_equal(got.arrays[k], st.arrays[k]) for k in st.arrays)
+    for n in (5, 40):
+        prompt = _prompts((n,), prefill.cfg.vocab_size, seed=6)[0]
+        st = _prefill(prefill, "t", prompt, SamplingParams(max_tokens=3, **GREEDY))
+        assert (st.arrays["c128_kv/2/kv"].size == 0) == (n < 16)
+        got = receiver.pull(sender.offer(st), sender.take_bytes)
+        assert got.meta == st.meta and all(np.array_equal(got.arrays[k], st.arrays[k]) for k in st.arrays)
     bad = dict(sender.offer(st), checksum="0" * 32)
     with pytest.raises(T.TransferError, match="checksum"):
         receiver.pull(bad, sender.take_bytes)

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.set_defaults(func=_router)
 
     b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
-                       help="benchmarks (decode, generate, kernels, mesh, replay, serve, spec, table, tpu-aot, "
+                       help="benchmarks (decode, generate, kernels, mesh, pd, replay, serve, spec, table, tpu-aot, "
                             "tpu-plan)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(--tune, --sweep NAME; v4jax.bench.kernels)")),
                        ("mesh", ("decode on device meshes against one device: same tokens, ms/step, scaling "
                                  "(v4jax.bench.mesh)")),
+                       ("pd", ("one request's state between two engines: bytes by pool, export / transfer / "
+                               "import times (v4jax.bench.pd)")),
                        ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.bench.replay)"),
                        ("serve", "open-loop load against a running v4jax serve (v4jax.bench.serve)"),
                        ("spec", ("speculative decoding with the MTP block against plain decoding: ms/token, "
@@ -375,6 +377,7 @@ def _bench(args) -> int:
 BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4jax.bench.generate", "generate_main"),
               "kernels": ("v4jax.bench.kernels_cli", "main"), "mesh": ("v4jax.bench.mesh", "main"),
               "replay": ("v4jax.bench.replay", "main"), "serve": ("v4jax.bench.serve", "main"),
+              "pd": ("v4jax.bench.pd", "main"),
               "spec": ("v4jax.bench.spec", "spec_main"),
               "table": ("v4jax.bench.table", "main"), "tpu-aot": ("v4jax.bench.tpu_aot", "aot_main"),
               "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main")}

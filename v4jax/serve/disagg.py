@@ -15,18 +15,25 @@ Every request's pages come back on both sides: the prefill side frees its slot o
 prefix cache keeps its full pages), the decode side when the request ends or is aborted."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
+import uuid
 from typing import Sequence
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 
 from v4jax.engine import transfer as T
 from v4jax.engine.core import EngineCore, RequestDelta
 from v4jax.engine.sampling import SamplingParams
 from v4jax.serve.engine import LocalEngine
 from v4jax.serve.orchestrator import Unavailable
+from v4jax.serve.protocol import ApiError
+from v4jax.serve.streams import read_json
 from v4jax.serve.pd import StateTransport
 
 log = logging.getLogger("v4jax.serve")
@@ -293,15 +300,6 @@ def pd_router(state):
     """A prefill server's routes for decode servers: POST /v4jax/pd/prefill ({request_id, prompt_ids, params,
     sample_index} -> {"transfer": control message} or {"finished": ...}), GET /v4jax/pd/state/{uuid} (the http
     transport's bytes, once)."""
-    import asyncio
-    import uuid
-
-    from fastapi import APIRouter, Request
-    from fastapi.responses import JSONResponse, Response
-
-    from v4jax.serve.protocol import ApiError
-    from v4jax.serve.streams import read_json
-
     r = APIRouter()
 
     @r.post(PREFILL_ROUTE)

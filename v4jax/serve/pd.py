@@ -89,7 +89,9 @@ class StateTransport:
         control = {"uuid": uid, "path": self.path, "specs": state.specs(), "checksum": T.checksum(state.arrays),
                    "meta": state.meta}
         if self.path == "jax":
-            arrays = [jax.device_put(np.ascontiguousarray(state.arrays[n]), self._device) for n in names]
+            # empty arrays (no entry of a ratio yet) are not sent: a pulled empty buffer never becomes ready
+            arrays = [jax.device_put(np.ascontiguousarray(state.arrays[n]), self._device) for n in names
+                      if state.arrays[n].size]
             self._server.await_pull(uid, arrays)
             control["address"] = self._server.address()
         else:
@@ -132,10 +134,11 @@ class StateTransport:
                 raise T.TransferError("the state fetched does not match its control message's specs")
             T.verify(state.arrays, control["checksum"])
             return T.RequestState(control["meta"], state.arrays)
-        names = sorted(specs)
+        names = [n for n in sorted(specs) if np.prod(specs[n][0])]
         structs = [T.jax_struct(specs[n][0], specs[n][1], self._device) for n in names]
         got = pull_arrays(self._connect(control["address"]), int(control["uuid"]), structs, self.timeout_s)
-        arrays = {n: np.asarray(a) for n, a in zip(names, got)}
+        arrays = {n: np.zeros(shape, dt) for n, (shape, dt) in specs.items()}
+        arrays.update({n: np.asarray(a) for n, a in zip(names, got)})
         T.verify(arrays, control["checksum"])
         return T.RequestState(control["meta"], arrays)
 
