@@ -113,6 +113,12 @@ def test_bytes_roundtrip_and_corruption_refused(engines):
     other = T.RequestState(dict(st.meta, format=dict(st.meta["format"], kv_dtype="float8")), st.arrays)
     with pytest.raises(T.TransferError, match="kv_cache_dtype"):
         decode.import_request(other)
+    # an engine of another KV format (checked before anything runs: nothing compiles)
+    with pytest.raises(T.TransferError, match="kv_cache_dtype"):
+        LLM("tiny", kv_cache_dtype="bfloat16", **BASE).engine.import_request(st)
+    other = T.RequestState(dict(st.meta, format=dict(st.meta["format"], config="0" * 32)), st.arrays)
+    with pytest.raises(T.TransferError, match="model configuration"):
+        decode.import_request(other)
     assert not decode.has_unfinished_requests() and _all_free(decode) and _all_free(prefill)
 
 
@@ -189,3 +195,24 @@ def test_transport_checks_every_transfer(engines, path):
         with pytest.raises(T.TransferError, match="truncated"):
             receiver.pull(control, lambda uid: sender.take_bytes(uid)[:-100])
     assert _all_free(prefill)
+
+
+@pytest.mark.slow  # two speculative engines to compile
+def test_speculative_decode_side(engines):
+    """With speculative decoding on both sides the drafter's state moves too: the single speculative engine's
+    tokens and log-probs; a state without it is refused by a speculative decode engine."""
+    plain, _ = engines
+    spec = dict(BASE, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prefill, decode = LLM("tiny", page_size=32, **spec).engine, LLM("tiny", page_size=16, **spec).engine
+    prompt = _prompts((41,), prefill.cfg.vocab_size, seed=7)[0]
+    sp = SamplingParams(max_tokens=10, **GREEDY)
+    toks, lps = _run_alone(prefill, "s", prompt, sp)
+    prefill.kv.reset_prefix_cache()
+    st = _prefill(prefill, "s", prompt, sp)
+    assert {"mtp_swa", "draft_state"} <= set(st.bytes_by_pool())
+    got = _decode(decode, [st])
+    assert got["s"][0] == toks
+    np.testing.assert_allclose(got["s"][1], lps, atol=1e-5)
+    with pytest.raises(T.TransferError, match="speculative_config"):
+        decode.import_request(_prefill(plain, "p", prompt, sp))
+    assert _all_free(prefill) and _all_free(decode) and _all_free(plain)
