@@ -216,3 +216,43 @@ def test_speculative_decode_side(engines):
     with pytest.raises(T.TransferError, match="speculative_config"):
         decode.import_request(_prefill(plain, "p", prompt, sp))
     assert _all_free(prefill) and _all_free(decode) and _all_free(plain)
+
+
+_SENDER = """
+import sys, json, numpy as np
+from v4jax.engine.transfer import RequestState
+from v4jax.serve.pd import StateTransport
+state = RequestState({"request": {"request_id": "x"}}, {"swa/0/swa": np.arange(4096, dtype=np.float32)})
+transport = StateTransport()  # kept: its transfer server serves the offer
+print(json.dumps(transport.offer(state)), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_sender_dying_fails_the_pull():
+    """A sender that dies before its state is pulled: the pull fails (it does not hang), and the next offer from a
+    live sender is pulled whole."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from v4jax.serve.pd import StateTransport
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    child = subprocess.Popen([sys.executable, "-c", _SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
+    control = json.loads(child.stdout.readline())
+    child.kill()
+    child.wait(30)
+    receiver = StateTransport(timeout_s=3)
+    with pytest.raises(T.TransferError, match="did not arrive"):
+        receiver.pull(control)
+    child = subprocess.Popen([sys.executable, "-c", _SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        got = receiver.pull(json.loads(child.stdout.readline()))
+        np.testing.assert_array_equal(got.arrays["swa/0/swa"], np.arange(4096, dtype=np.float32))
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(30)

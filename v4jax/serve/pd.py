@@ -71,7 +71,7 @@ class TransferMetrics:
 
 class StateTransport:
     def __init__(self, host: str = "127.0.0.1", path: str = "jax", metrics: TransferMetrics | None = None,
-                 timeout_s: float = 60.0, offer_ttl_s: float = 300.0):
+                 timeout_s: float = 30.0, offer_ttl_s: float = 300.0):
         if path not in PATHS:
             raise ValueError(f"pd_transport must be one of {list(PATHS)}, got {path!r}")
         self.path, self.metrics, self.timeout_s, self.offer_ttl_s = path, metrics, timeout_s, offer_ttl_s
@@ -137,6 +137,14 @@ class StateTransport:
         names = [n for n in sorted(specs) if np.prod(specs[n][0])]
         structs = [T.jax_struct(specs[n][0], specs[n][1], self._device) for n in names]
         got = pull_arrays(self._connect(control["address"]), int(control["uuid"]), structs, self.timeout_s)
+        # a pull whose sender died before sending never becomes ready and never fails: wait with a deadline
+        deadline = time.monotonic() + self.timeout_s
+        while not all(a.is_ready() for a in got):
+            if time.monotonic() > deadline:
+                self.forget(control["address"])
+                raise T.TransferError(f"the state from {control['address']} did not arrive within "
+                                      f"{self.timeout_s:g} s (the sender died or stalled)")
+            time.sleep(0.001)
         arrays = {n: np.zeros(shape, dt) for n, (shape, dt) in specs.items()}
         arrays.update({n: np.asarray(a) for n, a in zip(names, got)})
         T.verify(arrays, control["checksum"])
