@@ -40,9 +40,9 @@ def _run(server, sock):
     return thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def _server(llm, mode):
+def _server(llm, mode, transport="jax"):
     opts = ServerOptions(log_level="warning", access_log=False, disaggregation_mode=mode, pd_secret=SECRET,
-                         request_timeout_s=120.0)
+                         request_timeout_s=120.0, pd_transport=transport)
     state = ServerState(llm, opts).start()
     server = Server(state)
     thread, url = _run(server, _socket())
@@ -155,3 +155,22 @@ def test_dead_prefill_server_is_retried_then_503(cluster):
         r.server.should_exit = True
         r.thread.join(30)
     assert _idle_and_free(cluster.p.state) and _idle_and_free(cluster.d.state)
+
+
+@pytest.mark.slow  # a third server to compile
+def test_http_transport_end_to_end(cluster):
+    """A prefill server with --pd-transport http: the decode server fetches the bytes from its /v4jax/pd/state."""
+    p = _server(LLM(**LLM_OPTS), "prefill", transport="http")
+    r = _router([p.url], [cluster.d.url])
+    try:
+        body = {"model": "v4jax-shakespeare", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        got = httpx.post(r.url + "/v1/completions", json=body, timeout=120)
+        assert got.status_code == 200 and got.json()["choices"][0]["text"] == cluster.refs[1].text
+        assert _metrics(p.url)['v4jax_pd_transfers_total{direction="sent",path="http"}'] == 1
+        assert _metrics(cluster.d.url)['v4jax_pd_transfers_total{direction="received",path="http"}'] == 1
+        assert _idle_and_free(p.state) and _idle_and_free(cluster.d.state)
+    finally:
+        for s in (r, p):
+            s.server.should_exit = True
+            s.thread.join(30)
+        p.state.orchestrator.stop()

@@ -127,6 +127,58 @@ def entry_rows(layout: PoolLayout, full_pages: np.ndarray, ratio: int, n_entries
     return out
 
 
+def gather_inputs(cfg: ModelConfig, layout: PoolLayout, full_row: np.ndarray, swa_row: np.ndarray, fed: int):
+    """(pages, window rows) the gather of a slot at position `fed` reads, from the slot's page-table rows."""
+    return page_rows(layout, full_row, -(-fed // layout.page_size)), swa_rows(cfg, layout, swa_row, fed)
+
+
+def cut(cfg: ModelConfig, padded: dict, shapes: dict) -> dict:
+    """The gather's padded host arrays cut to `shapes` (expected_shapes): the window's last positions (those before
+    position 0 go), the first entries of each compressed pool."""
+    out = {}
+    for name, (shape, _) in shapes.items():
+        a = np.asarray(padded[name])
+        leaf = name.rsplit("/", 1)[1]
+        if leaf == "swa":
+            a = a[:, a.shape[1] - shape[1]:]
+        elif leaf in ("kv", "idx"):
+            a = a[:, :shape[1]]
+        out[name] = np.ascontiguousarray(a)
+    return out
+
+
+def scatter_inputs(cfg: ModelConfig, layout: PoolLayout, arrays: dict, full_row: np.ndarray, swa_row: np.ndarray,
+                   fed: int, tokens) -> tuple:
+    """(arrays, entries, window rows, token rows, token ids): what scatter_request takes to write a state at
+    position `fed` into a slot with these page-table rows, padded to powers of two (rows past the data out of
+    range, so the scatter drops them). tokens: the request's token ids at positions 0 .. fed-1."""
+    w_rows = swa_rows(cfg, layout, swa_row, fed)
+    n_win = fed - window_start(cfg, fed)
+    dropped = layout.n_swa_pages * layout.swa_page_size
+    win = np.where((np.arange(len(w_rows)) >= len(w_rows) - n_win) & (w_rows >= 0), w_rows, dropped).astype(np.int32)
+    entries = {m: entry_rows(layout, full_row, m, fed // m) for m in cfg.ratios_in_use}
+    ratio = {str(g): st.ratio for g, st, _ in _stack_pools(cfg)}
+    padded = {}
+    for name, a in arrays.items():
+        _, g, leaf = name.split("/")
+        if leaf == "swa":  # right-aligned in the window's W-1 rows
+            pad = np.zeros((a.shape[0], len(w_rows)) + a.shape[2:], a.dtype)
+            pad[:, len(w_rows) - a.shape[1]:] = a
+            a = pad
+        elif leaf in ("kv", "idx"):
+            pad = np.zeros((a.shape[0], len(entries[ratio[g]])) + a.shape[2:], a.dtype)
+            pad[:, :a.shape[1]] = a
+            a = pad
+        padded[name] = a
+    p, n = layout.page_size, len(tokens)
+    tok_rows = np.full(_pow2(max(n, 1)), layout.n_pages * p, np.int32)
+    pos = np.arange(n)
+    tok_rows[:n] = full_row[pos // p] * p + pos % p
+    tok_ids = np.zeros(len(tok_rows), np.int32)
+    tok_ids[:n] = tokens
+    return padded, entries, win, tok_rows, tok_ids
+
+
 # ---- device: gather and scatter (pure; the engine jits them) ----
 def gather_request(cfg: ModelConfig, layout: PoolLayout, pools: KVPools, slot, pages, swa) -> dict:
     """Every array of the slot's request, padded: compressed entries of `pages` ([NP] page ids, -1 = none: read as

@@ -166,19 +166,10 @@ class EngineCore:
                              + ("" if req is None else f" (it is {req.status})"))
         fed = req.fed
         full, swa = self.kv.slot_tables(req.slot)
-        n_pages = -(-fed // self.layout.page_size)
-        rows = T.swa_rows(self.cfg, self.layout, swa, fed)
-        padded = jax.device_get(self._transfer_steps()[0](self.pools, np.int32(req.slot),
-                                                           T.page_rows(self.layout, full, n_pages), rows))
-        shapes = T.expected_shapes(self.cfg, self.pools, fed, self.pools.draft is not None)
-        arrays = {}
-        for name, (shape, _) in shapes.items():
-            a = np.asarray(padded[name])
-            if name.split("/")[-1] == "swa":
-                a = a[:, a.shape[1] - shape[1]:]  # the window's last positions (those before 0 are cut)
-            elif name.split("/")[-1] in ("kv", "idx"):
-                a = a[:, :shape[1]]
-            arrays[name] = np.ascontiguousarray(a)
+        padded = self._transfer_steps()[0](self.pools, np.int32(req.slot),
+                                           *T.gather_inputs(self.cfg, self.layout, full, swa, fed))
+        arrays = T.cut(self.cfg, jax.device_get(padded),
+                       T.expected_shapes(self.cfg, self.pools, fed, self.pools.draft is not None))
         sp = req.params
         meta = {"format": T.format_of(self.cfg, self.kv_dtype), "position": fed,
                 "request": {"request_id": request_id, "prompt": req.prompt, "output": req.output,
@@ -228,38 +219,10 @@ class EngineCore:
         return deltas
 
     def _write_state(self, req, state: T.RequestState) -> None:
-        lay, fed = self.layout, req.fed
         full, swa = self.kv.slot_tables(req.slot)
-        w_rows = T.swa_rows(self.cfg, lay, swa, fed)
-        n_win = fed - T.window_start(self.cfg, fed)
-        swa_idx = np.where(np.arange(len(w_rows)) >= len(w_rows) - n_win, w_rows, lay.n_swa_pages * lay.swa_page_size)
-        swa_idx = np.where(swa_idx < 0, lay.n_swa_pages * lay.swa_page_size, swa_idx).astype(np.int32)
-        entries, arrays = {}, {}
-        for m in self.cfg.ratios_in_use:
-            entries[m] = T.entry_rows(lay, full, m, fed // m)
-        for name, a in state.arrays.items():
-            leaf = name.split("/")[-1]
-            if leaf == "swa":  # right-aligned in the window's W-1 rows
-                pad = np.zeros((a.shape[0], len(w_rows)) + a.shape[2:], a.dtype)
-                pad[:, len(w_rows) - a.shape[1]:] = a
-                a = pad
-            elif leaf in ("kv", "idx"):
-                m = next(st.ratio for g, st, _ in T._stack_pools(self.cfg) if name.split("/")[1] == str(g))
-                pad = np.zeros((a.shape[0], len(entries[m])) + a.shape[2:], a.dtype)
-                pad[:, :a.shape[1]] = a
-                a = pad
-            arrays[name] = a
-        tokens = np.asarray(req.token_slice(0, fed), np.int32)
-        n_tok = len(tokens)
-        p = lay.page_size
-        bucket = T._pow2(max(n_tok, 1))
-        tok_rows = np.full(bucket, self.pools.tokens.size, np.int32)
-        pos = np.arange(n_tok)
-        tok_rows[:n_tok] = full[pos // p] * p + pos % p
-        tok_ids = np.zeros(bucket, np.int32)
-        tok_ids[:n_tok] = tokens
-        self.pools = self._transfer_steps()[1](self.pools, np.int32(req.slot), arrays, entries, swa_idx, tok_rows,
-                                               tok_ids)
+        inputs = T.scatter_inputs(self.cfg, self.layout, state.arrays, full, swa, req.fed,
+                                  req.token_slice(0, req.fed))
+        self.pools = self._transfer_steps()[1](self.pools, np.int32(req.slot), *inputs)
 
     def _transfer_steps(self):
         """(gather, scatter) of a request's state, jitted for this engine (the scatter donates the pools)."""
