@@ -467,6 +467,11 @@ def open_checkpoint(path, cfg: ModelConfig | None = None) -> Checkpoint:
             hint = ""
             if key.startswith("mtp.") and cfg.n_mtp_layers == 0:
                 hint = " (the config has no MTP layers)"
+            elif key.startswith("mtp.") and cfg.dspark_block_size:
+                hint = (f" (the config's dspark_* keys describe the DSpark drafter: {cfg.n_mtp_layers} draft layers "
+                        "mtp.0.* .. with main_proj, markov_head and confidence_head)")
+            elif key.startswith("mtp.") and any(part in key for part in ("main_proj", "markov_head", "confidence_head")):
+                hint = " (a DSpark drafter's tensor: the config has no dspark_* keys)"
             what = f"{st.name!r}" + (f" (official name {key!r})" if key != st.name else "")
             problems.append(f"unexpected tensor {what} in {st.where}{hint}")
             continue

@@ -126,7 +126,9 @@ def official_specs(cfg: ModelConfig, include_mtp: bool) -> dict[str, TensorSpec]
     specs["hc_head_fn"] = TensorSpec((hc, hc * D), F32)
     specs["hc_head_base"] = TensorSpec((hc,), F32)
     specs["hc_head_scale"] = TensorSpec((1,), F32)
-    if include_mtp:
+    if include_mtp and cfg.dspark_block_size:
+        _dspark(cfg, specs)
+    elif include_mtp:
         for k in range(cfg.n_mtp_layers):
             p = f"mtp.{k}."
             specs[p + "e_proj.weight"] = TensorSpec((D, D), FP8)
@@ -139,6 +141,28 @@ def official_specs(cfg: ModelConfig, include_mtp: bool) -> dict[str, TensorSpec]
             specs[p + "hc_head_scale"] = TensorSpec((1,), F32)
             _block(cfg, p, cfg.mtp_layer_type, cfg.mtp_compress_ratio, False, specs)
     return specs
+
+
+def _dspark(cfg: ModelConfig, specs: dict) -> None:
+    """The DSpark drafter of the 0731 / -DSpark releases: n_mtp_layers draft layers `mtp.N.` (full sliding-window
+    blocks, non-hash MoE), the first with `main_proj` (the target layers' concatenated hidden -> D) and
+    `main_norm`, the last with the head's `norm`, `hc_head_*`, the Markov head and the confidence head."""
+    D, V, hc, r = cfg.dim, cfg.vocab_size, cfg.hc_mult, cfg.dspark_markov_rank
+    last = cfg.n_mtp_layers - 1
+    for k in range(cfg.n_mtp_layers):
+        p = f"mtp.{k}."
+        _block(cfg, p, cfg.mtp_layer_type, cfg.mtp_compress_ratio, False, specs)
+        if k == 0:
+            specs[p + "main_proj.weight"] = TensorSpec((D, D * len(cfg.dspark_target_layer_ids)), FP8)
+            specs[p + "main_norm.weight"] = TensorSpec((D,), BF16)
+        if k == last:
+            specs[p + "norm.weight"] = TensorSpec((D,), BF16)
+            specs[p + "hc_head_fn"] = TensorSpec((hc, hc * D), F32)
+            specs[p + "hc_head_base"] = TensorSpec((hc,), F32)
+            specs[p + "hc_head_scale"] = TensorSpec((1,), F32)
+            specs[p + "markov_head.markov_w1.weight"] = TensorSpec((V, r), BF16)
+            specs[p + "markov_head.markov_w2.weight"] = TensorSpec((V, r), BF16)
+            specs[p + "confidence_head.proj.weight"] = TensorSpec((1, D + r), BF16)
 
 
 def official_shapes(cfg: ModelConfig, include_mtp: bool) -> dict[str, tuple[int, ...]]:

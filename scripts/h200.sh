@@ -51,6 +51,10 @@
 #              a CPU dry run of the default model: SKIP_WHEELS=1 MODEL= SERVE_ARGS="--max-model-len 512" RATES="4"
 #              WARMUP=4 BENCH_ARGS="--num-requests 16 --prompt-len 32 --output-len 16 --vocab 2048" \
 #              bash scripts/h200.sh serve
+#   precision  the release's formats (FP8/FP4 weights, FP8 cache entries) against bf16: LLM.generate at batch 1 / 32, 4K,
+#              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...")
+#   spec       speculative decoding (MTP) against plain decoding, drafts forced right at ACCEPT rates, batches
+#              BATCHES, k KS (v4jax bench spec)
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
 #              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
@@ -150,6 +154,28 @@ defaults)
   timeout ${LONG_S:-240} python3 -W ignore -m v4jax.bench generate --model flash-slice --max-num-seqs 32 \
     --max-model-len 131584 $chunk --batches 32 --contexts 4K --prefill 128K --new 64 --out "$out/d128k" 2>&1 \
     | quiet | tail -12
+  ;;
+precision)
+  # The release's formats against bf16 (flash-slice; MODEL=flash-1gpu for the full depth), LLM.generate on one
+  # 32-slot engine at 4K: weights as bf16 / FP8 linears + FP4 experts, cache entries bf16 / FP8 + FP4 indexer
+  # keys, each against the roofline of the bytes it stores; CONFIGS picks "QUANT:KV ..."
+  MODEL=${MODEL:-flash-slice}
+  for cfgs in ${CONFIGS:-none:auto fp8:auto none:fp8 fp8:fp8}; do
+    q=${cfgs%%:*}; kv=${cfgs##*:}
+    stamp "$MODEL: quantization $q, kv_cache_dtype $kv"
+    timeout ${ROW_S:-150} python3 -W ignore -m v4jax.bench generate --model "$MODEL" --max-num-seqs 32 \
+      --max-model-len ${CTX_LEN:-4352} --quantization $q --kv-cache-dtype $kv --batches 1,32 --contexts 4K --new 32 \
+      --out "$out/p_${q}_${kv}" 2>&1 | quiet | tail -5
+  done
+  ;;
+spec)
+  # Speculative decoding with the MTP block through LLM.generate (flash-slice, random weights: drafts forced right
+  # at rates ACCEPT, one engine of the largest batch per (k, rate), 4K prompts) against plain decoding
+  MODEL=${MODEL:-flash-slice}
+  stamp "$MODEL: k ${KS:-1,3}, forced acceptance ${ACCEPT:-0.5,0.8}, batches ${BATCHES:-1,8,32}"
+  timeout ${SPEC_S:-560} python3 -W ignore -m v4jax.bench spec --model "$MODEL" --dtype bfloat16 --context 4096 \
+    --new ${NEW:-64} --k ${KS:-1,3} --accept ${ACCEPT:-0.5,0.8} --batch ${BATCHES:-1,8,32} --out "$out/spec.json" \
+    2>&1 | quiet | tail -30
   ;;
 load)
   # The server against its own engine, same batches, one call (carry [".whl"]): LLM.generate on one 64-slot

@@ -164,7 +164,6 @@ def test_threads_share_the_engine(llm, alone):
     assert _idle(llm)
 
 
-@pytest.mark.slow  # minutes on CPU; -m slow
 def test_ctrl_c_in_generate_exits_130():
     """Ctrl-C while the prompt prefills (just after its echo) and while tokens stream: the requests are aborted,
     one line says so, and the process exits 130 with no traceback and no crash at exit."""
@@ -175,7 +174,7 @@ def test_ctrl_c_in_generate_exits_130():
     cmd = [sys.executable, "-c", run_cli, "generate", "--max-tokens", "3000", "--temperature", "0", "--ignore-eos",
            "To be"]
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1")
-    for trial, wait_for in enumerate((len("To be"), len("To be") + 40, len("To be") + 40)):
+    for trial, wait_for in enumerate((len("To be"), len("To be") + 40)):
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out = b""
         try:

@@ -25,7 +25,7 @@ from v4jax.config import PRESETS, ModelConfig, preset
 from v4jax.detokenize import IncrementalDetokenizer
 from v4jax.engine.checks import RequestCheck, RequestError, check_prompt_ids
 from v4jax.engine.sampling import SamplingParams, top_alternatives
-from v4jax.engine.spec import speculative_tokens
+from v4jax.engine.spec import speculative_method, speculative_tokens
 from v4jax.fields import MAX_TOP_LOGPROBS, FieldError, check_field
 from v4jax.model import RunOptions, Transformer, quant
 
@@ -99,8 +99,10 @@ class EngineOptions:
     enable_prefix_caching: bool = True  # reuse cached full pages of earlier requests' prefixes (paged layout)
     mesh: str | None = None  # e.g. "expert=4" or "data=2,tensor=2" (sharding/ maps logical axes to it), over
     # every process's devices once jax.distributed runs (sharding.multihost.initialize, called by LLM)
-    # {"method": "mtp", "num_speculative_tokens": k} (vLLM's shape): each decode step drafts k tokens with the
-    # model's MTP block and verifies them in one step (v4jax.engine.spec); greedy outputs are unchanged
+    # {"method": "mtp" | "dspark", "num_speculative_tokens": k} (vLLM's shape): each decode step drafts k tokens
+    # with the model's MTP block, or the DSpark drafter of the 0731 / -DSpark releases (k <= dspark_block_size),
+    # and verifies them in one step (v4jax.engine.spec); greedy outputs are unchanged, sampled ones distributed
+    # as plain sampling's
     speculative_config: dict | None = None
 
     def __post_init__(self):
@@ -184,7 +186,7 @@ def _check_expert_width_split(cfg: ModelConfig, mesh_rules, mesh: str) -> None:
     axes = mesh_rules.spec(EXPERT_DOWN_AXES, shape)[-1]
     ways = 1 if axes is None else int(np.prod([mesh_rules.mesh.shape[a] for a in ((axes,) if isinstance(axes, str)
                                                                                   else axes)]))
-    if (cfg.moe_inter_dim // ways) % quant.FP8_BLOCK:
+    if ways > 1 and (cfg.moe_inter_dim // ways) % quant.FP8_BLOCK:
         raise FieldError("mesh", f"mesh={mesh!r} splits the routed experts' width {cfg.moe_inter_dim} into "
                          f"{ways} shards of {cfg.moe_inter_dim // ways}: the release's FP8 rounding of their "
                          f"down projection's input takes blocks of {quant.FP8_BLOCK} (quant_sim, or experts kept as "
@@ -238,7 +240,8 @@ def load_model(spec: str | None, dtype, seed: int = 0, mesh_rules=None,
         return cfg, _restore_orbax(spec, cfg, dtype, mesh_rules, mesh, quantization), _load_tokenizer(spec), spec
     ckpt = open_checkpoint(spec, cfg)
     if not ckpt.has_mtp and cfg.n_mtp_layers:
-        warnings.warn(f"{spec}: no mtp.* weights; MTP is off", stacklevel=3)
+        what = "the DSpark drafter" if cfg.dspark_block_size else "MTP"
+        warnings.warn(f"{spec}: no mtp.* weights; {what} is off", stacklevel=3)
     weights = _weight_format(quantization, quant.WeightFormat(*ckpt.weight_format()), spec)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=ckpt.has_mtp,
                                                   weights=weights))
@@ -360,9 +363,7 @@ class LLM:
         if self.mesh_rules is not None and (self.options.quant_sim or self.model.weight_format.experts):
             _check_expert_width_split(self.config, self.mesh_rules, self.options.mesh)
         if self.options.speculative_config is not None:
-            if not len(self.model.mtp):
-                raise FieldError("speculative_config", f"speculative_config {self.options.speculative_config} needs "
-                                 f"the model's MTP block, and {self.source} has no MTP weights (mtp.*)")
+            self._check_drafter()
             if self.mesh_rules is not None:
                 raise FieldError("speculative_config", "speculative_config does not run on a mesh yet (mesh="
                                  f"{self.options.mesh!r}): leave one of them out")
@@ -399,6 +400,26 @@ class LLM:
         self._dropped: collections.deque[_Call] = collections.deque()  # calls nobody reads, to abort
         self._check = None
         self._rejected = 0  # requests generate refused before they reached the engine
+
+    def _check_drafter(self) -> None:
+        """speculative_config against the drafter the weights hold: a FieldError naming the option if it cannot run."""
+        conf, have = self.options.speculative_config, self.model.drafter
+        method, k = speculative_method(conf), self.options.num_speculative_tokens
+        if method == "mtp" and have != "mtp":
+            what = ("the DSpark drafter (its config has dspark_* keys): use method 'dspark'" if have == "dspark"
+                    else "no MTP weights (mtp.*)")
+            raise FieldError("speculative_config", f"speculative_config {conf} needs the model's MTP block, and "
+                             f"{self.source} has {what}")
+        if method == "dspark" and have != "dspark":
+            what = ("no DSpark drafter weights (mtp.N.* draft layers with main_proj, markov_head and "
+                    "confidence_head)" if self.config.dspark_block_size else
+                    "no DSpark drafter (no dspark_* keys in its config)" + (": use method 'mtp' for its MTP block"
+                                                                           if have == "mtp" else ""))
+            raise FieldError("speculative_config", f"speculative_config {conf} needs the DSpark drafter of the "
+                             f"0731 / -DSpark releases, and {self.source} has {what}")
+        if method == "dspark" and k > self.config.dspark_block_size:
+            raise FieldError("speculative_config", f"speculative_config: num_speculative_tokens={k} exceeds the "
+                             f"DSpark drafter's block of {self.config.dspark_block_size} tokens (dspark_block_size)")
 
     # ---- inputs ----
     def _check_ids(self, ids: Sequence[int], what: str = "prompt") -> list[int]:

@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-processes", type=_positive_int, default=None, help="multi-host: processes in the job")
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     g.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
-                   help="speculative decoding with the model's MTP block, e.g. "
-                   "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'")
+                   help="speculative decoding with the model's MTP block or DSpark drafter, e.g. "
+                   "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' or "
+                   "'{\"method\": \"dspark\", \"num_speculative_tokens\": 5}'")
     g.add_argument("--no-stream", action="store_true", help="print each result at the end")
     g.set_defaults(func=_generate)
 

@@ -74,6 +74,13 @@ class ModelConfig:
     mtp_compress_ratio: int = 0
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
+    # The DSpark drafter of the 0731 / -DSpark releases (`dspark_*` keys of config.json): its n_mtp_layers draft
+    # layers (`mtp.N.*`, sliding-window blocks) draft a block of dspark_block_size tokens from the mean over the
+    # streams of the main layers dspark_target_layer_ids (v4jax.engine.dspark). 0 = no DSpark (an MTP block).
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 256
 
     def __post_init__(self):
         if len(self.layer_types) != self.n_layers:
@@ -102,6 +109,27 @@ class ModelConfig:
             raise ConfigError("index_head_dim must be >= rope_head_dim")
         if self.hc_mult < 1:
             raise ConfigError("hc_mult must be >= 1")
+        if self.dspark_block_size:
+            self._check_dspark()
+
+    def _check_dspark(self):
+        ids = self.dspark_target_layer_ids
+        if self.dspark_block_size < 1:
+            raise ConfigError(f"dspark_block_size = {self.dspark_block_size} must be >= 1")
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= i < self.n_layers for i in ids):
+            raise ConfigError(f"dspark_target_layer_ids = {list(ids)} must be distinct main layers in "
+                              f"[0, {self.n_layers})")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            raise ConfigError(f"dspark_noise_token_id = {self.dspark_noise_token_id} is outside the vocabulary "
+                              f"[0, {self.vocab_size})")
+        if self.dspark_markov_rank < 1:
+            raise ConfigError(f"dspark_markov_rank = {self.dspark_markov_rank} must be >= 1")
+        if self.n_mtp_layers < 1:
+            raise ConfigError("the dspark_* keys need draft layers: compress_ratios entries past num_hidden_layers "
+                              "(one per layer, 0 = sliding window)")
+        if self.mtp_layer_type != SLIDING:
+            raise ConfigError(f"DSpark draft layers are sliding-window layers (compress ratio 0), got "
+                              f"{self.mtp_layer_type!r} (compress_ratios past num_hidden_layers)")
 
     # ---- derived ---------------------------------------------------------------------------------
     def layer_type(self, i: int) -> str:
@@ -220,7 +248,15 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "tie_word_embeddings": False,
+            **self._dspark_keys(),
         }
+
+    def _dspark_keys(self) -> dict[str, Any]:
+        if not self.dspark_block_size:
+            return {}
+        return {"dspark_block_size": self.dspark_block_size, "dspark_noise_token_id": self.dspark_noise_token_id,
+                "dspark_target_layer_ids": list(self.dspark_target_layer_ids),
+                "dspark_markov_rank": self.dspark_markov_rank}
 
 
 def _layers_from_ratios(ratios: list[int], csa_ratio: int = 4) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -235,6 +271,38 @@ def _layers_from_ratios(ratios: list[int], csa_ratio: int = 4) -> tuple[tuple[st
         else:
             raise ConfigError(f"compress_ratios entry {r} must be >= 0")
     return tuple(kinds), tuple(int(r) for r in ratios)
+
+
+DSPARK_KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+
+
+def _dspark(raw: dict[str, Any], n_draft_layers: int | None) -> dict[str, Any]:
+    """The DSpark fields of a config (HF or official keys; the same names in both). n_draft_layers: the draft
+    layers the layer pattern lists past the main layers (compress_ratios), None if it lists none."""
+    keys = sorted(k for k in raw if k.startswith("dspark_"))
+    if not keys:
+        return {}
+    unknown = [k for k in keys if k not in DSPARK_KEYS]
+    if unknown:
+        raise ConfigError(f"unsupported DSpark config key(s) {unknown}; supported: {list(DSPARK_KEYS)}")
+    missing = [k for k in DSPARK_KEYS[:3] if raw.get(k) is None]
+    if missing:
+        raise ConfigError(f"DSpark config is missing {missing} (the dspark_* keys come together)")
+    ids = raw["dspark_target_layer_ids"]
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) for i in ids):
+        raise ConfigError(f"dspark_target_layer_ids = {ids!r} must be a list of layer indices")
+    out = dict(dspark_block_size=int(raw["dspark_block_size"]),
+               dspark_noise_token_id=int(raw["dspark_noise_token_id"]),
+               dspark_target_layer_ids=tuple(int(i) for i in ids),
+               dspark_markov_rank=int(raw.get("dspark_markov_rank", 256)))
+    # The 0731 config keeps num_nextn_predict_layers = 1 and lists its 3 draft layers in compress_ratios; the
+    # official inference config says n_mtp_layers.
+    n = raw.get("n_mtp_layers", n_draft_layers)
+    if n is None:
+        raise ConfigError("DSpark config: the number of draft layers is neither in n_mtp_layers nor in "
+                          "compress_ratios (one entry per draft layer past the main layers)")
+    out["n_mtp_layers"] = int(n)
+    return out
 
 
 def _require(raw: dict, key: str):
@@ -254,6 +322,7 @@ def _from_hf(raw: dict[str, Any]) -> ModelConfig:
     csa_rate = int(rates.get("compressed_sparse_attention", raw.get("compress_rate_csa", 4)))
     hca_rate = int(rates.get("heavily_compressed_attention", raw.get("compress_rate_hca", 128)))
     mtp_kind, mtp_ratio = SLIDING, 0
+    n_draft = None
     if raw.get("layer_types") is not None:
         names = list(raw["layer_types"])
         bad = [t for t in names if t not in _HF_LAYER_TYPE]
@@ -264,6 +333,7 @@ def _from_hf(raw: dict[str, Any]) -> ModelConfig:
         legacy = raw.get("compress_ratios")
         if legacy is not None and len(legacy) > n:
             mtp_kind, mtp_ratio = _layers_from_ratios([legacy[n]], csa_rate)[0][0], int(legacy[n])
+            n_draft = len(legacy) - n
     elif raw.get("compress_ratios") is not None:
         legacy = list(raw["compress_ratios"])
         if len(legacy) < n:
@@ -271,6 +341,7 @@ def _from_hf(raw: dict[str, Any]) -> ModelConfig:
         kinds, ratios = _layers_from_ratios(legacy[:n], csa_rate)
         if len(legacy) > n:
             mtp_kind, mtp_ratio = _layers_from_ratios([legacy[n]], csa_rate)[0][0], int(legacy[n])
+            n_draft = len(legacy) - n
     else:
         raise ConfigError("config has neither 'layer_types' nor 'compress_ratios': the layer pattern must be explicit")
     if len(kinds) != n:
@@ -323,12 +394,12 @@ def _from_hf(raw: dict[str, Any]) -> ModelConfig:
         hc_eps=float(raw.get("hc_eps", 1e-6)),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_seq_len=int(raw.get("max_position_embeddings", 1 << 20)),
-        n_mtp_layers=n_mtp,
         mtp_layer_type=mtp_kind,
         mtp_compress_ratio=mtp_ratio,
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_id=eos,
         **rope,
+        **{"n_mtp_layers": n_mtp, **_dspark(raw, n_draft)},
     )
 
 
@@ -373,6 +444,7 @@ def _from_official(raw: dict[str, Any]) -> ModelConfig:
     mtp_kind, mtp_ratio = SLIDING, 0
     if len(ratios) > n:
         mtp_kind, mtp_ratio = _layers_from_ratios([ratios[n]])[0][0], int(ratios[n])
+    dspark = _dspark(raw, len(ratios) - n if len(ratios) > n else None)
     return ModelConfig(
         vocab_size=int(_require(raw, "vocab_size")),
         dim=int(raw["dim"]),
@@ -408,9 +480,9 @@ def _from_official(raw: dict[str, Any]) -> ModelConfig:
         beta_fast=float(raw.get("beta_fast", 32)),
         beta_slow=float(raw.get("beta_slow", 1)),
         max_seq_len=int(raw.get("max_seq_len", 1 << 20)),
-        n_mtp_layers=int(raw.get("n_mtp_layers", 1)),
         mtp_layer_type=mtp_kind,
         mtp_compress_ratio=mtp_ratio,
+        **{"n_mtp_layers": int(raw.get("n_mtp_layers", 1)), **dspark},
     )
 
 

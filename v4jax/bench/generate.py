@@ -70,7 +70,19 @@ def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
             "tok_per_s": batch * new / decode_s if decode_s > 0 else None,
             "steady_ms_per_step": steady_ms, "steady_steps": steady_steps,
             "tokens": sum(n for _, _, n in events),
-            "prefill_tflop": prefill_flops(llm.config, context, batch)["total"] / 1e12}
+            "prefill_tflop": prefill_flops(llm.config, context, batch)["total"] / 1e12,
+            "roofline_bytes": step_bytes(llm, batch, context)}
+
+
+def step_bytes(llm, batch: int, context: int) -> float:
+    """Bytes one decode step must read (BENCHMARKS.md, "Decode"), as this LLM stores them: the weights touched in
+    their stored formats (FP8 linears and FP4 experts under quantization) and the pools in the cache's format."""
+    from v4jax import memory as M
+    cfg = llm.config
+    wbytes = 4 if str(llm.dtype) == "float32" else 2
+    fmt = "fp4" if llm.options.kv_cache_dtype == "fp8" else {2: "bf16", 4: "f32"}[wbytes]
+    return (M.decode_weight_bytes(cfg, batch, wbytes, weights=llm.model.weight_format)["total"]
+            + batch * M.decode_read_bytes(cfg, context, fmt)["total"])
 
 
 def steady_step_ms(events, batch: int, max_tokens: int):
@@ -115,18 +127,31 @@ def markdown(data: dict) -> str:
     if wu:
         lines += [f"Warm-up: {wu['programs']} programs in {wu['s']:.1f} s (max_model_len {wu['max_model_len']}, "
                   f"{wu['max_num_seqs']} slots).", ""]
+    bw = data.get("bandwidth_GBps")
+    if bw:
+        lines += [f"Roofline: the bytes a step reads as stored (weights touched, pools in the cache's format) / "
+                  f"{bw:.0f} GB/s (device copy).", ""]
     lines += ["| batch | context | prefill s (max_tokens=1) | prefill TFLOP/s (% of matmul) | decode ms/step "
-              "(LLM.generate) | steady ms/step | tok/s | new tokens |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "(LLM.generate) | steady ms/step | tok/s | new tokens | step GB | roofline ms (x) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def roof(r):
+        if not bw or not r.get("roofline_bytes"):
+            return "-"
+        ms = r["roofline_bytes"] / bw / 1e6
+        return f"{ms:.2f} ({r['ms_per_step'] / ms:.2f}x)"
+
     for r in data["rows"]:
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | | | | | | |")
         else:
             rate = r.get("prefill_tflop", 0) / r["prefill_s"] if r.get("prefill_s") else None
             pct = rate / data["matmul_tflops"] * 100 if rate and data.get("matmul_tflops") else None
             lines.append(f"| {r['batch']} | {r['context']} | {f(r['prefill_s'])} | {f(rate, '{:.0f}')} "
                          f"({f(pct, '{:.0f}')} %) | {f(r['ms_per_step'])} | "
                          f"{f(r.get('steady_ms_per_step'))} ({r.get('steady_steps', 0)} steps) | "
-                         f"{f(r.get('tok_per_s'), '{:.0f}')} | {r['decode_steps_timed']} |")
+                         f"{f(r.get('tok_per_s'), '{:.0f}')} | {r['decode_steps_timed']} | "
+                         f"{f(r.get('roofline_bytes', 0) / 1e9)} | {roof(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,6 +175,8 @@ def generate_main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None, choices=("none", "fp8"), help="default: the LLM's (a preset's "
                     "weights in --dtype); fp8: the release's FP8 linears and FP4 experts")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=("auto", "bfloat16", "fp8"), help="default: the "
+                    "LLM's; fp8: the release's 584-byte FP8 entries and FP4 indexer keys")
     ap.add_argument("--cache", default="off", choices=("on", "off"), help="the persistent compilation cache")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--out", default=None)
@@ -180,7 +207,7 @@ def generate_main(argv=None) -> int:
     data = {"command": "v4jax bench generate " + " ".join(argv if argv is not None else sys.argv[1:]),
             "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
             "model": a.model, "k": a.k, "prefill_chunk": a.prefill_chunk, "attention_impl": a.attention_impl,
-            "quantization": a.quantization,
+            "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
             "rows": []}
 
     def write():
@@ -193,13 +220,17 @@ def generate_main(argv=None) -> int:
     longest = max(contexts + prefills) + a.new + 2 * a.k
     t0 = time.perf_counter()
     chosen = {k: v for k, v in (("prefill_chunk", a.prefill_chunk), ("attention_impl", a.attention_impl),
-                                ("quantization", a.quantization)) if v is not None}
+                                ("quantization", a.quantization), ("kv_cache_dtype", a.kv_cache_dtype))
+              if v is not None}
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=1, max_model_len=longest, decode_steps=a.k, **chosen)
     data.update(prefill_chunk=llm.options.prefill_chunk, attention_impl=llm.options.attention_impl or "default",
                 max_num_seqs=a.max_num_seqs or "batch")
     jax.block_until_ready(jax.tree.leaves(llm._state))
     data["init_s"] = time.perf_counter() - t0
     data["matmul_tflops"] = measure_matmul_rate(8192 if dev.platform == "gpu" else 512) / 1e12
+    if dev.platform == "gpu":
+        from v4jax.bench.decode import measure_bandwidth
+        data["bandwidth_GBps"] = measure_bandwidth(4 << 30)["copy_GBps"]
     print(f"[{time.perf_counter() - t_start:6.1f}s] {data['device']}: {a.model} initialised", flush=True)
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -8,8 +8,11 @@ Default model: the embedded one (its trained MTP head), prompts from the opening
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+
+import numpy as np
 
 PROMPTS = [
     "ROMEO:\nBut, soft! what light through yonder window breaks?",
@@ -31,47 +34,102 @@ PROMPTS = [
 ]
 
 
-def run(model, ks, new: int, batch: int, dtype: str, max_model_len: int) -> list[dict]:
+def _prompts(llm, context: int, batch: int, seed: int = 0):
+    """`batch` prompts: the play openings (context 0, a model with a tokenizer), else random token ids of
+    `context` tokens (presets have no tokenizer)."""
+    if not context:
+        if 2 * batch > len(PROMPTS):
+            raise ValueError(f"--batch at most {len(PROMPTS) // 2} with the play openings; give --context")
+        return PROMPTS[batch:2 * batch]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, llm.config.vocab_size, context).tolist() for _ in range(batch)]
+
+
+def _forced_table(llm, outs, accept: float, seed: int = 1):
+    """Drafts read from a table (StepSpec.draft_table): slot i drafts request i's plain greedy continuation, each
+    position wrong with probability 1 - accept, so a draft at depth j is accepted with probability accept ** j."""
+    rng = np.random.default_rng(seed)
+    v = llm.config.vocab_size
+    table = np.zeros((llm.options.max_num_seqs, llm.max_model_len), np.int32)
+    for i, o in enumerate(outs):
+        seq = np.asarray(o.prompt_token_ids + o.token_ids, np.int32)
+        wrong = rng.random(len(seq)) >= accept
+        table[i, :len(seq)] = np.where(wrong, (seq + 1) % v, seq)
+    return table
+
+
+def _same_prefix(outs, plain) -> float:
+    """The share of generated tokens before each request's first difference from plain decoding. In float32 it
+    must be 1 (speculation is lossless); in bfloat16 the verify step's k+1-token shapes round differently from a
+    1-token step, and random weights leave near-ties that flip."""
+    agree = total = 0
+    for o, p in zip(outs, plain, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(o.token_ids, p.token_ids)) if a != b), len(p.token_ids))
+        agree, total = agree + n, total + len(p.token_ids)
+    return agree / total
+
+
+def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: int = 0,
+        accepts=(None,)) -> list[dict]:
+    """Rows for plain decoding and each (k, acceptance) pair at each batch; acceptance None is the drafter's own, a
+    number forces it (drafts from a table of the right tokens with wrong ones mixed in: what a drafter of that
+    acceptance costs and gains). One engine of max(batches) slots per (k, acceptance); a batch of b runs the
+    first b prompts. Decode time per token = (time of new + 1 tokens - time of 1 token) / new, the same prompts
+    each time with the prefix cache off (each call prefills alike), after an untimed pair that compiles."""
     from v4jax import LLM, SamplingParams
 
-    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    warm, timed = PROMPTS[:batch], PROMPTS[batch:2 * batch]
-    rows, plain = [], None
-    for k in [0] + list(ks):
+    long_sp = SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True)
+    short_sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rows, plain = [], {}
+    for k, accept in [(0, None)] + [(k, a) for k in ks for a in accepts]:
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-        llm = LLM(model, dtype=dtype, max_num_seqs=batch, max_model_len=max_model_len, speculative_config=spec)
-        llm.generate(warm, sp)
-        before = llm.stats()["spec_decode"]
-        t0 = time.perf_counter()
-        outs = llm.generate(timed, sp)
-        secs = time.perf_counter() - t0
-        after = llm.stats()["spec_decode"]
-        ids = [o.token_ids for o in outs]
-        if plain is None:
-            plain = ids
-        elif ids != plain:
-            raise AssertionError(f"k={k}: greedy outputs differ from plain decoding")
-        steps = after["num_drafts"] - before["num_drafts"]
-        acc = [a - b for a, b in zip(after["accepted_by_position"], before["accepted_by_position"])]
-        n_tok = sum(len(i) for i in ids)
-        rows.append({"k": k, "batch": batch, "new": new, "seconds": secs, "ms_per_token": 1e3 * secs / n_tok,
-                     "tokens_per_s": n_tok / secs, "steps": steps,
-                     "accepted_by_position": [a / steps for a in acc] if steps else [],
-                     "tokens_per_step": 1 + sum(acc) / steps if steps else 1.0})
+        llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len,
+                  speculative_config=spec, enable_prefix_caching=False)
+        prompts = _prompts(llm, context, max(batches))
+        if accept is not None:
+            core = llm.engine
+            core.greedy_spec = dataclasses.replace(
+                core.greedy_spec, draft_table=_forced_table(llm, plain[max(batches)], accept))
+        for b in batches:
+            for _ in range(2):  # the first pair compiles
+                t0 = time.perf_counter()
+                llm.generate(prompts[:b], short_sp)
+                t_short = time.perf_counter() - t0
+                before = llm.stats()["spec_decode"]
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts[:b], long_sp)
+                t_long = time.perf_counter() - t0
+            after = llm.stats()["spec_decode"]
+            if not k:
+                plain[b] = outs
+            same = _same_prefix(outs, plain[b])
+            if same < 1.0 and dtype == "float32":
+                raise AssertionError(f"k={k}, batch {b}: greedy outputs differ from plain decoding")
+            steps = after["num_drafts"] - before["num_drafts"]
+            acc = [x - y for x, y in zip(after["accepted_by_position"], before["accepted_by_position"])]
+            ms = 1e3 * (t_long - t_short) / new
+            row = {"k": k, "accept": "drafter" if accept is None else accept, "batch": b, "new": new,
+                   "context": context, "seconds": t_long, "prefill_seconds": t_short, "ms_per_token": ms,
+                   "tokens_per_s": 1e3 * b / ms, "steps": steps,
+                   "accepted_by_position": [x / steps for x in acc] if steps else [],
+                   "tokens_per_step": 1 + sum(acc) / steps if steps else 1.0, "same_as_plain": same}
+            row["speedup"] = row["tokens_per_s"] / next(
+                r["tokens_per_s"] for r in rows + [row] if r["k"] == 0 and r["batch"] == b)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         del llm
-    base = rows[0]["tokens_per_s"]
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| k | batch | ms / token | tokens/s | vs plain | tokens / step | accepted by position |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| k | drafts | batch | context | decode ms / token | tokens/s | vs plain | tokens / step | "
+             "accepted by position | same as plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " / ".join(f"{100 * a:.0f} %" for a in r["accepted_by_position"]) or "-"
-        lines.append(f"| {r['k'] or 'plain'} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {acc} |")
+        drafts = "-" if not r["k"] else ("MTP block" if r["accept"] == "drafter" else f"forced {r['accept']:g}")
+        lines.append(f"| {r['k'] or 'plain'} | {drafts} | {r['batch']} | {r['context'] or 'play openings'} | "
+                     f"{r['ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {acc} | {100 * r['same_as_plain']:.0f} % |")
     return "\n".join(lines)
 
 
@@ -80,14 +138,27 @@ def spec_main(argv=None) -> int:
     p.add_argument("--model", default=None, help="checkpoint directory or preset (default: the embedded model)")
     p.add_argument("--k", default="1,2,3", help="comma list of num_speculative_tokens")
     p.add_argument("--new", type=int, default=64, help="tokens generated per prompt")
-    p.add_argument("--batch", type=int, default=1, help="prompts at once (max_num_seqs)")
+    p.add_argument("--batch", default="1", help="comma list: prompts at once (one engine of the largest)")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--context", type=int, default=0, help="prompts of this many random token ids (a preset has no "
+                   "tokenizer); 0: the play openings")
+    p.add_argument("--accept", default="drafter", help="comma list: 'drafter' (the MTP block's own drafts) and "
+                   "forced acceptance rates in (0, 1] (drafts from a table of the plain run's tokens, each wrong "
+                   "with probability 1 - rate): what a drafter that good costs and gains")
+    p.add_argument("--max-model-len", type=int, default=0, help="default: context + new + 16 (512 with the play openings)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
-    if 2 * a.batch > len(PROMPTS):
-        p.error(f"--batch at most {len(PROMPTS) // 2}")
-    rows = run(a.model, [int(x) for x in a.k.split(",") if x], a.new, a.batch, a.dtype, a.max_model_len)
+    batches = [int(x) for x in a.batch.split(",") if x]
+    if not a.context and 2 * max(batches) > len(PROMPTS):
+        p.error(f"--batch at most {len(PROMPTS) // 2} with the play openings; give --context")
+    try:
+        accepts = [None if x == "drafter" else float(x) for x in a.accept.split(",") if x]
+    except ValueError:
+        p.error(f"--accept: 'drafter' or rates, got {a.accept!r}")
+    if any(x is not None and not 0 < x <= 1 for x in accepts):
+        p.error("--accept: rates in (0, 1]")
+    max_len = a.max_model_len or (a.context + a.new + 16 if a.context else 512)
+    rows = run(a.model, [int(x) for x in a.k.split(",") if x], a.new, batches, a.dtype, max_len, a.context, accepts)
     print(markdown(rows))
     if a.out:
         with open(a.out, "w") as f:

@@ -92,7 +92,9 @@ def restore_slot_states(pools: KVPools, store: BoundaryStore, slot, row) -> KVPo
             upd[name] = st.at[:, slot].set(new)
         stacks.append(dataclasses.replace(lp, **upd))
     draft = pools.draft
-    if draft is not None:  # the drafter resumes from the main streams of the slot's next prefill
+    # the MTP drafter resumes from the main streams of the slot's next prefill; the DSpark drafter keeps nothing per
+    # slot (its window rings ride in the SWA pages the prefix hit maps)
+    if draft is not None and draft.count is not None:
         draft = dataclasses.replace(draft, count=draft.count.at[slot].set(0))
     return dataclasses.replace(pools, stacks=tuple(stacks), draft=draft)
 

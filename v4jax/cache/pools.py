@@ -67,15 +67,16 @@ class LayerPool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DraftState:
-    """The MTP drafter's state (speculative decoding). Its window KV lives in rows of the SWA pool's shape, addressed
-    by the same SWA page ids (so a page's main and MTP window rows come and go together); per slot, the main model's
-    final streams at the positions the drafter has not been fed yet (the MTP block at position i reads the main
-    streams at i and token i+1), at most k+1 of them (one verify step's)."""
-    swa: jax.Array  # [1, R_swa, K]
-    hidden: jax.Array  # [slots, k+1, N, D]: main streams at positions start .. start+count-1
-    start: jax.Array  # [slots] int32
-    count: jax.Array  # [slots] int32 (0: none)
-    tokens: jax.Array  # [slots, k+1] int32: the token after each of those positions
+    """The drafter's state (speculative decoding). Its window KV lives in rows of the SWA pool's shape, addressed
+    by the same SWA page ids (so a page's main and drafter window rows come and go together). The MTP block's: its
+    window, and per slot the main model's final streams at the positions the drafter has not been fed yet (the MTP
+    block at position i reads the main streams at i and token i+1), at most k+1 of them (one verify step's). The
+    DSpark drafter's: one window ring of keys per draft layer, nothing per slot (v4jax.engine.dspark)."""
+    swa: jax.Array  # [1, R_swa, K] (MTP) | [n_stages, R_swa, head_dim] (DSpark, the model's dtype)
+    hidden: jax.Array | None = None  # [slots, k+1, N, D]: main streams at positions start .. start+count-1
+    start: jax.Array | None = None  # [slots] int32
+    count: jax.Array | None = None  # [slots] int32 (0: none)
+    tokens: jax.Array | None = None  # [slots, k+1] int32: the token after each of those positions
 
 
 @jax.tree_util.register_dataclass
@@ -131,8 +132,10 @@ def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
     formats, FP8 entries in `swa` and `kv` (cfg.fp8_entry_bytes), FP4 keys in `idx` (cfg.fp4_key_bytes)."""
     p = layout.page_size
     k, ki = cfg.head_dim, cfg.index_head_dim
+    model_dtype = dtype
     if isinstance(dtype, str) and dtype == FP8:
         dtype, k, ki = jnp.uint8, cfg.fp8_entry_bytes, cfg.fp4_key_bytes
+        model_dtype = jnp.bfloat16
     stacks = []
     for stack in layer_stacks(cfg).stacks:
         n, kind, m = len(stack.layers), stack.kind, stack.ratio
@@ -153,10 +156,14 @@ def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
         stacks.append(lp)
     draft = None
     if layout.draft_tokens:
-        n, slots, t = cfg.hc_mult, layout.max_slots, layout.draft_tokens + 1
-        draft = DraftState(swa=jnp.zeros((1, layout.n_swa_pages * layout.swa_page_size, k), dtype),
-                           hidden=jnp.zeros((slots, t, n, cfg.dim), dtype), start=jnp.zeros((slots,), jnp.int32),
-                           count=jnp.zeros((slots,), jnp.int32), tokens=jnp.zeros((slots, t), jnp.int32))
+        r = layout.n_swa_pages * layout.swa_page_size
+        if cfg.dspark_block_size:  # the DSpark drafter's window rings (v4jax.engine.dspark), in the model's dtype
+            draft = DraftState(swa=jnp.zeros((cfg.n_mtp_layers, r, cfg.head_dim), model_dtype))
+        else:
+            n, slots, t = cfg.hc_mult, layout.max_slots, layout.draft_tokens + 1
+            draft = DraftState(swa=jnp.zeros((1, r, k), dtype), hidden=jnp.zeros((slots, t, n, cfg.dim), dtype),
+                               start=jnp.zeros((slots,), jnp.int32), count=jnp.zeros((slots,), jnp.int32),
+                               tokens=jnp.zeros((slots, t), jnp.int32))
     return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), stacks=tuple(stacks), draft=draft)
 
 

@@ -90,6 +90,8 @@ def expected_shapes(cfg: ModelConfig, pools_like: KVPools, fed: int, draft: bool
     if draft:
         d = pools_like.draft
         out["mtp_swa/draft/swa"] = ((d.swa.shape[0], n_win, d.swa.shape[2]), np.dtype(d.swa.dtype).name)
+        if d.hidden is None:  # a drafter without per-slot state
+            return out
         out["draft_state/draft/hidden"] = ((1,) + tuple(d.hidden.shape[2:]), np.dtype(d.hidden.dtype).name)
         out["draft_state/draft/position"] = ((2,), "int32")  # the drafter's start and count
         out["draft_state/draft/tokens"] = ((1,), "int32")
@@ -201,6 +203,7 @@ def gather_request(cfg: ModelConfig, layout: PoolLayout, pools: KVPools, slot, p
     d = pools.draft
     if d is not None:
         out["mtp_swa/draft/swa"] = d.swa[:, win]
+    if d is not None and d.hidden is not None:
         out["draft_state/draft/hidden"] = d.hidden[slot, :1]
         out["draft_state/draft/position"] = jnp.stack([d.start[slot], d.count[slot]])
         out["draft_state/draft/tokens"] = d.tokens[slot, :1]
@@ -228,10 +231,12 @@ def scatter_request(cfg: ModelConfig, layout: PoolLayout, pools: KVPools, slot, 
     tokens = pools.tokens.reshape(-1).at[token_rows].set(token_ids, mode="drop").reshape(pools.tokens.shape)
     draft = pools.draft
     if draft is not None:
+        draft = dataclasses.replace(
+            draft, swa=draft.swa.at[:, swa].set(arrays["mtp_swa/draft/swa"].astype(draft.swa.dtype), mode="drop"))
+    if draft is not None and draft.hidden is not None:
         pos = arrays["draft_state/draft/position"]
         draft = dataclasses.replace(
-            draft, swa=draft.swa.at[:, swa].set(arrays["mtp_swa/draft/swa"].astype(draft.swa.dtype), mode="drop"),
-            hidden=draft.hidden.at[slot, :1].set(arrays["draft_state/draft/hidden"].astype(draft.hidden.dtype)),
+            draft, hidden=draft.hidden.at[slot, :1].set(arrays["draft_state/draft/hidden"].astype(draft.hidden.dtype)),
             start=draft.start.at[slot].set(pos[0]), count=draft.count.at[slot].set(pos[1]),
             tokens=draft.tokens.at[slot, :1].set(arrays["draft_state/draft/tokens"]))
     return dataclasses.replace(pools, tokens=tokens, stacks=tuple(stacks), draft=draft)

@@ -159,6 +159,7 @@ class EngineCore:
         """The whole state of a prefill-only request that has its first token (v4jax.cache.transfer: its compressed
         entries, window rows, compressor and drafter states as numpy arrays, its tokens and sampler in `meta`); the
         request then leaves this engine and its pages return (the prefix cache keeps its full pages)."""
+        self._check_transferable()
         sch = self.scheduler
         req = sch.requests.get(request_id)
         if req is None or req.status != PREFILLED:
@@ -185,6 +186,7 @@ class EngineCore:
         could never hold), bound to a free slot at the next step that has one (its pages then written), and
         decoded from there. Its first delta repeats the token the other engine produced (with its log-prob and
         alternatives), so this engine's deltas are the request's whole output. Returns its id here."""
+        self._check_transferable()
         rq = state.meta["request"]
         request_id = request_id or rq["request_id"]
         if request_id in self.scheduler.requests or request_id in self._imports:
@@ -199,6 +201,12 @@ class EngineCore:
         self.request_check(rq["prompt"], params)
         self._imports[request_id] = (state, params)
         return request_id
+
+    def _check_transferable(self) -> None:
+        if self.cfg.dspark_block_size and self.layout.draft_tokens:
+            raise T.TransferError("speculative_config with the DSpark drafter: moving its state between engines "
+                                  "is not supported yet (decode without speculative_config on a disaggregated "
+                                  "server, or use the MTP drafter)")
 
     def _bind_imports(self) -> list[RequestDelta]:
         """Imported requests into free slots, in arrival order, while slots and pages last: their state written

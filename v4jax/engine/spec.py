@@ -1,4 +1,5 @@
-"""Speculative decoding with the model's MTP block: the option, the drafter's passes, and the exact rollback.
+"""Speculative decoding: the option, the MTP block's drafter, the rejection rule and the exact rollback (shared by
+the DSpark drafter, v4jax.engine.dspark).
 
 A speculative step of a decode call (v4jax.engine.steps, `_spec_decode`), per slot, all on the device:
   draft    the MTP block at the positions it has not seen (the main streams of the last verify step's accepted
@@ -42,14 +43,20 @@ from v4jax.fields import FieldError, is_int
 from v4jax.model import layers as L
 from v4jax.model.attention import pending_of
 
-METHODS = ("mtp",)
+METHODS = ("mtp", "dspark")
 MAX_SPECULATIVE_TOKENS = 15
 _STATES = ("state_kv", "state_score", "idx_state_kv", "idx_state_score")
 
 
+def speculative_method(config) -> str | None:
+    """The method of a `speculative_config` that speculative_tokens accepted ("mtp" | "dspark"), None for None."""
+    return None if config is None else config["method"]
+
+
 def speculative_tokens(config, decode_steps: int) -> int:
-    """k of `speculative_config` ({"method": "mtp", "num_speculative_tokens": k}, vLLM's shape), or 0 for None;
-    a FieldError naming the option for anything else."""
+    """k of `speculative_config` ({"method": "mtp" | "dspark", "num_speculative_tokens": k}, vLLM's shape), or 0
+    for None; a FieldError naming the option for anything else (what the checkpoint's drafter allows is checked
+    at load)."""
     if config is None:
         return 0
     name = "speculative_config"
@@ -171,7 +178,7 @@ def purpose(keys, i: int):
     return jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, i)))(keys)
 
 
-def _proposal(logits, sm, keys, sampled: bool):
+def proposal(logits, sm, keys, sampled: bool):
     """A draft token [B] from the MTP block's logits [B, V], and its distribution [B, V] (None if no row samples):
     greedy rows take the argmax, sampled rows draw from the logits filtered as their own sampling filters them."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -202,6 +209,48 @@ def accept_sampled(p, q, drafts, u, keys):
     return n, tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class MTPDrafter:
+    """The MTP block's hooks into the speculative decode call (v4jax.engine.steps; v4jax.engine.dspark has the
+    DSpark drafter's)."""
+    taps = False  # the verify step's final streams are all it reads
+
+    @staticmethod
+    def cut(d, s):
+        """The state of slots [0, s) (a decode call's rows)."""
+        return dataclasses.replace(d, hidden=d.hidden[:s], start=d.start[:s], count=d.count[:s], tokens=d.tokens[:s])
+
+    @staticmethod
+    def put(whole, part):
+        """`part` (cut, then advanced) back into `whole`."""
+        put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=0)
+        return dataclasses.replace(part, hidden=put(whole.hidden, part.hidden), start=put(whole.start, part.start),
+                                   count=put(whole.count, part.count), tokens=put(whole.tokens, part.tokens))
+
+    @staticmethod
+    def prefill(model, cfg, layout, pools, streams, taps, batch, sampled, page_table, swa_table, opts):
+        return prefill_drafter(model, cfg, layout, pools, streams, batch, sampled, page_table, swa_table, opts)
+
+    @staticmethod
+    def propose(model, cfg, layout, d, tokens, pos, live, k, page_table, swa_table, rows, opts, sm, sampled,
+                table=None):
+        drafts, q, swa = draft(model, cfg, layout, d, pos, live, k, page_table, swa_table, rows, opts, sm, sampled,
+                               table)
+        return drafts, q, dataclasses.replace(d, swa=swa)
+
+    @staticmethod
+    def advance(model, cfg, layout, d, streams, taps, pos, n, live, target, page_table, swa_table, opts):
+        """The drafter state after a verify step that kept n [B] tokens from pos: the main streams of the step's
+        positions and the token after each (the MTP block reads them at the next draft)."""
+        l4 = live[:, None, None, None]
+        return C.DraftState(swa=d.swa, hidden=jnp.where(l4, streams.astype(d.hidden.dtype), d.hidden),
+                            start=jnp.where(live, pos, d.start), count=jnp.where(live, n, d.count),
+                            tokens=jnp.where(live[:, None], target, d.tokens))
+
+
+MTP = MTPDrafter()
+
+
 def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, swa_table, rows, opts, sm,
           sampled: bool, table=None):
     """k draft tokens [B, k] per row (slot b = row b) whose next token sits at position pos [B]: the MTP block over
@@ -218,7 +267,7 @@ def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, sw
     y, mpool = model.mtp_cached(d.hidden, d.tokens, meta, mpool, opts)
     y = jnp.take_along_axis(y, jnp.maximum(n - 1, 0)[:, None, None, None], axis=1)[:, 0]
     keys = purpose(token_keys(sm, k), 1) if sampled else jnp.zeros((live.shape[0], k), jnp.uint32)
-    first, q0 = _proposal(model.mtp_head(y), sm, keys[:, 0], sampled)
+    first, q0 = proposal(model.mtp_head(y), sm, keys[:, 0], sampled)
 
     def step(carry, i):
         y, tok, swa = carry
@@ -226,7 +275,7 @@ def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, sw
                            swa_table, 1, rows)
         y, p = model.mtp_cached(y[:, None], tok[:, None], meta, C.LayerPool(swa=swa), opts)
         y = y[:, 0]
-        tok, q = _proposal(model.mtp_head(y), sm, jnp.take(keys, i + 1, axis=1), sampled)
+        tok, q = proposal(model.mtp_head(y), sm, jnp.take(keys, i + 1, axis=1), sampled)
         return (y, tok, p.swa), (tok, q)
 
     swa = mpool.swa

@@ -25,6 +25,7 @@ from v4jax import cache as C
 from v4jax.cache.boundary import restore_slot_states, save_boundary_states
 from v4jax.config import ModelConfig
 from v4jax.model import RunOptions
+from v4jax.engine import dspark as DS
 from v4jax.engine import spec as SP
 from v4jax.engine.sampling import filtered_probs, sample, top_alternatives
 from v4jax.model.transformer import last_valid
@@ -73,7 +74,7 @@ class StepSpec:
     # of each row on GPU: the programs most steps run leave it out, as the greedy ones leave out the sampling sort
     top_logprobs: int = 0
     # tests only: with speculative decoding, drafts read from this [slots, positions] token table instead of the
-    # MTP block (right or wrong on purpose, so that every acceptance path runs)
+    # drafter (right or wrong on purpose, so that every acceptance path runs)
     draft_table: Any = None
 
     def model(self, leaves):
@@ -175,7 +176,12 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     meta = C.make_meta(spec.cfg, spec.layout, batch.start, batch.n_valid, batch.fresh, batch.slot, page_table,
                        swa_table, t)
     model = spec.model(leaves)
-    streams, pools = model.cached_streams(batch.tokens, meta, pools, spec.opts)
+    drafter = _drafter(spec.cfg) if pools.draft is not None else None
+    taps = None
+    if drafter is not None and drafter.taps:
+        streams, pools, taps = model.cached_streams(batch.tokens, meta, pools, spec.opts, taps=True)
+    else:
+        streams, pools = model.cached_streams(batch.tokens, meta, pools, spec.opts)
     logits = model.logits_from_streams(last_valid(streams, batch.n_valid))
     pools = _write_tokens(spec, pools, batch.tokens, meta.positions, jnp.arange(t)[None] < batch.n_valid[:, None],
                           page_table)
@@ -184,10 +190,16 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
         store = save_boundary_states(store, pools, batch.slot, rows)
     tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed,
                                       samp.sample_index, samp.token_index, spec.any_sampled, spec.top_logprobs)
-    if pools.draft is not None:
-        pools = SP.prefill_drafter(model, spec.cfg, spec.layout, pools, streams, batch, tok, page_table, swa_table,
-                                   spec.opts)
+    if drafter is not None:
+        pools = drafter.prefill(model, spec.cfg, spec.layout, pools, streams, taps, batch, tok, page_table, swa_table,
+                                spec.opts)
     return *_placed(spec, pools, store), *_host_readable(spec, (tok, lp, (top_ids, top_lp)))
+
+
+def _drafter(cfg: ModelConfig):
+    """The speculative drafter's hooks (v4jax.engine.spec.MTPDrafter's shape): the DSpark drafter for a config with
+    dspark_* keys, else the MTP block (the load checks that the method fits the weights)."""
+    return DS.DSPARK if cfg.dspark_block_size else SP.MTP
 
 
 def early_exit() -> bool:
@@ -270,19 +282,19 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
 
 
 def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table, swa_table):
-    """`_decode` with speculation (v4jax.engine.spec): each step drafts d tokens per slot with the MTP block,
-    verifies them in one step of d+1 query tokens and keeps 1 .. d+1 tokens; steps repeat until every slot has its
-    k = decode_steps tokens (the pages reserved for the call hold k more positions a slot), stopped or ended."""
+    """`_decode` with speculation (v4jax.engine.spec): each step drafts d tokens per slot (the MTP block, or the
+    DSpark drafter: `_drafter`), verifies them in one step of d+1 query tokens and keeps 1 .. d+1 tokens; steps
+    repeat until every slot has its k = decode_steps tokens (the pages reserved for the call hold k more positions a
+    slot), stopped or ended."""
     model, cfg, lay = spec.model(leaves), spec.cfg, spec.layout
+    drafter = _drafter(cfg)
     s, k, d = page_table.shape[0], spec.decode_steps, lay.draft_tokens
     rows = C.entry_rows(cfg, lay, page_table)
     all_pools, all_state = pools, state
     if s < lay.max_slots:
         pools, _ = _placed(spec, C.first_slots(pools, s), store)
         state = jax.tree.map(lambda a: a[:s], state)
-    dr = pools.draft
-    pools = dataclasses.replace(pools, draft=dataclasses.replace(
-        dr, hidden=dr.hidden[:s], start=dr.start[:s], count=dr.count[:s], tokens=dr.tokens[:s]))
+    pools = dataclasses.replace(pools, draft=drafter.cut(pools.draft, s))
     j = jnp.arange(d + 1)[None, :]
     table = None if spec.draft_table is None else jnp.asarray(spec.draft_table)[:s]
 
@@ -291,13 +303,14 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         sm = st.sampling
         live = st.active & (out.n_out < k)
         greedy = sm.temperature <= 0
-        drafts, q, mtp_swa = SP.draft(model, cfg, lay, pools.draft, st.pos, live, d, page_table, swa_table, rows,
-                                      spec.opts, sm, spec.any_sampled, table)
+        drafts, q, dstate = drafter.propose(model, cfg, lay, pools.draft, st.tokens, st.pos, live, d, page_table,
+                                            swa_table, rows, spec.opts, sm, spec.any_sampled, table)
         # verify the slot's next token and the drafts, the compressor states kept (SP.with_pending)
         fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)  # [s, d+1]
         meta = C.make_meta(cfg, lay, st.pos, live.astype(jnp.int32) * (d + 1), jnp.zeros((s,), bool), None,
                            page_table, swa_table, d + 1, rows)
-        streams, vpools = model.cached_streams(fed, meta, SP.with_pending(pools, d + 1), spec.opts)
+        verified = model.cached_streams(fed, meta, SP.with_pending(pools, d + 1), spec.opts, taps=drafter.taps)
+        streams, vpools, taps = verified if drafter.taps else (*verified, None)
         logits = model.logits_from_streams(streams)  # [s, d+1, V]
         # accept (greedy): the drafts up to the first the model would not have chosen, then the model's own token
         target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -323,12 +336,8 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
             at = live & (to_boundary <= n)
             store = save_boundary_states(store, SP.states_at(cfg, vpools, st.pos, jnp.where(at, to_boundary, 0)),
                                          None, _boundary_rows(spec, st.pos + to_boundary, at, swa_table))
-        dr = pools.draft
-        l4 = live[:, None, None, None]
-        pools = dataclasses.replace(pools, draft=C.DraftState(
-            swa=mtp_swa, hidden=jnp.where(l4, streams.astype(dr.hidden.dtype), dr.hidden),
-            start=jnp.where(live, st.pos, dr.start), count=jnp.where(live, n, dr.count),
-            tokens=jnp.where(live[:, None], target, dr.tokens)))
+        pools = dataclasses.replace(pools, draft=drafter.advance(model, cfg, lay, dstate, streams, taps, st.pos, n,
+                                                                 live, target, page_table, swa_table, spec.opts))
         # outputs: token j of the step goes to column n_out + j
         all_lp = jax.nn.log_softmax(logits, axis=-1)
         lp = jnp.take_along_axis(all_lp, target[..., None], axis=-1)[..., 0]
@@ -359,11 +368,8 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
                                (pools, store, state, _empty_output(spec, s)))
     pools, store, state, out = carry
     if s < lay.max_slots:
-        dr, whole = pools.draft, all_pools.draft
-        put = lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=0)
-        pools = C.put_first_slots(all_pools, dataclasses.replace(pools, draft=dataclasses.replace(
-            dr, hidden=put(whole.hidden, dr.hidden), start=put(whole.start, dr.start),
-            count=put(whole.count, dr.count), tokens=put(whole.tokens, dr.tokens))))
+        pools = C.put_first_slots(all_pools, dataclasses.replace(pools, draft=drafter.put(all_pools.draft,
+                                                                                          pools.draft)))
         state = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=0), all_state, state)
     return *_placed(spec, pools, store), *_host_readable(spec, (out, state))
 

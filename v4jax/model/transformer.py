@@ -242,6 +242,68 @@ class MTPBlock(nnx.Module):
         return self.norm(y)
 
 
+class MarkovHead(nnx.Module):
+    """DSpark's low-rank bigram head: the bias markov_w2 @ markov_w1[token] [V] on the logits of the draft after
+    `token`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, dtype):
+        v, r = cfg.vocab_size, cfg.dspark_markov_rank
+        self.markov_w1 = Table(v, r, 1.0, rngs=rngs, dtype=dtype)
+        self.markov_w2 = Table(v, r, r ** -0.5, rngs=rngs, dtype=dtype)
+
+    def embed(self, token_ids):
+        return self.markov_w1.weight[...][token_ids]
+
+    def bias(self, embedded):
+        w = self.markov_w2.weight[...]
+        return jnp.einsum("...r,vr->...v", embedded.astype(w.dtype), w, preferred_element_type=F32)
+
+
+class ConfidenceHead(nnx.Module):
+    """DSpark's per-draft confidence logit: proj [1, D + r] over (the collapsed stage output, the Markov embedding
+    of the previous token), in f32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs):
+        d = cfg.dim + cfg.dspark_markov_rank
+        self.proj = Linear(d, 1, (None, "embed"), rngs=rngs, dtype=F32)
+
+    def __call__(self, y, embedded):
+        x = jnp.concatenate([y.astype(F32), embedded.astype(F32)], axis=-1)
+        return self.proj(x)[..., 0]
+
+
+class DSparkStage(nnx.Module):
+    """One draft layer of the DSpark drafter (`mtp.N.*` of the 0731 / -DSpark releases): a sliding-window Block
+    whose attention reads a window of keys made from the main model's hidden states (v4jax.engine.dspark). The
+    first stage also holds `main_proj` / `main_norm` (the target layers' mean streams, concatenated, -> D), the
+    last the head's `norm` and `hc_head_*`, the Markov head and the confidence head."""
+
+    def __init__(self, cfg: ModelConfig, stage: int, *, rngs, dtype):
+        self.cfg = cfg
+        n, d = cfg.hc_mult, cfg.dim
+        self.block = Block(cfg, cfg.n_layers + stage, rngs=rngs, dtype=dtype)
+        first, last = stage == 0, stage == cfg.n_mtp_layers - 1
+        self.main_proj = nnx.data(Linear(d * len(cfg.dspark_target_layer_ids), d, ("embed", "embed"), rngs=rngs,
+                                         dtype=dtype, fp8=True) if first else None)
+        self.main_norm = nnx.data(RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs) if first else None)
+        self.norm = nnx.data(RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs) if last else None)
+        self.hc_head_fn = nnx.data(nnx.Param(init_normal(rngs, (n, n * d), (n * d) ** -0.5, F32),
+                                             logical_axes=HC_FN_AXES) if last else None)
+        self.hc_head_base = nnx.data(nnx.Param(init_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
+                                     if last else None)
+        self.hc_head_scale = nnx.data(nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",)) if last else None)
+        self.markov_head = nnx.data(MarkovHead(cfg, rngs=rngs, dtype=dtype) if last else None)
+        self.confidence_head = nnx.data(ConfidenceHead(cfg, rngs=rngs) if last else None)
+
+    def main_x(self, taps, opts):
+        """taps [..., n_targets * D] (the target layers' mean streams) -> the keys' input [..., D]."""
+        return self.main_norm(self.main_proj(taps, opts)).astype(taps.dtype)
+
+    def collapse(self, x):
+        """The last stage's output streams [..., N, D] -> [..., D] (before the head's norm)."""
+        return L.hc_head(x, self.hc_head_fn[...], self.hc_head_base[...], self.hc_head_scale[...], self.cfg)
+
+
 class _Draws:
     """The keys of `rngs.params()`, in the same order, with the stream's count kept in Python until `close`. Under a
     trace (nnx.eval_shape, jit) each update of the count variable made Flax ask the traced count for its sharding,
@@ -298,8 +360,20 @@ class Transformer(nnx.Module):
         self.hc_head_base = nnx.Param(init_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
         self.hc_head_scale = nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",))
         self.head = Table(cfg.vocab_size, d, d ** -0.5, rngs=rngs, dtype=dtype)
-        self.mtp = nnx.List([_store(MTPBlock(cfg, rngs=rngs, dtype=dtype), weights)
-                             for _ in range(cfg.n_mtp_layers if mtp else 0)])
+        # the drafter: the MTP block, or the DSpark draft layers of a config with dspark_* keys (both `mtp.N.*`)
+        n_draft = cfg.n_mtp_layers if mtp else 0
+        if cfg.dspark_block_size:
+            self.mtp = nnx.List([_store(DSparkStage(cfg, i, rngs=rngs, dtype=dtype), weights) for i in range(n_draft)])
+        else:
+            self.mtp = nnx.List([_store(MTPBlock(cfg, rngs=rngs, dtype=dtype), weights) for _ in range(n_draft)])
+
+    @property
+    def drafter(self) -> str | None:
+        """The speculative drafter the weights hold: "mtp" (the MTP block), "dspark" (the DSpark draft layers), or
+        None."""
+        if not len(self.mtp):
+            return None
+        return "dspark" if self.cfg.dspark_block_size else "mtp"
 
     @property
     def dtype(self):
@@ -412,9 +486,29 @@ class Transformer(nnx.Module):
             ops = mesh_ops(ops, opts.mesh_rules, rows_are_slots=meta.slot is None)
         return dataclasses.replace(opts, ops=ops)
 
-    def cached_streams(self, token_ids, meta, pools, opts: RunOptions = RunOptions()):
+    def _tapped(self, layer):
+        """`layer` (a function of _run_layers) over (streams, taps): taps, one [B, T, D] per DSpark target layer,
+        gets the mean over the streams of that layer's output (the official forward's `h.mean(dim=2)` after the
+        layer runs)."""
+        stacks = layer_stacks(self.cfg).stacks
+        ids = self.cfg.dspark_target_layer_ids
+
+        def run(block, g, li, hashed, xt, pool):
+            x, taps = xt
+            x, pool, aux = layer(block, g, li, hashed, x, pool)
+            n = jnp.asarray(stacks[g].layers, jnp.int32)[li]  # the official layer index (li is traced in scans)
+            mean = jnp.mean(x.astype(F32), axis=-2).astype(x.dtype)
+            return (x, tuple(jnp.where(n == t, mean, a) for t, a in zip(ids, taps))), pool, aux
+
+        return run
+
+    def _no_taps(self, x):
+        return tuple(jnp.zeros(x.shape[:-2] + x.shape[-1:], x.dtype) for _ in self.cfg.dspark_target_layer_ids)
+
+    def cached_streams(self, token_ids, meta, pools, opts: RunOptions = RunOptions(), taps: bool = False):
         """One step over the pools: token_ids [B, T] at meta's positions. Returns (the final streams [B, T, N, D]
-        of every token, before the head; pools with the step's writes)."""
+        of every token, before the head; pools with the step's writes), and with `taps` the DSpark target layers'
+        mean streams concatenated [B, T, n_targets * D] after them."""
         opts = self._cached_ops(meta, opts)
         x = self.embed_streams(token_ids)
 
@@ -422,8 +516,25 @@ class Transformer(nnx.Module):
             x, pool = block.cached(x, meta, token_ids, pool, li, opts.ops, opts, hashed)
             return x, pool, None
 
-        x, stacks, _ = self._run_layers(layer, x, pools.stacks, opts)
-        return x, dataclasses.replace(pools, stacks=tuple(stacks))
+        if not taps:
+            x, stacks, _ = self._run_layers(layer, x, pools.stacks, opts)
+            return x, dataclasses.replace(pools, stacks=tuple(stacks))
+        (x, t), stacks, _ = self._run_layers(self._tapped(layer), (x, self._no_taps(x)), pools.stacks, opts)
+        return x, dataclasses.replace(pools, stacks=tuple(stacks)), jnp.concatenate(t, axis=-1)
+
+    def taps_of(self, token_ids, opts: RunOptions = RunOptions()):
+        """The full-sequence forward's DSpark taps [B, T, n_targets * D] (from position 0, no cache; the reference
+        of the cached path's)."""
+        opts = dataclasses.replace(opts, ops=ops_for(opts.attention_impl))
+        b, t = token_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+        def layer(block, g, li, hashed, x, pool):
+            return block(x, positions, token_ids, opts, li, hashed)[0], pool, None
+
+        x = self.embed_streams(token_ids)
+        (_, taps), _, _ = self._run_layers(self._tapped(layer), (x, self._no_taps(x)), None, opts)
+        return jnp.concatenate(taps, axis=-1)
 
     def cached(self, token_ids, meta, pools, opts: RunOptions = RunOptions()):
         """One step over the pools: token_ids [B, T] at meta's positions. Returns (logits [B, V] f32 of each
@@ -444,6 +555,51 @@ class Transformer(nnx.Module):
         a, pool = blk.attn.cached(blk.attn_norm(u), meta, pool, 0, ops, opts)
         x = ops.hc_post(a, x, post, comb)
         return blk.ffn_part(x, next_ids, opts, ops)[0], pool
+
+    # -- the DSpark drafter (v4jax.engine.dspark runs it over its window rings) --
+    def dspark_keys(self, taps, positions, opts: RunOptions = RunOptions()):
+        """The DSpark draft layers' window keys of main positions: taps [B, T, n_targets * D] (the target layers'
+        mean streams) at positions [B, T] -> [n_stages, B, T, K], each stage's kv_norm(wkv(main_x)) with RoPE
+        (main_x = main_norm(main_proj(taps)), computed once by the first stage)."""
+        main_x = self.mtp[0].main_x(taps, opts)
+        out = []
+        for stage in self.mtp:
+            attn = stage.block.attn
+            cos, sin = attn.rope(positions)
+            out.append(attn.window_kv(main_x, cos, sin, opts))
+        return jnp.stack(out)
+
+    def dspark_streams(self, token_ids, positions, context, context_valid, opts: RunOptions = RunOptions()):
+        """The DSpark draft layers over one block: token_ids [B, S] (the next token, then the noise token) at
+        positions [B, S]; context [n_stages, B, W, K] each stage's window keys of the main positions before the
+        block, valid where context_valid [B, W]. Every block token attends to the whole valid window and to the
+        whole block (no causal mask inside the block: the official `get_dspark_topk_idxs`). Returns the last
+        stage's output streams [B, S, N, D]."""
+        opts = dataclasses.replace(opts, ops=ops_for(opts.attention_impl))
+        ops = opts.ops
+        x = self.embed_streams(token_ids)
+        b, s = token_ids.shape
+        valid = jnp.concatenate([context_valid, jnp.ones((b, s), bool)], axis=1)
+        valid = jnp.broadcast_to(valid[:, None, :], (b, s, valid.shape[1]))
+        for stage, ctx in zip(self.mtp, context):
+            blk = stage.block
+            attn = blk.attn
+            cos, sin = attn.rope(positions)
+            u, post, comb = blk.hc_attn(x, ops.sinkhorn)
+            h = blk.attn_norm(u)
+            q, _ = attn.queries(h, cos, sin, opts)
+            keys = jnp.concatenate([ctx.astype(q.dtype), attn.window_kv(h, cos, sin, opts)], axis=1)
+            o, _ = L.attend(q, keys, valid, None, None, attn.attn_sink[...], self.cfg.head_dim ** -0.5)
+            x = ops.hc_post(attn.output(o.astype(q.dtype), cos, sin, opts), x, post, comb)
+            x = blk.ffn_part(x, token_ids, opts, ops)[0]
+        return x
+
+    def dspark_head(self, streams):
+        """The last draft layer's output streams [..., N, D] -> (its collapsed output y [..., D] (the confidence
+        head's input), the block's base logits [..., V] f32 (the shared head after the layer's own norm))."""
+        last = self.mtp[-1]
+        y = last.collapse(streams)
+        return y, self.head_logits(last.norm(y))
 
     def mtp_head(self, streams):
         """The MTP block's output streams [..., N, D] -> logits [..., V] f32 (the shared head)."""

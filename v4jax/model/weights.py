@@ -19,7 +19,9 @@ from v4jax.config import ModelConfig, layer_stacks
 from v4jax.model import Transformer
 
 _STORED_DTYPES = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.uint8), np.dtype(jnp.float8_e8m0fnu)}
-_MTP_OWN = {"e_proj", "h_proj", "enorm", "hnorm", "norm", "hc_head_fn", "hc_head_base", "hc_head_scale"}
+# what an `mtp.N.` module holds beside its block: the MTP block's own tensors, a DSpark draft layer's heads
+_MTP_OWN = {"e_proj", "h_proj", "enorm", "hnorm", "norm", "hc_head_fn", "hc_head_base", "hc_head_scale",
+            "main_proj", "main_norm", "markov_head", "confidence_head"}
 
 
 def official_to_path(name: str, cfg: ModelConfig) -> tuple[tuple, tuple[int, ...]]:

@@ -60,7 +60,8 @@ _LLM_HELP = {
     "memory_budget_bytes": "size the KV pools from this byte budget instead of max_num_seqs x max_model_len",
     "enable_prefix_caching": "reuse cached full pages of earlier requests' prefixes",
     "mesh": "devices per mesh axis, e.g. expert=4 or data=2,tensor=2 (default: one device)",
-    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' "
+                          "(method \"dspark\": the DSpark drafter of the 0731 / -DSpark releases)",
 }
 _CHOICES = {"attention_impl": ["xla", "pallas"], "kv_layout": ["paged", "dense"], "quantization": ["none", "fp8"],
             "kv_cache_dtype": ["auto", "bfloat16", "fp8"]}
