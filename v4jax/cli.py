@@ -24,6 +24,7 @@ EPILOG = """examples:
   v4jax bench kernels --small                         the kernel benchmark (its own flags: bench kernels -h)
   v4jax bench replay                                  prefix-cache replay traces (its own flags: bench replay -h)
   v4jax serve --port 8000                             OpenAI-compatible server of the embedded model
+  v4jax router --prefill URL --decode URL             one endpoint over prefill and decode servers
   v4jax bench serve --rate 4 --num-requests 64        load generator against a running server
 """
 
@@ -153,8 +154,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_llm_arguments(s)
     s.set_defaults(func=_serve)
 
+    rt = sub.add_parser("router", parents=[common], formatter_class=_Formatter,
+                        help="one OpenAI endpoint in front of prefill and decode servers (disaggregation)",
+                        description=_wrap(
+                            "Route OpenAI requests (/v1/completions, /v1/chat/completions, streamed or not) to "
+                            "`v4jax serve --disaggregation-mode decode` servers, each request naming the "
+                            "`--disaggregation-mode prefill` servers that prefill it (least loaded first). A server "
+                            "that fails before the first token is retried once on another; then 503."))
+    rt.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers")
+    rt.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers")
+    rt.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    rt.add_argument("--port", type=int, default=8000, help="port to bind")
+    rt.add_argument("--pd-secret", default=None, help="the servers' shared secret (their --pd-secret)")
+    rt.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=600.0,
+                    help="seconds a forwarded request may take")
+    rt.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    rt.set_defaults(func=_router)
+
     b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
-                       help="benchmarks (decode, generate, kernels, mesh, replay, serve, spec, table, tpu-aot, "
+                       help="benchmarks (decode, generate, kernels, mesh, pd, replay, serve, spec, table, tpu-aot, "
                             "tpu-plan)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
@@ -165,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(--tune, --sweep NAME; v4jax.bench.kernels)")),
                        ("mesh", ("decode on device meshes against one device: same tokens, ms/step, scaling "
                                  "(v4jax.bench.mesh)")),
+                       ("pd", ("one request's state between two engines: bytes by pool, export / transfer / "
+                               "import times (v4jax.bench.pd)")),
                        ("replay", "request traces against dense / paged / paged + prefix cache (v4jax.bench.replay)"),
                        ("serve", "open-loop load against a running v4jax serve (v4jax.bench.serve)"),
                        ("spec", ("speculative decoding with the MTP block against plain decoding: ms/token, "
@@ -341,6 +361,13 @@ def _serve(args) -> int:
     return serve(LLM(args.model, **llm_kwargs(args)), opts, warmup=args.warmup)
 
 
+def _router(args) -> int:
+    from v4jax.serve.router import RouterOptions, run_router
+    return run_router(RouterOptions(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+                                    pd_secret=args.pd_secret, request_timeout_s=args.request_timeout_s,
+                                    log_level=args.log_level))
+
+
 def _bench(args) -> int:
     import importlib
     module, func = BENCHMARKS[args.bench]
@@ -351,6 +378,7 @@ def _bench(args) -> int:
 BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4jax.bench.generate", "generate_main"),
               "kernels": ("v4jax.bench.kernels_cli", "main"), "mesh": ("v4jax.bench.mesh", "main"),
               "replay": ("v4jax.bench.replay", "main"), "serve": ("v4jax.bench.serve", "main"),
+              "pd": ("v4jax.bench.pd", "main"),
               "spec": ("v4jax.bench.spec", "spec_main"),
               "table": ("v4jax.bench.table", "main"), "tpu-aot": ("v4jax.bench.tpu_aot", "aot_main"),
               "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main")}

@@ -196,6 +196,10 @@ class KVCacheManager:
             return True
         return False
 
+    def slot_tables(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(full, SWA) page-table rows of a slot as they are now: copies (a request's state is read through them)."""
+        return self._tables.full[slot].copy(), self._tables.swa[slot].copy()
+
     def trim(self, slot: int, pos: int) -> None:
         """Drop the slot's SWA pages that no query at or after `pos` can see (all of positions < pos are held)."""
         self._tables.reserve(slot, pos, pos)

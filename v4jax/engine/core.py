@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 import os
 import warnings
 from typing import Callable, Sequence
@@ -26,14 +27,15 @@ import numpy as np
 from flax import nnx
 
 from v4jax import cache as C
+from v4jax.cache import transfer as T
 from v4jax.cache.boundary import init_boundary_store
 from v4jax.cache.layout import kv_cache_dtype, pool_layout
 from v4jax.cache.manager import KVCacheManager
 from v4jax.config import ModelConfig
 from v4jax.engine import steps as S
 from v4jax.engine.checks import RequestCheck
-from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, DecodePlan, Request, RequestDelta, Scheduler,  # noqa: F401
-                                    chunk_bucket)
+from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, PREFILLED, DecodePlan, Request, RequestDelta,  # noqa: F401
+                                    Scheduler, chunk_bucket)
 from v4jax.model import RunOptions, Transformer
 from v4jax.model.ops import ops_for
 from v4jax.engine.sampling import SamplingParams
@@ -105,6 +107,9 @@ class EngineCore:
         # (before, after): called around each step until the engine is first idle, and around warmup; whoever
         # builds the engine may set them (the API's one-line notice that a first run compiles)
         self.compile_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
+        self._imports: dict = {}  # request id -> (RequestState, SamplingParams): imported, not yet in a slot
+        self._first: dict = {}  # prefilled request id -> its first token's log-prob and alternatives
+        self._transfer_jits = None
 
     def _create_pools(self, n_boundary_rows: int, caching: bool):
         """The pools and the boundary store, created in their shards on a mesh (one jit, out_shardings from the
@@ -126,11 +131,12 @@ class EngineCore:
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                    *, sample_index: int = 0) -> None:
+                    *, sample_index: int = 0, prefill_only: bool = False) -> None:
         """Queue a request. Raises ValueError for one that could never run (v4jax.engine.checks: past the context,
         more pages than its data shard holds, an empty prompt or an id outside the vocabulary, too many stop ids);
-        everything else is queued, never refused."""
-        if request_id in self.scheduler.requests:
+        everything else is queued, never refused. `prefill_only`: it stops after its first token, holding its pages
+        until `export_request` takes its state (prefill/decode disaggregation)."""
+        if request_id in self.scheduler.requests or request_id in self._imports:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(map(int, prompt_token_ids))
         sp = sampling_params
@@ -146,10 +152,102 @@ class EngineCore:
         if sp.seed is None:
             from sharding.multihost import agree
             seed = agree(seed)  # every process samples with process 0's fresh seed
-        self.scheduler.add(request_id, prompt, sp, seed, sample_index, stop_ids)
+        self.scheduler.add(request_id, prompt, sp, seed, sample_index, stop_ids, prefill_only)
+
+    # ---- a request's state between engines (prefill/decode disaggregation) ----
+    def export_request(self, request_id: str) -> T.RequestState:
+        """The whole state of a prefill-only request that has its first token (v4jax.cache.transfer: its compressed
+        entries, window rows, compressor and drafter states as numpy arrays, its tokens and sampler in `meta`); the
+        request then leaves this engine and its pages return (the prefix cache keeps its full pages)."""
+        self._check_transferable()
+        sch = self.scheduler
+        req = sch.requests.get(request_id)
+        if req is None or req.status != PREFILLED:
+            raise ValueError(f"request {request_id!r} is not a prefilled request waiting for export"
+                             + ("" if req is None else f" (it is {req.status})"))
+        fed = req.fed
+        full, swa = self.kv.slot_tables(req.slot)
+        padded = self._transfer_steps()[0](self.pools, np.int32(req.slot),
+                                           *T.gather_inputs(self.cfg, self.layout, full, swa, fed))
+        arrays = T.cut(self.cfg, jax.device_get(padded),
+                       T.expected_shapes(self.cfg, self.pools, fed, self.pools.draft is not None))
+        sp = req.params
+        meta = {"format": T.format_of(self.cfg, self.kv_dtype), "position": fed,
+                "request": {"request_id": request_id, "prompt": req.prompt, "output": req.output,
+                            "params": dataclasses.asdict(sp), "seed": req.seed, "sample_index": req.sample_index,
+                            "stop_ids": list(req.stop_ids)},
+                "first": self._first.pop(request_id, None)}
+        sch.export(req)
+        return T.RequestState(json.loads(json.dumps(meta)), arrays)  # as the receiver will read it
+
+    def import_request(self, state: T.RequestState, request_id: str | None = None) -> str:
+        """Continue a request whose state another engine exported: checked now (TransferError, a ValueError, for
+        another model or KV format, missing, truncated or mis-shaped arrays; ValueError for a request this engine
+        could never hold), bound to a free slot at the next step that has one (its pages then written), and
+        decoded from there. Its first delta repeats the token the other engine produced (with its log-prob and
+        alternatives), so this engine's deltas are the request's whole output. Returns its id here."""
+        self._check_transferable()
+        rq = state.meta["request"]
+        request_id = request_id or rq["request_id"]
+        if request_id in self.scheduler.requests or request_id in self._imports:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        fed = int(state.meta["position"])
+        if fed != len(rq["prompt"]) + len(rq["output"]) - 1 or not rq["output"]:
+            raise T.TransferError(f"the request's state is at position {fed}, its tokens say "
+                                  f"{len(rq['prompt']) + len(rq['output']) - 1}")
+        T.check_state(state, T.format_of(self.cfg, self.kv_dtype),
+                      T.expected_shapes(self.cfg, self.pools, fed, self.pools.draft is not None))
+        params = SamplingParams(**rq["params"])
+        self.request_check(rq["prompt"], params)
+        self._imports[request_id] = (state, params)
+        return request_id
+
+    def _check_transferable(self) -> None:
+        if self.cfg.dspark_block_size and self.layout.draft_tokens:
+            raise T.TransferError("speculative_config with the DSpark drafter: moving its state between engines "
+                                  "is not supported yet (decode without speculative_config on a disaggregated "
+                                  "server, or use the MTP drafter)")
+
+    def _bind_imports(self) -> list[RequestDelta]:
+        """Imported requests into free slots, in arrival order, while slots and pages last: their state written
+        into the slot's pages; their first deltas."""
+        deltas = []
+        for rid in list(self._imports):
+            state, params = self._imports[rid]
+            rq, m = state.meta["request"], state.meta
+            req = self.scheduler.insert(rid, rq["prompt"], rq["output"], params, int(rq["seed"]),
+                                        int(rq["sample_index"]), tuple(rq["stop_ids"]))
+            if req is None:
+                break
+            del self._imports[rid]
+            self._write_state(req, state)
+            first = m.get("first") or {}
+            tops = [[tuple(p) for p in first["top"]]] if first.get("top") else []
+            deltas.append(RequestDelta(rid, list(rq["output"]), first.get("logprobs", []), None, tops))
+        return deltas
+
+    def _write_state(self, req, state: T.RequestState) -> None:
+        full, swa = self.kv.slot_tables(req.slot)
+        inputs = T.scatter_inputs(self.cfg, self.layout, state.arrays, full, swa, req.fed,
+                                  req.token_slice(0, req.fed))
+        self.pools = self._transfer_steps()[1](self.pools, np.int32(req.slot), *inputs)
+
+    def _transfer_steps(self):
+        """(gather, scatter) of a request's state, jitted for this engine (the scatter donates the pools)."""
+        if self._transfer_jits is None:
+            cfg, lay = self.cfg, self.layout
+            self._transfer_jits = (
+                jax.jit(lambda pools, slot, pages, swa: T.gather_request(cfg, lay, pools, slot, pages, swa)),
+                jax.jit(lambda pools, slot, arrays, entries, swa, tr, ti: T.scatter_request(
+                    cfg, lay, pools, slot, arrays, entries, swa, tr, ti), donate_argnums=0))
+        return self._transfer_jits
 
     def abort(self, request_id: str) -> bool:
         """End a request now; its pages return. Its last delta (finish_reason "abort") comes with the next step."""
+        if self._imports.pop(request_id, None) is not None:
+            self._finished.append(RequestDelta(request_id, [], [], "abort"))
+            return True
+        self._first.pop(request_id, None)
         delta = self.scheduler.abort(request_id)
         if delta is None:
             return False
@@ -157,7 +255,7 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.requests) or bool(self._finished)
+        return bool(self.scheduler.requests) or bool(self._finished) or bool(self._imports)
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -172,6 +270,8 @@ class EngineCore:
             self.compile_hooks[0]()
         deltas, self._finished = self._finished, []
         sch = self.scheduler
+        if self._imports:
+            deltas += self._bind_imports()
         plan = sch.schedule(self._flight.running if self._flight is not None else ())
         deltas += plan.ended
         # dispatch
@@ -186,7 +286,12 @@ class EngineCore:
         self._flight = flight
         if any(e == r.n_tokens for r, _, e in plan.prefill):
             tok, lp, top = jax.device_get(prefill_out)
-            deltas += sch.finish_prefill(plan.prefill, tok, lp, top)
+            done = sch.finish_prefill(plan.prefill, tok, lp, top)
+            for d in done:  # what an export hands on with the state: the first token's log-prob and alternatives
+                if d.finish_reason is None and sch.requests[d.request_id].prefill_only:
+                    self._first[d.request_id] = {"logprobs": d.new_logprobs, "top": d.new_top_logprobs[0]
+                                                 if d.new_top_logprobs else []}
+            deltas += done
         if self._flight is not None and not any(sch.slots[i] is r for i, r in self._flight.running):
             self._flight = None  # every request it decoded has ended: nothing left to read
         if self.compile_hooks is not None and not self.has_unfinished_requests():
@@ -204,7 +309,7 @@ class EngineCore:
         active, top_p = z(bool), np.ones(s, np.float32)
         stop = np.full((s, S.MAX_STOP), -1, np.int32)
         carried = z(bool)
-        for r in sch.prefilling():
+        for r in sch.prefilling() + sch.prefilled():
             pos[r.slot] = r.computed  # where it stands: its compressor state is left as it is
         for r in plan.running:
             i = r.slot
@@ -396,6 +501,7 @@ class EngineCore:
             "requests": {
                 "running": len(sch.running()), "prefilling": len(sch.prefilling()), "waiting": len(sch.waiting),
                 "finished": sch.n_finished, "aborted": sch.n_aborted, "preempted": sch.n_preempted,
+                "exported": sch.n_exported, "imported": sch.n_imported, "importing": len(self._imports),
                 "rejected": self.counts["rejected"], "recomputed_tokens": sch.recomputed_tokens,
             },
         }

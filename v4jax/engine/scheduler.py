@@ -26,6 +26,9 @@ from v4jax.cache.manager import KVCacheManager, PrefixHit
 from v4jax.engine.sampling import SamplingParams
 
 WAITING, PREFILLING, RUNNING = "waiting", "prefilling", "running"
+# a prefill-only request (prefill/decode disaggregation) that has its first token: it holds its pages, is never
+# decoded here, and waits for the engine to export its state
+PREFILLED = "prefilled"
 MAX_PREFILL_ROWS = 8  # rows of one prefill step (powers of two up to this are compiled)
 MIN_CHUNK_BUCKET = 16  # shortest compiled chunk: shorter ones are padded (fewer programs; the cost is a decode's)
 
@@ -58,6 +61,7 @@ class Request:
     # positions below this were computed before (by this request before a preemption, or by another whose
     # pages the prefix cache holds but cannot resume from): computing them again counts as recomputed
     seen: int = 0
+    prefill_only: bool = False  # stops at PREFILLED after its first token (its state is exported)
 
     @property
     def tokens(self) -> list[int]:
@@ -123,12 +127,15 @@ class Scheduler:
         self.n_preempted = 0
         self.n_finished = 0
         self.n_aborted = 0
+        self.n_exported = 0  # prefill-only requests whose state left the engine
+        self.n_imported = 0  # requests that arrived with their state and continued decoding here
         self.recomputed_tokens = 0  # prefill tokens computed again (after preemption, or past an unresumable page)
 
     # ---- requests in and out ----
     def add(self, request_id: str, prompt: Sequence[int], params: SamplingParams, seed: int, sample_index: int,
-            stop_ids: tuple[int, ...]) -> Request:
-        req = Request(request_id, list(prompt), params, seed, sample_index, stop_ids, next(self._arrivals))
+            stop_ids: tuple[int, ...], prefill_only: bool = False) -> Request:
+        req = Request(request_id, list(prompt), params, seed, sample_index, stop_ids, next(self._arrivals),
+                      prefill_only=prefill_only)
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -138,6 +145,9 @@ class Scheduler:
 
     def prefilling(self) -> list[Request]:
         return sorted((r for r in self.slots if r is not None and r.status == PREFILLING), key=lambda r: r.arrival)
+
+    def prefilled(self) -> list[Request]:
+        return [r for r in self.slots if r is not None and r.status == PREFILLED]
 
     def slots_in_use(self) -> list[int]:
         return [i for i, r in enumerate(self.slots) if r is not None]
@@ -158,6 +168,32 @@ class Scheduler:
         self.remove(req)
         self.n_aborted += 1
         return RequestDelta(request_id, [], [], "abort")
+
+    def export(self, req: Request) -> None:
+        """A prefilled request's state has been read out: it leaves the engine (its pages return; the prefix tree
+        keeps the full pages it cached)."""
+        assert req.status == PREFILLED, req.status
+        self.remove(req)
+        self.n_exported += 1
+
+    def insert(self, request_id: str, prompt: Sequence[int], output: Sequence[int], params: SamplingParams,
+               seed: int, sample_index: int, stop_ids: tuple[int, ...]) -> Request | None:
+        """A request that computed its prompt elsewhere, bound to the lowest free slot with pages for its
+        positions (the prefix cache evicts if it must), RUNNING from its last token on; None (nothing taken) if no
+        slot or pages are free now. The caller writes its state into the slot's pages."""
+        req = Request(request_id, list(prompt), params, seed, sample_index, stop_ids, next(self._arrivals),
+                      output=list(output), status=RUNNING)
+        fed = req.n_tokens - 1
+        for slot, r in enumerate(self.slots):
+            if r is None:
+                if not self.kv.allocate(slot, fed, fed):
+                    return None
+                req.slot, req.computed, req.seen = slot, fed, fed
+                self.slots[slot] = req
+                self.requests[request_id] = req
+                self.n_imported += 1
+                return req
+        return None
 
     def _finish(self, req: Request) -> None:
         self.remove(req)
@@ -213,8 +249,9 @@ class Scheduler:
                 return True
             # only a request of the same shard holds pages that this one could use
             shard = self.kv.shard_of(req.slot)
-            victim = max((r for r in self.slots if r is not None and self.kv.shard_of(r.slot) == shard),
-                         key=lambda r: r.arrival)
+            # a prefilled request waiting for its export keeps its pages (it is about to leave)
+            victim = max((r for r in self.slots if r is not None and self.kv.shard_of(r.slot) == shard
+                          and (r.status != PREFILLED or r is req)), key=lambda r: r.arrival)
             self.preempt(victim)
             if victim is req:
                 return False
@@ -336,7 +373,7 @@ class Scheduler:
                 continue  # more chunks to come (or preempted / aborted meanwhile)
             t, lp = int(tokens[row]), float(logprobs[row])
             req.output.append(t)
-            req.status = RUNNING
+            req.status = PREFILLED if req.prefill_only else RUNNING
             self.kv.trim(req.slot, req.fed)  # the window is all it keeps of its prefill's SWA pages
             stopped = t in req.stop_ids
             done = stopped or len(req.output) >= req.params.max_tokens or req.fed + 1 >= self.max_model_len

@@ -50,15 +50,32 @@ class ServerState:
         self.created = int(time.time())
         self.codec = TextCodec(llm)
         # building the engine checks that its pools fit
+        mode = self.options.disaggregation_mode
+        self.metrics = ServerMetrics(lambda: self.orchestrator.stats())
+        self.transport = None
+        if engine is None and mode is not None:
+            from v4jax.serve.disagg import DecodeEngine, PrefillEngine
+            from v4jax.serve.pd import StateTransport, TransferMetrics
+            self.transport = StateTransport(self.options.host, self.options.pd_transport,
+                                            TransferMetrics(self.metrics.registry))
+            engine = (PrefillEngine(llm.engine, self.transport, score_prompt=llm.prompt_logprobs) if mode == "prefill"
+                      else DecodeEngine(llm.engine, self.transport, self.options.pd_secret))
         self.engine = engine or LocalEngine(llm.engine, score_prompt=llm.prompt_logprobs)
         self.orchestrator = Orchestrator(self.engine, self.codec.decoder, max_waiting=self.options.max_waiting)
-        self.metrics = ServerMetrics(self.orchestrator.stats)
         self.orchestrator.metrics = self.metrics
         self.limits = Limits(self.engine.max_model_len, self.options.max_n, self.orchestrator.capacity)
 
     def start(self) -> "ServerState":
         self.orchestrator.start()
         return self
+
+    def route_of(self, request) -> dict | None:
+        """A decode server's route for a request: the prefill servers the router named (header), best first."""
+        if self.options.disaggregation_mode != "decode":
+            return None
+        from v4jax.serve.disagg import PREFILL_HEADER
+        urls = [u.strip() for u in request.headers.get(PREFILL_HEADER, "").split(",") if u.strip()]
+        return {"prefill": urls} if urls else None
 
     def check_model(self, body: dict) -> None:
         m = body.get("model")
@@ -94,10 +111,30 @@ class _ApiKey:
         await self.app(scope, receive, send)
 
 
+class _PDSecret:
+    """ASGI middleware of a PD server: everything but /health and /metrics needs the shared secret."""
+
+    def __init__(self, app, secret: str):
+        from v4jax.serve.disagg import SECRET_HEADER
+        self.app, self.secret, self.header = app, secret.encode(), SECRET_HEADER.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
+            if not hmac.compare_digest(dict(scope["headers"]).get(self.header, b""), self.secret):
+                err = ApiError(403, "this server takes requests from its router only (x-v4jax-pd-secret)",
+                               code="pd_secret")
+                await JSONResponse(err.body(), status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="v4jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(openai.router(state))
     app.include_router(jetstream.router(state))
+    if state.options.disaggregation_mode == "prefill":
+        from v4jax.serve.disagg import pd_router
+        app.include_router(pd_router(state))
 
     @app.get("/health")
     async def health():
@@ -134,6 +171,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.options.api_key:
         app.add_middleware(_ApiKey, key=state.options.api_key)
+    if state.options.pd_secret and state.options.disaggregation_mode:
+        app.add_middleware(_PDSecret, secret=state.options.pd_secret)
     return app
 
 

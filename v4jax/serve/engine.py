@@ -26,7 +26,9 @@ class ServingEngine(Protocol):
         names the field at fault, its message the numbers); thread-safe."""
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    sample_index: int) -> None: ...
+                    sample_index: int, route: dict | None = None) -> None:
+        """`route`: where a disaggregated engine sends the request ({"prefill": [URL, ...]}, the router's choice);
+        engines that run everything themselves ignore it."""
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -38,6 +40,9 @@ class ServingEngine(Protocol):
 
     def request_ids(self) -> set[str]:
         """The requests the engine holds (running, prefilling or waiting)."""
+
+    def failed(self) -> dict[str, str]:
+        """Requests that failed outside a step since the last call (request id -> message; they are gone)."""
 
     def has_unfinished_requests(self) -> bool: ...
 
@@ -66,7 +71,7 @@ class LocalEngine:
         # thread, so that the client gets a 400 instead of a failed stream. The layout never changes.
         self.request_check(prompt_ids, params)
 
-    def add_request(self, request_id, prompt_ids, params, sample_index):
+    def add_request(self, request_id, prompt_ids, params, sample_index, route=None):
         self.core.add_request(request_id, prompt_ids, params, sample_index=sample_index)
 
     def abort(self, request_id):
@@ -84,6 +89,9 @@ class LocalEngine:
 
     def request_ids(self) -> set[str]:
         return set(self.core.scheduler.requests)
+
+    def failed(self) -> dict[str, str]:
+        return {}
 
     def has_unfinished_requests(self):
         return self.core.has_unfinished_requests()
@@ -120,7 +128,7 @@ class LeaderEngine:
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self.local.check(prompt_ids, params)
 
-    def add_request(self, request_id, prompt_ids, params, sample_index):
+    def add_request(self, request_id, prompt_ids, params, sample_index, route=None):
         # A fresh seed is drawn here, so every process samples with it (no collective on the engine thread).
         params = dataclasses.replace(params, seed=params.resolved_seed())
         self.local.add_request(request_id, prompt_ids, params, sample_index)  # a refused one is not published
@@ -142,6 +150,9 @@ class LeaderEngine:
 
     def request_ids(self) -> set[str]:
         return self.local.request_ids()
+
+    def failed(self) -> dict[str, str]:
+        return {}
 
     def has_unfinished_requests(self):
         return self.local.has_unfinished_requests()

@@ -130,7 +130,7 @@ def router(state) -> APIRouter:
         scores = await _prompt_scores(prep, deadline)
         if prep.prompt_only:  # nothing generated: the prompt tokens scored are all it processes
             state.metrics.prompt_tokens.inc(prep.n * sum(len(p) for p in prep.prompts))
-        stream = None if prep.prompt_only else S.submit(state, prep)
+        stream = None if prep.prompt_only else S.submit(state, prep, state.route_of(request))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if prep.stream:
             events = _chat_events(rid, prep, stream, deadline) if chat else \
@@ -223,7 +223,7 @@ def router(state) -> APIRouter:
             if stream is not None:
                 async for out in S.outputs(stream, deadline):
                     if out.error:
-                        yield S.sse(ApiError(500, f"generation failed: {out.error}", code="engine_error").body())
+                        yield S.sse(S.error_of(out.error).body())
                         continue
                     n_tokens += len(out.token_ids)
                     choice = choice_of(out)

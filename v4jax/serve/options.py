@@ -21,8 +21,17 @@ class ServerOptions:
     # aborted (their streams end early, with OpenAI's finish_reason "length")
     log_level: str = "info"
     access_log: bool = True
+    # prefill/decode disaggregation (v4jax.serve.disagg): None (a combined server), "prefill" or "decode"
+    disaggregation_mode: str | None = None
+    pd_secret: str | None = None  # when set, the servers' PD routes (and a PD server's /v1/*) need it in the
+    # x-v4jax-pd-secret header: only the router and the other servers know it
+    pd_transport: str = "jax"  # how state bytes move: jax.experimental.transfer ("jax") or HTTP ("http")
 
     def __post_init__(self):
+        if self.disaggregation_mode not in (None, "prefill", "decode"):
+            raise ValueError(f"disaggregation_mode must be 'prefill' or 'decode', got {self.disaggregation_mode!r}")
+        if self.pd_transport not in ("jax", "http"):
+            raise ValueError(f"pd_transport must be 'jax' or 'http', got {self.pd_transport!r}")
         for name in ("max_waiting",):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -110,6 +119,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="server log level")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log,
                    help="a log line per HTTP request")
+    p.add_argument("--disaggregation-mode", default=d.disaggregation_mode, choices=["prefill", "decode"],
+                   help="prefill/decode disaggregation: this server prefills for decode servers (prefill), or "
+                   "decodes requests a `v4jax router` sends, prefilled on the prefill servers it names (decode)")
+    p.add_argument("--pd-secret", default=d.pd_secret, help="shared secret of the router and the PD servers "
+                   "(header x-v4jax-pd-secret; default: none)")
+    p.add_argument("--pd-transport", default=d.pd_transport, choices=["jax", "http"],
+                   help="how a request's state moves: jax.experimental.transfer, or the bytes over HTTP")
     p.add_argument("--warmup", action="store_true", help="compile every program the engine can dispatch before "
                    "answering, with a progress bar (several at once; the first requests of each shape compile "
                    "otherwise). Long: flash-slice on an H200 took ~5.6 s a program at 8 threads, and a 16K "

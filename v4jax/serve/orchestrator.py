@@ -42,6 +42,11 @@ class ShuttingDown(Exception):
     """The server is draining: no new requests."""
 
 
+class Unavailable(str):
+    """A sequence's error message meaning: no server could take it now (HTTP 503; a router may retry it
+    elsewhere)."""
+
+
 @dataclasses.dataclass
 class SeqOutput:
     """What one sequence gained since its last output, as the HTTP layer sees it."""
@@ -171,9 +176,9 @@ class Orchestrator:
         self.engine.check(prompt_ids, params)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *, n: int = 1,
-               stop: Sequence[str] = ()) -> RequestStream:
+               stop: Sequence[str] = (), route: dict | None = None) -> RequestStream:
         """Queue n sequences per prompt (sequence i * n + j samples prompt i with sample index j). Must be called
-        from the event loop that will read the stream."""
+        from the event loop that will read the stream. `route`: the engine's add_request's (disaggregation)."""
         if not self.accepting:
             raise ShuttingDown()
         count = len(prompts) * n
@@ -190,7 +195,7 @@ class Orchestrator:
                     seq = _Seq(seq_id, stream, i * n + j, len(p), SequenceText(self.decode, stop), now)
                     self._seqs[seq_id] = seq
                     stream.seq_ids.append(seq_id)
-                    self._commands.put(("add", seq_id, list(p), sp, j))
+                    self._commands.put(("add", seq_id, list(p), sp, j, route))
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n * sum(len(p) for p in prompts))
         return stream
@@ -256,6 +261,9 @@ class Orchestrator:
                     for rid in added - held:  # the step's, and any whose last delta the failed step took
                         errors[rid] = f"the engine step failed: {type(e).__name__}: {e}"
                     added &= held
+                gone = eng.failed()  # failed outside a step (a disaggregated engine's remote prefill)
+                errors.update(gone)
+                added.difference_update(gone)
                 added.difference_update(d.request_id for d in deltas if d.finish_reason is not None)
                 if deltas or errors:
                     self._results.put(_StepResult(time.monotonic(), deltas, errors))  # blocks: back-pressure
@@ -273,9 +281,9 @@ class Orchestrator:
     def _apply(self, cmd, errors: dict) -> bool:
         kind = cmd[0]
         if kind == "add":
-            _, seq_id, prompt, sp, sample_index = cmd
+            _, seq_id, prompt, sp, sample_index, route = cmd
             try:
-                self.engine.add_request(seq_id, prompt, sp, sample_index)
+                self.engine.add_request(seq_id, prompt, sp, sample_index, route)
             except ValueError as e:
                 errors[seq_id] = str(e)
             except Exception as e:  # a bug on the way in fails this request, not the engine thread

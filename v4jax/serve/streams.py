@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
-from v4jax.serve.orchestrator import Overloaded, RequestStream, SeqOutput, ShuttingDown
+from v4jax.serve.orchestrator import Overloaded, RequestStream, SeqOutput, ShuttingDown, Unavailable
 from v4jax.serve.protocol import ApiError, Prepared, json_object
 
 
@@ -35,9 +35,9 @@ async def read_json(request, limit: int) -> dict:
     return json_object(b"".join(chunks))
 
 
-def submit(state, prep: Prepared) -> RequestStream:
+def submit(state, prep: Prepared, route: dict | None = None) -> RequestStream:
     try:
-        return state.orchestrator.submit(prep.prompts, prep.params, n=prep.n, stop=prep.stop)
+        return state.orchestrator.submit(prep.prompts, prep.params, n=prep.n, stop=prep.stop, route=route)
     except Overloaded:
         state.metrics.rejected.labels(reason="queue_full").inc()
         raise ApiError(429, f"the server is at capacity ({state.orchestrator.capacity} sequences running or "
@@ -122,8 +122,15 @@ async def collect(request, state, stream: RequestStream, deadline: float) -> lis
             state.orchestrator.abort(stream)
     failed = [c.error for c in choices if c.error]
     if failed:
-        raise ApiError(500, f"generation failed: {failed[0]}", code="engine_error")
+        raise error_of(failed[0])
     return choices
+
+
+def error_of(message: str) -> ApiError:
+    """A failed sequence's error: 503 when no server could take it (Unavailable), else 500."""
+    if isinstance(message, Unavailable):
+        return ApiError(503, str(message), code="unavailable", headers={"Retry-After": "1"})
+    return ApiError(500, f"generation failed: {message}", code="engine_error")
 
 
 class EventStream(StreamingResponse):
