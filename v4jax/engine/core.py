@@ -122,7 +122,8 @@ class EngineCore:
         def shardings(abstract, mr):
             return C.pool_shardings(abstract[0], mr.sharding), store_shardings(abstract[1], mr.sharding)
 
-        return create_sharded(make, shardings, self.run_options.mesh_rules)
+        pools, store = create_sharded(make, shardings, self.run_options.mesh_rules)
+        return (C.pin_host(pools) if self.layout.hot_rows else pools), store
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
