@@ -101,12 +101,12 @@ def test_transfer_sizes():
     (dict(kv_layout="dense"), "kv_layout"),
     (dict(mesh="data=1"), "mesh"),
     (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "speculative_config"),
-    (dict(hisparse_device_pages=1), "hisparse_device_pages"),
+    (dict(hisparse_device_pages=1, max_num_seqs=64), "hisparse_device_pages"),
 ])
 def test_options_that_cannot_work_name_the_option(bad, word):
     from v4jax.cache.layout import pool_layout
     cfg = preset("tiny")
-    opts = EngineOptions(enable_hisparse=True, max_num_seqs=2, prefill_chunk=64, **bad)
+    opts = EngineOptions(**{"enable_hisparse": True, "max_num_seqs": 2, "prefill_chunk": 64, **bad})
     with pytest.raises(ValueError, match="enable_hisparse|hisparse_device_pages") as e:
         pool_layout(cfg, opts, jnp.float32, 600)
     assert word in str(e.value)

@@ -350,7 +350,7 @@ def _bench(args) -> int:
 BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4jax.bench.generate", "generate_main"),
               "kernels": ("v4jax.bench.kernels_cli", "main"), "mesh": ("v4jax.bench.mesh", "main"),
               "replay": ("v4jax.bench.replay", "main"), "serve": ("v4jax.bench.serve", "main"),
-              "spec": ("v4jax.bench.spec", "spec_main"),
+              "spec": ("v4jax.bench.spec", "spec_main"), "hisparse": ("v4jax.bench.hisparse", "main"),
               "table": ("v4jax.bench.table", "main"), "tpu-aot": ("v4jax.bench.tpu_aot", "aot_main"),
               "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main")}
 

@@ -79,18 +79,20 @@ def pool_cost(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> tup
     return fixed, per_page
 
 
-def hot_rows_needed(cfg: ModelConfig, options, max_model_len: int) -> int:
-    """Rows of the C4 KV's hot buffer (per CSA layer) that one step may select at most, so that every selected row
-    of a step is resident at once (v4jax.model.offload): a decode call's slots x top-k, or a prefill step's tokens
-    (its rows x compiled length stay within the prefill chunk's bucket, a power of two >= 16) x top-k."""
-    chunk = min(options.prefill_chunk, max_model_len)
-    step_tokens = max(16, 1 << (max(chunk, options.prefill_chunk) - 1).bit_length())
-    return max(options.max_num_seqs, step_tokens) * cfg.index_topk
+def hot_rows_needed(cfg: ModelConfig, options) -> int:
+    """Rows of the C4 KV's hot buffer (per CSA layer) that one query token of every row of a step may select at
+    most, so that a block of query tokens' selections is resident at once (v4jax.model.offload; a prefill chunk
+    attends in blocks of tokens that fit): max_num_seqs (a step's rows) x index_topk."""
+    return options.max_num_seqs * cfg.index_topk
+
+
+HOT_STEPS = 4  # the default hot buffer holds this many decode steps' selections
 
 
 def hot_buffer_rows(cfg: ModelConfig, options, page_size: int, max_model_len: int) -> int:
     """enable_hisparse: the hot buffer's rows per CSA layer (hisparse_device_pages pages of P/4 entries; default:
-    what one step needs); checks that the option can work here, an error naming it otherwise. 0 when off."""
+    four decode steps' selections, HOT_STEPS x hot_rows_needed, in whole pages); checks that the option can work
+    here, an error naming it otherwise. 0 when off."""
     if not options.enable_hisparse:
         if options.hisparse_device_pages is not None:
             raise ValueError("hisparse_device_pages is set but enable_hisparse is off")
@@ -104,15 +106,15 @@ def hot_buffer_rows(cfg: ModelConfig, options, page_size: int, max_model_len: in
     if options.num_speculative_tokens:
         raise ValueError("enable_hisparse is not supported with speculative_config")
     per_page = page_size // 4
-    need = hot_rows_needed(cfg, options, max_model_len)
+    need = hot_rows_needed(cfg, options)
     pages = options.hisparse_device_pages
     if pages is None:
-        return -(-need // per_page) * per_page
+        return -(-HOT_STEPS * need // per_page) * per_page
     if pages * per_page < need:
         raise ValueError(
-            f"hisparse_device_pages={pages} holds {pages * per_page} C4 entries per layer; a step may select "
-            f"{need} (max(max_num_seqs={options.max_num_seqs}, prefill step tokens) x index_topk={cfg.index_topk}): "
-            f"use at least {-(-need // per_page)} pages or a smaller prefill_chunk")
+            f"hisparse_device_pages={pages} holds {pages * per_page} C4 entries per layer; one decode step may "
+            f"select {need} (max_num_seqs={options.max_num_seqs} x index_topk={cfg.index_topk}): use at least "
+            f"{-(-need // per_page)} pages")
     return pages * per_page
 
 

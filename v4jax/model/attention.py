@@ -99,9 +99,12 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
                                      jnp.maximum(at, 0), axis=2)
         if hot is None:
             sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
-        else:  # every selected row resident, read from the hot buffer
-            hot, sel_rows = offload.fetch(hot, flat["kv"], li, jnp.where(at >= 0, picked, -1))
-            kv = _flat(hot["hot"])
+        else:  # in blocks of query tokens whose selections fit the hot buffer: fetched, then read from it
+            o, hot = _attend_offloaded(q, sink, flat, hot, reads, li, jnp.where(at >= 0, picked, -1), ops=ops,
+                                       scale=scale, window=window, entry_format=formats.get("swa"))
+            out = {name: f if f.shape == pools[name].shape else f.reshape(pools[name].shape)
+                   for name, f in flat.items()}
+            return o, dict(out, hot=hot)
     elif kv is not None:
         hca_rows = counted("kv", reads["rows"])
     o = ops.attend(q, jnp.where(context.first_along(merge), sink, -jnp.inf), scale, flat["swa"],
@@ -109,10 +112,33 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
                    reads.get("n_ready"), sel_rows, with_lse=bool(merge), entry_format=formats.get("swa"))
     if merge:
         o = context.merge_softmax(*o, merge)
-    out = {name: f if f.shape == pools[name].shape else f.reshape(pools[name].shape) for name, f in flat.items()}
-    if hot is not None:
-        out["hot"] = hot
-    return o, out
+    return o, {name: f.reshape(pools[name].shape) for name, f in flat.items()}
+
+
+def _attend_offloaded(q, sink, flat, hot, reads, li, sel, *, ops: Ops, scale, window, entry_format):
+    """Attention of a CSA layer whose C4 KV is on the host (one device): the query tokens in blocks of tb, each
+    block's selected rows made resident (offload.fetch) and read from the hot buffer. Queries are independent given
+    the pools, so the blocks give the one-call result; tb (a power of two dividing T) keeps a block's selections,
+    B x tb x k rows, within the buffer. sel [B, T, k] layer rows (-1: none). Returns (o [B, T, H, K], hot)."""
+    b, t, k = sel.shape
+    h = hot["hot"].shape[1]
+    tb = 1 << max((h // (b * k)).bit_length() - 1, 0)  # the engine's layout guarantees b * k <= h
+    tb = math.gcd(tb, t)
+    w = reads["win_rows"].shape[1] - t  # W - 1: block j's window union is win_rows[j*tb : j*tb + W - 1 + tb]
+
+    def block(hot, j):
+        cut = lambda a, n: jax.lax.dynamic_slice_in_dim(a, j * tb, n, axis=1)
+        hot, rows = offload.fetch(hot, flat["kv"], li, cut(sel, tb))
+        o = ops.attend(cut(q, tb), sink, scale, flat["swa"], cut(reads["win_rows"], w + tb),
+                       cut(reads["win_pos"], w + tb), cut(reads["pos"], tb), window, _flat(hot["hot"]), None,
+                       cut(reads["n_ready"], tb), rows, with_lse=False, entry_format=entry_format)
+        return hot, o
+
+    if tb == t:
+        hot, o = block(hot, 0)
+        return o, hot
+    hot, o = jax.lax.scan(block, hot, jnp.arange(t // tb))
+    return jnp.moveaxis(o, 0, 1).reshape(q.shape[:2] + o.shape[3:]), hot
 
 
 class Compressor(nnx.Module):
@@ -305,7 +331,7 @@ class Attention(nnx.Module):
         o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules, meta.slot is None,
                                       {name: f for name, f in formats.items() if name in pools},
                                       pool.hot_rows() if "idx" in pools else None)
-        hot = pools.pop("hot", None)
+        hot = pools.pop("hot", None)  # the offload state (attention_core with hot)
         if hot is not None:
             pools.update({field: hot[name] for name, field in HOT_FIELDS.items()})
         return self.output(o.astype(q.dtype), cos, sin, opts), dataclasses.replace(pool, **pools, **states)
