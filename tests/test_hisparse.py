@@ -205,3 +205,14 @@ def test_offload_preempted_and_many_long_requests(real_ckpt):
     assert st["requests"]["preempted"] > 0 and st["requests"]["running"] == st["requests"]["waiting"] == 0
     assert all(p["used"] == 0 for p in st["pools"].values()), st["pools"]
     assert st["pools"]["c4_kv"]["overflow"] == 0
+
+
+def test_flags():
+    import argparse
+
+    from v4jax.serve.options import add_llm_arguments, llm_kwargs
+    p = argparse.ArgumentParser()
+    add_llm_arguments(p)
+    kw = llm_kwargs(p.parse_args(["--enable-hisparse", "--hisparse-device-pages", "12"]))
+    assert kw["enable_hisparse"] is True and kw["hisparse_device_pages"] == 12
+    assert EngineOptions(**{k: v for k, v in kw.items() if k != "dtype"}).enable_hisparse

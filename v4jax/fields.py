@@ -80,7 +80,7 @@ RULES: dict[str, Rule] = {
     "enable_prefix_caching": BOOL,
     "mesh": Rule("str", optional=True),
     "enable_hisparse": BOOL,
-    "hisparse_device_pages": Int(1, optional=True, note="(default: what one step selects)"),
+    "hisparse_device_pages": Int(1, optional=True, note="(default: four decode steps' selections)"),
     # the server's own request fields
     "n": Int(1),
     "num_samples": Int(0),

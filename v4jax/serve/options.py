@@ -52,7 +52,7 @@ _LLM_HELP = {
     "enable_prefix_caching": "reuse cached full pages of earlier requests' prefixes",
     "mesh": "devices per mesh axis, e.g. expert=4 or data=2,tensor=2 (default: one device)",
     "enable_hisparse": "keep the C4 KV pool in host memory with a device buffer of hot entries (HiSparse)",
-    "hisparse_device_pages": "the device buffer's size in pages of C4 entries (default: what one step selects)",
+    "hisparse_device_pages": "the device buffer's size in pages of C4 entries (default: four decode steps' selections)",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'",
 }
 _CHOICES = {"attention_impl": ["xla", "pallas"], "kv_layout": ["paged", "dense"], "quantization": ["none", "fp8"],
