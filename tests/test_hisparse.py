@@ -216,3 +216,21 @@ def test_flags():
     kw = llm_kwargs(p.parse_args(["--enable-hisparse", "--hisparse-device-pages", "12"]))
     assert kw["enable_hisparse"] is True and kw["hisparse_device_pages"] == 12
     assert EngineOptions(**{k: v for k, v in kw.items() if k != "dtype"}).enable_hisparse
+
+
+def test_metrics_export_where_the_bytes_are():
+    from v4jax.serve.metrics import ServerMetrics
+    c4 = {"used": 1, "total": 6, "unit": "256 tokens", "bytes_used": 10, "bytes_total": 100,
+          "device_bytes_total": 40, "host_bytes_total": 60, "device_rows": 64, "selected": 50, "hits": 30,
+          "fetched_rows": 12, "transferred_rows": 16, "overflow": 0, "hit_rate": 0.6, "fetched_bytes": 1200,
+          "transferred_bytes": 1600}
+    stats = {"pools": {"c4_kv": c4, "swa": {"used": 0, "total": 4, "unit": "64 tokens", "bytes_used": 0,
+                                            "bytes_total": 8}}}
+    text = ServerMetrics(lambda: stats).render().decode()
+    got = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+           if line and not line.startswith("#")}
+    assert got['v4jax_pool_device_bytes_total{pool="c4_kv"}'] == 40
+    assert got['v4jax_pool_host_bytes_total{pool="c4_kv"}'] == 60
+    assert 'v4jax_pool_host_bytes_total{pool="swa"}' not in got
+    assert got["v4jax_hisparse_hit_entries_total"] == 30 and got["v4jax_hisparse_selected_entries_total"] == 50
+    assert got["v4jax_hisparse_fetched_bytes_total"] == 1200
