@@ -100,7 +100,8 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
         if hot is None:
             sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
         else:  # in blocks of query tokens whose selections fit the hot buffer: fetched, then read from it
-            o, hot = _attend_offloaded(q, sink, flat, hot, reads, li, jnp.where(at >= 0, picked, -1), ops=ops,
+            win = dict(reads, win_rows=local("swa", reads["win_rows"]))  # rows of the SWA pool's flat view
+            o, hot = _attend_offloaded(q, sink, flat, hot, win, li, jnp.where(at >= 0, picked, -1), ops=ops,
                                        scale=scale, window=window, entry_format=formats.get("swa"))
             out = {name: f if f.shape == pools[name].shape else f.reshape(pools[name].shape)
                    for name, f in flat.items()}
@@ -119,7 +120,8 @@ def _attend_offloaded(q, sink, flat, hot, reads, li, sel, *, ops: Ops, scale, wi
     """Attention of a CSA layer whose C4 KV is on the host (one device): the query tokens in blocks of tb, each
     block's selected rows made resident (offload.fetch) and read from the hot buffer. Queries are independent given
     the pools, so the blocks give the one-call result; tb (a power of two dividing T) keeps a block's selections,
-    B x tb x k rows, within the buffer. sel [B, T, k] layer rows (-1: none). Returns (o [B, T, H, K], hot)."""
+    B x tb x k rows, within the buffer. sel [B, T, k] layer rows (-1: none); reads["win_rows"] rows of the SWA
+    pool's flat view. Returns (o [B, T, H, K], hot)."""
     b, t, k = sel.shape
     h = hot["hot"].shape[1]
     tb = 1 << max((h // (b * k)).bit_length() - 1, 0)  # the engine's layout guarantees b * k <= h
