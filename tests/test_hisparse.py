@@ -195,9 +195,9 @@ def test_offload_preempted_and_many_long_requests(real_ckpt):
     lay = dataclasses.replace(pool_layout(cfg, opts, jnp.float32, 1200), n_pages=8)
     budget = sum(s.bytes - s.host_bytes for s in pool_sizes(cfg, lay, jnp.float32, False).values())
     rng = np.random.default_rng(1)
-    # each is admitted with its prompt and two decode calls' tokens in whole pages and crosses a page boundary
-    # while decoding, so running requests need pages that others hold
-    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (1004, 492, 748, 236, 1000, 490, 740, 230)]
+    # the first four are admitted with their prompt and a decode call's tokens (2 pages each: all 8) and cross a
+    # page boundary while decoding, so running requests need pages that others hold
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (480, 470, 490, 500, 1000, 700, 460, 990)]
     params = SamplingParams(max_tokens=60, **GREEDY)
     want = LLM(real_ckpt, **engine).generate(prompts, params)
     small = LLM(real_ckpt, enable_hisparse=True, memory_budget_bytes=budget, **engine)
