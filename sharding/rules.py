@@ -55,6 +55,9 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "index_head_dim": None,
     "window": None,
     "state_dim": None,
+    "hot_rows": None,
+    "counter_words": None,
+    "counters": None,
 }
 
 
@@ -70,6 +73,13 @@ POOL_AXES: dict[str, tuple[str, ...]] = {
     "state_score": ("layers", "slots", "window", "state_dim"),
     "idx_state_kv": ("layers", "slots", "window", "state_dim"),
     "idx_state_score": ("layers", "slots", "window", "state_dim"),
+    # the C4 KV's hot buffer under host offload (single device only)
+    "kv_hot": ("layers", "hot_rows", "head_dim"),
+    "hot_table": ("layers", "pool_rows"),
+    "hot_owner": ("layers", "hot_rows"),
+    "hot_used": ("layers", "hot_rows"),
+    "hot_clock": ("layers",),
+    "hot_counts": ("layers", "counter_words", "counters"),
 }
 STORE_AXES = ("layers", "boundary_rows", "window", "state_dim")
 

@@ -2,7 +2,6 @@
 another continues exactly as the request would on one engine (greedy tokens identical, float32 log-probs within
 1e-5), across page sizes, the dense layout and a prefix-cache hit on the prefill side; a corrupted, truncated or
 foreign state is refused by name; pages return on both sides."""
-import dataclasses
 
 import numpy as np
 import pytest

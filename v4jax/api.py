@@ -104,6 +104,12 @@ class EngineOptions:
     # and verifies them in one step (v4jax.engine.spec); greedy outputs are unchanged, sampled ones distributed
     # as plain sampling's
     speculative_config: dict | None = None
+    # host offload of the C4 KV pool (HiSparse): every CSA layer's compressed entries in host memory (pinned), a
+    # device buffer of hisparse_device_pages pages' worth of hot entries (LRU); the entries each step's top-k
+    # selects are fetched before attention reads them (v4jax.model.offload). Default size: four decode steps'
+    # selections (max_num_seqs x index_topk entries each).
+    enable_hisparse: bool = False
+    hisparse_device_pages: int | None = None
 
     def __post_init__(self):
         # every option by the rule table (v4jax.fields): ints are ints in range (int32; bytes int64), bools are

@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding with the model's MTP block or DSpark drafter, e.g. "
                    "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' or "
                    "'{\"method\": \"dspark\", \"num_speculative_tokens\": 5}'")
+    g.add_argument("--enable-hisparse", action="store_true", help="keep the C4 KV pool in host memory with a "
+                   "device buffer of hot entries (HiSparse)")
+    g.add_argument("--hisparse-device-pages", type=_positive_int, default=None, help="the device buffer's size in "
+                   "pages of C4 entries (default: four decode steps' selections)")
     g.add_argument("--no-stream", action="store_true", help="print each result at the end")
     g.set_defaults(func=_generate)
 
@@ -189,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("serve", "open-loop load against a running v4jax serve (v4jax.bench.serve)"),
                        ("spec", ("speculative decoding with the MTP block against plain decoding: ms/token, "
                                  "acceptance by draft position (v4jax.bench.spec)")),
+                       ("hisparse", ("long requests decoding with the C4 KV pool on the host or the device: capacity, "
+                                     "ms/step, hit rate, bytes fetched per step (v4jax.bench.hisparse)")),
                        ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)"),
                        ("tpu-aot", ("every Pallas TPU kernel and the engine's steps compiled for a TPU with libtpu on "
                                     "a CPU machine (v4jax.bench.tpu_aot)")),
@@ -295,6 +301,8 @@ def _generate(args) -> int:
     opts = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.speculative_config is not None:
         opts["speculative_config"] = args.speculative_config
+    if args.enable_hisparse:
+        opts.update(enable_hisparse=True, hisparse_device_pages=args.hisparse_device_pages)
     llm = LLM(args.model, dtype=args.dtype, attention_impl=args.attention_impl, mesh=args.mesh, **opts)
     import jax
     if jax.process_index() != 0:  # every process generates the same; one prints
@@ -378,7 +386,7 @@ def _bench(args) -> int:
 BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4jax.bench.generate", "generate_main"),
               "kernels": ("v4jax.bench.kernels_cli", "main"), "mesh": ("v4jax.bench.mesh", "main"),
               "replay": ("v4jax.bench.replay", "main"), "serve": ("v4jax.bench.serve", "main"),
-              "pd": ("v4jax.bench.pd", "main"),
+              "pd": ("v4jax.bench.pd", "main"), "hisparse": ("v4jax.bench.hisparse", "main"),
               "spec": ("v4jax.bench.spec", "spec_main"),
               "table": ("v4jax.bench.table", "main"), "tpu-aot": ("v4jax.bench.tpu_aot", "aot_main"),
               "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main")}

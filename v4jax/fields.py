@@ -79,6 +79,8 @@ RULES: dict[str, Rule] = {
     "memory_budget_bytes": Int(1, INT64_MAX, optional=True),
     "enable_prefix_caching": BOOL,
     "mesh": Rule("str", optional=True),
+    "enable_hisparse": BOOL,
+    "hisparse_device_pages": Int(1, optional=True, note="(default: four decode steps' selections)"),
     # the server's own request fields
     "n": Int(1),
     "num_samples": Int(0),

@@ -608,7 +608,8 @@ class EnginePools:
                 "n_swa_pages": lay.n_swa_pages, "tokens": lay.n_pages * lay.page_size,
                 "per_page_bytes": self.per_page_bytes, "fixed_bytes": self.fixed_bytes,
                 "pools": {k: {"units": s.units, "unit": s.unit, "unit_bytes": s.unit_bytes, "bytes": s.bytes,
-                              "device_bytes": s.device_bytes} for k, s in self.sizes.items()},
+                              "device_bytes": s.device_bytes, "host_bytes": s.host_bytes}
+                          for k, s in self.sizes.items()},
                 "total": self.total, "per_device": self.per_device}
 
 
@@ -721,6 +722,9 @@ def format_device_table(weights: int, weights_per_device: int, pools: EnginePool
         unit = "slots" if s.unit == "slot" else f"pages of {s.unit}"
         lines.append(f"| pool {name} | {s.units} {unit} | {s.unit_bytes} | {_human(s.bytes)} | "
                      f"{_human(s.device_bytes)} |")
+    host = sum(s.host_bytes for s in pools.sizes.values())
+    if host:  # enable_hisparse: the C4 KV's rows in host memory, its hot buffer and table on the device
+        lines.append(f"| of which in host memory (C4 KV offloaded) | | | {_human(host)} | 0 |")
     lines += [f"| engine pools | | | {_human(pools.total)} | {_human(pools.per_device)} |",
               f"| **weights + pools** | | | {_human(weights + pools.total)} | **{_human(need)}** |"]
     if limit is not None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding.rules import STORE_AXES
-from v4jax.cache.pools import KVPools
+from v4jax.cache.pools import KVPools, pin_host
 
 F32 = jnp.float32
 _FIELDS = (("state_kv", 0.0), ("state_score", -jnp.inf), ("idx_state_kv", 0.0), ("idx_state_score", -jnp.inf))
@@ -96,7 +96,7 @@ def restore_slot_states(pools: KVPools, store: BoundaryStore, slot, row) -> KVPo
     # slot (its window rings ride in the SWA pages the prefix hit maps)
     if draft is not None and draft.count is not None:
         draft = dataclasses.replace(draft, count=draft.count.at[slot].set(0))
-    return dataclasses.replace(pools, stacks=tuple(stacks), draft=draft)
+    return pin_host(dataclasses.replace(pools, stacks=tuple(stacks), draft=draft))
 
 
 def store_bytes(store: BoundaryStore) -> int:

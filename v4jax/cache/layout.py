@@ -12,7 +12,7 @@ import numpy as np
 
 from v4jax.cache.boundary import LOGICAL_AXES as BOUNDARY_AXES, init_boundary_store
 from v4jax.cache.pools import FP8, LOGICAL_AXES, PoolLayout, init_pools
-from v4jax.config import KV_CACHE_DTYPES, ModelConfig
+from v4jax.config import CSA, KV_CACHE_DTYPES, ModelConfig
 
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32"}  # the memory report's names
@@ -68,13 +68,54 @@ def engine_layout(cfg: ModelConfig, page_size: int | None = None, max_num_seqs: 
 
 
 def pool_cost(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> tuple[int, int]:
-    """(fixed bytes, bytes per full page) of the engine's pools over the whole mesh (pool_sizes): the window pages
-    (with their boundary rows when caching) and the compressor states are fixed; each full page adds its rows of
-    the token and compressed pools."""
+    """(fixed bytes, bytes per full page) of the engine's device pools over the whole mesh (pool_sizes): the window
+    pages (with their boundary rows when caching), the compressor states and an offloaded pool's hot buffer are
+    fixed; each full page adds its rows of the token and compressed pools (with host offload, the C4 KV's rows on
+    the host do not count: memory_budget_bytes is device memory)."""
     sizes = pool_sizes(cfg, layout, dtype, caching)
-    per_page = sum(sizes[k].unit_bytes for k in FULL_PAGE_POOLS if k in sizes)
-    fixed = sum(s.bytes for k, s in sizes.items() if k not in FULL_PAGE_POOLS)
+    per_page = sum(sizes[k].unit_bytes - sizes[k].host_unit_bytes for k in FULL_PAGE_POOLS if k in sizes)
+    fixed = sum(s.bytes - s.host_bytes for k, s in sizes.items() if k not in FULL_PAGE_POOLS)
+    fixed += sum(s.fixed_bytes for k, s in sizes.items() if k in FULL_PAGE_POOLS)
     return fixed, per_page
+
+
+def hot_rows_needed(cfg: ModelConfig, options) -> int:
+    """Rows of the C4 KV's hot buffer (per CSA layer) that one query token of every row of a step may select at
+    most, so that a block of query tokens' selections is resident at once (v4jax.model.offload; a prefill chunk
+    attends in blocks of tokens that fit): max_num_seqs (a step's rows) x index_topk."""
+    return options.max_num_seqs * cfg.index_topk
+
+
+HOT_STEPS = 4  # the default hot buffer holds this many decode steps' selections
+
+
+def hot_buffer_rows(cfg: ModelConfig, options, page_size: int, max_model_len: int) -> int:
+    """enable_hisparse: the hot buffer's rows per CSA layer (hisparse_device_pages pages of P/4 entries; default:
+    four decode steps' selections, HOT_STEPS x hot_rows_needed, in whole pages); checks that the option can work
+    here, an error naming it otherwise. 0 when off."""
+    if not options.enable_hisparse:
+        if options.hisparse_device_pages is not None:
+            raise ValueError("hisparse_device_pages is set but enable_hisparse is off")
+        return 0
+    if options.kv_layout == "dense":
+        raise ValueError("enable_hisparse needs kv_layout='paged' (the dense layout has no page tables)")
+    if options.mesh:
+        raise ValueError(f"enable_hisparse runs on one device; mesh={options.mesh!r} is not supported with it")
+    if CSA not in cfg.layer_types:
+        raise ValueError("enable_hisparse: this model has no CSA layers (ratio 4), so no C4 KV pool to offload")
+    if options.num_speculative_tokens:
+        raise ValueError("enable_hisparse is not supported with speculative_config")
+    per_page = page_size // 4
+    need = hot_rows_needed(cfg, options)
+    pages = options.hisparse_device_pages
+    if pages is None:
+        return -(-HOT_STEPS * need // per_page) * per_page
+    if pages * per_page < need:
+        raise ValueError(
+            f"hisparse_device_pages={pages} holds {pages * per_page} C4 entries per layer; one decode step may "
+            f"select {need} (max_num_seqs={options.max_num_seqs} x index_topk={cfg.index_topk}): use at least "
+            f"{-(-need // per_page)} pages")
+    return pages * per_page
 
 
 def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: int = 1, n_ctx: int = 1) -> PoolLayout:
@@ -94,6 +135,7 @@ def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: in
         n_swa += 4 * slots * (-(-cfg.window_size // ps) + 1)
     max_pages = -(-max_model_len // p)
     max_swa = -(-max_model_len // ps)
+    hot = hot_buffer_rows(cfg, options, p, max_model_len)
     n_blocks = n_data * n_ctx  # full pages per block: what one device of a (data, context) pair holds
     if dense:
         n_pages, n_swa = n_blocks * (slots // n_data) * -(-max_pages // n_ctx), slots * max_swa
@@ -105,7 +147,8 @@ def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: in
             fixed, per_page = pool_cost(cfg, PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_blocks,
                                                         n_swa_pages=n_swa, max_slots=slots, max_pages_per_seq=1,
                                                         max_swa_pages_per_seq=1,
-                                                        draft_tokens=options.num_speculative_tokens), dtype, caching)
+                                                        draft_tokens=options.num_speculative_tokens, hot_rows=hot),
+                                        dtype, caching)
             n_pages = int((budget - fixed) // per_page)
             if n_pages < 1:
                 raise ValueError(f"memory_budget_bytes={budget} is below the fixed pools ({fixed} bytes: window "
@@ -116,7 +159,7 @@ def pool_layout(cfg: ModelConfig, options, dtype, max_model_len: int, n_data: in
             n_pages -= n_pages % (mult if n_pages >= mult else n_blocks)
     return PoolLayout(page_size=p, swa_page_size=ps, n_pages=n_pages, n_swa_pages=n_swa, max_slots=slots,
                       max_pages_per_seq=max_pages, max_swa_pages_per_seq=max_swa, data_shards=n_data,
-                      context_shards=n_ctx, draft_tokens=options.num_speculative_tokens)
+                      context_shards=n_ctx, draft_tokens=options.num_speculative_tokens, hot_rows=hot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +169,23 @@ class PoolSize:
     units: int
     unit_bytes: int
     unit: str  # what one unit is: "256 tokens", "slot"
-    device_bytes: int | None = None  # None: all of it (one device)
+    device_bytes: int | None = None  # None: all of it but host_bytes (one device)
+    # host offload (enable_hisparse, the C4 KV): the part of each unit held in host memory, and the device bytes
+    # that do not grow with the units (the hot buffer)
+    host_unit_bytes: int = 0
+    fixed_bytes: int = 0
 
     def __post_init__(self):
         if self.device_bytes is None:
-            object.__setattr__(self, "device_bytes", self.bytes)
+            object.__setattr__(self, "device_bytes", self.bytes - self.host_bytes)
 
     @property
     def bytes(self) -> int:
-        return self.units * self.unit_bytes
+        return self.units * self.unit_bytes + self.fixed_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.units * self.host_unit_bytes
 
 
 def device_split(logical: tuple, shape: tuple, layout: PoolLayout) -> int:
@@ -157,6 +208,7 @@ def pool_sizes(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> di
     pool's `device_bytes` what one device of its mesh holds (device_split)."""
     dtype = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     pools = jax.eval_shape(lambda: init_pools(cfg, layout, dtype))
+    hot_fixed, host_rows = [], []  # with host offload: the C4 KV's device-only arrays, and its host pool
     arrays = {k: [] for k in ("swa", "c4_kv", "c4_index", "c128_kv", "tokens", "compressor_state", "mtp_swa",
                               "draft_state")}
     for lp in pools.stacks:
@@ -166,6 +218,10 @@ def pool_sizes(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> di
         if lp.idx is not None:
             arrays["c4_kv"].append(("kv", lp.kv))
             arrays["c4_index"].append(("idx", lp.idx))
+            if lp.kv_hot is not None:
+                arrays["c4_kv"].append(("hot_table", lp.hot_table))
+                hot_fixed += [getattr(lp, f) for f in ("kv_hot", "hot_owner", "hot_used", "hot_clock", "hot_counts")]
+                host_rows += [lp.kv]
         elif lp.kv is not None:
             arrays["c128_kv"].append(("kv", lp.kv))
     arrays["tokens"].append(("tokens", pools.tokens))
@@ -200,4 +256,10 @@ def pool_sizes(cfg: ModelConfig, layout: PoolLayout, dtype, caching: bool) -> di
         if b or name in ("swa", "tokens", "compressor_state"):
             n = units.get(name, layout.n_pages)
             out[name] = PoolSize(n, b // n, unit.get(name, page), device_bytes(name))
+    if host_rows:  # one device (hot_buffer_rows)
+        fixed = sum(a.size * a.dtype.itemsize for a in hot_fixed)
+        host = sum(a.size * a.dtype.itemsize for a in host_rows)
+        c4 = out["c4_kv"]
+        out["c4_kv"] = PoolSize(c4.units, c4.unit_bytes, c4.unit, c4.bytes + fixed - host,
+                                host_unit_bytes=host // c4.units, fixed_bytes=fixed)
     return out

@@ -250,6 +250,8 @@ class KVCacheManager:
             u = used.get(name, full_used)
             out[name] = {"used": u, "total": size.units, "unit": size.unit, "bytes_used": u * size.unit_bytes,
                          "bytes_total": size.bytes}
+            if size.host_bytes:  # host offload: where the bytes are
+                out[name].update(device_bytes_total=size.bytes - size.host_bytes, host_bytes_total=size.host_bytes)
         return out
 
     def shard_usage(self, slots_in_use: list[int]) -> list[dict]:

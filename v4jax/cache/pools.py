@@ -67,6 +67,27 @@ class LayerPool:
     pending_score: jax.Array | None = None
     idx_pending_kv: jax.Array | None = None
     idx_pending_score: jax.Array | None = None
+    # Host offload of `kv` on CSA stacks (enable_hisparse, v4jax.model.offload): `kv` then lives in host memory and
+    # these hold the device's hot copies of some of its rows, their table and LRU state, and the counters.
+    kv_hot: jax.Array | None = None  # [n, H, K]
+    hot_table: jax.Array | None = None  # [n, R_m] int32: kv row -> hot row (-1: not resident)
+    hot_owner: jax.Array | None = None  # [n, H] int32: hot row -> kv row (-1: none)
+    hot_used: jax.Array | None = None  # [n, H] int32: last layer step that read it
+    hot_clock: jax.Array | None = None  # [n] int32
+    hot_counts: jax.Array | None = None  # [n, 2, F] int32 (offload.COUNTERS)
+
+    def hot_rows(self) -> dict | None:
+        """The offload state as v4jax.model.offload takes it (None: `kv` on the device)."""
+        if self.kv_hot is None:
+            return None
+        return {f: getattr(self, HOT_FIELDS[f]) for f in HOT_FIELDS}
+
+
+# v4jax.model.offload.COUNTERS (the cache does not import the model; a test checks they agree)
+HOT_COUNTERS = ("selected", "hits", "fetched_rows", "transferred_rows", "overflow")
+# offload's names -> LayerPool fields
+HOT_FIELDS = {"hot": "kv_hot", "table": "hot_table", "owner": "hot_owner", "used": "hot_used", "clock": "hot_clock",
+              "counts": "hot_counts"}
 
 
 @jax.tree_util.register_dataclass
@@ -130,6 +151,8 @@ class PoolLayout:
     data_shards: int = 1
     context_shards: int = 1
     draft_tokens: int = 0  # k, drafts per speculative step (0: no drafter state)
+    # enable_hisparse: rows of the device's hot buffer per CSA layer (0: the C4 KV pool on the device)
+    hot_rows: int = 0
 
 
 def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
@@ -158,6 +181,12 @@ def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
             ikv, isc = st(cfg.index_head_dim)
             lp = dataclasses.replace(lp, idx=jnp.zeros((n, rows, ki), dtype),
                                      idx_state_kv=ikv, idx_state_score=isc)
+            if layout.hot_rows:
+                h = layout.hot_rows
+                lp = dataclasses.replace(
+                    lp, kv_hot=jnp.zeros((n, h, k), dtype), hot_table=jnp.full((n, rows), -1, jnp.int32),
+                    hot_owner=jnp.full((n, h), -1, jnp.int32), hot_used=jnp.full((n, h), -1, jnp.int32),
+                    hot_clock=jnp.zeros((n,), jnp.int32), hot_counts=jnp.zeros((n, 2, len(HOT_COUNTERS)), jnp.int32))
         stacks.append(lp)
     draft = None
     if layout.draft_tokens:
@@ -170,6 +199,31 @@ def init_pools(cfg: ModelConfig, layout: PoolLayout, dtype) -> KVPools:
                                start=jnp.zeros((slots,), jnp.int32), count=jnp.zeros((slots,), jnp.int32),
                                tokens=jnp.zeros((slots, t), jnp.int32))
     return KVPools(tokens=jnp.zeros((layout.n_pages, p), jnp.int32), stacks=tuple(stacks), draft=draft)
+
+
+def pin_host(pools: KVPools) -> KVPools:
+    """The offloaded pools (`kv` of the stacks with a hot buffer) in host memory: inside a jitted step, so that its
+    outputs stay there; outside, to place them after init_pools."""
+    return dataclasses.replace(pools, stacks=tuple(
+        lp if lp.kv_hot is None else dataclasses.replace(lp, kv=jax.device_put(lp.kv, _host_place(lp.kv)))
+        for lp in pools.stacks))
+
+
+def hot_counts(pools: KVPools) -> dict | None:
+    """Host side: the offload counters (HOT_COUNTERS) summed over every CSA layer, as ints (None: no offload).
+    Stored as a low 24-bit word and the rest (v4jax.model.offload.add_counts)."""
+    import numpy as np
+    arrays = [np.asarray(lp.hot_counts).astype(np.int64) for lp in pools.stacks if lp.hot_counts is not None]
+    if not arrays:
+        return None
+    tot = sum((a[:, 0] + (a[:, 1] << 24)).sum(axis=0) for a in arrays)
+    return {name: int(v) for name, v in zip(HOT_COUNTERS, tot)}
+
+
+def _host_place(arr):
+    if isinstance(arr, jax.core.Tracer):
+        return jax.memory.Space.Host
+    return arr.sharding.with_memory_kind("pinned_host")
 
 
 # The per-slot arrays [n, slots, ...] (the compressor states): the pools a decode call may cut to its rows.

@@ -127,7 +127,8 @@ class EngineCore:
         def shardings(abstract, mr):
             return C.pool_shardings(abstract[0], mr.sharding), store_shardings(abstract[1], mr.sharding)
 
-        return create_sharded(make, shardings, self.run_options.mesh_rules)
+        pools, store = create_sharded(make, shardings, self.run_options.mesh_rules)
+        return (C.pin_host(pools) if self.layout.hot_rows else pools), store
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
@@ -487,13 +488,30 @@ class EngineCore:
         """Prefill and decode programs compiled (or loaded from the persistent cache) in this process so far."""
         return S.compiled_programs()
 
+    def hisparse_stats(self) -> dict:
+        """The C4 KV's hot buffer (enable_hisparse): its rows per CSA layer, and since the engine was built, the
+        entries the top-k selected (one per query token, layer and pick), how many were resident (hit_rate), the
+        distinct entries fetched from the host, and the rows and bytes moved (a fetch moves one of a few fixed
+        sizes, the smallest that holds its misses); `overflow` counts layer steps whose selection did not fit the
+        buffer (0 by construction: the layout sizes it for a step's selection)."""
+        counts = C.hot_counts(self.pools)
+        row_bytes = next(lp.kv_hot for lp in self.pools.stacks if lp.kv_hot is not None)
+        row_bytes = row_bytes.shape[-1] * row_bytes.dtype.itemsize
+        return {"device_rows": self.layout.hot_rows, **counts,
+                "hit_rate": counts["hits"] / counts["selected"] if counts["selected"] else None,
+                "fetched_bytes": counts["fetched_rows"] * row_bytes,
+                "transferred_bytes": counts["transferred_rows"] * row_bytes}
+
     def stats(self) -> dict:
         """Pools (pages or slots in use and in all, and their bytes, from the layout's bytes per unit), per data
         shard on a mesh, the prefix cache's counters and the requests'."""
         kv, sch = self.kv, self.scheduler
         in_use = sch.slots_in_use()
+        pools = kv.usage(in_use)
+        if self.layout.hot_rows:
+            pools["c4_kv"].update(self.hisparse_stats())
         return {
-            "pools": kv.usage(in_use),
+            "pools": pools,
             # on a mesh with data / context axes: each shard's own pages (a request uses only its shard's)
             "shards": kv.shard_usage(in_use),
             "prefix_cache": kv.prefix_stats(),

@@ -165,7 +165,7 @@ def _placed(spec: StepSpec, pools, store):
     fed its own outputs would compile again for the new layout."""
     mr = spec.opts.mesh_rules
     if mr is None:
-        return pools, store
+        return (C.pin_host(pools) if spec.layout.hot_rows else pools), store
     from v4jax.cache.boundary import store_shardings
     return jax.lax.with_sharding_constraint(
         (pools, store), (C.pool_shardings(pools, mr.sharding), store_shardings(store, mr.sharding)))

@@ -17,9 +17,15 @@ from sharding import context
 from sharding.rules import POOL_AXES
 from v4jax.config import CSA, SLIDING, ModelConfig
 from v4jax.model import layers as L
-from v4jax.model import quant
+from v4jax.model import offload, quant
 from v4jax.model.layers import Linear, RMSNorm, RunOptions, init_normal
 from v4jax.model.ops import Ops, on_shards
+
+
+# offload's names -> the LayerPool fields holding them (v4jax.cache.pools.HOT_FIELDS; the model does not import
+# the cache, a test checks they agree)
+HOT_FIELDS = {"hot": "kv_hot", "table": "hot_table", "owner": "hot_owner", "used": "hot_used", "clock": "hot_clock",
+              "counts": "hot_counts"}
 
 
 def pending_of(state_field: str) -> str:
@@ -45,7 +51,8 @@ def _flat(pool):
 
 
 def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict, li, *, ops: Ops, scale: float,
-                   window: int, topk: int, formats: dict | None = None, row_axes: tuple[str, ...] = ()):
+                   window: int, topk: int, formats: dict | None = None, row_axes: tuple[str, ...] = (),
+                   hot: dict | None = None):
     """One layer's pool writes and attention over the rows this shard holds (all of them on one device).
 
     blocks: pool name -> context.RowBlock, the rows of `pools[name]` ([n, R, K], the stack's n layers) held here;
@@ -56,7 +63,9 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     (one layer's ids, -1 = none); each shard keeps those of its block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
     the result is the single-device one (sharding/context.py). row_axes: mesh axes the B rows are split over (a
     shard has its own rows, whose entries lie in its blocks along those axes: nothing to merge over them).
-    Returns (o [B, T, H, K], pools)."""
+    hot: on one device, the hot buffer of `pools["kv"]` held in host memory (v4jax.model.offload): writes go to
+    both, the selected rows are made resident and read from the buffer. Returns (o [B, T, H, K], pools), pools with
+    the offload state under "hot" when given."""
     merge = tuple(dict.fromkeys(a for b in blocks.values() for a in b.axes if a not in row_axes))
     formats = formats or {}
 
@@ -75,8 +84,11 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
         r = local(name, rows).reshape(-1)
         values = values.reshape(-1, values.shape[-1])
         values = formats[name].encode(values) if name in formats else values.astype(dst.dtype)
+        if hot is not None and name == "kv":
+            hot, flat[name] = offload.write(hot, pool, li, rows.reshape(-1), values)  # [n, R, K], on the host
+            continue
         flat[name] = dst.at[jnp.where(r >= 0, r, dst.shape[0])].set(values, mode="drop")
-    kv = flat.get("kv")
+    kv = flat.get("kv") if hot is None else _flat(hot["hot"])
     hca_rows = sel_rows = None
     if "idx" in flat:
         rows = reads["rows"]
@@ -85,7 +97,15 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
         _, at = context.merge_topk(scores, at, topk, tuple(a for a in blocks["idx"].axes if a not in row_axes))
         picked = jnp.take_along_axis(jnp.broadcast_to(rows[:, None, :], (*at.shape[:2], rows.shape[1])),
                                      jnp.maximum(at, 0), axis=2)
-        sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
+        if hot is None:
+            sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
+        else:  # in blocks of query tokens whose selections fit the hot buffer: fetched, then read from it
+            win = dict(reads, win_rows=local("swa", reads["win_rows"]))  # rows of the SWA pool's flat view
+            o, hot = _attend_offloaded(q, sink, flat, hot, win, li, jnp.where(at >= 0, picked, -1), ops=ops,
+                                       scale=scale, window=window, entry_format=formats.get("swa"))
+            out = {name: f if f.shape == pools[name].shape else f.reshape(pools[name].shape)
+                   for name, f in flat.items()}
+            return o, dict(out, hot=hot)
     elif kv is not None:
         hca_rows = counted("kv", reads["rows"])
     o = ops.attend(q, jnp.where(context.first_along(merge), sink, -jnp.inf), scale, flat["swa"],
@@ -94,6 +114,33 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     if merge:
         o = context.merge_softmax(*o, merge)
     return o, {name: f.reshape(pools[name].shape) for name, f in flat.items()}
+
+
+def _attend_offloaded(q, sink, flat, hot, reads, li, sel, *, ops: Ops, scale, window, entry_format):
+    """Attention of a CSA layer whose C4 KV is on the host (one device): the query tokens in blocks of tb, each
+    block's selected rows made resident (offload.fetch) and read from the hot buffer. Queries are independent given
+    the pools, so the blocks give the one-call result; tb (a power of two dividing T) keeps a block's selections,
+    B x tb x k rows, within the buffer. sel [B, T, k] layer rows (-1: none); reads["win_rows"] rows of the SWA
+    pool's flat view. Returns (o [B, T, H, K], hot)."""
+    b, t, k = sel.shape
+    h = hot["hot"].shape[1]
+    tb = 1 << max((h // (b * k)).bit_length() - 1, 0)  # the engine's layout guarantees b * k <= h
+    tb = math.gcd(tb, t)
+    w = reads["win_rows"].shape[1] - t  # W - 1: block j's window union is win_rows[j*tb : j*tb + W - 1 + tb]
+
+    def block(hot, j):
+        cut = lambda a, n: jax.lax.dynamic_slice_in_dim(a, j * tb, n, axis=1)
+        hot, rows = offload.fetch(hot, flat["kv"], li, cut(sel, tb))
+        o = ops.attend(cut(q, tb), sink, scale, flat["swa"], cut(reads["win_rows"], w + tb),
+                       cut(reads["win_pos"], w + tb), cut(reads["pos"], tb), window, _flat(hot["hot"]), None,
+                       cut(reads["n_ready"], tb), rows, with_lse=False, entry_format=entry_format)
+        return hot, o
+
+    if tb == t:
+        hot, o = block(hot, 0)
+        return o, hot
+    hot, o = jax.lax.scan(block, hot, jnp.arange(t // tb))
+    return jnp.moveaxis(o, 0, 1).reshape(q.shape[:2] + o.shape[3:]), hot
 
 
 class Compressor(nnx.Module):
@@ -284,7 +331,11 @@ class Attention(nnx.Module):
         pools = {name: getattr(pool, name) for name in writes}
         formats = self.entry_formats() if fp8 else {}
         o, pools = self._attend_pools(q, pools, writes, reads, li, ops, opts.mesh_rules, meta.slot is None,
-                                      {name: f for name, f in formats.items() if name in pools})
+                                      {name: f for name, f in formats.items() if name in pools},
+                                      pool.hot_rows() if "idx" in pools else None)
+        hot = pools.pop("hot", None)  # the offload state (attention_core with hot)
+        if hot is not None:
+            pools.update({field: hot[name] for name, field in HOT_FIELDS.items()})
         return self.output(o.astype(q.dtype), cos, sin, opts), dataclasses.replace(pool, **pools, **states)
 
     def entry_formats(self) -> dict:
@@ -348,7 +399,8 @@ class Attention(nnx.Module):
         row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
         return jnp.where(ok & (ent >= 0) & (ent < s), row, -1), entries
 
-    def _attend_pools(self, q, pools, writes, reads, li, ops: Ops, mesh_rules, rows_are_slots: bool, formats: dict):
+    def _attend_pools(self, q, pools, writes, reads, li, ops: Ops, mesh_rules, rows_are_slots: bool, formats: dict,
+                      hot: dict | None = None):
         """Store the step's writes into the pools and attend over them (`attention_core`). On a mesh this runs per
         shard: jax.shard_map manual over every mesh axis (Mosaic kernels cannot be partitioned automatically), the
         heads split over `tensor` as the rules table says, every pool's rows in the blocks its sharding gives,
@@ -362,7 +414,8 @@ class Attention(nnx.Module):
                       formats=formats)
         if mesh_rules is None:
             blocks = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
-            return attention_core(blocks, q, sink, pools, writes, reads, li, **static)
+            return attention_core(blocks, q, sink, pools, writes, reads, li, hot=hot, **static)
+        assert hot is None, "host offload runs on one device (checked when the engine is built)"
         from jax.sharding import PartitionSpec as P
         pool_specs = {name: mesh_rules.spec(POOL_AXES[name], a.shape) for name, a in pools.items()}
         blocks = {}

@@ -45,6 +45,28 @@ class _EngineCollector:
         yield total
         yield bytes_used
         yield bytes_total
+        # host offload (enable_hisparse): where a pool's bytes are, and the C4 KV's hot buffer
+        device_total = GaugeMetricFamily("v4jax_pool_device_bytes_total", "Bytes of an offloaded pool in device "
+                                         "memory (its hot buffer and table)", labels=["pool"])
+        host_total = GaugeMetricFamily("v4jax_pool_host_bytes_total", "Bytes of an offloaded pool in host memory",
+                                       labels=["pool"])
+        offloaded = {name: p for name, p in s.get("pools", {}).items() if "host_bytes_total" in p}
+        for name, p in offloaded.items():
+            device_total.add_metric([name], p["device_bytes_total"])
+            host_total.add_metric([name], p["host_bytes_total"])
+        if offloaded:
+            yield device_total
+            yield host_total
+        c4 = offloaded.get("c4_kv")
+        if c4 is not None:
+            yield CounterMetricFamily("v4jax_hisparse_selected_entries", "C4 entries the indexer's top-k selected "
+                                      "(per query token, layer and pick)", value=c4["selected"])
+            yield CounterMetricFamily("v4jax_hisparse_hit_entries", "Selected C4 entries found in the device "
+                                      "buffer", value=c4["hits"])
+            yield CounterMetricFamily("v4jax_hisparse_fetched_bytes", "Bytes of distinct C4 entries fetched from "
+                                      "host memory", value=c4["fetched_bytes"])
+            yield CounterMetricFamily("v4jax_hisparse_transferred_bytes", "Bytes moved from host memory for C4 "
+                                      "fetches (fixed transfer sizes)", value=c4["transferred_bytes"])
         pc = s.get("prefix_cache", {})
         yield CounterMetricFamily("v4jax_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
                                   value=pc.get("queried_tokens", 0))

@@ -60,6 +60,8 @@ _LLM_HELP = {
     "memory_budget_bytes": "size the KV pools from this byte budget instead of max_num_seqs x max_model_len",
     "enable_prefix_caching": "reuse cached full pages of earlier requests' prefixes",
     "mesh": "devices per mesh axis, e.g. expert=4 or data=2,tensor=2 (default: one device)",
+    "enable_hisparse": "keep the C4 KV pool in host memory with a device buffer of hot entries (HiSparse)",
+    "hisparse_device_pages": "the device buffer's size in pages of C4 entries (default: four decode steps' selections)",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' "
                           "(method \"dspark\": the DSpark drafter of the 0731 / -DSpark releases)",
 }

@@ -1,0 +1,143 @@
+"""A row pool held in host memory with a hot buffer of its rows on the device (the C4 KV of CSA layers under
+`enable_hisparse`). The model sees rows only: which rows a step selects is the indexer's top-k.
+
+Per layer of the stack (arrays [n, ...], the stack's n layers):
+  host   [n, R, K]   every row (JAX memory kind `pinned_host`): the authority, every write lands here
+  hot    [n, H, K]   device copies of H of them
+  table  [n, R]      host row -> its hot row (-1: not resident)
+  owner  [n, H]      hot row -> the host row it holds (-1: none)
+  used   [n, H]      the layer step that last read the hot row (LRU)
+  clock  [n]         the layer's step counter
+  counts [n, 2, F]   counters (COUNTERS), as low 24 bits / the rest, so that int32 never wraps
+
+A step writes its new rows to the host and, where resident, to the hot copy. After the top-k, the selected rows
+missing from the hot buffer are gathered on the host (compacted, distinct) and brought to the device in one of a
+few transfer sizes (the smallest that holds them), installed over the least recently used hot rows, and the
+attention reads every selected row from the hot buffer. So every answer reads the host's values: residency
+changes what moves, never what is read. The one condition: a step's distinct selected rows of a layer fit the
+hot buffer (H >= rows x tokens x top-k of the step), which the engine checks when it is built."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.compute_on import compute_on
+
+COUNTERS = ("selected", "hits", "fetched_rows", "transferred_rows", "overflow")
+_LOW = 24
+_SMALLEST_TRANSFER = 16
+
+_SCATTER = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                       scatter_dims_to_operand_dims=(0,))
+_GATHER = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+
+
+def to_host(x):
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def to_device(x):
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+# Host-side programs: raw scatter / gather (jnp indexing would add device-side constants to a host computation).
+@compute_on("device_host")
+@jax.jit
+def _host_scatter(pool, flat_rows, values):
+    flat = pool.reshape(-1, pool.shape[-1])
+    out = lax.scatter(flat, flat_rows[:, None], values, _SCATTER, mode=lax.GatherScatterMode.FILL_OR_DROP)
+    return out.reshape(pool.shape)
+
+
+@compute_on("device_host")
+@jax.jit
+def _host_gather(pool, flat_rows):
+    flat = pool.reshape(-1, pool.shape[-1])
+    return lax.gather(flat, flat_rows[:, None], _GATHER, (1, flat.shape[1]), mode=lax.GatherScatterMode.CLIP)
+
+
+def transfer_sizes(cap: int) -> tuple[int, ...]:
+    """The rows one fetch may move: 0, then cap / 4^j down to _SMALLEST_TRANSFER, and cap."""
+    sizes, s = {cap}, cap
+    while s // 4 >= _SMALLEST_TRANSFER:
+        s //= 4
+        sizes.add(s)
+    return (0,) + tuple(sorted(sizes))
+
+
+def add_counts(counts, li, values):
+    """counts [n, 2, F] += values [F] at layer li (low 24 bits, carry into the second row)."""
+    lo = counts[li, 0] + values.astype(jnp.int32)
+    hi = counts[li, 1] + (lo >> _LOW)
+    return counts.at[li].set(jnp.stack([lo & ((1 << _LOW) - 1), hi]))
+
+
+def total_counts(counts) -> dict:
+    """Host side: the counters summed over layers, as Python ints."""
+    import numpy as np
+    c = np.asarray(counts).astype(np.int64)
+    tot = (c[:, 0] + (c[:, 1] << _LOW)).sum(axis=0)
+    return {name: int(v) for name, v in zip(COUNTERS, tot)}
+
+
+def write(hot: dict, host, li, rows, values):
+    """Write values [N, K] (the pool's dtype) at layer li's rows [N] (-1: none) to the host pool and, where the row
+    is resident, to its hot copy. Returns (hot, host)."""
+    n, r, _ = host.shape
+    h = hot["hot"].shape[1]
+    flat = jnp.where(rows >= 0, rows + li * r, n * r)
+    host = _host_scatter(host, to_host(flat), to_host(values))
+    at = hot["table"][li][jnp.clip(rows, 0, r - 1)]
+    dst = jnp.where((rows >= 0) & (at >= 0), at + li * h, n * h)
+    buf = hot["hot"].reshape(-1, values.shape[-1]).at[dst].set(values, mode="drop")
+    return dict(hot, hot=buf.reshape(hot["hot"].shape)), host
+
+
+def fetch(hot: dict, host, li, sel):
+    """Make every selected row of layer li resident: sel [...] layer rows (-1: none). Returns (hot, rows of the hot
+    buffer's flat view [n * H, K] for each selection, -1 where none)."""
+    n, r, k = host.shape
+    h = hot["hot"].shape[1]
+    flat_sel = sel.reshape(-1)
+    cap = min(flat_sel.shape[0], h)
+    table, owner, used = hot["table"][li], hot["owner"][li], hot["used"][li]
+    valid = flat_sel >= 0
+    at = table[jnp.clip(flat_sel, 0, r - 1)]
+    hit, miss = valid & (at >= 0), valid & (at < 0)
+    now = hot["clock"][li] + 1
+    used = used.at[jnp.where(hit, at, h)].set(now, mode="drop")
+    # the distinct missing rows, ascending, padded with r
+    missing = jnp.unique(jnp.where(miss, flat_sel, r), size=cap, fill_value=r)
+    n_miss = jnp.sum(missing < r)
+    _, victims = lax.top_k(-used, cap)  # least recently used first (ties: lower row)
+    overflow = (n_miss > 0) & (used[victims[jnp.maximum(n_miss - 1, 0)]] == now)
+
+    sizes = transfer_sizes(cap)
+
+    def move(s):
+        def branch(host):
+            if s == 0:
+                return jnp.zeros((cap, k), host.dtype)
+            rows = jnp.minimum(missing[:s], r - 1) + li * r
+            got = to_device(_host_gather(host, to_host(rows)))
+            return jnp.zeros((cap, k), got.dtype).at[:s].set(got)
+        return branch
+
+    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n_miss.astype(jnp.int32))
+    got = lax.switch(which, [move(s) for s in sizes], host)
+    ok = jnp.arange(cap) < n_miss
+    put = jnp.where(ok, victims, h)
+    old = owner[jnp.minimum(victims, h - 1)]
+    table = table.at[jnp.where(ok & (old >= 0), old, r)].set(-1, mode="drop")
+    table = table.at[jnp.where(ok, missing, r)].set(victims, mode="drop")
+    owner = owner.at[put].set(missing, mode="drop")
+    used = used.at[put].set(now, mode="drop")
+    buf = hot["hot"].reshape(-1, k).at[jnp.where(ok, victims + li * h, n * h)].set(got, mode="drop")
+    out = table[jnp.clip(sel, 0, r - 1)]
+    out = jnp.where(sel >= 0, out + li * h, -1)
+    counts = add_counts(hot["counts"], li, jnp.stack([
+        jnp.sum(valid), jnp.sum(hit), n_miss, jnp.asarray(sizes, jnp.int32)[which], overflow]))
+    hot = dict(hot=buf.reshape(hot["hot"].shape), table=hot["table"].at[li].set(table),
+               owner=hot["owner"].at[li].set(owner), used=hot["used"].at[li].set(used),
+               clock=hot["clock"].at[li].set(now), counts=counts)
+    return hot, out
