@@ -18,6 +18,10 @@ from v4jax.serve.app import Server, ServerState
 from v4jax.serve.options import ServerOptions
 from v4jax.serve.router import Router, RouterOptions, build_router_app
 
+# two servers of the default model and a router: over a minute of set-up on 2 CPU cores; the in-process pair of
+# tests/test_disagg.py is the default run's end-to-end check
+pytestmark = pytest.mark.slow
+
 SECRET = "pd-secret-123"
 PROMPTS = ["ROMEO:", "JULIET:"]
 MAX_TOKENS = 6
