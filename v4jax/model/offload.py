@@ -18,6 +18,9 @@ changes what moves, never what is read. The one condition: a step's distinct sel
 hot buffer (H >= rows x tokens x top-k of the step), which the engine checks when it is built."""
 from __future__ import annotations
 
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,19 +44,33 @@ def to_device(x):
 
 
 # Host-side programs: raw scatter / gather (jnp indexing would add device-side constants to a host computation).
-@compute_on("device_host")
-@jax.jit
-def _host_scatter(pool, flat_rows, values):
+def _scatter(pool, flat_rows, values):
     flat = pool.reshape(-1, pool.shape[-1])
     out = lax.scatter(flat, flat_rows[:, None], values, _SCATTER, mode=lax.GatherScatterMode.FILL_OR_DROP)
     return out.reshape(pool.shape)
 
 
-@compute_on("device_host")
-@jax.jit
-def _host_gather(pool, flat_rows):
+def _gather(pool, flat_rows):
     flat = pool.reshape(-1, pool.shape[-1])
     return lax.gather(flat, flat_rows[:, None], _GATHER, (1, flat.shape[1]), mode=lax.GatherScatterMode.CLIP)
+
+
+@functools.cache
+def _on_host(fn):
+    """fn jitted to run on the host, its result in host memory. JAX 0.10's compute_on takes the kind alone; 0.11
+    names it and the result's memory space (keyword-only). Built at first use, so importing the model never
+    depends on it."""
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(jax.jit(fn))
+    return compute_on("device_host")(jax.jit(fn))
+
+
+def _host_scatter(pool, flat_rows, values):
+    return _on_host(_scatter)(pool, flat_rows, values)
+
+
+def _host_gather(pool, flat_rows):
+    return _on_host(_gather)(pool, flat_rows)
 
 
 def transfer_sizes(cap: int) -> tuple[int, ...]:
