@@ -87,7 +87,9 @@ def test_fetch_reads_the_host_values_whatever_is_resident(rng):
     c = offload.total_counts(hot["counts"])
     hits = c["hits"]
     assert c["selected"] == selected and c["overflow"] == 0
-    assert 0 < hits < selected and c["fetched_rows"] <= selected - hits <= c["transferred_rows"] * 12
+    assert 0 < hits < selected and c["fetched_rows"] <= selected - hits
+    # every miss moved, in blocks: at most 15 rows of padding per layer and step (40 steps, 2 layers)
+    assert c["fetched_rows"] <= c["transferred_rows"] < c["fetched_rows"] + 16 * 40 * n
 
 
 def test_transfer_sizes():

@@ -11,8 +11,8 @@ Per layer of the stack (arrays [n, ...], the stack's n layers):
   counts [n, 2, F]   counters (COUNTERS), as low 24 bits / the rest, so that int32 never wraps
 
 A step writes its new rows to the host and, where resident, to the hot copy. After the top-k, the selected rows
-missing from the hot buffer are gathered on the host (compacted, distinct) and brought to the device in one of a
-few transfer sizes (the smallest that holds them), installed over the least recently used hot rows, and the
+missing from the hot buffer are gathered on the host (compacted, distinct) and brought to the device in blocks of
+a few sizes (`_pull`), installed over the least recently used hot rows, and the
 attention reads every selected row from the hot buffer. So every answer reads the host's values: residency
 changes what moves, never what is read. The one condition: a step's distinct selected rows of a layer fit the
 hot buffer (H >= rows x tokens x top-k of the step), which the engine checks when it is built."""
@@ -110,6 +110,33 @@ def write(hot: dict, host, li, rows, values):
     return dict(hot, hot=buf.reshape(hot["hot"].shape)), host
 
 
+def _pull(host, missing, n_miss, li, cap: int):
+    """The first n_miss rows of `missing` [cap] (layer li's rows, ascending, padded with R) brought from the host
+    pool to the device: (rows [cap, K] on the device, rows moved). Blocks of `transfer_sizes`, largest first, each
+    size in a while loop that runs while the rest fills it (the smallest: while any is left), so a step moves at
+    most n_miss + 15 rows in a few transfers. Loops, not a switch over the sizes: XLA:GPU accepts host computations
+    in a while body but not in a conditional's branch (JAX 0.11.2 on the H200: "expected computation ... to be
+    called only by one caller and that caller to be a While")."""
+    n, r, k = host.shape
+    sizes = transfer_sizes(cap)[:0:-1]  # descending, without 0
+    pad = jnp.full((sizes[-1],), r, missing.dtype)
+    missing = jnp.concatenate([missing, pad])
+    got = jnp.zeros((cap + sizes[-1], k), host.dtype)
+    done = jnp.int32(0)
+    for j, s in enumerate(sizes):
+        def more(c, s=s, last=j == len(sizes) - 1):
+            return n_miss - c[0] > 0 if last else n_miss - c[0] >= s
+
+        def move(c, s=s):
+            done, got = c
+            rows = jnp.minimum(lax.dynamic_slice(missing, (done,), (s,)), r - 1) + li * r
+            part = to_device(_host_gather(host, to_host(rows)))
+            return done + s, lax.dynamic_update_slice(got, part.astype(got.dtype), (done, jnp.int32(0)))
+
+        done, got = lax.while_loop(more, move, (done, got))
+    return got[:cap], done
+
+
 def fetch(hot: dict, host, li, sel):
     """Make every selected row of layer li resident: sel [...] layer rows (-1: none). Returns (hot, rows of the hot
     buffer's flat view [n * H, K] for each selection, -1 where none)."""
@@ -129,19 +156,7 @@ def fetch(hot: dict, host, li, sel):
     _, victims = lax.top_k(-used, cap)  # least recently used first (ties: lower row)
     overflow = (n_miss > 0) & (used[victims[jnp.maximum(n_miss - 1, 0)]] == now)
 
-    sizes = transfer_sizes(cap)
-
-    def move(s):
-        def branch(host):
-            if s == 0:
-                return jnp.zeros((cap, k), host.dtype)
-            rows = jnp.minimum(missing[:s], r - 1) + li * r
-            got = to_device(_host_gather(host, to_host(rows)))
-            return jnp.zeros((cap, k), got.dtype).at[:s].set(got)
-        return branch
-
-    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n_miss.astype(jnp.int32))
-    got = lax.switch(which, [move(s) for s in sizes], host)
+    got, moved = _pull(host, missing, n_miss, li, cap)
     ok = jnp.arange(cap) < n_miss
     put = jnp.where(ok, victims, h)
     old = owner[jnp.minimum(victims, h - 1)]
@@ -153,7 +168,7 @@ def fetch(hot: dict, host, li, sel):
     out = table[jnp.clip(sel, 0, r - 1)]
     out = jnp.where(sel >= 0, out + li * h, -1)
     counts = add_counts(hot["counts"], li, jnp.stack([
-        jnp.sum(valid), jnp.sum(hit), n_miss, jnp.asarray(sizes, jnp.int32)[which], overflow]))
+        jnp.sum(valid), jnp.sum(hit), n_miss, moved, overflow]))
     hot = dict(hot=buf.reshape(hot["hot"].shape), table=hot["table"].at[li].set(table),
                owner=hot["owner"].at[li].set(owner), used=hot["used"].at[li].set(used),
                clock=hot["clock"].at[li].set(now), counts=counts)
