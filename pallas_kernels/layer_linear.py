@@ -18,6 +18,12 @@ pallas_kernels.experts).
 
   x [..., D] (groups: [..., G, D]); w [O, D] or a layer stack [n, O, D] with `layer` -> y [..., O] f32
   (groups: [..., G, O/G]).
+
+  Weights kept as the release stores them (`scale`: w is e4m3, one ue8m0 scale per 128 x 128 block, the layer's
+  scales [O/128, D/128]): the kernel reads the e4m3 bytes, widens them to x's dtype in registers (exact: e4m3 has 3
+  mantissa bits) and multiplies each 128-column chunk's partial sums by its block's power-of-two scale, so it reads
+  half the bytes of the bf16 weight and its products are those of the dequantized weight (x arrives rounded to
+  FP8 by the caller, the release's `act_quant`; only the order of the f32 sums differs).
 """
 from __future__ import annotations
 
@@ -42,16 +48,32 @@ ROWS, COLS = 64, 256
 MIN_PROGRAMS = 264  # two per SM of the H200's 132
 
 
-def supported(x, w, groups: int = 1) -> bool:
-    """At most MAX_TOKENS tokens; O / groups and D divisible by power-of-two blocks of >= 16."""
+SCALE_BLOCK = 128  # the release's FP8 weight blocks: one ue8m0 scale per 128 x 128
+
+
+def supported(x, w, groups: int = 1, scaled: bool = False) -> bool:
+    """At most MAX_TOKENS tokens; O / groups and D divisible by power-of-two blocks of >= 16 (`scaled`, FP8 weights
+    with block scales: O / groups and D whole scale blocks)."""
     n_out, d = w.shape[-2:]
     m = x.size // (x.shape[-1] * groups)
+    if scaled and ((n_out // groups) % SCALE_BLOCK or d % SCALE_BLOCK):
+        return False
     return (m <= MAX_TOKENS and n_out % groups == 0 and _pow2_block(n_out // groups, ROWS) is not None
             and _pow2_block(d, COLS) is not None)
 
 
-def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks):
-    *w_refs, y_ref = refs
+def _scale_value(byte):
+    """A ue8m0 scale byte -> 2^(byte - 127) in f32, exactly (the exponent field; byte 0 is 2^-127, a subnormal)."""
+    b = byte.astype(jnp.int32)
+    normal = lax.bitcast_convert_type(b << 23, F32)
+    return jnp.where(b == 0, jnp.float32(2.0 ** -127), normal)
+
+
+def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks, scaled):
+    if scaled:  # one weight, its layer's scale bytes [O/128, D/128]
+        scale_ref, *w_refs, y_ref = refs
+    else:
+        *w_refs, y_ref = refs
     j, s = pl.program_id(0), pl.program_id(1)
     cdt = x_ref.dtype
     gemv = x_ref.shape[1] == 1
@@ -61,8 +83,12 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
             col = (s * chunks + c) * cols
             w = w_ref[pl.ds(row0, rows), pl.ds(col, cols)]
             if gemv:  # y_ref is [rows]
-                return acc + jnp.sum(x_ref[grp, 0, pl.ds(col, cols)].astype(F32)[None, :] * w.astype(F32), axis=1)
-            return acc + mm_nt(x_ref[grp, :, pl.ds(col, cols)], w.astype(cdt))
+                part = jnp.sum(x_ref[grp, 0, pl.ds(col, cols)].astype(F32)[None, :] * w.astype(F32), axis=1)
+            else:
+                part = mm_nt(x_ref[grp, :, pl.ds(col, cols)], w.astype(cdt))
+            if scaled:  # rows j*rows .. lie in one 128-row block (rows <= 128), cols in one 128-column block
+                part = part * _scale_value(scale_ref[j * rows // SCALE_BLOCK, col // SCALE_BLOCK])
+            return acc + part
 
         y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))
 
@@ -75,17 +101,22 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
             project(w_ref, layer_ref[0] * n_out + (j - start) * rows, 0)
 
 
-def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs):
-    """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch."""
+def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs, scale=None):
+    """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch (`scale`: ws is one FP8 weight,
+    scale its layer's ue8m0 block scales)."""
     if interpret is None:
         interpret = backend() == "cpu"
-    if not all(supported(x, w, groups) for w in ws) or len({w.shape[-1] for w in ws}) != 1:
+    scaled = scale is not None
+    if (not all(supported(x, w, groups, scaled) for w in ws) or len({w.shape[-1] for w in ws}) != 1
+            or (scaled and len(ws) != 1)):
         raise ValueError(f"x {x.shape}, w {[w.shape for w in ws]}, {groups} groups: at most {MAX_TOKENS} tokens, one "
-                         f"input width and power-of-two blocks of at least 16")
+                         f"input width and power-of-two blocks of at least 16 (FP8: one weight, whole 128-blocks)")
     d = x.shape[-1]
     n_outs = tuple(w.shape[-2] for w in ws)
     rows = _pow2_block(math.gcd(*n_outs) // groups, rows)
     cols = _pow2_block(d, cols)
+    if scaled:  # a chunk inside one scale block
+        rows, cols = min(rows, SCALE_BLOCK), min(cols, SCALE_BLOCK)
     m = x.size // (d * groups)
     tb = 1 if m == 1 else max(16, next_pow2(m))
     x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
@@ -100,23 +131,25 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     kw = dict(interpret=True) if interpret else dict(
         compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
+    extra = [] if scale is None else [lax.bitcast_convert_type(scale, jnp.uint8)]
     parts = pl.pallas_call(
         functools.partial(_kernel, starts=starts, n_outs=n_outs, group_rows=n_outs[0] // groups, rows=rows,
-                          cols=cols, chunks=n_chunks // splits),
+                          cols=cols, chunks=n_chunks // splits, scaled=scaled),
         out_shape=jax.ShapeDtypeStruct((splits, tb, total), F32), grid=(total // rows, splits),
-        in_specs=[full(layer), full(x2)] + [full(w) for w in wfs],
-        out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)), name="v4_layer_linear",
-        **kw,
-    )(layer, x2, *wfs)
+        in_specs=[full(layer), full(x2)] + [full(a) for a in extra + wfs],
+        out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)),
+        name="v4_layer_linear_fp8" if scaled else "v4_layer_linear", **kw,
+    )(layer, x2, *extra, *wfs)
     y = parts[0] if splits == 1 else jnp.sum(parts, axis=0)
     return y if tb == m else y[:m]
 
 
-def layer_linear(x, w, layer=None, groups: int = 1, *, interpret=None, num_warps: int = 4, num_stages: int = 2,
-                 rows: int = ROWS, cols: int = COLS, min_programs: int = MIN_PROGRAMS):
+def layer_linear(x, w, layer=None, groups: int = 1, *, scale=None, interpret=None, num_warps: int = 4,
+                 num_stages: int = 2, rows: int = ROWS, cols: int = COLS, min_programs: int = MIN_PROGRAMS):
     """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
-    interpreter on CPU); with `groups`, group by group (see the module doc). Shapes must pass `supported`."""
-    y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs)
+    interpreter on CPU); with `groups`, group by group; with `scale` (ue8m0 [O/128, D/128], layer `layer`'s), w is
+    e4m3 in 128 x 128 blocks (see the module doc). Shapes must pass `supported`."""
+    y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs, scale)
     n_out = w.shape[-2]
     if groups > 1:
         return y.reshape(*x.shape[:-2], groups, n_out // groups)

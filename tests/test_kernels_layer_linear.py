@@ -91,3 +91,40 @@ def test_several_weights_lower_for_gpu():
     ws = [jnp.zeros((4, o, 4096), jnp.bfloat16) for o in (1024, 512, 256)]
     txt = _compat.lower_for_cuda(lambda x, ws: LL.layer_linears(x, ws, jnp.int32(1), interpret=False), x, ws)
     assert txt.count("triton") >= 1
+
+
+def _fp8_case(lead, O, D, n, groups=1, seed=3):
+    """x rounded to FP8 as the release's act_quant leaves it, and a stack of FP8 weights with random block scales."""
+    from v4jax.model import quant
+    kx, kw, ks = jax.random.split(jax.random.key(seed), 3)
+    x = quant.fp8_roundtrip(jax.random.normal(kx, (*lead, *((groups,) if groups > 1 else ()), D), jnp.float32), 128)
+    # block magnitudes over a wide range, so every scale differs and a scale applied to the wrong block shows
+    mag = jnp.exp2(jax.random.randint(ks, (n, O // 128, D // 128), -6, 6).astype(jnp.float32))
+    w = jax.random.normal(kw, (n, O, D), jnp.float32) * jnp.repeat(jnp.repeat(mag, 128, 1), 128, 2)
+    return x, quant.Quantized(*quant.quantize(w, "fp8"), "fp8")
+
+
+@pytest.mark.parametrize("lead,O,D,groups", [((1,), 256, 384, 1), ((5,), 128, 256, 1), ((2,), 512, 128, 2)])
+def test_fp8_weights_match_the_dequantized_matmul(lead, O, D, groups):
+    # one token (the multiply-and-sum form) and several (the dot form); two groups of 256 rows; layer 1 of 3
+    x, w = _fp8_case(lead, O, D, 3, groups)
+    assert LL.supported(x, w.values, groups, scaled=True)
+    out = jax.jit(lambda x, v, s, i: LL.layer_linear(x, v, i, groups, scale=s[i], interpret=True))(
+        x, w.values, w.scale, jnp.int32(1))
+    ref = L.linear(x, w[1].astype(jnp.float32), groups)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_fp8_weights_need_whole_scale_blocks():
+    x, w = _fp8_case((1,), 128, 256, 1)
+    assert not LL.supported(x[..., :192], w.values[..., :192], scaled=True)
+    assert LL.supported(x[..., :192], w.values[..., :192].astype(jnp.float32))  # unscaled: blocks of 64
+
+
+def test_fp8_weights_lower_for_gpu():
+    x = jnp.zeros((1, 4096), jnp.bfloat16)
+    w = jnp.zeros((4, 1024, 4096), jnp.float8_e4m3fn)
+    s = jnp.zeros((8, 32), jnp.float8_e8m0fnu)
+    txt = _compat.lower_for_cuda(lambda x, w, s: LL.layer_linear(x, w, jnp.int32(1), scale=s, interpret=False),
+                                 x, w, s)
+    assert txt.count("v4_layer_linear_fp8") >= 1

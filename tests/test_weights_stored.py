@@ -207,3 +207,28 @@ def test_stored_engine_equals_simulated(stored, simulated):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
     assert stored.stats()["weights"] == M.weight_stats(stored.model)
+
+
+def test_fp8_linear_kernel_reads_the_stacks_as_stored(tmp_path, monkeypatch):
+    """The few-token projection kernel reading e4m3 stacks with their block scales (pallas_kernels.layer_linear,
+    interpreted) inside the layer loop gives the jnp reference's logits: the XLA ops table with its `linear`
+    swapped for the Pallas one, on a config whose projections are whole 128-blocks."""
+    import dataclasses
+
+    from pallas_kernels import layer_linear as pallas_linear
+    from v4jax.model import ops
+    cfg = dataclasses.replace(H.cfg_small_ratios(), dim=128, q_lora_rank=128, o_lora_rank=128, moe_inter_dim=128,
+                              n_layers=3, layer_types=H.cfg_small_ratios().layer_types[:3],
+                              compress_ratios=(0, 4, 8))
+    write_official_checkpoint(tmp_path, cfg, H.random_official_tensors(cfg, seed=6, include_mtp=False), fp8=True,
+                              fp4_experts=True, bf16=False)
+    ids = np.random.default_rng(4).integers(2, cfg.vocab_size, 12).tolist()
+    ref = LLM(str(tmp_path), **OPTS).logits(ids)
+    scaled = []
+    real = pallas_linear.layer_linear
+    monkeypatch.setattr(pallas_linear, "layer_linear", lambda x, w, *a, **kw: scaled.append(
+        kw.get("scale") is not None) or real(x, w, *a, **kw))
+    monkeypatch.setitem(ops.OPS, "xla", dataclasses.replace(ops.XLA, linear=ops._linear_pallas))
+    got = LLM(str(tmp_path), **OPTS).logits(ids)
+    assert scaled and all(scaled)  # every stacked projection went through the kernel, as stored
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

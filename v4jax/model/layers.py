@@ -415,10 +415,11 @@ class Linear(nnx.Module):
         if self.fp8 and (self.scale is not None or (opts is not None and opts.quant_sim)):
             x = quant.fp8_roundtrip(x, 128)
         w = self.weight.get_value()
-        if self.scale is not None:  # the jnp reference: dequantized inside the matmul
-            return linear(x, quant.Quantized(w[...], self.scale[...], "fp8"), groups)
+        scale = None if self.scale is None else self.scale[...]  # a layer's scales (small: sliced in the loop)
         if isinstance(w, LayerOf):  # inside the layer loop, off a mesh: the forward's ops table reads it in place
-            return opts.ops.linear(x, w.stack, w.index, groups)
+            return opts.ops.linear(x, w.stack, w.index, groups, scale)
+        if scale is not None:  # the jnp reference: dequantized inside the matmul
+            return linear(x, quant.Quantized(w[...], scale, "fp8"), groups)
         return linear(x, self.weight[...], groups)
 
 

@@ -38,9 +38,10 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       w an L.LayerOf of a layer stack [n, O_k, D] (None for a weight the kernel does not take: the caller
       projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule).
   hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post).
-  linear(x, w, layer, groups) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a layer stack
-      w [n, O, D] (v4jax.model.layers.linear, groups included); off a mesh only (on one the projections are XLA's,
-      partitioned by the rules).
+  linear(x, w, layer, groups, scale=None) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a
+      layer stack w [n, O, D] (v4jax.model.layers.linear, groups included); with `scale` (layer `layer`'s ue8m0
+      block scales), w is the release's e4m3 stack, x already rounded to FP8; off a mesh only (on one the
+      projections are XLA's, partitioned by the rules).
 The kernels are read from their modules at call time (tests patch them to count calls).
 
 Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
@@ -263,16 +264,19 @@ def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=Non
     return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form)
 
 
-def _linear_xla(x, w, layer, groups=1):
-    return L.linear(x, L.layer_slice(w, layer), groups)
+def _linear_xla(x, w, layer, groups=1, scale=None):
+    w = L.layer_slice(w, layer)
+    return L.linear(x, w if scale is None else quant.Quantized(w, scale, "fp8"), groups)
 
 
-def _linear_pallas(x, w, layer, groups=1):
+def _linear_pallas(x, w, layer, groups=1, scale=None):
     """pallas_kernels.layer_linear for a decode step's few tokens (the layer's weight read from the stack in
-    place) on GPU and, interpreted, on CPU; XLA's matmul for more tokens."""
-    if pallas_linear.supported(x, w, groups):
-        return pallas_linear.layer_linear(x, w, layer, groups).astype(x.dtype)
-    return _linear_xla(x, w, layer, groups)
+    place; FP8 weights as stored) on GPU and, interpreted, on CPU; XLA's matmul for more tokens. On the H200 the
+    XLA form of an FP8 weight (the layer's slice dequantized, then a bf16 matmul) made a flash-slice decode step
+    2x slower than bf16 weights (3.16 against 1.57 ms at batch 1, 4K)."""
+    if pallas_linear.supported(x, w, groups, scaled=scale is not None):
+        return pallas_linear.layer_linear(x, w, layer, groups, scale=scale).astype(x.dtype)
+    return _linear_xla(x, w, layer, groups, scale)
 
 
 def _project_xla(x, ws):
