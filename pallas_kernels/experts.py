@@ -148,3 +148,142 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
     y_sorted = jnp.where((sorted_e < n_exp)[:, None], y_sorted, 0.0)  # rows of no expert were never written
     y_pairs = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, d)
     return jnp.sum(y_pairs * weights[..., None], axis=1)  # f32 multiply-add (a matmul would round to TF32)
+
+
+# ---- routed experts as the release stores them: FP4 e2m1 codes, two a byte, one ue8m0 scale per 1 x 32 --------
+FP4_BLOCK = 32  # values per scale along a weight row (16 bytes)
+
+
+def fp4_supported(x, w1_codes) -> bool:
+    """The FP4 kernels: at most MAX_TOKENS tokens; the bytes of a row (D / 2 for w1 / w3, I / 2 for w2) and the
+    rows divisible by power-of-two blocks of >= 16. w1_codes [..., I, D / 2]."""
+    i, half_d = w1_codes.shape[-2:]
+    return x.shape[0] <= MAX_TOKENS and all(
+        b is not None for b in (_pow2_block(i, UP_ROWS), _pow2_block(half_d, UP_COLS // 2),
+                                _pow2_block(2 * half_d, DOWN_ROWS), _pow2_block(i // 2, DOWN_COLS // 2)))
+
+
+def _e2m1(codes):
+    """e2m1 codes (int32, 0..15) -> their values in f32, built from bits: sign, exponent e (2 bits, bias 1), mantissa
+    m (1 bit); e = 0 is 0 or 0.5."""
+    e, m = (codes >> 1) & 3, codes & 1
+    normal = ((e + 126) << 23) | (m << 22)
+    bits = jnp.where(e == 0, m * (126 << 23), normal) | ((codes & 8) << 28)
+    return lax.bitcast_convert_type(bits, F32)
+
+
+def _fp4_tile(w_ref, s_ref, row0, col0, rows, cb, cdt):
+    """Rows row0 .. row0 + rows, bytes col0 .. col0 + cb of an FP4 stack [R, C / 2] with scales [R, C / 32]: the
+    even and odd columns' values [rows, cb] in cdt (exact: e2m1 times a power of two)."""
+    b = w_ref[pl.ds(row0, rows), pl.ds(col0, cb)].astype(jnp.int32)
+    r = row0 + lax.broadcasted_iota(jnp.int32, (rows, cb), 0)
+    c = (col0 + lax.broadcasted_iota(jnp.int32, (rows, cb), 1)) // (FP4_BLOCK // 2)
+    sb = pltriton.load(s_ref.at[r, c]).astype(jnp.int32)  # each byte's block scale (gathered: cached reads)
+    s = jnp.where(sb == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(sb << 23, F32))
+    return (_e2m1(b & 15) * s).astype(cdt), (_e2m1(b >> 4) * s).astype(cdt)
+
+
+def _fp4_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *, n_exp,
+                   n_inner, rows, cb, tb, limit):
+    e, j = pl.program_id(0), pl.program_id(1)
+    start, count = offs_ref[e], offs_ref[e + 1] - offs_ref[e]
+
+    @pl.when(count > 0)
+    def _():
+        slot = lax.broadcasted_iota(jnp.int32, (tb,), 0)
+        valid = slot < count
+        tok = pltriton.load(tok_ref.at[jnp.where(valid, start + slot, 0)], mask=valid, other=0)  # [TB]
+        row0 = (layer_ref[0] * n_exp + e) * n_inner + j * rows
+        cdt = xe_ref.dtype
+
+        def body(c, acc):
+            a1, a3 = acc
+            cid = c * cb + lax.broadcasted_iota(jnp.int32, (1, cb), 1)
+            xe = pltriton.load(xe_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)  # even columns
+            xo = pltriton.load(xo_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)
+            lo, hi = _fp4_tile(w1_ref, s1_ref, row0, c * cb, rows, cb, cdt)
+            a1 += mm_nt(xe, lo) + mm_nt(xo, hi)
+            lo, hi = _fp4_tile(w3_ref, s3_ref, row0, c * cb, rows, cb, cdt)
+            a3 += mm_nt(xe, lo) + mm_nt(xo, hi)
+            return a1, a3
+
+        zero = jnp.zeros((tb, rows), F32)
+        a1, a3 = lax.fori_loop(0, xe_ref.shape[1] // cb, body, (zero, zero))
+        h_ref[...] = swiglu(a1, a3, limit)  # f32: the caller scales and rounds it as w2's input
+
+
+def _fp4_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, w2_ref, s2_ref, y_ref, *, n_exp, n_out, rows, cb):
+    e, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(offs_ref[e + 1] > offs_ref[e])
+    def _():
+        row0 = (layer_ref[0] * n_exp + e) * n_out + j * rows
+
+        def body(c, acc):
+            lo, hi = _fp4_tile(w2_ref, s2_ref, row0, c * cb, rows, cb, he_ref.dtype)
+            return acc + mm_nt(he_ref[:, pl.ds(c * cb, cb)], lo) + mm_nt(ho_ref[:, pl.ds(c * cb, cb)], hi)
+
+        y_ref[...] = lax.fori_loop(0, he_ref.shape[1] // cb, body, jnp.zeros(y_ref.shape, F32))
+
+
+def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer=None, interpret=None,
+                       num_warps: int = 4, num_stages: int = 2, up=(UP_ROWS, UP_COLS), down=(DOWN_ROWS, DOWN_COLS)):
+    """`routed_experts` for weights as the release stores them: each of w1, w2, w3 a pair (codes uint8 [..., O,
+    C / 2], scales ue8m0 [..., O, C / 32]), read in place and decoded in registers, so a step reads ~0.53 byte a
+    weight. The release's numerics: x comes rounded to FP8; w2's input is `w2_input(h, w)` (h the f32 SwiGLU
+    [E, TB, I], w each pair's routing weight [E, TB, 1]: the caller scales and rounds it, as the official expert
+    does before w2) and the outputs of a token's experts are summed unweighted.
+    The codes of a row's even columns are the bytes' low halves, the odd ones the high halves: x and w2's input
+    are split the same way (in XLA: [M, D] is small) and each chunk is two products."""
+    if interpret is None:
+        interpret = _compat.backend() == "cpu"
+    (c1, s1), (c2, s2), (c3, s3) = w1, w2, w3
+    m, k = experts.shape
+    n_exp, n_inner, half_d = c1.shape[-3:]
+    d = 2 * half_d
+    if not fp4_supported(x, c1):
+        raise ValueError(f"{m} tokens (at most {MAX_TOKENS}), FP4 expert codes {c1.shape}: not for these kernels")
+    ur, ucb = _pow2_block(n_inner, up[0]), _pow2_block(half_d, up[1] // 2)
+    dr, dcb = _pow2_block(d, down[0]), _pow2_block(n_inner // 2, down[1] // 2)
+    tb = max(16, next_pow2(m))
+    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    u8 = lambda s: lax.bitcast_convert_type(s, jnp.uint8)
+    c1f, c3f, c2f = c1.reshape(-1, half_d), c3.reshape(-1, half_d), c2.reshape(-1, n_inner // 2)
+    s1f, s3f, s2f = u8(s1).reshape(-1, d // FP4_BLOCK), u8(s3).reshape(-1, d // FP4_BLOCK), \
+        u8(s2).reshape(-1, n_inner // FP4_BLOCK)
+
+    flat_e = experts.reshape(-1).astype(jnp.int32)
+    flat_e = jnp.where((flat_e >= 0) & (flat_e < n_exp), flat_e, n_exp)
+    order = jnp.argsort(flat_e, stable=True)
+    sorted_e = flat_e[order]
+    offs = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                            jnp.cumsum(jnp.bincount(flat_e, length=n_exp + 1)).astype(jnp.int32)])
+    sorted_tok = (order // k).astype(jnp.int32)
+
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    kw = dict(interpret=True) if interpret else dict(
+        compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
+    xe, xo = x[:, 0::2], x[:, 1::2]
+    h = pl.pallas_call(
+        functools.partial(_fp4_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=ur, cb=ucb, tb=tb, limit=limit),
+        out_shape=jax.ShapeDtypeStruct((n_exp, tb, n_inner), F32), grid=(n_exp, n_inner // ur),
+        in_specs=[full(a) for a in (layer, offs, sorted_tok, xe, xo, c1f, s1f, c3f, s3f)],
+        out_specs=pl.BlockSpec((None, tb, ur), lambda e, j: (e, 0, j)), name="v4_experts_up_fp4", **kw,
+    )(layer, offs, sorted_tok, xe, xo, c1f, s1f, c3f, s3f)
+    # each (expert, slot) pair's routing weight; slots past the expert's count weigh 0 (never read)
+    pair = jnp.minimum(offs[:n_exp, None] + jnp.arange(tb)[None, :], m * k - 1)
+    live = jnp.arange(tb)[None, :] < (offs[1:n_exp + 1] - offs[:n_exp])[:, None]
+    w_pair = jnp.where(live, weights.reshape(-1)[order][pair], 0.0)[..., None]
+    h2 = w2_input(h, w_pair).astype(x.dtype)  # [E, TB, I]
+    he, ho = h2[..., 0::2], h2[..., 1::2]
+    y = pl.pallas_call(
+        functools.partial(_fp4_down_kernel, n_exp=n_exp, n_out=d, rows=dr, cb=dcb),
+        out_shape=jax.ShapeDtypeStruct((n_exp, tb, d), F32), grid=(n_exp, d // dr),
+        in_specs=[full(layer), full(offs), pl.BlockSpec((None, tb, n_inner // 2), lambda e, j: (e, 0, 0)),
+                  pl.BlockSpec((None, tb, n_inner // 2), lambda e, j: (e, 0, 0)), full(c2f), full(s2f)],
+        out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down_fp4", **kw,
+    )(layer, offs, he, ho, c2f, s2f)
+    y_sorted = y[jnp.minimum(sorted_e, n_exp - 1), jnp.arange(m * k) - offs[sorted_e]]
+    y_sorted = jnp.where((sorted_e < n_exp)[:, None], y_sorted, 0.0)
+    y_pairs = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, d)
+    return jnp.sum(y_pairs, axis=1)  # the routing weights are inside w2's input

@@ -77,3 +77,41 @@ def test_lowers_for_gpu():
             jnp.zeros((E, I, D), jnp.bfloat16), jnp.zeros((E, D, I), jnp.bfloat16), jnp.zeros((E, I, D), jnp.bfloat16))
     txt = _compat.lower_for_cuda(lambda *a: X.routed_experts(*a, 10.0, interpret=False), *args)
     assert txt.count("triton") >= 2  # the up and the down kernel
+
+
+def _fp4_case(M, k, E, I, D, seed=7, stack=None):
+    """x rounded to FP8 (act_quant), FP4 expert stacks with block scales over a range of magnitudes."""
+    from v4jax.model import quant
+    x, weights, ex, w1, w2, w3 = _case(M, k, E, I, D, jnp.float32, seed=seed, stack=() if stack is None else (stack,))
+    ks = jax.random.split(jax.random.key(seed + 1), 3)
+    def store(w, kk):  # a power-of-two magnitude per 32-block, so a scale read at the wrong block shows
+        mag = jnp.exp2(jax.random.randint(kk, (*w.shape[:-1], w.shape[-1] // 32), -4, 4).astype(jnp.float32))
+        return quant.Quantized(*quant.quantize(w * jnp.repeat(mag, 32, -1), "fp4"), "fp4")
+    return quant.fp8_roundtrip(x, 128), weights, ex, *(store(w, kk) for w, kk in zip((w1, w2, w3), ks))
+
+
+def _w2_input(h, w):
+    from v4jax.model import quant
+    return quant.fp8_roundtrip((h * w).astype(jnp.float32), 128)
+
+
+@pytest.mark.parametrize("M,k,E,I,D,layer", [(1, 2, 8, 64, 128, None), (3, 2, 5, 128, 64, 1), (20, 3, 4, 64, 64, 0)])
+def test_fp4_matches_the_release_numerics(M, k, E, I, D, layer):
+    # against the model's gather form on the dequantized stacks, act_quant (w2's input scaled by the routing weight
+    # and rounded to FP8, outputs summed unweighted); one token, a stack read at layer 1, 20 tokens over 4 experts
+    x, weights, ex, w1, w2, w3 = _fp4_case(M, k, E, I, D, stack=None if layer is None else 2)
+    assert X.fp4_supported(x, w1.values)
+    got = jax.jit(lambda x, wt, ex, a, b, c, i: X.routed_experts_fp4(
+        x, wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0, _w2_input, layer=i,
+        interpret=True))(x, weights, ex, w1, w2, w3, layer)
+    pick = (lambda w: w) if layer is None else (lambda w: w[layer])
+    ref = L.routed_experts(x, weights, ex, pick(w1), pick(w2), pick(w3), 10.0, "gather", act_quant=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_fp4_lowers_for_gpu():
+    x, weights, ex, w1, w2, w3 = _fp4_case(2, 2, 4, 64, 128)
+    txt = _compat.lower_for_cuda(lambda x, wt, ex, a, b, c: X.routed_experts_fp4(
+        x.astype(jnp.bfloat16), wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0,
+        _w2_input, interpret=False), x, weights, ex, w1, w2, w3)
+    assert txt.count("v4_experts_up_fp4") >= 1 and txt.count("v4_experts_down_fp4") >= 1

@@ -209,12 +209,12 @@ def test_stored_engine_equals_simulated(stored, simulated):
     assert stored.stats()["weights"] == M.weight_stats(stored.model)
 
 
-def test_fp8_linear_kernel_reads_the_stacks_as_stored(tmp_path, monkeypatch):
-    """The few-token projection kernel reading e4m3 stacks with their block scales (pallas_kernels.layer_linear,
-    interpreted) inside the layer loop gives the jnp reference's logits: the XLA ops table with its `linear`
-    swapped for the Pallas one, on a config whose projections are whole 128-blocks."""
+def _swapped_kernels_case(tmp_path, monkeypatch):
+    """A config whose projections are whole 128-blocks, stored as the release does, and the XLA ops table with its
+    `linear` and `experts` swapped for the Pallas ones (interpreted), their calls counted."""
     import dataclasses
 
+    from pallas_kernels import experts as pallas_experts
     from pallas_kernels import layer_linear as pallas_linear
     from v4jax.model import ops
     cfg = dataclasses.replace(H.cfg_small_ratios(), dim=128, q_lora_rank=128, o_lora_rank=128, moe_inter_dim=128,
@@ -223,12 +223,40 @@ def test_fp8_linear_kernel_reads_the_stacks_as_stored(tmp_path, monkeypatch):
     write_official_checkpoint(tmp_path, cfg, H.random_official_tensors(cfg, seed=6, include_mtp=False), fp8=True,
                               fp4_experts=True, bf16=False)
     ids = np.random.default_rng(4).integers(2, cfg.vocab_size, 12).tolist()
-    ref = LLM(str(tmp_path), **OPTS).logits(ids)
-    scaled = []
-    real = pallas_linear.layer_linear
-    monkeypatch.setattr(pallas_linear, "layer_linear", lambda x, w, *a, **kw: scaled.append(
-        kw.get("scale") is not None) or real(x, w, *a, **kw))
-    monkeypatch.setitem(ops.OPS, "xla", dataclasses.replace(ops.XLA, linear=ops._linear_pallas))
-    got = LLM(str(tmp_path), **OPTS).logits(ids)
-    assert scaled and all(scaled)  # every stacked projection went through the kernel, as stored
+    calls = {"scaled": [], "fp4": []}
+
+    def swap():
+        real = pallas_linear.layer_linear
+        monkeypatch.setattr(pallas_linear, "layer_linear", lambda x, w, *a, **kw: calls["scaled"].append(
+            kw.get("scale") is not None) or real(x, w, *a, **kw))
+        real_fp4 = pallas_experts.routed_experts_fp4
+        monkeypatch.setattr(pallas_experts, "routed_experts_fp4", lambda x, *a, **kw: calls["fp4"].append(
+            x.shape[0]) or real_fp4(x, *a, **kw))
+        monkeypatch.setitem(ops.OPS, "xla", dataclasses.replace(ops.XLA, linear=ops._linear_pallas,
+                                                               experts=ops._experts_pallas))
+    return str(tmp_path), ids, calls, swap
+
+
+def test_fp8_linear_kernel_reads_the_stacks_as_stored(tmp_path, monkeypatch):
+    """The few-token projection kernel on e4m3 stacks with block scales (pallas_kernels.layer_linear) inside the
+    layer loop gives the jnp reference's logits."""
+    path, ids, calls, swap = _swapped_kernels_case(tmp_path, monkeypatch)
+    ref = LLM(path, **OPTS).logits(ids)
+    swap()
+    got = LLM(path, **OPTS).logits(ids)
+    assert calls["scaled"] and all(calls["scaled"])  # every stacked projection through the kernel, as stored
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # two minutes: interpreted kernels in an engine
+def test_fp4_experts_kernel_in_the_engine(tmp_path, monkeypatch):
+    """The engine with the FP4 experts kernels (and the FP8 projection kernel) gives the XLA forms' greedy tokens
+    and log-probs, prompt chunk and decode steps."""
+    path, ids, calls, swap = _swapped_kernels_case(tmp_path, monkeypatch)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    ref = LLM(path, **OPTS).generate([ids], sp)[0]
+    swap()
+    out = LLM(path, **OPTS).generate([ids], sp)[0]
+    assert 1 in calls["fp4"] and max(calls["fp4"]) > 1  # a decode step's routed experts and the prompt chunk's
+    assert out.token_ids == ref.token_ids
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)

@@ -253,8 +253,17 @@ def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, 
 def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False):
     """pallas_kernels.experts for a decode step's few tokens (each chosen expert's weights read once, from the
     layer stack in place) on GPU and, interpreted, on CPU; a prefill chunk's on Hopper GPUs as one grouped matmul
-    per weight (pallas_kernels.experts_grouped); the XLA forms for the sizes neither takes, for weights kept as
-    stored and for the release's rounding (act_quant)."""
+    per weight (pallas_kernels.experts_grouped); FP4 experts as stored through pallas_kernels.experts' FP4
+    kernels (the release's rounding included); the XLA forms for the sizes none takes, for FP8 experts and for
+    the release's rounding of bf16 weights (act_quant)."""
+    if (isinstance(w1, quant.Quantized) and w1.storage == "fp4" and act_quant
+            and pallas_experts.fp4_supported(x, w1.values)):
+        # FP4 as stored, decoded in registers: the XLA forms gather and dequantize the chosen experts to bf16 in
+        # memory first (4.5 bytes moved a weight, against 0.53)
+        dt = x.dtype
+        return pallas_experts.routed_experts_fp4(
+            x, weights, experts, (w1.values, w1.scale), (w2.values, w2.scale), (w3.values, w3.scale), limit,
+            lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128), layer=layer)
     if act_quant or isinstance(w1, quant.Quantized):
         return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form, act_quant)
     if pallas_experts.supported(x, w1):
