@@ -221,3 +221,43 @@ def test_grouped_experts_gpu(M, k, E, I, D):
                      np.float64)
     # the kernel rounds its matmul outputs to bf16 (h1, h3 and each expert's output): ~1e-2 of the scale
     assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("M,O,D,G,n", [(1, 1024, 4096, 1, 4), (32, 512, 4096, 1, 4), (1, 8192, 4096, 8, 3),
+                                       (32, 8192, 4096, 8, 3)])
+def test_layer_linear_fp8_gpu(M, O, D, G, n):
+    """e4m3 stacks with 128x128 ue8m0 scales as stored (widened in registers): the dequantized matmul's sums."""
+    from v4jax.model import quant
+    LL = importlib.import_module("pallas_kernels.layer_linear")
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = quant.fp8_roundtrip(jax.random.normal(kx, (M, G, D) if G > 1 else (M, D), jnp.float32), 128)
+    w = quant.Quantized(*quant.quantize(jax.random.normal(kw, (n, O, D), jnp.float32) * D ** -0.5, "fp8"), "fp8")
+    out = jax.jit(lambda x, v, s, i: LL.layer_linear(x, v, i, groups=G, scale=s[i]))(
+        x.astype(jnp.bfloat16), w.values, w.scale, jnp.int32(n - 1))
+    wl = w[n - 1].astype(jnp.float32).reshape(G, O // G, D)
+    ref = jnp.einsum("mgd,grd->mgr", x.reshape(M, G, D), wl, precision="highest")
+    _close(out.reshape(ref.shape), ref, 1e-4)
+
+
+@pytest.mark.parametrize("M,k,E,I,D,n", [(1, 6, 16, 2048, 4096, 2), (32, 6, 64, 2048, 4096, 1), (3, 2, 8, 64, 128, 1)])
+def test_routed_experts_fp4_gpu(M, k, E, I, D, n):
+    """FP4 expert stacks as stored, codes decoded in registers: the model's gather form on the dequantized
+    weights with the release's rounding (w2's input rounded to FP8: an element that rounds the other way from sums
+    taken in another order moves an output by a step of FP8, hence the bound relative to the scale)."""
+    from v4jax.model import quant
+    X = importlib.import_module("pallas_kernels.experts")
+    ks = jax.random.split(jax.random.key(3), 6)
+    x = quant.fp8_roundtrip(jax.random.normal(ks[0], (M, D), jnp.float32), 128).astype(jnp.bfloat16)
+    store = lambda w: quant.Quantized(*quant.quantize(w, "fp4"), "fp4")
+    w1, w3 = (store(0.05 * jax.random.normal(kk, (n, E, I, D), jnp.float32)) for kk in ks[1:3])
+    w2 = store(0.05 * jax.random.normal(ks[3], (n, E, D, I), jnp.float32))
+    ex = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:k])(jax.random.split(ks[4], M)).astype(jnp.int32)
+    wt = jax.random.uniform(ks[5], (M, k))
+    w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(jnp.bfloat16), 128)
+    out = jax.jit(lambda x, wt, ex, a, b, c, i: X.routed_experts_fp4(
+        x, wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0, w2_input, layer=i))(
+        x, wt, ex, w1, w2, w3, jnp.int32(n - 1))
+    ref = jax.jit(lambda x, wt, ex, a, b, c: L.routed_experts(x, wt, ex, a[n - 1], b[n - 1], c[n - 1], 10.0,
+                                                                "gather", act_quant=True))(x, wt, ex, w1, w2, w3)
+    ref = np.asarray(ref, np.float64)
+    assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))

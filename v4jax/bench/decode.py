@@ -57,9 +57,10 @@ def small_config() -> ModelConfig:
 
 
 # ---- roofline ----------------------------------------------------------------------------------------
-def roofline_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2) -> dict:
-    """Bytes one decode step of `batch` sequences at `context` tokens must read (see the module doc)."""
-    w = M.decode_weight_bytes(cfg, batch, dtype_bytes)
+def roofline_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2, weights=None) -> dict:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read (see the module doc); `weights`
+    (quant.WeightFormat): the weights' storage (default: the model dtype)."""
+    w = M.decode_weight_bytes(cfg, batch, dtype_bytes, **({} if weights is None else {"weights": weights}))
     kv = M.decode_read_bytes(cfg, context, {2: "bf16", 4: "f32"}[dtype_bytes])
     return {"weights": w["total"], "kv": batch * kv["total"], "total": w["total"] + batch * kv["total"],
             "active_experts_per_layer": w["active_experts_per_layer"],
@@ -473,6 +474,9 @@ def decode_main(argv=None) -> int:
     ap.add_argument("--bw-bytes", type=float, default=None, help="bytes of the bandwidth probe (default 4 GiB; "
                     "small 64 MiB)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8"), help="the weights as bf16 (none) or "
+                    "as the release stores them (fp8: FP8 linears, FP4 experts; the roofline counts those bytes; no "
+                    "HF comparison)")
     ap.add_argument("--attention-impl", default="xla", choices=("xla", "pallas"),
                     help="the engine's attention path (pallas: pallas_kernels)")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./bench_out)")
@@ -493,7 +497,7 @@ def decode_main(argv=None) -> int:
     import numpy as np
     from flax import nnx
 
-    from v4jax.model import RunOptions, Transformer
+    from v4jax.model import RunOptions, Transformer, quant
 
     if a.small:
         cfg, name = small_config(), "small"
@@ -529,8 +533,10 @@ def decode_main(argv=None) -> int:
     print(f"[{time.perf_counter() - t_start:6.1f}s] bandwidth {bw}", flush=True)
 
     t0 = time.perf_counter()
-    model = Transformer(cfg, rngs=nnx.Rngs(a.seed), dtype=jnp.bfloat16, mtp=False)
+    weight_format = quant.RELEASE if a.quantization == "fp8" else quant.DEQUANTIZED
+    model = Transformer(cfg, rngs=nnx.Rngs(a.seed), dtype=jnp.bfloat16, mtp=False, weights=weight_format)
     jax.block_until_ready(nnx.state(model))
+    res.data["quantization"] = a.quantization
     res.data["model_init_s"] = time.perf_counter() - t0
     print(f"[{time.perf_counter() - t_start:6.1f}s] model initialised", flush=True)
     run_opts = RunOptions(attention_impl=a.attention_impl)
@@ -547,8 +553,9 @@ def decode_main(argv=None) -> int:
     bw_Bps = bw["copy_GBps"] * 1e9
 
     def run_hf():
-        if a.hf == "off" or (a.hf == "auto" and not have_transformers()):
-            res.note("HF comparison not run: " + ("--hf off" if a.hf == "off" else "transformers is not installed"))
+        if a.hf == "off" or (a.hf == "auto" and not have_transformers()) or a.quantization != "none":
+            res.note("HF comparison not run: " + ("--hf off" if a.hf == "off" else "weights as stored"
+                                                  if a.quantization != "none" else "transformers is not installed"))
             return None
         device = "cuda" if on_gpu else "cpu"
         try:
@@ -630,7 +637,7 @@ def decode_main(argv=None) -> int:
                 raise MemoryError(f"decode temporaries {temp / 1e9:.1f} GB > {free / 1e9:.1f} GB free")
             row = bench.run(c, iters, a.gen_iters, rng, profile=a.profile)
             row["pool_bytes"] = bench.pool_bytes()
-            rl = roofline_bytes(cfg, b, c)
+            rl = roofline_bytes(cfg, b, c, weights=weight_format)
             row["roofline"] = rl
             row["roofline_ms"] = rl["total"] / bw_Bps * 1e3
             row["roofline_pct"] = 100.0 * row["roofline_ms"] / row["ms_per_step"]
