@@ -163,25 +163,24 @@ def fp4_supported(x, w1_codes) -> bool:
                                 _pow2_block(2 * half_d, DOWN_ROWS), _pow2_block(i // 2, DOWN_COLS // 2)))
 
 
-def _e2m1_scaled(codes, scale14):
-    """e2m1 codes (int32, 0..15) times their blocks' scales, in f32. A code's sign and its 3 exponent-mantissa
-    bits placed as an f16's sign and lowest exponent / top mantissa bits make an f16 of the code's value x 2^-14
-    (subnormal for 0.5, as f16 converts exactly), so `scale14` holds the scales x 2^14: five integer ops a code,
-    not the eleven of building an f32 by cases."""
-    h = (((codes & 8) << 12) | ((codes & 7) << 9)).astype(jnp.int16)
-    return lax.bitcast_convert_type(h, jnp.float16).astype(F32) * scale14
+def _e2m1(codes):
+    """e2m1 codes (int32, 0..15) -> their values in f32, built from bits: sign, exponent e (2 bits, bias 1), mantissa
+    m (1 bit); e = 0 is 0 or 0.5."""
+    e, m = (codes >> 1) & 3, codes & 1
+    normal = ((e + 126) << 23) | (m << 22)
+    bits = jnp.where(e == 0, m * (126 << 23), normal) | ((codes & 8) << 28)
+    return lax.bitcast_convert_type(bits, F32)
 
 
 def _fp4_tile(w_ref, s_ref, row0, col0, rows, cb, cdt):
     """Rows row0 .. row0 + rows, bytes col0 .. col0 + cb of an FP4 stack [R, C / 2] with scales [R, C / 32]: the
-    even and odd columns' values [rows, cb] in cdt (exact: e2m1 times a power of two). A scale covers 16 bytes:
-    the [rows, cb / 16] scales are read once and broadcast in registers."""
-    group = FP4_BLOCK // 2
+    even and odd columns' values [rows, cb] in cdt (exact: e2m1 times a power of two)."""
     b = w_ref[pl.ds(row0, rows), pl.ds(col0, cb)].astype(jnp.int32)
-    sb = s_ref[pl.ds(row0, rows), pl.ds(col0 // group, cb // group)].astype(jnp.int32)
-    s14 = lax.bitcast_convert_type((sb + 14) << 23, F32)  # 2^(byte - 127) x 2^14, byte 0 included
-    s14 = jnp.broadcast_to(s14[:, :, None], (rows, cb // group, group)).reshape(rows, cb)
-    return _e2m1_scaled(b & 15, s14).astype(cdt), _e2m1_scaled(b >> 4, s14).astype(cdt)
+    r = row0 + lax.broadcasted_iota(jnp.int32, (rows, cb), 0)
+    c = (col0 + lax.broadcasted_iota(jnp.int32, (rows, cb), 1)) // (FP4_BLOCK // 2)
+    sb = pltriton.load(s_ref.at[r, c]).astype(jnp.int32)  # each byte's block scale (gathered: cached reads)
+    s = jnp.where(sb == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(sb << 23, F32))
+    return (_e2m1(b & 15) * s).astype(cdt), (_e2m1(b >> 4) * s).astype(cdt)
 
 
 def _fp4_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *, n_exp,
