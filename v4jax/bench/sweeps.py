@@ -604,9 +604,86 @@ def indexer_prefill(a, out_dir: str) -> int:
     return 0
 
 
+def stored_weights(a, out_dir: str) -> int:
+    """Weights as the release stores them against bf16 (flash sizes), the device time of each kernel call:
+    the routed experts (D 4096, I 2048, 6 active; E = 16 and 256, M = 1 and 32) through pallas_kernels.experts'
+    bf16 kernels and its FP4 kernels (block sizes, warps, and a second way to widen the codes: through f16 bit
+    placement with the scales broadcast in registers), and the few-token projection (pallas_kernels.layer_linear)
+    on bf16 and on e4m3 stacks. GB/s = the bytes each form reads as stored (the routed pairs' weights once)."""
+    from pallas_kernels import experts as X
+    from pallas_kernels import layer_linear as LL
+    from v4jax.bench.profile import summarize
+    from v4jax.model import quant
+
+    def f16_tile(w_ref, s_ref, row0, col0, rows, cb, cdt):  # the alternative decode, swapped in for its rows
+        from jax import lax
+        from jax.experimental import pallas as pl
+        g = X.FP4_BLOCK // 2
+        b = w_ref[pl.ds(row0, rows), pl.ds(col0, cb)].astype(jnp.int32)
+        sb = s_ref[pl.ds(row0, rows), pl.ds(col0 // g, cb // g)].astype(jnp.int32)
+        s14 = lax.bitcast_convert_type((sb + 14) << 23, jnp.float32)
+        s14 = jnp.broadcast_to(s14[:, :, None], (rows, cb // g, g)).reshape(rows, cb)
+        dec = lambda c: lax.bitcast_convert_type((((c & 8) << 12) | ((c & 7) << 9)).astype(jnp.int16),
+                                                 jnp.float16).astype(jnp.float32) * s14
+        return dec(b & 15).astype(cdt), dec(b >> 4).astype(cdt)
+
+    def timed(name, fn, args, gbytes, **key):
+        try:
+            s = summarize(lambda: jax.block_until_ready(fn(*args)), repeats=5, top=4)
+        except Exception as e:  # noqa: BLE001 - a block shape Triton refuses: say so, go on
+            rows.append(dict(key, form=name, error=str(e)[:200]))
+            print(f"{key} {name}: {str(e)[:200]}", flush=True)
+            return
+        ms = s.get("kernel_ms", float("nan"))
+        rows.append(dict(key, form=name, kernel_ms=ms, kernels=s.get("kernels"), gbps=gbytes / ms * 1e3,
+                         top=s.get("top")))
+        print(f"{key} {name}: {ms:.4f} ms, {gbytes / ms * 1e3:.0f} GB/s", flush=True)
+
+    rows = []
+    k, I, D = 6, 2048, 4096
+    w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(BF16), 128)
+    for E, M in [(16, 1), (16, 32), (256, 1), (256, 32)]:
+        x, wt, ex, w1, w2, w3 = experts_case(M, k, E, I, D)
+        pairs = len(set(np.asarray(ex).reshape(-1).tolist())) if E == 16 else M * k
+        per_expert = 3 * I * D
+        timed("bf16", jax.jit(lambda *a: X.routed_experts(*a, 10.0)), (x, wt, ex, w1, w2, w3),
+              pairs * per_expert * 2 / 1e9, E=E, M=M)
+        st = [quant.Quantized(*quant.quantize(w, "fp4"), "fp4") for w in (w1, w2, w3)]
+        st_args = (quant.fp8_roundtrip(x, 128), wt, ex, *[(q.values, q.scale) for q in st])
+        del w1, w2, w3
+        gb = pairs * per_expert * (0.5 + 1 / 32) / 1e9
+        for (ur, uc), (dr, dc), nw in [((16, 512), (16, 512), 4), ((16, 512), (16, 512), 8),
+                                      ((32, 256), (32, 256), 4), ((16, 1024), (16, 1024), 4)]:
+            timed(f"fp4 up{ur}x{uc} down{dr}x{dc} w{nw}", jax.jit(
+                lambda x, wt, ex, a1, a2, a3, u=(ur, uc), d=(dr, dc), nw=nw: X.routed_experts_fp4(
+                    x, wt, ex, a1, a2, a3, 10.0, w2_input, up=u, down=d, num_warps=nw)), st_args, gb, E=E, M=M)
+        real = X._fp4_tile
+        X._fp4_tile = f16_tile
+        try:
+            timed("fp4 (f16 widening) up16x512 w4", jax.jit(lambda x, wt, ex, a1, a2, a3: X.routed_experts_fp4(
+                x, wt, ex, a1, a2, a3, 10.0, w2_input)), st_args, gb, E=E, M=M)
+        finally:
+            X._fp4_tile = real
+    for O, Din, G, M in [(1024, 4096, 1, 1), (1024, 4096, 1, 32), (32768, 1024, 1, 1), (8192, 4096, 8, 1),
+                         (8192, 4096, 8, 32)]:
+        kx, kw = jax.random.split(jax.random.key(1))
+        x = quant.fp8_roundtrip(jax.random.normal(kx, (M, G, Din) if G > 1 else (M, Din), jnp.float32), 128)
+        w = jax.random.normal(kw, (2, O, Din), jnp.float32) * Din ** -0.5
+        q = quant.Quantized(*quant.quantize(w, "fp8"), "fp8")
+        key = dict(O=O, D=Din, G=G, M=M)
+        timed("linear bf16", jax.jit(lambda x, w: LL.layer_linear(x, w, 1, G)), (x.astype(BF16), w.astype(BF16)),
+              O * Din * 2 / 1e9, **key)
+        timed("linear fp8", jax.jit(lambda x, v, s: LL.layer_linear(x, v, 1, G, scale=s[1])),
+              (x.astype(BF16), q.values, q.scale), O * Din * (1 + 1 / 128 ** 2) / 1e9, **key)
+    with open(os.path.join(out_dir, "stored_weights.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
-          "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill}
+          "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
+          "stored_weights": stored_weights}
 SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post")   # the sweeps with a --small form
 
 
