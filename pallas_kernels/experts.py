@@ -152,6 +152,12 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
 
 # ---- routed experts as the release stores them: FP4 e2m1 codes, two a byte, one ue8m0 scale per 1 x 32 --------
 FP4_BLOCK = 32  # values per scale along a weight row (16 bytes)
+# Blocks (rows per program, logical columns per loop step), from an H200 sweep (v4jax bench kernels --sweep
+# stored_weights, Flash sizes): 32 x 256 took 0.18 ms at 16 experts / 1 token, 0.26 at 256 / 1 and 4.2 at 256 / 32,
+# against 0.25, 0.40 and 5.6 for the bf16 kernels' 16 x 512, 0.45-11.2 for 16 x 1024, and 8 warps were slower
+# everywhere. Decoding the codes costs more than the bytes saved: the bf16 kernels took 0.12, 0.15 and 2.2 ms
+# (a 256-entry byte table in place of the bit arithmetic: 0.42, 0.58, 9.0 ms).
+FP4_UP, FP4_DOWN = (32, 256), (32, 256)
 
 
 def fp4_supported(x, w1_codes) -> bool:
@@ -159,8 +165,8 @@ def fp4_supported(x, w1_codes) -> bool:
     rows divisible by power-of-two blocks of >= 16. w1_codes [..., I, D / 2]."""
     i, half_d = w1_codes.shape[-2:]
     return x.shape[0] <= MAX_TOKENS and all(
-        b is not None for b in (_pow2_block(i, UP_ROWS), _pow2_block(half_d, UP_COLS // 2),
-                                _pow2_block(2 * half_d, DOWN_ROWS), _pow2_block(i // 2, DOWN_COLS // 2)))
+        b is not None for b in (_pow2_block(i, FP4_UP[0]), _pow2_block(half_d, FP4_UP[1] // 2),
+                                _pow2_block(2 * half_d, FP4_DOWN[0]), _pow2_block(i // 2, FP4_DOWN[1] // 2)))
 
 
 def _e2m1(codes):
@@ -172,36 +178,19 @@ def _e2m1(codes):
     return lax.bitcast_convert_type(bits, F32)
 
 
-def _byte_table():
-    """The 256 bytes of two e2m1 codes -> int32 holding the two values' bf16 bits (high code in the top half): one
-    cached gather a byte instead of ~20 integer ops."""
-    import numpy as np
-    vals = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                    np.float32)
-    bf16 = (vals.view(np.uint32) >> 16).astype(np.uint32)  # exact: e2m1 values have one mantissa bit
-    b = np.arange(256)
-    return ((bf16[b >> 4] << 16) | bf16[b & 15]).view(np.int32)
-
-
-def _fp4_tile(w_ref, s_ref, row0, col0, rows, cb, cdt, lut_ref=None):
+def _fp4_tile(w_ref, s_ref, row0, col0, rows, cb, cdt):
     """Rows row0 .. row0 + rows, bytes col0 .. col0 + cb of an FP4 stack [R, C / 2] with scales [R, C / 32]: the
-    even and odd columns' values [rows, cb] in cdt (exact: e2m1 times a power of two). lut_ref: `_byte_table`,
-    the bytes decoded through it (else from their bits)."""
+    even and odd columns' values [rows, cb] in cdt (exact: e2m1 times a power of two)."""
     b = w_ref[pl.ds(row0, rows), pl.ds(col0, cb)].astype(jnp.int32)
     r = row0 + lax.broadcasted_iota(jnp.int32, (rows, cb), 0)
     c = (col0 + lax.broadcasted_iota(jnp.int32, (rows, cb), 1)) // (FP4_BLOCK // 2)
     sb = pltriton.load(s_ref.at[r, c]).astype(jnp.int32)  # each byte's block scale (gathered: cached reads)
     s = jnp.where(sb == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(sb << 23, F32))
-    if lut_ref is not None:
-        v = pltriton.load(lut_ref.at[b])
-        lo, hi = lax.bitcast_convert_type(v << 16, F32), lax.bitcast_convert_type(v & -65536, F32)
-        return (lo * s).astype(cdt), (hi * s).astype(cdt)
     return (_e2m1(b & 15) * s).astype(cdt), (_e2m1(b >> 4) * s).astype(cdt)
 
 
-def _fp4_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, w1_ref, s1_ref, w3_ref, s3_ref, lut_ref, h_ref, *,
-                   n_exp, n_inner, rows, cb, tb, limit, lut):
-    lut_ref = lut_ref if lut else None
+def _fp4_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *, n_exp,
+                   n_inner, rows, cb, tb, limit):
     e, j = pl.program_id(0), pl.program_id(1)
     start, count = offs_ref[e], offs_ref[e + 1] - offs_ref[e]
 
@@ -218,9 +207,9 @@ def _fp4_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, w1_ref, s1_ref,
             cid = c * cb + lax.broadcasted_iota(jnp.int32, (1, cb), 1)
             xe = pltriton.load(xe_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)  # even columns
             xo = pltriton.load(xo_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)
-            lo, hi = _fp4_tile(w1_ref, s1_ref, row0, c * cb, rows, cb, cdt, lut_ref)
+            lo, hi = _fp4_tile(w1_ref, s1_ref, row0, c * cb, rows, cb, cdt)
             a1 += mm_nt(xe, lo) + mm_nt(xo, hi)
-            lo, hi = _fp4_tile(w3_ref, s3_ref, row0, c * cb, rows, cb, cdt, lut_ref)
+            lo, hi = _fp4_tile(w3_ref, s3_ref, row0, c * cb, rows, cb, cdt)
             a3 += mm_nt(xe, lo) + mm_nt(xo, hi)
             return a1, a3
 
@@ -229,9 +218,7 @@ def _fp4_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, w1_ref, s1_ref,
         h_ref[...] = swiglu(a1, a3, limit)  # f32: the caller scales and rounds it as w2's input
 
 
-def _fp4_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, w2_ref, s2_ref, lut_ref, y_ref, *, n_exp, n_out, rows, cb,
-                     lut):
-    lut_ref = lut_ref if lut else None
+def _fp4_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, w2_ref, s2_ref, y_ref, *, n_exp, n_out, rows, cb):
     e, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(offs_ref[e + 1] > offs_ref[e])
@@ -239,23 +226,21 @@ def _fp4_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, w2_ref, s2_ref, lut_re
         row0 = (layer_ref[0] * n_exp + e) * n_out + j * rows
 
         def body(c, acc):
-            lo, hi = _fp4_tile(w2_ref, s2_ref, row0, c * cb, rows, cb, he_ref.dtype, lut_ref)
+            lo, hi = _fp4_tile(w2_ref, s2_ref, row0, c * cb, rows, cb, he_ref.dtype)
             return acc + mm_nt(he_ref[:, pl.ds(c * cb, cb)], lo) + mm_nt(ho_ref[:, pl.ds(c * cb, cb)], hi)
 
         y_ref[...] = lax.fori_loop(0, he_ref.shape[1] // cb, body, jnp.zeros(y_ref.shape, F32))
 
 
 def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer=None, interpret=None,
-                       num_warps: int = 4, num_stages: int = 2, up=(UP_ROWS, UP_COLS), down=(DOWN_ROWS, DOWN_COLS),
-                       decode: str = "bits"):
+                       num_warps: int = 4, num_stages: int = 2, up=FP4_UP, down=FP4_DOWN):
     """`routed_experts` for weights as the release stores them: each of w1, w2, w3 a pair (codes uint8 [..., O,
     C / 2], scales ue8m0 [..., O, C / 32]), read in place and decoded in registers, so a step reads ~0.53 byte a
     weight. The release's numerics: x comes rounded to FP8; w2's input is `w2_input(h, w)` (h the f32 SwiGLU
     [E, TB, I], w each pair's routing weight [E, TB, 1]: the caller scales and rounds it, as the official expert
     does before w2) and the outputs of a token's experts are summed unweighted.
     The codes of a row's even columns are the bytes' low halves, the odd ones the high halves: x and w2's input
-    are split the same way (in XLA: [M, D] is small) and each chunk is two products. decode: "bits" (integer
-    ops) or "lut" (a 256-entry table, `_byte_table`)."""
+    are split the same way (in XLA: [M, D] is small) and each chunk is two products."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     (c1, s1), (c2, s2), (c3, s3) = w1, w2, w3
@@ -284,17 +269,13 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     kw = dict(interpret=True) if interpret else dict(
         compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
-    if decode not in ("bits", "lut"):
-        raise ValueError(f"decode must be 'bits' or 'lut', got {decode!r}")
-    lut = jnp.asarray(_byte_table())
     xe, xo = x[:, 0::2], x[:, 1::2]
     h = pl.pallas_call(
-        functools.partial(_fp4_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=ur, cb=ucb, tb=tb, limit=limit,
-                          lut=decode == "lut"),
+        functools.partial(_fp4_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=ur, cb=ucb, tb=tb, limit=limit),
         out_shape=jax.ShapeDtypeStruct((n_exp, tb, n_inner), F32), grid=(n_exp, n_inner // ur),
-        in_specs=[full(a) for a in (layer, offs, sorted_tok, xe, xo, c1f, s1f, c3f, s3f, lut)],
+        in_specs=[full(a) for a in (layer, offs, sorted_tok, xe, xo, c1f, s1f, c3f, s3f)],
         out_specs=pl.BlockSpec((None, tb, ur), lambda e, j: (e, 0, j)), name="v4_experts_up_fp4", **kw,
-    )(layer, offs, sorted_tok, xe, xo, c1f, s1f, c3f, s3f, lut)
+    )(layer, offs, sorted_tok, xe, xo, c1f, s1f, c3f, s3f)
     # each (expert, slot) pair's routing weight; slots past the expert's count weigh 0 (never read)
     pair = jnp.minimum(offs[:n_exp, None] + jnp.arange(tb)[None, :], m * k - 1)
     live = jnp.arange(tb)[None, :] < (offs[1:n_exp + 1] - offs[:n_exp])[:, None]
@@ -302,12 +283,12 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     h2 = w2_input(h, w_pair).astype(x.dtype)  # [E, TB, I]
     he, ho = h2[..., 0::2], h2[..., 1::2]
     y = pl.pallas_call(
-        functools.partial(_fp4_down_kernel, n_exp=n_exp, n_out=d, rows=dr, cb=dcb, lut=decode == "lut"),
+        functools.partial(_fp4_down_kernel, n_exp=n_exp, n_out=d, rows=dr, cb=dcb),
         out_shape=jax.ShapeDtypeStruct((n_exp, tb, d), F32), grid=(n_exp, d // dr),
         in_specs=[full(layer), full(offs), pl.BlockSpec((None, tb, n_inner // 2), lambda e, j: (e, 0, 0)),
-                  pl.BlockSpec((None, tb, n_inner // 2), lambda e, j: (e, 0, 0)), full(c2f), full(s2f), full(lut)],
+                  pl.BlockSpec((None, tb, n_inner // 2), lambda e, j: (e, 0, 0)), full(c2f), full(s2f)],
         out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down_fp4", **kw,
-    )(layer, offs, he, ho, c2f, s2f, lut)
+    )(layer, offs, he, ho, c2f, s2f)
     y_sorted = y[jnp.minimum(sorted_e, n_exp - 1), jnp.arange(m * k) - offs[sorted_e]]
     y_sorted = jnp.where((sorted_e < n_exp)[:, None], y_sorted, 0.0)
     y_pairs = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, d)

@@ -95,25 +95,23 @@ def _w2_input(h, w):
     return quant.fp8_roundtrip((h * w).astype(jnp.float32), 128)
 
 
-@pytest.mark.parametrize("M,k,E,I,D,layer,decode", [(1, 2, 8, 64, 128, None, "bits"), (3, 2, 5, 128, 64, 1, "lut"),
-                                                    (20, 3, 4, 64, 64, 0, "bits"), (1, 2, 8, 64, 128, None, "lut")])
-def test_fp4_matches_the_release_numerics(M, k, E, I, D, layer, decode):
+@pytest.mark.parametrize("M,k,E,I,D,layer", [(1, 2, 8, 64, 128, None), (3, 2, 5, 128, 64, 1), (20, 3, 4, 64, 64, 0)])
+def test_fp4_matches_the_release_numerics(M, k, E, I, D, layer):
     # against the model's gather form on the dequantized stacks, act_quant (w2's input scaled by the routing weight
     # and rounded to FP8, outputs summed unweighted); one token, a stack read at layer 1, 20 tokens over 4 experts
     x, weights, ex, w1, w2, w3 = _fp4_case(M, k, E, I, D, stack=None if layer is None else 2)
     assert X.fp4_supported(x, w1.values)
     got = jax.jit(lambda x, wt, ex, a, b, c, i: X.routed_experts_fp4(
         x, wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0, _w2_input, layer=i,
-        interpret=True, decode=decode))(x, weights, ex, w1, w2, w3, layer)
+        interpret=True))(x, weights, ex, w1, w2, w3, layer)
     pick = (lambda w: w) if layer is None else (lambda w: w[layer])
     ref = L.routed_experts(x, weights, ex, pick(w1), pick(w2), pick(w3), 10.0, "gather", act_quant=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
-@pytest.mark.parametrize("decode", ["bits", "lut"])
-def test_fp4_lowers_for_gpu(decode):
+def test_fp4_lowers_for_gpu():
     x, weights, ex, w1, w2, w3 = _fp4_case(2, 2, 4, 64, 128)
     txt = _compat.lower_for_cuda(lambda x, wt, ex, a, b, c: X.routed_experts_fp4(
         x.astype(jnp.bfloat16), wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0,
-        _w2_input, interpret=False, decode=decode), x, weights, ex, w1, w2, w3)
+        _w2_input, interpret=False), x, weights, ex, w1, w2, w3)
     assert txt.count("v4_experts_up_fp4") >= 1 and txt.count("v4_experts_down_fp4") >= 1
