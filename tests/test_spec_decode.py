@@ -282,3 +282,28 @@ def test_speculation_on_fp8_cache_entries():
         assert got.token_ids == w.token_ids
         np.testing.assert_allclose(got.logprobs, w.logprobs, atol=1e-5)
     assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow  # minutes on CPU
+def test_forced_acceptance_for_benchmarks():
+    """StepSpec.forced_acceptance (`v4jax bench spec --accept RATE`): rate 1 keeps every draft (k + 1 tokens a
+    step, the drafts emitted as the tokens), rate 0 none (each step emits the model's own token: plain greedy
+    decoding, against the teacher-forced forward)."""
+    llm = _spec_llm(2)
+    prompts = _prompts(LENS, llm.config.vocab_size, seed=3)
+    sp = dataclasses.replace(GREEDY, max_tokens=12)
+    core = llm.engine
+    for rate in (0.0, 1.0):
+        core.greedy_spec = dataclasses.replace(core.greedy_spec, forced_acceptance=rate)
+        before = llm.stats()["spec_decode"]
+        outs = llm.generate(prompts, sp)
+        sd = llm.stats()["spec_decode"]
+        steps = sd["num_drafts"] - before["num_drafts"]
+        accepted = np.subtract(sd["accepted_by_position"], before["accepted_by_position"])
+        assert all(len(o.token_ids) == sp.max_tokens for o in outs)
+        if rate == 0.0:
+            assert steps > 0 and not accepted.any()
+            for p, o in zip(prompts, outs):
+                _assert_teacher_forced(llm, p, o)
+        else:  # every draft kept: a step makes 3 tokens (the last step of a request may be cut by max_tokens)
+            assert (accepted == steps).all() and steps <= 2 * -(-sp.max_tokens // 3)

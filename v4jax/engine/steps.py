@@ -76,6 +76,10 @@ class StepSpec:
     # tests only: with speculative decoding, drafts read from this [slots, positions] token table instead of the
     # drafter (right or wrong on purpose, so that every acceptance path runs)
     draft_table: Any = None
+    # benchmarks only: each draft kept with this probability whatever it is (a coin per slot position and draft),
+    # so a step's cost at a given acceptance can be measured with the real drafter where its drafts are never
+    # right (random weights) or where bf16 rounding makes the verify step's choices differ from plain decoding's
+    forced_acceptance: float | None = None
 
     def model(self, leaves):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
@@ -322,6 +326,10 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
             n_smp, t_smp = SP.accept_sampled(p, q, drafts, u, SP.purpose(keys, 3))
             n_acc = jnp.where(greedy, n_acc, n_smp)
             target = jnp.where(greedy[:, None], target, t_smp)
+        if spec.forced_acceptance is not None:  # benchmarks: the accepted drafts are emitted as the step's tokens
+            u = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(jax.random.key(0), p), (d,)))(st.pos)
+            n_acc = jnp.sum(jnp.cumprod(u < spec.forced_acceptance, axis=1), axis=1).astype(n_acc.dtype)
+            target = target.at[:, :d].set(jnp.where(j[:, :d] < n_acc[:, None], drafts, target[:, :d]))
         is_stop = jnp.any(target[:, :, None] == st.stop_ids[:, None, :], axis=-1)  # [s, d+1]
         first_stop = jnp.min(jnp.where(is_stop, j, d + 1), axis=1)
         cap = jnp.maximum(1, jnp.minimum(jnp.minimum(k - out.n_out, st.remaining), spec.max_model_len - st.pos - 1))
