@@ -95,7 +95,9 @@ def _w2_input(h, w):
     return quant.fp8_roundtrip((h * w).astype(jnp.float32), 128)
 
 
-@pytest.mark.parametrize("M,k,E,I,D,layer", [(1, 2, 8, 64, 128, None), (3, 2, 5, 128, 64, 1), (20, 3, 4, 64, 64, 0)])
+@pytest.mark.parametrize("M,k,E,I,D,layer", [
+    pytest.param(1, 2, 8, 64, 128, None, marks=pytest.mark.slow), (3, 2, 5, 128, 64, 1),
+    pytest.param(20, 3, 4, 64, 64, 0, marks=pytest.mark.slow)])  # interpreted: ~20 s a case
 def test_fp4_matches_the_release_numerics(M, k, E, I, D, layer):
     # against the model's gather form on the dequantized stacks, act_quant (w2's input scaled by the routing weight
     # and rounded to FP8, outputs summed unweighted); one token, a stack read at layer 1, 20 tokens over 4 experts
