@@ -150,6 +150,39 @@ def test_bytes_live_where_the_pools_are():
                                       4096).n_pages
 
 
+def test_host_pool_too_large_for_host_memory_names_the_bytes(monkeypatch):
+    """The host rows against the host's available memory (made small here, nothing allocated): building the engine
+    fails before any pool exists, naming the bytes needed and available and a memory_budget_bytes that fits; that
+    budget's host rows do fit, and the plain engine (nothing on the host) is not checked."""
+    from v4jax import LLM, memory
+    from v4jax.memory import HostMemoryError, check_engine_fits, check_host_pools_fit, engine_pools
+    cfg = preset("tiny")
+    opts = EngineOptions(enable_hisparse=True, max_num_seqs=4, prefill_chunk=64)
+    pools = engine_pools(cfg, opts, 4096, "float32")
+    host = sum(s.host_bytes for s in pools.sizes.values())
+    avail = host // 3
+    monkeypatch.setattr(memory, "_host_available_bytes", lambda: avail)
+    monkeypatch.setenv(memory.MEMORY_ENV, str(1 << 40))  # the device's figure (on CPU also the host's RAM) apart
+    with pytest.raises(HostMemoryError) as e:
+        check_engine_fits(cfg, opts, 4096, "float32")
+    msg = str(e.value)
+    assert f"need {host} bytes" in msg and f"but {avail} bytes" in msg and "enable_hisparse" in msg
+    budget = int(msg.split("memory_budget_bytes=")[1].split()[0])
+    fits = engine_pools(cfg, dataclasses.replace(opts, memory_budget_bytes=budget), 4096, "float32")
+    assert 0 < sum(s.host_bytes for s in fits.sizes.values()) <= 0.9 * avail
+    assert fits.layout.n_pages >= pools.layout.n_pages // 4  # the largest that fits, not just any
+    check_host_pools_fit(cfg, dataclasses.replace(opts, memory_budget_bytes=budget), fits, "float32")
+    check_host_pools_fit(cfg, EngineOptions(max_num_seqs=4, prefill_chunk=64),
+                         engine_pools(cfg, EngineOptions(max_num_seqs=4, prefill_chunk=64), 4096, "float32"))
+    # through the LLM: the check runs when the engine is built, before its pools are made
+    llm = LLM("tiny", dtype="float32", enable_hisparse=True, max_num_seqs=4, prefill_chunk=64, max_model_len=4096)
+    with pytest.raises(HostMemoryError, match=f"need {host} bytes"):
+        llm.engine
+    monkeypatch.setattr(memory, "_host_available_bytes", lambda: 10)
+    with pytest.raises(HostMemoryError, match="a machine with more host memory"):
+        check_engine_fits(cfg, opts, 4096, "float32")
+
+
 # ---- the engine (compiles engines: minutes on CPU) ----
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_model_len=1200, prefill_chunk=64)
 
