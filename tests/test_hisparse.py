@@ -246,6 +246,48 @@ def test_offload_preempted_and_many_long_requests(real_ckpt):
     assert st["pools"]["c4_kv"]["overflow"] == 0
 
 
+@pytest.mark.slow  # two engines to compile (~4 min on this machine)
+def test_offload_with_preemption_and_prefix_hits():
+    """The tiny preset (CSA top-4, so a step selects 4 of up to 512 entries per query) on a pool of 24 full pages:
+    three requests of 2,040 tokens are admitted together (8 pages each: the pool), each needs a ninth page at its
+    first decode call, so the newest is preempted; a fourth shares the first 1,024 tokens of the first (a prefix
+    hit), and the preempted one comes back. With the C4 KV on the host and a hot buffer of one page's entries (64 of
+    the pool's 1,536 per layer) every greedy token and log-prob equals the all-device run's with the same pages
+    (the same schedule), the engine counts the preemption and the hits, the page counts hold, and every page is free
+    once the prefix cache is emptied."""
+    from v4jax import LLM, SamplingParams
+    from v4jax.cache.layout import pool_layout, pool_sizes
+    cfg = preset("tiny")
+    engine = dict(dtype="float32", max_num_seqs=4, max_model_len=2304, prefill_chunk=1024)
+
+    def budget(**offload):  # device bytes of a 24-page pool
+        opts = EngineOptions(**offload, **{k: v for k, v in engine.items() if k != "dtype"})
+        lay = dataclasses.replace(pool_layout(cfg, opts, jnp.float32, engine["max_model_len"]), n_pages=24)
+        return sum(s.bytes - s.host_bytes for s in pool_sizes(cfg, lay, jnp.float32, True).values())
+
+    rng = np.random.default_rng(3)
+    ids = lambda n: rng.integers(2, cfg.vocab_size, n).tolist()  # noqa: E731
+    first = ids(2040)
+    prompts = [first, ids(2040), ids(2040), first[:1024] + ids(1016)]
+    params = SamplingParams(max_tokens=48, **GREEDY)
+    plain = LLM("tiny", memory_budget_bytes=budget(), **engine)
+    want = plain.generate(prompts, params)
+    offload = dict(enable_hisparse=True, hisparse_device_pages=1)
+    llm = LLM("tiny", memory_budget_bytes=budget(**offload), **offload, **engine)
+    lay = llm.engine.layout
+    assert lay.n_pages == plain.engine.layout.n_pages == 24 and lay.hot_rows == 64
+    _same(llm.generate(prompts, params), want)
+    st = llm.stats()
+    assert st["requests"]["preempted"] >= 1 and st["requests"]["finished"] == 4
+    assert st["prefix_cache"]["hit_tokens"] >= 1024
+    c4 = st["pools"]["c4_kv"]
+    assert 0 < c4["hit_rate"] < 1 and c4["overflow"] == 0 and c4["fetched_rows"] > 0
+    kv = llm.engine.kv
+    kv.check()
+    kv.reset_prefix_cache()
+    assert kv.all_free() and all(p["used"] == 0 for p in llm.stats()["pools"].values())
+
+
 def test_flags():
     import argparse
 
