@@ -102,7 +102,6 @@ def test_transfer_sizes():
 @pytest.mark.parametrize("bad, word", [
     (dict(kv_layout="dense"), "kv_layout"),
     (dict(mesh="data=1"), "mesh"),
-    (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "speculative_config"),
     (dict(hisparse_device_pages=1, max_num_seqs=64), "hisparse_device_pages"),
 ])
 def test_options_that_cannot_work_name_the_option(bad, word):
@@ -112,6 +111,15 @@ def test_options_that_cannot_work_name_the_option(bad, word):
     with pytest.raises(ValueError, match="enable_hisparse|hisparse_device_pages") as e:
         pool_layout(cfg, opts, jnp.float32, 600)
     assert word in str(e.value)
+
+
+def test_mesh_refused_when_the_llm_is_built():
+    """On a mesh (one device's, data=1: the same code path as any) the offload is refused as the LLM loads, before
+    any engine or request, naming both options."""
+    from v4jax import LLM
+    with pytest.raises(ValueError, match=r"enable_hisparse keeps one device's C4 KV pool in host memory: "
+                                         r"mesh='data=1' is not supported with it \(leave out mesh, or enable_hisparse\)"):
+        LLM("tiny", dtype="float32", mesh="data=1", enable_hisparse=True, max_num_seqs=2, max_model_len=256)
 
 
 def test_no_csa_layers_and_stray_pages_fail():
@@ -239,8 +247,8 @@ def test_offload_preempted_and_many_long_requests(real_ckpt):
     assert small.engine.layout.n_pages == 8
     _same(small.generate(prompts, params), want)
     st = small.stats()
-    # (preemption: the admission reserve kept these from needing it in the runs made so far; the tokens are the
-    # plain run's either way)
+    # (no preemption here: the admission reserve keeps these from needing it; test_offload_with_preemption_and_
+    # prefix_hits makes one happen)
     assert st["requests"]["finished"] == 8 and st["requests"]["running"] == st["requests"]["waiting"] == 0
     assert all(p["used"] == 0 for p in st["pools"].values()), st["pools"]
     assert st["pools"]["c4_kv"]["overflow"] == 0
@@ -343,3 +351,22 @@ def test_attention_core_offloaded_equals_on_device(rng, t, hot_rows):
         for name, a in got_pools.items():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(want_pools[name]))
     assert offload.total_counts(hot["counts"])["overflow"] == 0
+
+
+@pytest.mark.slow  # one speculative engine to compile (minutes on CPU)
+def test_offload_with_speculative_decoding():
+    """MTP speculation (k = 3) with the C4 KV on the host and a hot buffer of one page's entries (8 of the pool's 64
+    per layer): drafts forced right and partly wrong, so that every acceptance length runs, give the plain greedy
+    tokens of the teacher-forced forward with log-probs within 1e-5, on prefix hits too and resuming at a page
+    boundary crossed while speculating (test_spec_decode's check); the verify steps of 4 query tokens fetch in
+    blocks that fit the buffer."""
+    from test_spec_decode import OPTIONS, _check_forced
+
+    from v4jax import LLM
+    llm = LLM("tiny", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, enable_hisparse=True,
+              hisparse_device_pages=1, **OPTIONS)
+    lay = llm.engine.layout
+    assert lay.hot_rows == 8 and lay.n_pages * lay.page_size // 4 == 64
+    _check_forced(llm)
+    c4 = llm.stats()["pools"]["c4_kv"]
+    assert 0 < c4["hit_rate"] < 1 and c4["overflow"] == 0 and c4["fetched_rows"] > 0

@@ -403,6 +403,8 @@ class LLM:
         self._dropped: collections.deque[_Call] = collections.deque()  # calls nobody reads, to abort
         self._check = None
         self._rejected = 0  # requests generate refused before they reached the engine
+        if self.options.enable_hisparse:
+            self.request_check  # the offload's option checks (v4jax.cache.layout.hot_buffer_rows), at load
 
     def _check_drafter(self) -> None:
         """speculative_config against the drafter the weights hold: a FieldError naming the option if it cannot run."""
