@@ -101,7 +101,6 @@ def test_transfer_sizes():
 
 @pytest.mark.parametrize("bad, word", [
     (dict(kv_layout="dense"), "kv_layout"),
-    (dict(mesh="data=1"), "mesh"),
     (dict(hisparse_device_pages=1, max_num_seqs=64), "hisparse_device_pages"),
 ])
 def test_options_that_cannot_work_name_the_option(bad, word):
@@ -114,12 +113,18 @@ def test_options_that_cannot_work_name_the_option(bad, word):
 
 
 def test_mesh_refused_when_the_llm_is_built():
-    """On a mesh (one device's, data=1: the same code path as any) the offload is refused as the LLM loads, before
-    any engine or request, naming both options."""
+    """On a mesh (data=1 here: one device, the same code path as any) the offload is refused as the LLM is built,
+    before the weights load, naming both options; the layout refuses it too (its other callers)."""
     from v4jax import LLM
-    with pytest.raises(ValueError, match=r"enable_hisparse keeps one device's C4 KV pool in host memory: "
-                                         r"mesh='data=1' is not supported with it \(leave out mesh, or enable_hisparse\)"):
+    from v4jax.cache.layout import pool_layout
+    message = (r"enable_hisparse keeps one device's C4 KV pool in host memory: mesh='data=1' is not supported with "
+               r"it \(leave out mesh, or enable_hisparse\)")
+    with pytest.raises(ValueError, match=message):
         LLM("tiny", dtype="float32", mesh="data=1", enable_hisparse=True, max_num_seqs=2, max_model_len=256)
+    opts = EngineOptions(enable_hisparse=True, max_num_seqs=2)
+    object.__setattr__(opts, "mesh", "data=1")  # past EngineOptions' own check: what another caller could pass
+    with pytest.raises(ValueError, match=message):
+        pool_layout(preset("tiny"), opts, jnp.float32, 256)
 
 
 def test_no_csa_layers_and_stray_pages_fail():

@@ -120,6 +120,9 @@ class EngineOptions:
             rule = "weights_seed" if f.name == "seed" else f.name
             object.__setattr__(self, f.name, check_field(rule, getattr(self, f.name), field=f.name))
         speculative_tokens(self.speculative_config, self.decode_steps)  # a FieldError naming the option
+        if self.enable_hisparse and self.mesh:  # before anything loads (the layout says the same to its callers)
+            raise FieldError("enable_hisparse", f"enable_hisparse keeps one device's C4 KV pool in host memory: "
+                             f"mesh={self.mesh!r} is not supported with it (leave out mesh, or enable_hisparse)")
 
     @property
     def num_speculative_tokens(self) -> int:
