@@ -55,6 +55,10 @@
 #              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...")
 #   spec       speculative decoding (MTP) against plain decoding, drafts forced right at ACCEPT rates, batches
 #              BATCHES, k KS (v4jax bench spec)
+#   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
+#              (v4jax bench hisparse): flash-slice at 128K / 512K / 1M and flash-1gpu at 128K, each with and without
+#              offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
+#              $OUT/hisparse.jsonl and a table (ROWS, DEVICE_PAGES, TESTS=0)
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
 #              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
@@ -184,6 +188,50 @@ spec)
   timeout ${SPEC_S:-560} python3 -W ignore -m v4jax.bench spec --model "$MODEL" --dtype bfloat16 --context 4096 \
     --new ${NEW:-64} --k ${KS:-1,3} --accept ${ACCEPT:-0.5,0.8} --batch ${BATCHES:-1,8,32} --out "$out/spec.json" \
     2>&1 | quiet | tail -30
+  ;;
+hisparse)
+  imports
+  # Host offload of the C4 KV against the pool on the device, one call (timeouts add up to 565 s at the default
+  # ROWS): LLM.generate of CONCURRENCY random prompts of each context, 64 new tokens, the C4 KV on the host (a hot
+  # buffer of DEVICE_PAGES pages' entries per CSA layer) or on the device. Each row: the requests of that context the
+  # device's free memory (and with offload the host's) would hold, C4 bytes on the device and the host, decode
+  # ms/step and tokens/s, hit rate and bytes fetched per step (v4jax bench hisparse). ROWS="MODEL:CONTEXT:
+  # CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair: half each); flash-1gpu comes last (43 layers: its
+  # 128K prefill takes ~15 s a request). TESTS=0 skips the offload's tests run first
+  ROWS=${ROWS:-flash-slice:131072:4:100 flash-slice:524288:2:130 flash-slice:1048576:1:150 flash-1gpu:131072:1:140}
+  rm -f "$out/hisparse.jsonl"
+  if [ "${TESTS:-1}" = 1 ]; then  # the offload's own tests on this device first: pinned_host rows, the fetch, a layer
+    stamp "offload tests (the row cache and one CSA layer against the device's)"
+    timeout 45 python3 -m pytest -q tests/test_hisparse.py -k "memory_kinds or fetch_reads or attention_core" \
+      -p no:cacheprovider 2>&1 | tail -2
+  fi
+  for row in $ROWS; do
+    IFS=: read -r model ctx conc limit <<< "$row"
+    for mode in host device; do
+      flag=$([ $mode = device ] && echo --no-offload || echo "--device-pages ${DEVICE_PAGES:-512}")
+      stamp "$model, $ctx tokens x $conc, C4 KV on the $mode"
+      XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout $(( limit / 2 )) python3 -W ignore -m v4jax.bench \
+        hisparse --model "$model" --dtype bfloat16 --context "$ctx" --concurrency "$conc" --new-tokens 64 \
+        --prefill-chunk 8192 $flag --json 2> "$out/hisparse_${model}_${ctx}_$mode.err" | grep "^{" \
+        >> "$out/hisparse.jsonl" || { echo "  no row (failed or timed out):"; quiet < "$out/hisparse_${model}_${ctx}_$mode.err" | tail -3; }
+    done
+  done
+  python3 - "$out/hisparse.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("| model | context | C4 KV | requests that fit | ran | C4 device bytes | C4 host bytes | ms / step | tok/s "
+      "| hit rate | fetched / step |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+num = lambda x, p=1: "-" if x is None else f"{x:,.{p}f}"
+for r in rows:
+    where = f"host, {r['device_rows']} rows on device" if r["offload"] else "device"
+    hit = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f} %"
+    fetched = "-" if r.get("fetched_bytes_per_step") is None else f"{r['fetched_bytes_per_step']:,.0f} B"
+    ctx = f"{r['context'] // 1024}K" if r["context"] % 1024 == 0 else r["context"]
+    print(f"| {r['model']} | {ctx} | {where} | {r['fit_requests']} | {r['concurrency']} | "
+          f"{r['c4_device_bytes']:,} | {r['c4_host_bytes']:,} | {num(r['ms_per_step'], 2)} | {num(r['tokens_per_s'])} "
+          f"| {hit} | {fetched} |")
+EOF
   ;;
 load)
   imports

@@ -301,6 +301,28 @@ def test_offload_with_preemption_and_prefix_hits():
     assert kv.all_free() and all(p["used"] == 0 for p in llm.stats()["pools"].values())
 
 
+def test_bench_requests_that_fit():
+    """v4jax bench hisparse's capacity figure: the largest request count whose pools fit 90 % of the device's free
+    memory (one more does not), more of them with offload, and with offload no more than the host's memory holds."""
+    from v4jax.bench.hisparse import fit_requests
+    from v4jax.memory import engine_pools
+    cfg = preset("tiny")
+    off = EngineOptions(max_num_seqs=1, prefill_chunk=64)
+    on = dataclasses.replace(off, enable_hisparse=True, hisparse_device_pages=1)
+    device = lambda opts, n: engine_pools(cfg, dataclasses.replace(opts, max_num_seqs=n), 4096, "float32")  # noqa
+    free = 40 * device(off, 1).per_device
+    n_off = fit_requests(cfg, off, 4096, "float32", free, None)
+    assert device(off, n_off).per_device <= 0.9 * free < device(off, n_off + 1).per_device
+    n_on = fit_requests(cfg, on, 4096, "float32", free, 1 << 40)
+    assert n_on > n_off
+    host = lambda n: sum(s.host_bytes for s in device(dataclasses.replace(on, hisparse_device_pages=None),  # noqa
+                                                      n).sizes.values())
+    small = 3 * host(1)
+    n_host = fit_requests(cfg, on, 4096, "float32", free, small)
+    assert 1 <= n_host < n_on and host(n_host) <= 0.9 * small < host(n_host + 1)
+    assert fit_requests(cfg, off, 4096, "float32", None, None) is None
+
+
 def test_flags():
     import argparse
 
