@@ -55,6 +55,10 @@
 #              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...")
 #   spec       speculative decoding (MTP) against plain decoding, drafts forced right at ACCEPT rates, batches
 #              BATCHES, k KS (v4jax bench spec)
+#   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
+#              (v4jax bench hisparse): flash-slice at 128K / 512K / 1M and flash-1gpu at 128K, each with and without
+#              offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
+#              $OUT/hisparse.jsonl and a table (ROWS, DEVICE_PAGES, TESTS=0)
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
 #              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
@@ -80,6 +84,9 @@ t0=$(date +%s)
 # temporaries, and a donated 21 GiB array is updated in place (run M8).
 mem_fraction=${MEM_FRACTION:-0.94}
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+# The first thing every stage does: import the tree with the machine's JAX and say which (an import error shows at
+# once, not minutes into a stage: importing v4jax once failed on JAX 0.11.2)
+imports() { python3 -c "import jax, v4jax; print('jax', jax.__version__, '- v4jax imports')" || exit 1; }
 summary() {
   python3 - "$1" <<'EOF' 2>&1 | tail -80
 import json, sys
@@ -99,6 +106,7 @@ EOF
 }
 case "$stage" in
 slice)
+  imports
   # one call (timeouts add up to 535 s; KERNEL_TESTS=1 adds the kernels' GPU tests, 90 s more, past one call's
   # limit of 600 s with the rest; run M: 94 s for five decode rows with HF at 4K,
   # the last two past a deadline of 120 s; run L: 88 s for the decode rows with HF at 4K,
@@ -126,6 +134,7 @@ slice)
   python3 -m v4jax.bench.table "$out/flash-slice"
   ;;
 1gpu)
+  imports
   # one call (timeouts add up to 550 s; run K: init + first generate 52 s, the batch-1 4K row ~70 s, batch 32 ~100
   # s, decode at batch 1 ~95 s): flash-1gpu's first generate (compile), generate rows and the 32K prefill, decode
   # at batch 1 / 32 and 4K / 32K / 128K, the merged table. 256 new tokens: batch 32's prompts take 16 prefill
@@ -144,6 +153,7 @@ slice)
   python3 -m v4jax.bench.table "$out/flash-1gpu"
   ;;
 defaults)
+  imports
   # LLM.generate at default options on one many-slot engine (flash-slice, 32 slots): the warm-up (every program,
   # at a 16K context), batch 1 / 32 at 4K, and the 128K prefill; PREFILL_CHUNK sets the chunk (default: the LLM's)
   chunk=${PREFILL_CHUNK:+--prefill-chunk $PREFILL_CHUNK}
@@ -156,6 +166,7 @@ defaults)
     | quiet | tail -12
   ;;
 precision)
+  imports
   # The release's formats against bf16 (flash-slice; MODEL=flash-1gpu for the full depth), LLM.generate on one
   # 32-slot engine at 4K: weights as bf16 / FP8 linears + FP4 experts, cache entries bf16 / FP8 + FP4 indexer
   # keys, each against the roofline of the bytes it stores; CONFIGS picks "QUANT:KV ..."
@@ -169,6 +180,7 @@ precision)
   done
   ;;
 spec)
+  imports
   # Speculative decoding with the MTP block through LLM.generate (flash-slice, random weights: drafts forced right
   # at rates ACCEPT, one engine of the largest batch per (k, rate), 4K prompts) against plain decoding
   MODEL=${MODEL:-flash-slice}
@@ -177,7 +189,52 @@ spec)
     --new ${NEW:-64} --k ${KS:-1,3} --accept ${ACCEPT:-0.5,0.8} --batch ${BATCHES:-1,8,32} --out "$out/spec.json" \
     2>&1 | quiet | tail -30
   ;;
+hisparse)
+  imports
+  # Host offload of the C4 KV against the pool on the device, one call (timeouts add up to 565 s at the default
+  # ROWS): LLM.generate of CONCURRENCY random prompts of each context, 64 new tokens, the C4 KV on the host (a hot
+  # buffer of DEVICE_PAGES pages' entries per CSA layer) or on the device. Each row: the requests of that context the
+  # device's free memory (and with offload the host's) would hold, C4 bytes on the device and the host, decode
+  # ms/step and tokens/s, hit rate and bytes fetched per step (v4jax bench hisparse). ROWS="MODEL:CONTEXT:
+  # CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair: half each); flash-1gpu comes last (43 layers: its
+  # 128K prefill takes ~15 s a request). TESTS=0 skips the offload's tests run first
+  ROWS=${ROWS:-flash-slice:131072:4:100 flash-slice:524288:2:130 flash-slice:1048576:1:150 flash-1gpu:131072:1:140}
+  rm -f "$out/hisparse.jsonl"
+  if [ "${TESTS:-1}" = 1 ]; then  # the offload's own tests on this device first: pinned_host rows, the fetch, a layer
+    stamp "offload tests (the row cache and one CSA layer against the device's)"
+    timeout 45 python3 -m pytest -q tests/test_hisparse.py -k "memory_kinds or fetch_reads or attention_core" \
+      -p no:cacheprovider 2>&1 | tail -2
+  fi
+  for row in $ROWS; do
+    IFS=: read -r model ctx conc limit <<< "$row"
+    for mode in host device; do
+      flag=$([ $mode = device ] && echo --no-offload || echo "--device-pages ${DEVICE_PAGES:-512}")
+      stamp "$model, $ctx tokens x $conc, C4 KV on the $mode"
+      XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout $(( limit / 2 )) python3 -W ignore -m v4jax.bench \
+        hisparse --model "$model" --dtype bfloat16 --context "$ctx" --concurrency "$conc" --new-tokens 64 \
+        --prefill-chunk 8192 $flag --json 2> "$out/hisparse_${model}_${ctx}_$mode.err" | grep "^{" \
+        >> "$out/hisparse.jsonl" || { echo "  no row (failed or timed out):"; quiet < "$out/hisparse_${model}_${ctx}_$mode.err" | tail -3; }
+    done
+  done
+  python3 - "$out/hisparse.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("| model | context | C4 KV | requests that fit | ran | C4 device bytes | C4 host bytes | ms / step | tok/s "
+      "| hit rate | fetched / step |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+num = lambda x, p=1: "-" if x is None else f"{x:,.{p}f}"
+for r in rows:
+    where = f"host, {r['device_rows']} rows on device" if r["offload"] else "device"
+    hit = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f} %"
+    fetched = "-" if r.get("fetched_bytes_per_step") is None else f"{r['fetched_bytes_per_step']:,.0f} B"
+    ctx = f"{r['context'] // 1024}K" if r["context"] % 1024 == 0 else r["context"]
+    print(f"| {r['model']} | {ctx} | {where} | {r['fit_requests']} | {r['concurrency']} | "
+          f"{r['c4_device_bytes']:,} | {r['c4_host_bytes']:,} | {num(r['ms_per_step'], 2)} | {num(r['tokens_per_s'])} "
+          f"| {hit} | {fetched} |")
+EOF
+  ;;
 load)
+  imports
   # The server against its own engine, same batches, one call (carry [".whl"]): LLM.generate on one 64-slot
   # engine at default options with 1 / 8 / 32 / 64 prompts of 1024 tokens and 256 new (its programs go into the
   # persistent compilation cache), then `v4jax serve` with the same options, the cache warm, under 1 / 8 / 32 / 64
@@ -229,10 +286,12 @@ EOF
   wait "$pid"; stamp "server exit code $?"
   ;;
 ab)
+  imports
   base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|prefill|1gpu]}
   what=${3:-slice}
   for tree in "$base" .; do
     name=$([ "$tree" = . ] && echo new || echo base)
+    (cd "$tree" && imports) || exit 1
     dir=$(cd "$out" && pwd)/ab-$name
     if [ "$what" = slice ]; then
       stamp "$name: flash-slice decode"
@@ -258,6 +317,7 @@ ab)
   python3 -m v4jax.bench.table "$out/ab-base=base" "$out/ab-new=new"
   ;;
 candidates)
+  imports
   # ~70 s: several projections of one input in one launch (v4jax bench kernels --sweep fused_projections), mHC's
   # expansion as a Pallas kernel (--sweep hc_post), their GPU tests
   stamp "GPU tests of the projection and mHC-expansion kernels"
@@ -270,6 +330,7 @@ candidates)
   timeout 90 python3 -W ignore -m v4jax.bench kernels --sweep hc_post --out "$out/hc_post" 2>&1 | quiet | tail -3
   ;;
 memory)
+  imports
   # the decode call's memory plan at flash-slice batch 32 / 128K (v4jax bench decode --memory-plan) and, from XLA's
   # buffer
   # assignment, the largest values of its temporary allocation: what asks for a second copy of a pool array
@@ -302,12 +363,14 @@ memory)
   head -80 "$out/decode_copies.txt"
   ;;
 engine)
+  imports
   stamp "engine GPU tests"
   timeout "${TEST_S:-400}" python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider \
     > "$out/pytest_gpu.log" 2>&1
   echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
   ;;
 table)
+  imports
   # one call (timeouts add up to 590 s): the flash-slice decode and generate rows and flash-1gpu decode at 4K /
   # 128K (HF columns: the slice stage; HF's code does not change with this tree)
   timeout 40 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k sinkhorn -p no:cacheprovider 2>&1 | tail -1
@@ -332,6 +395,7 @@ table)
     --out "$out/d_1gpu" 2>&1 | quiet | grep "^|\|Error\|error" | tail -6
   ;;
 prefill)
+  imports
   stamp "GPU tests of the grouped experts, sparse attention and indexer kernels"
   timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "grouped or sparse or indexer" \
     -p no:cacheprovider --tb=short 2>&1 | grep -v "^  \|^$" | tail -15
@@ -350,6 +414,7 @@ prefill)
   echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
   ;;
 sweep)
+  imports
   stamp "top-k on a prefill chunk"
   timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep topk_prefill 2>&1 | quiet \
     | tee "$out/topk_prefill.txt" | tail -6
@@ -359,6 +424,7 @@ sweep)
     | tail -40
   ;;
 repeat)
+  imports
   stamp "repeated generate calls: what the second one traces or compiles"
   timeout 100 python3 -W ignore -m v4jax.bench generate --repeat-check --model flash-slice \
     --attention-impl pallas > "$out/repeat.log" 2>&1
@@ -374,6 +440,7 @@ repeat)
   echo "engine gpu test rc=$?"; tail -3 "$out/pytest_gpu.log"
   ;;
 tune)
+  imports
   stamp "GPU tests of the projection and top-k kernels"
   timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "layer_linear or topk or sinkhorn" -p no:cacheprovider \
     2>&1 | tail -3
@@ -391,6 +458,7 @@ tune)
   summary "$out/slice_4k/decode.json"
   ;;
 4k)
+  imports
   stamp "GPU kernel tests"
   timeout 240 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -3
   stamp "flash-slice decode at 4K"
@@ -404,6 +472,7 @@ tune)
     | grep "^|\|Error\|error" | tail -4
   ;;
 check)
+  imports
   # ~9 of the 10 minutes, in order of importance, each under its own time limit: the GPU tests (kernels vs
   # references, engine greedy Pallas == XLA), the kernel table from profiler traces, engine decode at batch 32 / 128K
   # with XLA and with Pallas attention
@@ -417,6 +486,7 @@ check)
   done
   ;;
 depth1)
+  imports
   stamp "flash-1gpu generate"
   timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1 --contexts 4K --new 32 \
     --out "$out/g1" 2>&1 | quiet | tail -12
@@ -437,6 +507,7 @@ for r in d["rows"]:
 EOF
   ;;
 depth2)
+  imports
   stamp "gpu tests"
   timeout 330 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py -p no:cacheprovider \
     > "$out/pytest_gpu.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$out/pytest_gpu.log"
@@ -452,6 +523,7 @@ depth2)
     --prefill 128K --new 32 --deadline-s 180 --out "$out/g2" 2>&1 | quiet | tail -10
   ;;
 serve)
+  imports
   # `v4jax serve` and `v4jax bench serve` on one machine, then SIGTERM and a check that the server drained and
   # exited 0 (the variables: see the header)
   MODEL=${MODEL-flash-slice}
@@ -506,6 +578,7 @@ EOF
   tail -5 "$out/server.log"
   ;;
 multigpu)
+  imports
   # decode on N = 2 / 4 / 8 GPUs against one (v4jax bench mesh), one device call per machine kind
   export NCCL_NVLS_ENABLE=0
   case ${2:-2} in
@@ -520,6 +593,7 @@ multigpu)
   done
   ;;
 ncu)
+  imports
   # Nsight Compute on the sparse attention and indexer kernels (the H200 machine is Firecracker, where ncu reads the
   # hardware counters): registers, spills (local-memory sectors), global-load sectors per request (is the row
   # gather vectorised?), DRAM bytes and time, occupancy and stall reasons

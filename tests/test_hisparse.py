@@ -101,8 +101,6 @@ def test_transfer_sizes():
 
 @pytest.mark.parametrize("bad, word", [
     (dict(kv_layout="dense"), "kv_layout"),
-    (dict(mesh="data=1"), "mesh"),
-    (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "speculative_config"),
     (dict(hisparse_device_pages=1, max_num_seqs=64), "hisparse_device_pages"),
 ])
 def test_options_that_cannot_work_name_the_option(bad, word):
@@ -112,6 +110,21 @@ def test_options_that_cannot_work_name_the_option(bad, word):
     with pytest.raises(ValueError, match="enable_hisparse|hisparse_device_pages") as e:
         pool_layout(cfg, opts, jnp.float32, 600)
     assert word in str(e.value)
+
+
+def test_mesh_refused_when_the_llm_is_built():
+    """On a mesh (data=1 here: one device, the same code path as any) the offload is refused as the LLM is built,
+    before the weights load, naming both options; the layout refuses it too (its other callers)."""
+    from v4jax import LLM
+    from v4jax.cache.layout import pool_layout
+    message = (r"enable_hisparse keeps one device's C4 KV pool in host memory: mesh='data=1' is not supported with "
+               r"it \(leave out mesh, or enable_hisparse\)")
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny", dtype="float32", mesh="data=1", enable_hisparse=True, max_num_seqs=2, max_model_len=256)
+    opts = EngineOptions(enable_hisparse=True, max_num_seqs=2)
+    object.__setattr__(opts, "mesh", "data=1")  # past EngineOptions' own check: what another caller could pass
+    with pytest.raises(ValueError, match=message):
+        pool_layout(preset("tiny"), opts, jnp.float32, 256)
 
 
 def test_no_csa_layers_and_stray_pages_fail():
@@ -148,6 +161,39 @@ def test_bytes_live_where_the_pools_are():
     more = pool_layout(cfg, dataclasses.replace(on, memory_budget_bytes=budget), jnp.float32, 4096)
     assert more.n_pages > pool_layout(cfg, dataclasses.replace(off, memory_budget_bytes=budget), jnp.float32,
                                       4096).n_pages
+
+
+def test_host_pool_too_large_for_host_memory_names_the_bytes(monkeypatch):
+    """The host rows against the host's available memory (made small here, nothing allocated): building the engine
+    fails before any pool exists, naming the bytes needed and available and a memory_budget_bytes that fits; that
+    budget's host rows do fit, and the plain engine (nothing on the host) is not checked."""
+    from v4jax import LLM, memory
+    from v4jax.memory import HostMemoryError, check_engine_fits, check_host_pools_fit, engine_pools
+    cfg = preset("tiny")
+    opts = EngineOptions(enable_hisparse=True, max_num_seqs=4, prefill_chunk=64)
+    pools = engine_pools(cfg, opts, 4096, "float32")
+    host = sum(s.host_bytes for s in pools.sizes.values())
+    avail = host // 3
+    monkeypatch.setattr(memory, "_host_available_bytes", lambda: avail)
+    monkeypatch.setenv(memory.MEMORY_ENV, str(1 << 40))  # the device's figure (on CPU also the host's RAM) apart
+    with pytest.raises(HostMemoryError) as e:
+        check_engine_fits(cfg, opts, 4096, "float32")
+    msg = str(e.value)
+    assert f"need {host} bytes" in msg and f"but {avail} bytes" in msg and "enable_hisparse" in msg
+    budget = int(msg.split("memory_budget_bytes=")[1].split()[0])
+    fits = engine_pools(cfg, dataclasses.replace(opts, memory_budget_bytes=budget), 4096, "float32")
+    assert 0 < sum(s.host_bytes for s in fits.sizes.values()) <= 0.9 * avail
+    assert fits.layout.n_pages >= pools.layout.n_pages // 4  # the largest that fits, not just any
+    check_host_pools_fit(cfg, dataclasses.replace(opts, memory_budget_bytes=budget), fits, "float32")
+    check_host_pools_fit(cfg, EngineOptions(max_num_seqs=4, prefill_chunk=64),
+                         engine_pools(cfg, EngineOptions(max_num_seqs=4, prefill_chunk=64), 4096, "float32"))
+    # through the LLM: the check runs when the engine is built, before its pools are made
+    llm = LLM("tiny", dtype="float32", enable_hisparse=True, max_num_seqs=4, prefill_chunk=64, max_model_len=4096)
+    with pytest.raises(HostMemoryError, match=f"need {host} bytes"):
+        llm.engine
+    monkeypatch.setattr(memory, "_host_available_bytes", lambda: 10)
+    with pytest.raises(HostMemoryError, match="a machine with more host memory"):
+        check_engine_fits(cfg, opts, 4096, "float32")
 
 
 # ---- the engine (compiles engines: minutes on CPU) ----
@@ -206,11 +252,75 @@ def test_offload_preempted_and_many_long_requests(real_ckpt):
     assert small.engine.layout.n_pages == 8
     _same(small.generate(prompts, params), want)
     st = small.stats()
-    # (preemption: the admission reserve kept these from needing it in the runs made so far; the tokens are the
-    # plain run's either way)
+    # (no preemption here: the admission reserve keeps these from needing it; test_offload_with_preemption_and_
+    # prefix_hits makes one happen)
     assert st["requests"]["finished"] == 8 and st["requests"]["running"] == st["requests"]["waiting"] == 0
     assert all(p["used"] == 0 for p in st["pools"].values()), st["pools"]
     assert st["pools"]["c4_kv"]["overflow"] == 0
+
+
+@pytest.mark.slow  # two engines to compile (~4 min on this machine)
+def test_offload_with_preemption_and_prefix_hits():
+    """The tiny preset (CSA top-4, so a step selects 4 of up to 512 entries per query) on a pool of 24 full pages:
+    three requests of 2,040 tokens are admitted together (8 pages each: the pool), each needs a ninth page at its
+    first decode call, so the newest is preempted; a fourth shares the first 1,024 tokens of the first (a prefix
+    hit), and the preempted one comes back. With the C4 KV on the host and a hot buffer of one page's entries (64 of
+    the pool's 1,536 per layer) every greedy token and log-prob equals the all-device run's with the same pages
+    (the same schedule), the engine counts the preemption and the hits, the page counts hold, and every page is free
+    once the prefix cache is emptied."""
+    from v4jax import LLM, SamplingParams
+    from v4jax.cache.layout import pool_layout, pool_sizes
+    cfg = preset("tiny")
+    engine = dict(dtype="float32", max_num_seqs=4, max_model_len=2304, prefill_chunk=1024)
+
+    def budget(**offload):  # device bytes of a 24-page pool
+        opts = EngineOptions(**offload, **{k: v for k, v in engine.items() if k != "dtype"})
+        lay = dataclasses.replace(pool_layout(cfg, opts, jnp.float32, engine["max_model_len"]), n_pages=24)
+        return sum(s.bytes - s.host_bytes for s in pool_sizes(cfg, lay, jnp.float32, True).values())
+
+    rng = np.random.default_rng(3)
+    ids = lambda n: rng.integers(2, cfg.vocab_size, n).tolist()  # noqa: E731
+    first = ids(2040)
+    prompts = [first, ids(2040), ids(2040), first[:1024] + ids(1016)]
+    params = SamplingParams(max_tokens=48, **GREEDY)
+    plain = LLM("tiny", memory_budget_bytes=budget(), **engine)
+    want = plain.generate(prompts, params)
+    offload = dict(enable_hisparse=True, hisparse_device_pages=1)
+    llm = LLM("tiny", memory_budget_bytes=budget(**offload), **offload, **engine)
+    lay = llm.engine.layout
+    assert lay.n_pages == plain.engine.layout.n_pages == 24 and lay.hot_rows == 64
+    _same(llm.generate(prompts, params), want)
+    st = llm.stats()
+    assert st["requests"]["preempted"] >= 1 and st["requests"]["finished"] == 4
+    assert st["prefix_cache"]["hit_tokens"] >= 1024
+    c4 = st["pools"]["c4_kv"]
+    assert 0 < c4["hit_rate"] < 1 and c4["overflow"] == 0 and c4["fetched_rows"] > 0
+    kv = llm.engine.kv
+    kv.check()
+    kv.reset_prefix_cache()
+    assert kv.all_free() and all(p["used"] == 0 for p in llm.stats()["pools"].values())
+
+
+def test_bench_requests_that_fit():
+    """v4jax bench hisparse's capacity figure: the largest request count whose pools fit 90 % of the device's free
+    memory (one more does not), more of them with offload, and with offload no more than the host's memory holds."""
+    from v4jax.bench.hisparse import fit_requests
+    from v4jax.memory import engine_pools
+    cfg = preset("tiny")
+    off = EngineOptions(max_num_seqs=1, prefill_chunk=64)
+    on = dataclasses.replace(off, enable_hisparse=True, hisparse_device_pages=1)
+    device = lambda opts, n: engine_pools(cfg, dataclasses.replace(opts, max_num_seqs=n), 4096, "float32")  # noqa
+    free = 40 * device(off, 1).per_device
+    n_off = fit_requests(cfg, off, 4096, "float32", free, None)
+    assert device(off, n_off).per_device <= 0.9 * free < device(off, n_off + 1).per_device
+    n_on = fit_requests(cfg, on, 4096, "float32", free, 1 << 40)
+    assert n_on > n_off
+    host = lambda n: sum(s.host_bytes for s in device(dataclasses.replace(on, hisparse_device_pages=None),  # noqa
+                                                      n).sizes.values())
+    small = 3 * host(1)
+    n_host = fit_requests(cfg, on, 4096, "float32", free, small)
+    assert 1 <= n_host < n_on and host(n_host) <= 0.9 * small < host(n_host + 1)
+    assert fit_requests(cfg, off, 4096, "float32", None, None) is None
 
 
 def test_flags():
@@ -268,3 +378,22 @@ def test_attention_core_offloaded_equals_on_device(rng, t, hot_rows):
         for name, a in got_pools.items():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(want_pools[name]))
     assert offload.total_counts(hot["counts"])["overflow"] == 0
+
+
+@pytest.mark.slow  # one speculative engine to compile (minutes on CPU)
+def test_offload_with_speculative_decoding():
+    """MTP speculation (k = 3) with the C4 KV on the host and a hot buffer of one page's entries (8 of the pool's 64
+    per layer): drafts forced right and partly wrong, so that every acceptance length runs, give the plain greedy
+    tokens of the teacher-forced forward with log-probs within 1e-5, on prefix hits too and resuming at a page
+    boundary crossed while speculating (test_spec_decode's check); the verify steps of 4 query tokens fetch in
+    blocks that fit the buffer."""
+    from test_spec_decode import OPTIONS, _check_forced
+
+    from v4jax import LLM
+    llm = LLM("tiny", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, enable_hisparse=True,
+              hisparse_device_pages=1, **OPTIONS)
+    lay = llm.engine.layout
+    assert lay.hot_rows == 8 and lay.n_pages * lay.page_size // 4 == 64
+    _check_forced(llm)
+    c4 = llm.stats()["pools"]["c4_kv"]
+    assert 0 < c4["hit_rate"] < 1 and c4["overflow"] == 0 and c4["fetched_rows"] > 0

@@ -120,6 +120,9 @@ class EngineOptions:
             rule = "weights_seed" if f.name == "seed" else f.name
             object.__setattr__(self, f.name, check_field(rule, getattr(self, f.name), field=f.name))
         speculative_tokens(self.speculative_config, self.decode_steps)  # a FieldError naming the option
+        if self.enable_hisparse and self.mesh:  # before anything loads (the layout says the same to its callers)
+            raise FieldError("enable_hisparse", f"enable_hisparse keeps one device's C4 KV pool in host memory: "
+                             f"mesh={self.mesh!r} is not supported with it (leave out mesh, or enable_hisparse)")
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -403,6 +406,8 @@ class LLM:
         self._dropped: collections.deque[_Call] = collections.deque()  # calls nobody reads, to abort
         self._check = None
         self._rejected = 0  # requests generate refused before they reached the engine
+        if self.options.enable_hisparse:
+            self.request_check  # the offload's option checks (v4jax.cache.layout.hot_buffer_rows), at load
 
     def _check_drafter(self) -> None:
         """speculative_config against the drafter the weights hold: a FieldError naming the option if it cannot run."""

@@ -40,8 +40,8 @@ import dataclasses
 import math
 import os
 
-from v4jax.cache.layout import (FULL_PAGE_POOLS, PoolLayout, PoolSize, kv_cache_dtype, mesh_shards, pool_layout,
-                                pool_sizes)
+from v4jax.cache.layout import (FULL_PAGE_POOLS, PoolLayout, PoolSize, kv_cache_dtype, mesh_shards, pool_cost,
+                                pool_layout, pool_sizes)
 from v4jax.config import CSA, HCA, SLIDING, ModelConfig
 
 FORMATS = ("bf16", "f32", "fp8", "fp4")
@@ -361,6 +361,10 @@ MEMORY_ENV = "V4JAX_DEVICE_MEMORY_BYTES"  # overrides the detected memory of one
 
 class DeviceMemoryError(ValueError):
     """What a model (or its pools) needs does not fit the memory of the device it would be placed on."""
+
+
+class HostMemoryError(ValueError):
+    """The pools an engine keeps in host memory (enable_hisparse) do not fit the host's available memory."""
 
 
 def _host_available_bytes() -> int | None:
@@ -687,11 +691,39 @@ def check_pools_fit(pool_bytes: int, *, free: int | None = None, source: str = "
         "budget; requests queue for pages), a lower max_model_len or max_num_seqs, or a mesh with a `data` axis")
 
 
+def check_host_pools_fit(cfg: ModelConfig, options, pools: EnginePools, dtype="bfloat16") -> None:
+    """enable_hisparse: the C4 KV rows the engine keeps in host memory (pinned on a GPU) against the host's available
+    memory (_host_available_bytes, read when called), with the headroom of the device check (90 %). The pages and
+    so the host rows follow memory_budget_bytes, max_num_seqs and max_model_len; the error names the budget that
+    would fit. Unknown memory skips the check."""
+    host = sum(s.host_bytes for s in pools.sizes.values())
+    if not host:
+        return
+    avail = _host_available_bytes()
+    if avail is None or host <= 0.9 * avail:
+        return
+    lay = pools.layout
+    per_page = sum(s.host_unit_bytes for s in pools.sizes.values())
+    fit = int(0.9 * avail // per_page)
+    if fit >= 1:
+        fixed, device_per_page = pool_cost(cfg, lay, kv_cache_dtype(options.kv_cache_dtype, dtype), pools.caching)
+        hint = (f"memory_budget_bytes={fixed + fit * device_per_page} (device bytes: {fit} full pages, whose host rows "
+                f"take {_human(fit * per_page)}), or a lower max_model_len or max_num_seqs")
+    else:
+        hint = f"a machine with more host memory (one full page's host rows take {_human(per_page)})"
+    raise HostMemoryError(
+        f"enable_hisparse: the C4 KV pool's host rows for {lay.n_pages} full pages of {lay.page_size} tokens need "
+        f"{host} bytes ({_human(host)}) of host memory but {avail} bytes ({_human(avail)}) are available "
+        f"(MemAvailable; 90% is the limit used); would fit: {hint}")
+
+
 def check_engine_fits(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16", weight_bytes: int = 0) -> None:
     """Before an LLM builds its engine: the pools its options ask for on one device of its mesh (engine_pools, the
-    engine's own layout) against the device memory still free (the weights, `weight_bytes`, already placed).
-    `options` is an api.EngineOptions."""
+    engine's own layout) against the device memory still free (the weights, `weight_bytes`, already placed), and
+    with enable_hisparse the host rows against the host's available memory (check_host_pools_fit). `options` is an
+    api.EngineOptions."""
     pools = engine_pools(cfg, options, max_model_len, dtype)
+    check_host_pools_fit(cfg, options, pools, dtype)
     free, source = device_free_bytes(in_use=weight_bytes)
     if free is None:
         return

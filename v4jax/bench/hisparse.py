@@ -1,11 +1,12 @@
 """`v4jax bench hisparse`: long requests decoding together with the C4 KV pool on the host (enable_hisparse) or
-all on the device, through LLM.generate: capacity (full pages and tokens the pools hold, device and host bytes),
-ms per decode step, the hot buffer's hit rate and the bytes fetched from the host per decode step.
+all on the device, through LLM.generate: capacity (full pages and tokens the pools hold, device and host bytes; the
+most requests of the context that the device's free memory, and with offload the host's, would hold), ms per decode
+step and decode tokens/s, the hot buffer's hit rate and the bytes fetched from the host per decode step.
 
     v4jax bench hisparse --model tiny --dtype float32 --context 2048 --concurrency 4 --device-pages 8
     v4jax bench hisparse --model flash-1gpu --context 131072 --concurrency 8 [--no-offload]
-Prompts are random token ids; a warm-up run on their first halves compiles the programs. The counters are read
-once every request has its first token and after the last, so that prefill's fetches are not in the per-step
+Prompts are random token ids. The time and the counters are read once every request has its first decode call's
+tokens and after the last, so that prefill's fetches and the decode program's compilation are not in the per-step
 figures."""
 from __future__ import annotations
 
@@ -14,37 +15,74 @@ import json
 import time
 
 
+def fit_requests(cfg, options, max_model_len: int, dtype: str, device_free: int | None,
+                 host_available: int | None, limit: int = 1 << 16) -> int | None:
+    """The most requests of max_model_len tokens an engine with these options (max_num_seqs of them, every one's
+    whole context in pages, no memory_budget_bytes) could hold at once: its pools within 90 % of `device_free` and,
+    with offload, its host rows within 90 % of `host_available` (the fit checks' headroom); with offload the hot
+    buffer at its default size, which grows with max_num_seqs (a fixed hisparse_device_pages would bound the
+    requests by its own rows). None when the device's free memory is unknown."""
+    import dataclasses
+
+    from v4jax.memory import engine_pools
+    if device_free is None:
+        return None
+
+    def fits(n: int) -> bool:
+        pools = engine_pools(cfg, dataclasses.replace(options, max_num_seqs=n, memory_budget_bytes=None,
+                                                      hisparse_device_pages=None), max_model_len, dtype)
+        host = sum(s.host_bytes for s in pools.sizes.values())
+        return pools.per_device <= 0.9 * device_free and (
+            not host or host_available is None or host <= 0.9 * host_available)
+
+    lo, hi = 0, limit
+    while lo < hi:  # the largest n that fits: fitting is monotone in n
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int, offload: bool,
         device_pages: int | None, budget: int | None, prefill_chunk: int, seed: int = 0) -> dict:
     import numpy as np
 
     from v4jax import LLM, SamplingParams
+    from v4jax.memory import _host_available_bytes, device_free_bytes, model_weight_bytes
     opts = dict(dtype=dtype, max_num_seqs=concurrency, max_model_len=context + new_tokens + 1,
                 prefill_chunk=prefill_chunk, memory_budget_bytes=budget)
     if offload:
         opts.update(enable_hisparse=True, hisparse_device_pages=device_pages)
     llm = LLM(model, **opts)
+    # what the device has left once the weights are placed, before the engine's pools exist
+    free, _ = device_free_bytes(in_use=model_weight_bytes(llm.model))
+    fit = fit_requests(llm.config, llm.options, llm.max_model_len, dtype, free, _host_available_bytes())
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(2, llm.config.vocab_size, context).tolist() for _ in range(concurrency)]
     core = llm.engine
     lay = core.layout
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    # a warm-up run compiles every program; the timed run decodes from the moment every request has its first
-    # token (prefill done) to the last token
-    llm.generate([p[: len(p) // 2] for p in prompts], params)
+    # The timed window: from the moment every request has its first decode call's tokens (its prefill done, and
+    # that call compiled the decode program of the context's page bucket, which a shorter warm-up's would not be)
+    # to the last token. No warm-up run: at long contexts it would cost a prefill of its own.
+    k = llm.options.decode_steps
+    if new_tokens <= 2 * k:
+        raise ValueError(f"--new-tokens {new_tokens}: the timed window starts after the first decode call's {k} "
+                         f"tokens; use more than {2 * k}")
     got = [0] * concurrency
     t0 = st0 = None
     for i, ids, _ in llm.generate(prompts, params, stream=True):
         got[i] += len(ids)
-        if t0 is None and min(got) > 0:
-            st0, t0, at = llm.stats()["pools"]["c4_kv"], time.perf_counter(), max(got)
+        if t0 is None and min(got) > k:
+            st0, t0, at, done = llm.stats()["pools"]["c4_kv"], time.perf_counter(), max(got), sum(got)
     wall = time.perf_counter() - t0
     st1 = llm.stats()["pools"]["c4_kv"]
     steps = max(max(got) - at, 1)
     row = {"model": model, "context": context, "concurrency": concurrency, "offload": offload,
+           "fit_requests": fit, "device_free_bytes": free,
            "full_pages": lay.n_pages, "capacity_tokens": lay.n_pages * lay.page_size,
            "c4_device_bytes": st1.get("device_bytes_total", st1["bytes_total"]),
-           "c4_host_bytes": st1.get("host_bytes_total", 0), "ms_per_step": 1e3 * wall / steps}
+           "c4_host_bytes": st1.get("host_bytes_total", 0), "ms_per_step": 1e3 * wall / steps,
+           "tokens_per_s": (sum(got) - done) / wall if wall > 0 else None}
     if offload:
         d = {k: st1[k] - st0[k] for k in ("selected", "hits", "fetched_bytes", "transferred_bytes")}
         row.update(device_rows=st1["device_rows"], hit_rate=d["hits"] / d["selected"] if d["selected"] else None,

@@ -100,11 +100,12 @@ def hot_buffer_rows(cfg: ModelConfig, options, page_size: int, max_model_len: in
     if options.kv_layout == "dense":
         raise ValueError("enable_hisparse needs kv_layout='paged' (the dense layout has no page tables)")
     if options.mesh:
-        raise ValueError(f"enable_hisparse runs on one device; mesh={options.mesh!r} is not supported with it")
+        # the host rows and the hot buffer would be split over the mesh's devices, and the fetch run per shard
+        # inside the attention's shard_map: not built
+        raise ValueError(f"enable_hisparse keeps one device's C4 KV pool in host memory: mesh={options.mesh!r} is "
+                         "not supported with it (leave out mesh, or enable_hisparse)")
     if CSA not in cfg.layer_types:
         raise ValueError("enable_hisparse: this model has no CSA layers (ratio 4), so no C4 KV pool to offload")
-    if options.num_speculative_tokens:
-        raise ValueError("enable_hisparse is not supported with speculative_config")
     per_page = page_size // 4
     need = hot_rows_needed(cfg, options)
     pages = options.hisparse_device_pages
