@@ -255,3 +255,39 @@ def test_sender_dying_fails_the_pull():
         child.stdin.write("\n")
         child.stdin.flush()
         child.wait(30)
+
+
+@pytest.mark.slow  # three engines on 8 fake devices in a subprocess: minutes with a cold compilation cache
+def test_prefill_and_decode_on_different_meshes():
+    """Prefill on devices 0-3 (data=2 x tensor=2, pages of 32), decode on devices 4-7 (tensor=4, then data=2 x
+    context=2, pages of 16), in one process (LocalDisagg): LLM.generate's greedy tokens on one device, log-probs
+    within 1e-5; the decode engine's pools stay on its own devices in its own shardings; pages back on both sides."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    decode_meshes = ["tensor=4", "data=2,context=2"]
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "disagg_mesh_worker.py"), "--prefill-mesh",
+                        "data=2,tensor=2", "--decode-meshes", *decode_meshes], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    pairs = {row["decode_mesh"]: row for row in rows if row["check"] == "pair"}
+    assert sorted(pairs) == sorted(decode_meshes)
+    for row in pairs.values():
+        assert row["tokens_equal"] and row["logprob_err"] <= 1e-5, row
+        assert row["transfers"] == 3 and row["all_free"], row
+        assert row["prefill_devices"] == [0, 1, 2, 3] and row["decode_devices"] == [4, 5, 6, 7], row
+        assert row["moved"] == [], row
+    assert pairs["data=2,context=2"]["decode_kv_spec"] == ["None", "('data', 'context')"]
+
+
+def test_devices_need_a_mesh():
+    import jax
+
+    from v4jax.fields import FieldError
+    with pytest.raises(FieldError, match="mesh"):
+        LLM("tiny", devices=jax.devices()[:1], **BASE)

@@ -234,13 +234,16 @@ class EngineCore:
         self.pools = self._transfer_steps()[1](self.pools, np.int32(req.slot), *inputs)
 
     def _transfer_steps(self):
-        """(gather, scatter) of a request's state, jitted for this engine (the scatter donates the pools)."""
+        """(gather, scatter) of a request's state, jitted for this engine (the scatter donates the pools). The
+        scatter's pools come out placed as this engine's are (its mesh, its devices, host memory under offload),
+        whatever mesh the state was gathered on: the arrays arrive from the host and go where the pools are."""
         if self._transfer_jits is None:
             cfg, lay = self.cfg, self.layout
+            placed = None if self.run_options.mesh_rules is None else jax.tree.map(lambda a: a.sharding, self.pools)
             self._transfer_jits = (
                 jax.jit(lambda pools, slot, pages, swa: T.gather_request(cfg, lay, pools, slot, pages, swa)),
                 jax.jit(lambda pools, slot, arrays, entries, swa, tr, ti: T.scatter_request(
-                    cfg, lay, pools, slot, arrays, entries, swa, tr, ti), donate_argnums=0))
+                    cfg, lay, pools, slot, arrays, entries, swa, tr, ti), donate_argnums=0, out_shardings=placed))
         return self._transfer_jits
 
     def abort(self, request_id: str) -> bool:
