@@ -196,6 +196,48 @@ def test_transport_checks_every_transfer(engines, path):
     assert _all_free(prefill)
 
 
+@pytest.mark.parametrize("path", ["jax", "http"])
+def test_offer_never_pulled_is_withdrawn(engines, path, caplog):
+    """An offered state nobody pulls within the offer timeout is dropped by the sender, logged and counted; one that
+    was taken is not; the request's pages came back at its export either way."""
+    import logging
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from v4jax.serve.pd import StateTransport, TransferMetrics
+    prefill, _ = engines
+    registry = CollectorRegistry()
+    sender = StateTransport(path=path, metrics=TransferMetrics(registry), offer_timeout_s=0.5)
+    receiver = StateTransport(path=path, timeout_s=5)
+    prompt = _prompts((40,), prefill.cfg.vocab_size, seed=8)[0]
+    st = _prefill(prefill, "w", prompt, SamplingParams(max_tokens=3, **GREEDY))
+    assert _all_free(prefill)  # exported: what an offer holds is the state's copy in host memory
+    caplog.set_level(logging.WARNING, logger="v4jax.serve")
+    control = sender.offer(st)
+    got = receiver.pull(control, sender.take_bytes)
+    assert all(np.array_equal(got.arrays[k], st.arrays[k]) for k in st.arrays)
+    if path == "jax":
+        assert sender.taken(control["uuid"]) is not None  # the decode server's DELETE after its pull
+    lost = sender.offer(st)
+    assert sender.offered() == (1, st.nbytes())
+    assert registry.get_sample_value("v4jax_pd_offered_bytes") == st.nbytes()
+    give_up = time.monotonic() + 60
+    while sender.withdrawn == 0 and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert sender.withdrawn == 1 and sender.offered() == (0, 0)
+    assert registry.get_sample_value("v4jax_pd_offers_withdrawn_total") == 1
+    assert registry.get_sample_value("v4jax_pd_offers") == 0
+    assert registry.get_sample_value("v4jax_pd_offered_bytes") == 0
+    assert f"withdrew the state of request w ({st.nbytes()} bytes, offer {lost['uuid']})" in caplog.text
+    if path == "http":  # its bytes are gone
+        assert sender.take_bytes(lost["uuid"]) is None
+    else:  # the transfer server dropped it: a pull never arrives
+        with pytest.raises(T.TransferError, match="did not arrive"):
+            receiver.pull(lost)
+    sender.close()
+
+
 @pytest.mark.slow  # two speculative engines to compile
 def test_speculative_decode_side(engines):
     """With speculative decoding on both sides the drafter's state moves too: the single speculative engine's

@@ -95,6 +95,14 @@ class PrefillEngine(LocalEngine):
         super().fail_step()
 
 
+def _say_taken(url: str, uid: int, headers: dict) -> None:
+    import httpx
+    try:
+        httpx.delete(f"{url}{STATE_ROUTE}/{uid}", headers=headers, timeout=10.0)
+    except httpx.HTTPError as e:  # the sender withdraws it at its deadline anyway
+        log.info("could not tell %s that state %d was taken: %s", url, uid, e)
+
+
 class DecodeEngine(LocalEngine):
     def __init__(self, core: EngineCore, transport: StateTransport, secret: str | None = None,
                  timeout_s: float = 600.0, workers: int = 8):
@@ -145,7 +153,11 @@ class DecodeEngine(LocalEngine):
                     resp = httpx.get(f"{url}{STATE_ROUTE}/{uid}", headers=headers, timeout=self.timeout_s)
                     resp.raise_for_status()
                     return resp.content
-                return {"state": self.transport.pull(control, fetch)}
+                try:
+                    return {"state": self.transport.pull(control, fetch)}
+                finally:
+                    if control["path"] == "jax":  # taken (or given up): the sender stops counting it as offered
+                        _say_taken(url, control["uuid"], headers)
             except ValueError as e:
                 if not isinstance(e, T.TransferError):
                     raise
@@ -299,7 +311,7 @@ class LocalDisagg(LocalEngine):
 def pd_router(state):
     """A prefill server's routes for decode servers: POST /v4jax/pd/prefill ({request_id, prompt_ids, params,
     sample_index} -> {"transfer": control message} or {"finished": ...}), GET /v4jax/pd/state/{uuid} (the http
-    transport's bytes, once)."""
+    transport's bytes, once), DELETE /v4jax/pd/state/{uuid} (the jax transport's offer was pulled)."""
     r = APIRouter()
 
     @r.post(PREFILL_ROUTE)
@@ -329,6 +341,11 @@ def pd_router(state):
         except Exception as e:
             raise ApiError(503, f"prefill failed: {e}", code="unavailable") from None
         return JSONResponse(result)
+
+    @r.delete(STATE_ROUTE + "/{uid}")
+    async def taken(uid: int):
+        """A decode server pulled the state (jax path): it leaves the offers."""
+        return JSONResponse({"taken": state.transport.taken(uid) is not None})
 
     @r.get(STATE_ROUTE + "/{uid}")
     async def take(uid: int):
