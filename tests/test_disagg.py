@@ -121,6 +121,29 @@ def test_bytes_roundtrip_and_corruption_refused(engines):
     assert not decode.has_unfinished_requests() and _all_free(decode) and _all_free(prefill)
 
 
+def test_state_of_other_weights_refused(engines):
+    """A state from an engine of the same configuration but other weights (another seed) is refused by the weights'
+    digest, with a message naming them; in the in-process pair the request fails with that message and nothing is
+    left on either side. The digest is the same on engines of the same weights (whatever their page size)."""
+    from v4jax.model.weights import weights_checksum
+    from v4jax.serve.disagg import LocalDisagg
+    prefill, decode = engines
+    fmt = prefill.transfer_format()
+    assert fmt == decode.transfer_format() and fmt["weights"] == weights_checksum(prefill._leaves)
+    other = LLM("tiny", seed=1, page_size=16, **BASE).engine
+    assert other.transfer_format()["config"] == fmt["config"] and other.transfer_format()["weights"] != fmt["weights"]
+    prompt = _prompts((37,), prefill.cfg.vocab_size, seed=9)[0]
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    st = _prefill(prefill, "m", prompt, sp)
+    assert st.meta["format"]["weights"] == fmt["weights"]
+    with pytest.raises(T.TransferError, match=r"a weights digest \(another checkpoint, or another seed"):
+        other.import_request(st)
+    with pytest.raises(T.TransferError, match=r"prompt 0: the request's state was refused: .*weights"):
+        LocalDisagg(prefill, other).generate([prompt], sp)
+    for core in (prefill, other):
+        assert not core.has_unfinished_requests() and _all_free(core)
+
+
 @pytest.mark.slow  # a third engine to compile
 def test_dense_decode_side(engines):
     prefill, _ = engines
