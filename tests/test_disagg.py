@@ -91,6 +91,20 @@ def test_export_import_equals_one_engine(engines):
     assert _all_free(prefill) and _all_free(decode)
 
 
+def test_bytes_moved_are_the_analytic_size(engines):
+    """What a state carries, pool by pool, is what the layout says a request at that position holds (the bytes of
+    `v4jax bench pd`'s second table): the window's last rows, the completed entries, one slot of compressor state."""
+    from v4jax.bench.pd import analytic_bytes
+    prefill, _ = engines
+    for n in (5, 40):
+        prompt = _prompts((n,), prefill.cfg.vocab_size, seed=10)[0]
+        st = _prefill(prefill, "a", prompt, SamplingParams(max_tokens=2, **GREEDY))
+        want = analytic_bytes(prefill, n)
+        assert {k: v for k, v in want.items() if v} == {k: v for k, v in st.bytes_by_pool().items() if v}
+        assert want["c4_kv"] == n // 4 * st.arrays["c4_kv/1/kv"][0, 0].nbytes * st.arrays["c4_kv/1/kv"].shape[0]
+    assert _all_free(prefill)
+
+
 def test_bytes_roundtrip_and_corruption_refused(engines):
     prefill, decode = engines
     prompt = _prompts((37,), prefill.cfg.vocab_size, seed=2)[0]
