@@ -91,6 +91,20 @@ def test_export_import_equals_one_engine(engines):
     assert _all_free(prefill) and _all_free(decode)
 
 
+def test_bytes_moved_are_the_analytic_size(engines):
+    """What a state carries, pool by pool, is what the layout says a request at that position holds (the bytes of
+    `v4jax bench pd`'s second table): the window's last rows, the completed entries, one slot of compressor state."""
+    from v4jax.bench.pd import analytic_bytes
+    prefill, _ = engines
+    for n in (5, 40):
+        prompt = _prompts((n,), prefill.cfg.vocab_size, seed=10)[0]
+        st = _prefill(prefill, "a", prompt, SamplingParams(max_tokens=2, **GREEDY))
+        want = analytic_bytes(prefill, n)
+        assert {k: v for k, v in want.items() if v} == {k: v for k, v in st.bytes_by_pool().items() if v}
+        assert want["c4_kv"] == n // 4 * st.arrays["c4_kv/1/kv"][0, 0].nbytes * st.arrays["c4_kv/1/kv"].shape[0]
+    assert _all_free(prefill)
+
+
 def test_bytes_roundtrip_and_corruption_refused(engines):
     prefill, decode = engines
     prompt = _prompts((37,), prefill.cfg.vocab_size, seed=2)[0]
@@ -119,6 +133,29 @@ def test_bytes_roundtrip_and_corruption_refused(engines):
     with pytest.raises(T.TransferError, match="model configuration"):
         decode.import_request(other)
     assert not decode.has_unfinished_requests() and _all_free(decode) and _all_free(prefill)
+
+
+def test_state_of_other_weights_refused(engines):
+    """A state from an engine of the same configuration but other weights (another seed) is refused by the weights'
+    digest, with a message naming them; in the in-process pair the request fails with that message and nothing is
+    left on either side. The digest is the same on engines of the same weights (whatever their page size)."""
+    from v4jax.model.weights import weights_checksum
+    from v4jax.serve.disagg import LocalDisagg
+    prefill, decode = engines
+    fmt = prefill.transfer_format()
+    assert fmt == decode.transfer_format() and fmt["weights"] == weights_checksum(prefill._leaves)
+    other = LLM("tiny", seed=1, page_size=16, **BASE).engine
+    assert other.transfer_format()["config"] == fmt["config"] and other.transfer_format()["weights"] != fmt["weights"]
+    prompt = _prompts((37,), prefill.cfg.vocab_size, seed=9)[0]
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    st = _prefill(prefill, "m", prompt, sp)
+    assert st.meta["format"]["weights"] == fmt["weights"]
+    with pytest.raises(T.TransferError, match=r"a weights digest \(another checkpoint, or another seed"):
+        other.import_request(st)
+    with pytest.raises(T.TransferError, match=r"prompt 0: the request's state was refused: .*weights"):
+        LocalDisagg(prefill, other).generate([prompt], sp)
+    for core in (prefill, other):
+        assert not core.has_unfinished_requests() and _all_free(core)
 
 
 @pytest.mark.slow  # a third engine to compile
@@ -196,6 +233,48 @@ def test_transport_checks_every_transfer(engines, path):
     assert _all_free(prefill)
 
 
+@pytest.mark.parametrize("path", ["jax", "http"])
+def test_offer_never_pulled_is_withdrawn(engines, path, caplog):
+    """An offered state nobody pulls within the offer timeout is dropped by the sender, logged and counted; one that
+    was taken is not; the request's pages came back at its export either way."""
+    import logging
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from v4jax.serve.pd import StateTransport, TransferMetrics
+    prefill, _ = engines
+    registry = CollectorRegistry()
+    sender = StateTransport(path=path, metrics=TransferMetrics(registry), offer_timeout_s=0.5)
+    receiver = StateTransport(path=path, timeout_s=5)
+    prompt = _prompts((40,), prefill.cfg.vocab_size, seed=8)[0]
+    st = _prefill(prefill, "w", prompt, SamplingParams(max_tokens=3, **GREEDY))
+    assert _all_free(prefill)  # exported: what an offer holds is the state's copy in host memory
+    caplog.set_level(logging.WARNING, logger="v4jax.serve")
+    control = sender.offer(st)
+    got = receiver.pull(control, sender.take_bytes)
+    assert all(np.array_equal(got.arrays[k], st.arrays[k]) for k in st.arrays)
+    if path == "jax":
+        assert sender.taken(control["uuid"]) is not None  # the decode server's DELETE after its pull
+    lost = sender.offer(st)
+    assert sender.offered() == (1, st.nbytes())
+    assert registry.get_sample_value("v4jax_pd_offered_bytes") == st.nbytes()
+    give_up = time.monotonic() + 60
+    while sender.withdrawn == 0 and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert sender.withdrawn == 1 and sender.offered() == (0, 0)
+    assert registry.get_sample_value("v4jax_pd_offers_withdrawn_total") == 1
+    assert registry.get_sample_value("v4jax_pd_offers") == 0
+    assert registry.get_sample_value("v4jax_pd_offered_bytes") == 0
+    assert f"withdrew the state of request w ({st.nbytes()} bytes, offer {lost['uuid']})" in caplog.text
+    if path == "http":  # its bytes are gone
+        assert sender.take_bytes(lost["uuid"]) is None
+    else:  # the transfer server dropped it: a pull never arrives
+        with pytest.raises(T.TransferError, match="did not arrive"):
+            receiver.pull(lost)
+    sender.close()
+
+
 @pytest.mark.slow  # two speculative engines to compile
 def test_speculative_decode_side(engines):
     """With speculative decoding on both sides the drafter's state moves too: the single speculative engine's
@@ -255,3 +334,39 @@ def test_sender_dying_fails_the_pull():
         child.stdin.write("\n")
         child.stdin.flush()
         child.wait(30)
+
+
+@pytest.mark.slow  # three engines on 8 fake devices in a subprocess: minutes with a cold compilation cache
+def test_prefill_and_decode_on_different_meshes():
+    """Prefill on devices 0-3 (data=2 x tensor=2, pages of 32), decode on devices 4-7 (tensor=4, then data=2 x
+    context=2, pages of 16), in one process (LocalDisagg): LLM.generate's greedy tokens on one device, log-probs
+    within 1e-5; the decode engine's pools stay on its own devices in its own shardings; pages back on both sides."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    decode_meshes = ["tensor=4", "data=2,context=2"]
+    r = subprocess.run([sys.executable, os.path.join(root, "tests", "disagg_mesh_worker.py"), "--prefill-mesh",
+                        "data=2,tensor=2", "--decode-meshes", *decode_meshes], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rows = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    pairs = {row["decode_mesh"]: row for row in rows if row["check"] == "pair"}
+    assert sorted(pairs) == sorted(decode_meshes)
+    for row in pairs.values():
+        assert row["tokens_equal"] and row["logprob_err"] <= 1e-5, row
+        assert row["transfers"] == 3 and row["all_free"], row
+        assert row["prefill_devices"] == [0, 1, 2, 3] and row["decode_devices"] == [4, 5, 6, 7], row
+        assert row["moved"] == [], row
+    assert pairs["data=2,context=2"]["decode_kv_spec"] == ["None", "('data', 'context')"]
+
+
+def test_devices_need_a_mesh():
+    import jax
+
+    from v4jax.fields import FieldError
+    with pytest.raises(FieldError, match="mesh"):
+        LLM("tiny", devices=jax.devices()[:1], **BASE)

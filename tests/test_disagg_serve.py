@@ -105,6 +105,19 @@ def _metrics(url) -> dict:
     return out
 
 
+def _all_pages_free(url, timeout: float = 30.0) -> bool:
+    """Every pool's v4jax_pool_used_pages at 0 in the server's /metrics (its engine thread publishes stats between
+    steps: wait for the snapshot after the last change)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        used = {k: v for k, v in _metrics(url).items() if k.startswith("v4jax_pool_used_pages{")}
+        if used and not any(used.values()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 def test_router_serves_the_models_own_output(cluster):
     from openai import OpenAI
     client = OpenAI(base_url=cluster.r.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -159,6 +172,72 @@ def test_dead_prefill_server_is_retried_then_503(cluster):
         r.server.should_exit = True
         r.thread.join(30)
     assert _idle_and_free(cluster.p.state) and _idle_and_free(cluster.d.state)
+
+
+def test_concurrent_streams_with_disconnects(cluster):
+    """32 concurrent streams through the router (openai client), every fourth closed by its client after two chunks
+    (mid-decode: it asked for 200 tokens): the others get the model's own output; the closed ones are aborted on
+    the decode server; afterwards every page of every pool is free on both servers, no state is left offered on the
+    prefill server, the router holds nothing in flight and still answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+    client = OpenAI(base_url=cluster.r.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    n, closed = 32, set(range(0, 32, 4))
+    aborted0 = _metrics(cluster.d.url).get('v4jax_request_finished_total{finish_reason="abort"}', 0.0)
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i not in closed:
+            stream = client.completions.create(model="v4jax-shakespeare", prompt=prompt, max_tokens=MAX_TOKENS,
+                                               temperature=0.0, stream=True)
+            return "".join(c.choices[0].text for c in stream)
+        stream = client.completions.create(model="v4jax-shakespeare", prompt=prompt, max_tokens=200,
+                                           temperature=0.0, stream=True)
+        got = 0
+        for _ in stream:
+            got += 1
+            if got == 2:
+                break
+        stream.close()  # the client goes away mid-stream
+        return got
+
+    with ThreadPoolExecutor(n) as pool:
+        outs = list(pool.map(one, range(n)))
+    for i, out in enumerate(outs):
+        if i in closed:
+            assert out == 2
+        else:
+            assert out == cluster.refs[i % len(PROMPTS)].text, i
+    assert _idle_and_free(cluster.p.state) and _idle_and_free(cluster.d.state)
+    d, p, r = _metrics(cluster.d.url), _metrics(cluster.p.url), _metrics(cluster.r.url)
+    assert d['v4jax_request_finished_total{finish_reason="abort"}'] - aborted0 == len(closed)
+    assert p["v4jax_pd_offers"] == 0 and p["v4jax_pd_offered_bytes"] == 0
+    assert p["v4jax_pd_offers_withdrawn_total"] == 0  # every offer was pulled and said so
+    for url in (cluster.d.url, cluster.p.url):  # as /metrics reports them (after the prefix caches were emptied)
+        assert _all_pages_free(url)
+    assert all(v == 0 for k, v in r.items() if k.startswith("v4jax_router_in_flight"))
+    got = client.completions.create(model="v4jax-shakespeare", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                    temperature=0.0)
+    assert got.choices[0].text == cluster.refs[0].text
+
+
+def test_decode_server_of_other_weights_refused(cluster):
+    """A decode server whose weights digest differs (as from another checkpoint): the prefill server refuses its
+    prefills before doing any (409, naming the weights), the decode server answers 503 with that message through
+    the router, and nothing is left offered or held on either side."""
+    d = cluster.d.state.engine
+    own = d.format
+    d.format = dict(own, weights="0" * 32)
+    try:
+        body = {"model": "v4jax-shakespeare", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        got = httpx.post(cluster.r.url + "/v1/completions", json=body, timeout=120)
+        assert got.status_code == 503, got.text
+        assert "weights digest" in got.json()["error"]["message"]
+    finally:
+        d.format = own
+    assert _idle_and_free(cluster.p.state) and _idle_and_free(cluster.d.state)
+    assert _metrics(cluster.p.url)["v4jax_pd_offers"] == 0
 
 
 @pytest.mark.slow  # a third server to compile

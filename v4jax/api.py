@@ -346,7 +346,10 @@ def _bucket(n: int, lo: int = 16) -> int:
 
 
 class LLM:
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "bfloat16", **options):
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "bfloat16", devices=None,
+                 **options):
+        """`devices`: the devices `mesh` spans (default: every process's), so that engines of one process can hold
+        meshes of their own (a prefill and a decode engine side by side, v4jax.serve.disagg.LocalDisagg)."""
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         known = [f.name for f in dataclasses.fields(EngineOptions)]
@@ -360,7 +363,9 @@ class LLM:
         compile_cache.enable()  # before anything compiles
         spec = None if model is None else os.fspath(model)
         from sharding import MeshRules
-        self.mesh_rules = MeshRules.make(self.options.mesh)  # over every process's devices
+        if devices is not None and not self.options.mesh:
+            raise FieldError("mesh", "devices= places a mesh: give the mesh too (e.g. mesh=\"tensor=4\")")
+        self.mesh_rules = MeshRules.make(self.options.mesh, devices)  # over every process's devices by default
         self.config, self.model, self.tokenizer, self.source = load_model(spec, _DTYPES[dtype], self.options.seed,
                                                                           self.mesh_rules, self.options.quantization)
         self.dtype = dtype

@@ -3,7 +3,7 @@
     rows = request_rows(cfg, layout, full_pages, swa_table_row, fed)    # host: where its state lives in the pools
     arrays = gather_request(cfg, layout, pools, slot, rows...)           # device (jitted by the engine)
     state = RequestState(meta, cut(arrays))                             # numpy, exact sizes, JSON-able meta
-    check_state(state, cfg, kv_dtype, draft)                            # on the receiving side: same format?
+    check_state(state, fmt, shapes)                                     # on the receiving side: same format?
     pools = scatter_request(cfg, layout, pools, slot, ...)              # device: into the receiver's own pages
 
 What moves, for a request that has computed positions [0, fed) (after its prefill: fed = the prompt's length):
@@ -15,9 +15,9 @@ What moves, for a request that has computed positions [0, fed) (after its prefil
   draft_state                  the MTP drafter's per-slot streams (speculative decoding)
   token coordinates, sampler   in `meta`: token ids (prompt and output), position, seed, sample index, stop ids
 The arrays are laid out by position and entry, not by page: the receiver may use another page size, or the dense
-layout, and maps them into its own pages. Both sides must hold the same model and the same pool format
-(`format_of`): a mismatch is refused by name. Boundary snapshots of the prefix cache stay where they were made
-(the receiver's own decode saves those of the pages it completes)."""
+layout, and maps them into its own pages. Both sides must hold the same model (configuration and
+weights, by digest) and the same pool format (`format_of`): a mismatch is refused by name. Boundary snapshots of
+the prefix cache stay where they were made (the receiver's own decode saves those of the pages it completes)."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +32,7 @@ import numpy as np
 from v4jax.cache.pools import FP8, KVPools, PoolLayout
 from v4jax.config import CSA, SLIDING, ModelConfig, layer_stacks
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the weights' digest
 _STATE_FIELDS = ("state_kv", "state_score", "idx_state_kv", "idx_state_score")
 # the pool each array counts under (the names of stats()["pools"])
 POOLS = ("swa", "c4_kv", "c4_index", "c128_kv", "compressor_state", "mtp_swa", "draft_state")
@@ -42,11 +42,27 @@ class TransferError(ValueError):
     """A request's state that this engine cannot take (another format, a truncated or corrupted payload)."""
 
 
-def format_of(cfg: ModelConfig, kv_dtype) -> dict:
-    """What must be equal on both sides: the model's configuration (a digest) and the pools' storage."""
+def format_of(cfg: ModelConfig, kv_dtype, weights: str) -> dict:
+    """What must be equal on both sides: the model's configuration (a digest), its weights (the digest the engine
+    computed once, v4jax.model.weights.weights_checksum) and the pools' storage."""
     name = FP8 if isinstance(kv_dtype, str) else np.dtype(kv_dtype).name
     return {"version": FORMAT_VERSION, "config": hashlib.sha256(repr(cfg).encode()).hexdigest()[:32],
-            "kv_dtype": name}
+            "weights": weights, "kv_dtype": name}
+
+
+_FORMAT_KEYS = {"version": "transfer format version", "config": "model configuration",
+                "weights": "weights digest (another checkpoint, or another seed of this configuration)",
+                "kv_dtype": "KV-cache format (kv_cache_dtype)"}
+
+
+def check_format(got: dict, fmt: dict) -> None:
+    """TransferError unless a state's format `got` (its meta["format"]) is this engine's `fmt`, naming what
+    differs."""
+    for key, what in _FORMAT_KEYS.items():
+        if got.get(key) != fmt[key]:
+            raise TransferError(f"the request's state has a {what} ({key}: {got.get(key)!r}) other than this "
+                                f"engine's ({fmt[key]!r}): both sides must serve the same model with the same "
+                                "kv_cache_dtype")
 
 
 def pool_of(name: str) -> str:
@@ -280,14 +296,7 @@ def checksum(arrays: dict) -> str:
 
 def check_state(state: RequestState, fmt: dict, shapes: dict) -> None:
     """TransferError unless the state has this engine's format and exactly the arrays `shapes` expects."""
-    got = state.meta.get("format", {})
-    for key in ("version", "config", "kv_dtype"):
-        if got.get(key) != fmt[key]:
-            what = {"version": "transfer format version", "config": "model configuration",
-                    "kv_dtype": "KV-cache format (kv_cache_dtype)"}[key]
-            raise TransferError(f"the request's state has another {what} ({key}: {got.get(key)!r}) than this "
-                                f"engine ({fmt[key]!r}): both sides must serve the same model with the same "
-                                "kv_cache_dtype")
+    check_format(state.meta.get("format", {}), fmt)
     missing = sorted(set(shapes) - set(state.arrays))
     if missing:
         raise TransferError(f"the request's state lacks array(s) {missing}" + (

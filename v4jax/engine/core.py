@@ -38,6 +38,7 @@ from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, PREFILLED, DecodePlan, Req
                                     Scheduler, chunk_bucket)
 from v4jax.model import RunOptions, Transformer
 from v4jax.model.ops import ops_for
+from v4jax.model.weights import weights_checksum
 from v4jax.engine.sampling import SamplingParams
 from v4jax.fields import MAX_TOP_LOGPROBS
 
@@ -110,6 +111,7 @@ class EngineCore:
         self._imports: dict = {}  # request id -> (RequestState, SamplingParams): imported, not yet in a slot
         self._first: dict = {}  # prefilled request id -> its first token's log-prob and alternatives
         self._transfer_jits = None
+        self._format = None  # transfer_format(), once
 
     def _create_pools(self, n_boundary_rows: int, caching: bool):
         """The pools and the boundary store, created in their shards on a mesh (one jit, out_shardings from the
@@ -173,7 +175,7 @@ class EngineCore:
         arrays = T.cut(self.cfg, jax.device_get(padded),
                        T.expected_shapes(self.cfg, self.pools, fed, self.pools.draft is not None))
         sp = req.params
-        meta = {"format": T.format_of(self.cfg, self.kv_dtype), "position": fed,
+        meta = {"format": self.transfer_format(), "position": fed,
                 "request": {"request_id": request_id, "prompt": req.prompt, "output": req.output,
                             "params": dataclasses.asdict(sp), "seed": req.seed, "sample_index": req.sample_index,
                             "stop_ids": list(req.stop_ids)},
@@ -196,12 +198,20 @@ class EngineCore:
         if fed != len(rq["prompt"]) + len(rq["output"]) - 1 or not rq["output"]:
             raise T.TransferError(f"the request's state is at position {fed}, its tokens say "
                                   f"{len(rq['prompt']) + len(rq['output']) - 1}")
-        T.check_state(state, T.format_of(self.cfg, self.kv_dtype),
+        T.check_state(state, self.transfer_format(),
                       T.expected_shapes(self.cfg, self.pools, fed, self.pools.draft is not None))
         params = SamplingParams(**rq["params"])
         self.request_check(rq["prompt"], params)
         self._imports[request_id] = (state, params)
         return request_id
+
+    def transfer_format(self) -> dict:
+        """What a request's state must share with this engine to move in or out (v4jax.cache.transfer.format_of):
+        the configuration's digest, the pools' format and the weights' digest, computed once (one pass over the
+        weights where they lie; a disaggregated server computes it at start)."""
+        if self._format is None:
+            self._format = T.format_of(self.cfg, self.kv_dtype, weights_checksum(self._leaves))
+        return self._format
 
     def _check_transferable(self) -> None:
         if self.cfg.dspark_block_size and self.layout.draft_tokens:
@@ -234,13 +244,16 @@ class EngineCore:
         self.pools = self._transfer_steps()[1](self.pools, np.int32(req.slot), *inputs)
 
     def _transfer_steps(self):
-        """(gather, scatter) of a request's state, jitted for this engine (the scatter donates the pools)."""
+        """(gather, scatter) of a request's state, jitted for this engine (the scatter donates the pools). The
+        scatter's pools come out placed as this engine's are (its mesh, its devices, host memory under offload),
+        whatever mesh the state was gathered on: the arrays arrive from the host and go where the pools are."""
         if self._transfer_jits is None:
             cfg, lay = self.cfg, self.layout
+            placed = None if self.run_options.mesh_rules is None else jax.tree.map(lambda a: a.sharding, self.pools)
             self._transfer_jits = (
                 jax.jit(lambda pools, slot, pages, swa: T.gather_request(cfg, lay, pools, slot, pages, swa)),
                 jax.jit(lambda pools, slot, arrays, entries, swa, tr, ti: T.scatter_request(
-                    cfg, lay, pools, slot, arrays, entries, swa, tr, ti), donate_argnums=0))
+                    cfg, lay, pools, slot, arrays, entries, swa, tr, ti), donate_argnums=0, out_shardings=placed))
         return self._transfer_jits
 
     def abort(self, request_id: str) -> bool:

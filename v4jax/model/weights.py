@@ -8,6 +8,7 @@ The loader fills each stacked array directly (one buffer per stacked parameter, 
 expert of it has arrived)."""
 from __future__ import annotations
 
+import hashlib
 from typing import Iterable
 
 import jax
@@ -149,3 +150,33 @@ def model_to_official(model: Transformer) -> dict[str, np.ndarray]:
         for idx in np.ndindex(*arr.shape[:_n_lead(path)]):
             out[_official_name(cfg, path, tuple(idx))] = arr[idx]
     return out
+
+
+# ---- a digest of the weights, to tell one model's weights from another's (prefill/decode disaggregation) ----
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+_MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)  # odd multipliers (xxhash's primes)
+
+
+def _leaf_checksum(x):
+    """sum over elements of (bits + 1) * (odd hash of the element's index), mod 2**32: integer sums are exact in any
+    order, so every mesh (and the host) gets the same value for the same array."""
+    bits = jax.lax.bitcast_convert_type(x, _BITS[x.dtype.itemsize]).astype(jnp.uint32)
+    pos = jnp.ones(x.shape, jnp.uint32)
+    for d in range(x.ndim):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(_MIX[d % len(_MIX)])
+    return jnp.sum((bits + jnp.uint32(1)) * (pos * jnp.uint32(_MIX[0]) | jnp.uint32(1)), dtype=jnp.uint32)
+
+
+def weights_checksum(state) -> str:
+    """A digest of a model's parameters (an nnx State, or its leaves in a pytree): every leaf's path, shape,
+    dtype and a checksum of its bits, computed where the leaves are (one pass over the weights, one jitted
+    program). Equal weights give equal digests on any mesh; weights that differ in one element differ."""
+    leaves = jax.tree.leaves_with_path(state)
+    for path, x in leaves:
+        if np.dtype(x.dtype).itemsize not in _BITS:
+            raise TypeError(f"weights_checksum: {jax.tree_util.keystr(path)} is {x.dtype}")
+    sums = jax.device_get(jax.jit(lambda xs: [_leaf_checksum(x) for x in xs])([x for _, x in leaves]))
+    h = hashlib.sha256()
+    for (path, x), s in zip(leaves, sums):
+        h.update(f"{jax.tree_util.keystr(path)}|{tuple(x.shape)}|{np.dtype(x.dtype).name}|{int(s)}\n".encode())
+    return h.hexdigest()[:32]

@@ -57,7 +57,8 @@ class ServerState:
             from v4jax.serve.disagg import DecodeEngine, PrefillEngine
             from v4jax.serve.pd import StateTransport, TransferMetrics
             self.transport = StateTransport(self.options.host, self.options.pd_transport,
-                                            TransferMetrics(self.metrics.registry))
+                                            TransferMetrics(self.metrics.registry),
+                                            offer_timeout_s=self.options.pd_offer_timeout_s)
             engine = (PrefillEngine(llm.engine, self.transport, score_prompt=llm.prompt_logprobs) if mode == "prefill"
                       else DecodeEngine(llm.engine, self.transport, self.options.pd_secret))
         self.engine = engine or LocalEngine(llm.engine, score_prompt=llm.prompt_logprobs)

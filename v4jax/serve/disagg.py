@@ -48,6 +48,7 @@ class PrefillEngine(LocalEngine):
     def __init__(self, core: EngineCore, transport: StateTransport, score_prompt=None):
         super().__init__(core, score_prompt)
         self.transport = transport
+        self.format = core.transfer_format()  # at start (a pass over the weights), not at the first request
         self._pending: dict[str, concurrent.futures.Future] = {}
 
     def begin_prefill(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -95,11 +96,20 @@ class PrefillEngine(LocalEngine):
         super().fail_step()
 
 
+def _say_taken(url: str, uid: int, headers: dict) -> None:
+    import httpx
+    try:
+        httpx.delete(f"{url}{STATE_ROUTE}/{uid}", headers=headers, timeout=10.0)
+    except httpx.HTTPError as e:  # the sender withdraws it at its deadline anyway
+        log.info("could not tell %s that state %d was taken: %s", url, uid, e)
+
+
 class DecodeEngine(LocalEngine):
     def __init__(self, core: EngineCore, transport: StateTransport, secret: str | None = None,
                  timeout_s: float = 600.0, workers: int = 8):
         super().__init__(core)
         self.transport, self.secret, self.timeout_s = transport, secret, timeout_s
+        self.format = core.transfer_format()  # sent with each prefill: a prefill server of another model refuses
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="v4jax-pd-pull")
         self._remote: dict[str, concurrent.futures.Future] = {}
         self._done: queue.Queue = queue.Queue()  # request ids whose remote prefill finished
@@ -125,7 +135,7 @@ class DecodeEngine(LocalEngine):
         import httpx
         headers = {SECRET_HEADER: self.secret} if self.secret else {}
         body = {"request_id": request_id, "prompt_ids": prompt, "params": dataclasses.asdict(params),
-                "sample_index": sample_index}
+                "sample_index": sample_index, "format": self.format}
         errors = []
         for i, url in enumerate(urls[:2]):
             if i:
@@ -133,6 +143,8 @@ class DecodeEngine(LocalEngine):
             url = url.rstrip("/")
             try:
                 r = httpx.post(url + PREFILL_ROUTE, json=body, headers=headers, timeout=self.timeout_s)
+                if r.status_code == 409:  # another model there: this server cannot, another may
+                    raise T.TransferError(r.json().get("error", {}).get("message", r.text))
                 if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
                     raise ValueError(r.json().get("error", {}).get("message", r.text))
                 r.raise_for_status()
@@ -145,7 +157,11 @@ class DecodeEngine(LocalEngine):
                     resp = httpx.get(f"{url}{STATE_ROUTE}/{uid}", headers=headers, timeout=self.timeout_s)
                     resp.raise_for_status()
                     return resp.content
-                return {"state": self.transport.pull(control, fetch)}
+                try:
+                    return {"state": self.transport.pull(control, fetch)}
+                finally:
+                    if control["path"] == "jax":  # taken (or given up): the sender stops counting it as offered
+                        _say_taken(url, control["uuid"], headers)
             except ValueError as e:
                 if not isinstance(e, T.TransferError):
                     raise
@@ -236,6 +252,7 @@ class LocalDisagg(LocalEngine):
         self.transfers = 0
         self.bytes_by_pool: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._failed: dict[str, str] = {}
 
     def check(self, prompt_ids, params):
         self.prefill.request_check(prompt_ids, params)
@@ -259,7 +276,11 @@ class LocalDisagg(LocalEngine):
             for pool, n in state.bytes_by_pool().items():
                 self.bytes_by_pool[pool] = self.bytes_by_pool.get(pool, 0) + n
             self.transfers += 1
-            self.decode.import_request(state, request_id=d.request_id)
+            try:
+                self.decode.import_request(state, request_id=d.request_id)
+            except ValueError as e:  # another model or format, or a request the decode engine cannot hold
+                log.warning("request %s failed: its state was refused: %s", d.request_id, e)
+                self._failed[d.request_id] = f"the request's state was refused: {e}"
         if self.decode.has_unfinished_requests():
             out += self.decode.step()
         return out
@@ -268,6 +289,10 @@ class LocalDisagg(LocalEngine):
         for core in (self.prefill, self.decode):
             for r in [r.request_id for r in core.scheduler.slots if r is not None]:
                 core.abort(r)
+
+    def failed(self) -> dict[str, str]:
+        out, self._failed = self._failed, {}
+        return out
 
     def request_ids(self):
         return set(self.prefill.scheduler.requests) | set(self.decode.scheduler.requests) | set(self.decode._imports)
@@ -282,10 +307,12 @@ class LocalDisagg(LocalEngine):
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
-        """Token ids and log-probs of each prompt, run to the end (notebooks, tests)."""
+        """Token ids and log-probs of each prompt, run to the end (notebooks, tests). A request whose state the
+        decode engine refused raises TransferError once every other has ended."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [f"disagg-{i}" for i in range(len(prompts))]
         out = {rid: ([], []) for rid in ids}
+        failed = {}
         for rid, p, sp in zip(ids, prompts, params):
             self.add_request(rid, p, sp, 0)
         while self.has_unfinished_requests():
@@ -293,13 +320,16 @@ class LocalDisagg(LocalEngine):
                 if d.request_id in out:
                     out[d.request_id][0].extend(d.new_token_ids)
                     out[d.request_id][1].extend(d.new_logprobs)
+            failed.update(self.failed())
+        if failed:
+            raise T.TransferError("; ".join(f"prompt {ids.index(rid)}: {msg}" for rid, msg in sorted(failed.items())))
         return [out[rid] for rid in ids]
 
 
 def pd_router(state):
     """A prefill server's routes for decode servers: POST /v4jax/pd/prefill ({request_id, prompt_ids, params,
     sample_index} -> {"transfer": control message} or {"finished": ...}), GET /v4jax/pd/state/{uuid} (the http
-    transport's bytes, once)."""
+    transport's bytes, once), DELETE /v4jax/pd/state/{uuid} (the jax transport's offer was pulled)."""
     r = APIRouter()
 
     @r.post(PREFILL_ROUTE)
@@ -313,6 +343,11 @@ def pd_router(state):
             state.orchestrator.check(prompt, params)
         except (KeyError, TypeError, ValueError) as e:
             raise ApiError(400, f"prefill request refused: {e}", code="invalid_value") from None
+        try:  # the decode server's model and KV format, before any work: a state it would refuse is never made
+            T.check_format(body.get("format") or {}, state.engine.format)
+        except T.TransferError as e:
+            raise ApiError(409, f"this prefill server cannot serve that decode server: {e}",
+                           code="pd_format_mismatch") from None
         if not state.orchestrator.accepting:
             raise ApiError(503, "the prefill server is not accepting requests", code="unavailable")
         orch = state.orchestrator
@@ -329,6 +364,11 @@ def pd_router(state):
         except Exception as e:
             raise ApiError(503, f"prefill failed: {e}", code="unavailable") from None
         return JSONResponse(result)
+
+    @r.delete(STATE_ROUTE + "/{uid}")
+    async def taken(uid: int):
+        """A decode server pulled the state (jax path): it leaves the offers."""
+        return JSONResponse({"taken": state.transport.taken(uid) is not None})
 
     @r.get(STATE_ROUTE + "/{uid}")
     async def take(uid: int):

@@ -26,6 +26,7 @@ class ServerOptions:
     pd_secret: str | None = None  # when set, the servers' PD routes (and a PD server's /v1/*) need it in the
     # x-v4jax-pd-secret header: only the router and the other servers know it
     pd_transport: str = "jax"  # how state bytes move: jax.experimental.transfer ("jax") or HTTP ("http")
+    pd_offer_timeout_s: float = 60.0  # a prefill server withdraws an offered state nobody pulled within this
 
     def __post_init__(self):
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -41,6 +42,8 @@ class ServerOptions:
         for name in ("request_timeout_s", "shutdown_grace_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0")
+        if not self.pd_offer_timeout_s > 0:
+            raise ValueError("pd_offer_timeout_s must be > 0")
 
 
 _LLM_HELP = {
@@ -128,6 +131,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    "(header x-v4jax-pd-secret; default: none)")
     p.add_argument("--pd-transport", default=d.pd_transport, choices=["jax", "http"],
                    help="how a request's state moves: jax.experimental.transfer, or the bytes over HTTP")
+    p.add_argument("--pd-offer-timeout", dest="pd_offer_timeout_s", type=float, default=d.pd_offer_timeout_s,
+                   help="a prefill server drops a request's exported state that no decode server pulled within "
+                   "this many seconds (logged; v4jax_pd_offers_withdrawn_total)")
     p.add_argument("--warmup", action="store_true", help="compile every program the engine can dispatch before "
                    "answering, with a progress bar (several at once; the first requests of each shape compile "
                    "otherwise). Long: flash-slice on an H200 took ~5.6 s a program at 8 threads, and a 16K "
