@@ -53,7 +53,7 @@
 #              bash scripts/h200.sh serve
 #   precision  the release's formats (FP8/FP4 weights, FP8 cache entries) against bf16: LLM.generate at batch 1 / 32, 4K,
 #              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...")
-#   spec       speculative decoding (MTP) against plain decoding, drafts forced right at ACCEPT rates, batches
+#   spec       speculative decoding (MTP) against plain decoding, drafts kept at forced ACCEPT rates, batches
 #              BATCHES, k KS (v4jax bench spec)
 #   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
 #              (v4jax bench hisparse): flash-slice at 128K / 512K / 1M and flash-1gpu at 128K, each with and without
@@ -181,7 +181,7 @@ precision)
   ;;
 spec)
   imports
-  # Speculative decoding with the MTP block through LLM.generate (flash-slice, random weights: drafts forced right
+  # Speculative decoding with the MTP block through LLM.generate (flash-slice, random weights: drafts kept by a coin
   # at rates ACCEPT, one engine of the largest batch per (k, rate), 4K prompts) against plain decoding
   MODEL=${MODEL:-flash-slice}
   stamp "$MODEL: k ${KS:-1,3}, forced acceptance ${ACCEPT:-0.5,0.8}, batches ${BATCHES:-1,8,32}"
