@@ -39,6 +39,8 @@
 #              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks tiles; the indexer's
 #              is v4jax bench kernels --sweep indexer_prefill)
 #   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
+#   kvformats  the sparse attention and indexer kernels on FP8 entries / FP4 keys: their GPU tests, then decode at
+#              128K, batch 1 / 32, bf16 pools against the byte formats (--sweep kv_formats) -> $OUT/kv_formats.json
 # Depth (BENCHMARKS.md "Depth"):
 #   depth1     flash-1gpu: first-generate compile, decode rows (jit + engine loop, kernel launches per layer from a
 #              profiler trace), generate at 4K
@@ -357,6 +359,15 @@ sweep)
   timeout 440 python3 -W ignore -m v4jax.bench kernels --sweep attention_prefill --tokens 8192 \
     ${ATTN_CONFIGS:+--configs $ATTN_CONFIGS} 2>&1 | quiet | tee "$out/attention_prefill.txt" \
     | tail -40
+  ;;
+kvformats)
+  # ~6 min: the kernels reading the release's cache formats (FP8 entries, FP4 indexer keys) against the reference,
+  # then decode's sparse attention and indexer at 128K, batch 1 / 32, on bf16 pools against the byte formats
+  stamp "GPU tests of the sparse attention on FP8 entries and the indexer on FP4 keys"
+  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "sparse_attention_fp8 or indexer_scores_fp4" \
+    -p no:cacheprovider --tb=short 2>&1 | grep -v "^  \|^$" | tail -15
+  stamp "bf16 pools against the byte formats (v4jax bench kernels --sweep kv_formats)"
+  timeout 420 python3 -W ignore -m v4jax.bench kernels --sweep kv_formats --out "$out" 2>&1 | quiet | tail -30
   ;;
 repeat)
   stamp "repeated generate calls: what the second one traces or compiles"
