@@ -345,7 +345,8 @@ def _gpu_supported(q, swa_pool, cmp_pool, fmt=None):
     pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
     if fmt is not None:   # bytes: every piece a power of two (Triton's tensors), both pools in the format
         return (fmt.dim == D and fmt.nope % kv_format.FP8_BLOCK == 0 and pow2(fmt.rope)
-                and all(p is None or (p.dtype == jnp.uint8 and p.shape[-1] == fmt.nbytes) for p in (swa_pool, cmp_pool)))
+                and all(p is None or (p.dtype == jnp.uint8 and p.shape[-1] == fmt.nbytes)
+                        for p in (swa_pool, cmp_pool)))
     ok = pow2(D) and swa_pool.dtype in (jnp.bfloat16, F32)
     if cmp_pool is not None:
         ok = ok and cmp_pool.dtype == swa_pool.dtype

@@ -2,8 +2,9 @@
 
 Scores: reference vs float64 numpy (reference §3.5); TPU-style Pallas (TPU interpret) and GPU Triton (interpret; on
 float pools and on FP4-key byte pools) vs the reference, every element checked (interpret outputs start
-NaN-poisoned; -inf must land exactly where the reference has -inf). Top-k: every implementation vs a numpy lexsort oracle of the tie rule (score desc, then
-lower index; -inf -> -1; k > S padded) on rows with deliberate ties, -0.0/+0.0, -inf padding, few valid entries;
+NaN-poisoned; -inf must land exactly where the reference has -inf). Top-k: every implementation vs a numpy lexsort
+oracle of the tie rule (score desc, then lower index; -inf -> -1; k > S padded) on rows with deliberate ties,
+-0.0/+0.0, -inf padding, few valid entries;
 both branches of the GPU threshold method (fast path and buffer overflow -> exact fallback) and of the TPU
 approx_max_k method. Lowering for TPU and CUDA.
 """
@@ -93,7 +94,8 @@ def test_scores_gpu_kernel_interpret(rng, T, Hi, dtype, tol, n_inner):
     _check_scores(out, ref, tol, tol)
 
 
-@pytest.mark.parametrize("Di,T,Hi,dtype,tol,n_inner", [(64, 3, 16, jnp.float32, 1e-5, 1), (128, 20, 12, jnp.bfloat16, 1e-3, 1),
+@pytest.mark.parametrize("Di,T,Hi,dtype,tol,n_inner", [(64, 3, 16, jnp.float32, 1e-5, 1),
+                                                        (128, 20, 12, jnp.bfloat16, 1e-3, 1),
                                                         (128, 1, 16, jnp.float32, 1e-5, 3)])
 def test_scores_gpu_kernel_interpret_fp4_keys(rng, Di, T, Hi, dtype, tol, n_inner):
     """The Triton kernel reading FP4 keys as bytes (decoded in registers) against the reference reading the same bytes:
