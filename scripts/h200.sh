@@ -41,7 +41,7 @@
 #   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
 #   kvformats  the sparse attention and indexer kernels on FP8 entries / FP4 keys: their and the engine's GPU tests
 #              (TESTS=0 skips), then decode at 128K, batch 1 / 32, bf16 pools against the byte formats
-#              (--sweep kv_formats; SWEEP=0 skips) -> $OUT/kv_formats.json
+#              (--sweep kv_formats; SWEEP=0 skips, BATCHES="1 32", SWEEP_S=180 a batch) -> $OUT/kv_b<B>/kv_formats.json
 # Depth (BENCHMARKS.md "Depth"):
 #   depth1     flash-1gpu: first-generate compile, decode rows (jit + engine loop, kernel launches per layer from a
 #              profiler trace), generate at 4K
@@ -372,8 +372,11 @@ kvformats)
       | grep -v "^  \|^$" | tail -15
   fi
   if [ "${SWEEP:-1}" = 1 ]; then
-    stamp "bf16 pools against the byte formats (v4jax bench kernels --sweep kv_formats)"
-    timeout 370 python3 -W ignore -m v4jax.bench kernels --sweep kv_formats --out "$out" 2>&1 | quiet | tail -30
+    for b in ${BATCHES:-1 32}; do   # one run a batch, each under its own limit, each writing what it measured
+      stamp "batch $b: bf16 pools against the byte formats (v4jax bench kernels --sweep kv_formats --tokens $b)"
+      timeout ${SWEEP_S:-180} python3 -W ignore -m v4jax.bench kernels --sweep kv_formats --tokens $b \
+        --out "$out/kv_b$b" 2>&1 | quiet | tail -14
+    done
   fi
   ;;
 repeat)
