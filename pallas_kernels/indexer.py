@@ -8,7 +8,7 @@ Implementations:
   * `indexer_scores_ref`: jnp/XLA (the model's XLA path); `indexer_topk(impl="xla")` adds `topk_ref`.
   * `indexer_scores` TPU-style Pallas (portable): grid (B, T-blocks, S-blocks); key rows DMA'd from the pool
     (whole HBM tiles: a tile-aligned run is one copy, other keys come with their tile and are picked out on
-    chip); GPU: Pallas Triton, key rows gathered by pointer loads.
+    chip); GPU: Pallas Triton, key rows gathered by pointer loads (FP4 keys as bytes, decoded in registers).
   * `indexer_topk(impl="pallas")`: these scores, then `topk.topk` (GPU: threshold selection in Pallas kernels;
     TPU: approx_max_k candidates, verified; both exact, see topk.py).
 """
@@ -158,11 +158,34 @@ _GPU_SB = 128     # keys per program
 _GPU_TQ = 32      # queries per program (looped; the prefill bench's 128K chunk: 10.5 ms, 11.9 with 16)
 
 
-def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq, n_inner):
+def _gpu_gather_keys(pool_ref, ids, valid, fmt, dtype):
+    """Keys ids (masked by valid; other rows read as 0) of pool_ref -> the key pieces in dtype: [keys [n, Di]] of a
+    float pool; of FP4 keys (kv_format.Fp4Key, uint8 [R, fmt.nbytes]) decoded in registers, [even dims, odd dims]
+    [n, Di / 2] each (the low and the high nibbles of the code bytes as e2m1 values, built from their bits, times the
+    ue8m0 scale of their 32 dims: exact in bf16, as the reference decodes them)."""
+    safe = jnp.where(valid, ids, 0)[:, None]
+    load = lambda c0, n: _compat.pltriton.load(
+        pool_ref.at[safe, c0 + lax.broadcasted_iota(jnp.int32, (1, n), 1)], mask=valid[:, None], other=0)
+    if fmt is None:
+        cols = lax.broadcasted_iota(jnp.int32, (1, pool_ref.shape[-1]), 1)
+        return [_compat.pltriton.load(pool_ref.at[safe, cols], mask=valid[:, None], other=0.0).astype(dtype)]
+    half = fmt.dim // 2
+    codes = load(0, half).astype(jnp.int32)                                    # [n, Di / 2]
+    block = lax.broadcasted_iota(jnp.int32, (1, half), 1) // (kv_format.FP4_BLOCK // 2)
+    scale = None                                         # each byte's block scale, by selects (no per-byte gather)
+    for j in range(fmt.dim // kv_format.FP4_BLOCK):
+        sj = lax.bitcast_convert_type(load(half + j, 1).astype(jnp.uint32) << 23, F32)   # [n, 1]; 0 masked
+        scale = jnp.broadcast_to(sj, codes.shape) if scale is None else jnp.where(block == j, sj, scale)
+    return [(kv_format.e2m1_value(codes & 15) * scale).astype(dtype),
+            (kv_format.e2m1_value(codes >> 4) * scale).astype(dtype)]
+
+
+def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq, n_inner, fmt):
     s_blk = pl.program_id(2)   # grid (query block, b, key block): query blocks sharing keys run side by side
-    Di = pool_ref.shape[-1]
-    cols = lax.broadcasted_iota(jnp.int32, (1, Di), 1)
-    cdt = common_compute_dtype(q_ref.dtype, pool_ref.dtype)
+    Di = q_ref.shape[-1]
+    # bytes decode to q's dtype (exact); a float pool computes in bf16 only if both are bf16
+    cdt = q_ref.dtype if fmt is not None else common_compute_dtype(q_ref.dtype, pool_ref.dtype)
+    pieces = ((0, Di),) if fmt is None else ((0, Di // 2), (Di // 2, Di // 2))   # q's dims in the keys' pieces
 
     # keys past every query's n_valid are -inf without a load or a matmul: a prefill chunk's causal triangle and
     # the page-bucket padding of the rows (a 128K flash-slice prompt's indexer: 388 -> 293 ms on the H200)
@@ -190,17 +213,17 @@ def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, t
     def scores(i):
         ids = rows_ref[pl.ds(i * sb, sb)]                                      # [sb]
         valid = ids >= 0
-        keys = _compat.pltriton.load(pool_ref.at[jnp.where(valid, ids, 0)[:, None], cols], mask=valid[:, None],
-                                     other=0.0).astype(cdt)                    # [sb, Di]
+        keys = _gpu_gather_keys(pool_ref, ids, valid, fmt, cdt)                  # [[sb, Di]] or the FP4 halves
         s_idx = (s_blk * n_inner + i) * sb + lax.broadcasted_iota(jnp.int32, (sb,), 0)
 
         def body(t, carry):
-            q = q_ref[t].astype(cdt)                                             # [Hi, Di]
+            qs = [q_ref[t].astype(cdt)] if fmt is None else \
+                [q_ref[t, :, pl.ds(c0, w)].astype(cdt) for c0, w in pieces]     # [Hi, Di] or its halves
             wt = w_ref[t].astype(F32)                                            # [Hi]
             # keys as the matmul's rows: the sum over heads runs along a row, within a warp; with heads as the rows
             # it crossed warps (H200, a 128K prompt's last chunk: 17.1 -> 10.5 ms, 249 -> 407 TFLOP/s;
             # v4jax bench kernels --sweep indexer_prefill)
-            logits = mm_nt(keys, q)                                              # [sb, Hi]
+            logits = functools.reduce(jnp.add, [mm_nt(k, q) for k, q in zip(keys, qs)])   # [sb, Hi]
             sc = jnp.sum(jnp.maximum(logits, 0.0) * wt[None, :], axis=1)        # [sb]
             ok = valid & (s_idx < nv_ref[t])
             o_ref[t, pl.ds(i * sb, sb)] = jnp.where(ok, sc, -jnp.inf)
@@ -211,14 +234,19 @@ def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, t
     lax.fori_loop(0, n_inner, block, 0)
 
 
-def _gpu_scores_supported(q, key_pool):
+def _gpu_scores_supported(q, key_pool, fmt=None):
     pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
+    if fmt is not None:   # FP4 keys: the halves of a key powers of two (Triton's tensors)
+        return fmt.dim == q.shape[-1] and pow2(fmt.dim // 2) and key_pool.dtype == jnp.uint8 \
+            and key_pool.shape[-1] == fmt.nbytes
     return pow2(q.shape[-1]) and key_pool.dtype in (jnp.bfloat16, F32)
 
 
 def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_GPU_SB, num_warps=4,
-                        num_stages=2, n_inner=1, tq=_GPU_TQ):
+                        num_stages=2, n_inner=1, tq=_GPU_TQ, key_format=None):
     B, T, Hi, Di = q.shape
+    if key_format is not None:   # q's even dims, then its odd ones: the keys' low and high nibbles
+        q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
     S = rows.shape[-1]
     Hp = max(16, next_pow2(Hi))
     if Hp != Hi:   # zero-weight padded heads contribute exactly 0
@@ -234,7 +262,7 @@ def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_G
     sbp = sb * n_inner                                                       # keys per program
     Sp = round_up(S, sbp)
     rows_p = pad_last(rows.astype(jnp.int32), Sp, -1)
-    kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq, n_inner=n_inner)
+    kernel = functools.partial(_gpu_scores_kernel, sb=sb, tq=tq, n_inner=n_inner, fmt=key_format)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((B, Tp, Sp), F32),
@@ -257,12 +285,12 @@ def _indexer_scores_gpu(q, w, key_pool, rows, n_valid, *, interpret=False, sb=_G
 def indexer_scores(q, w, key_pool, rows, n_valid, *, interpret=False, key_format=None):
     """Pallas indexer scores; same contract as `indexer_scores_ref`. GPU: Triton kernel; TPU: Mosaic kernel;
     interpret=True or CPU: the TPU-style kernel in the HLO interpreter (tests also use strict TPU interpret).
-    key_format: keys stored as bytes (kv_format.Fp4Key), decoded on chip by the TPU-style kernel; on a GPU the
-    reference runs for now."""
+    key_format: keys stored as bytes (kv_format.Fp4Key: 68 a Flash key against 256 in bf16), gathered as bytes and
+    decoded on chip by both kernels."""
     be = _compat.backend()
     if be == "gpu" and not interpret:
-        if key_format is None and _gpu_scores_supported(q, key_pool):
-            return _indexer_scores_gpu(q, w, key_pool, rows, n_valid)
+        if _gpu_scores_supported(q, key_pool, key_format):
+            return _indexer_scores_gpu(q, w, key_pool, rows, n_valid, key_format=key_format)
         return indexer_scores_ref(q, w, key_pool, rows, n_valid, key_format)
     return _indexer_scores_tpu(q, w, key_pool, rows, n_valid, interpret=interpret or be != "tpu",
                                key_format=key_format)

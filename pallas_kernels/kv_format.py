@@ -72,13 +72,12 @@ def e2m1_code(y):
 
 
 def e2m1_value(code):
-    """e2m1 codes 0..15 (bit 3: sign) -> f32."""
-    m = code & 7
-    e = m >> 1
-    half = (m & 1).astype(F32) * 0.5
-    base = jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)).astype(F32)
-    v = jnp.where(e == 0, half, base * (1.0 + half))
-    return jnp.where((code & 8) != 0, -v, v)
+    """e2m1 codes 0..15 (bit 3: sign, bits 2..1: exponent e with bias 1, bit 0: mantissa m) -> f32, built as f32 bits
+    (e = 0: 0 or 0.5), in a few integer operations: the GPU kernels decode keys with it in registers."""
+    c = code.astype(U32)
+    e, m = (c >> 1) & 3, c & 1
+    bits = jnp.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((c & 8) << 28)
+    return lax.bitcast_convert_type(bits.astype(U32), F32)
 
 
 def _e4m3_value(c):

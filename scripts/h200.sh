@@ -39,6 +39,9 @@
 #              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks tiles; the indexer's
 #              is v4jax bench kernels --sweep indexer_prefill)
 #   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
+#   kvformats  the sparse attention and indexer kernels on FP8 entries / FP4 keys: their and the engine's GPU tests
+#              (TESTS=0 skips), then decode at 128K, batch 1 / 32, bf16 pools against the byte formats
+#              (--sweep kv_formats; SWEEP=0 skips, BATCHES="1 32", SWEEP_S=180 a batch) -> $OUT/kv_b<B>/kv_formats.json
 # Depth (BENCHMARKS.md "Depth"):
 #   depth1     flash-1gpu: first-generate compile, decode rows (jit + engine loop, kernel launches per layer from a
 #              profiler trace), generate at 4K
@@ -422,6 +425,24 @@ sweep)
   timeout 440 python3 -W ignore -m v4jax.bench kernels --sweep attention_prefill --tokens 8192 \
     ${ATTN_CONFIGS:+--configs $ATTN_CONFIGS} 2>&1 | quiet | tee "$out/attention_prefill.txt" \
     | tail -40
+  ;;
+kvformats)
+  # The kernels reading the release's cache formats (FP8 entries, FP4 indexer keys): their GPU tests against the
+  # reference and the engine on them against the XLA path (TESTS=0 skips), then decode's sparse attention and
+  # indexer at 128K, batch 1 / 32, on bf16 pools against the byte formats (SWEEP=0 skips)
+  if [ "${TESTS:-1}" = 1 ]; then
+    stamp "GPU tests of the sparse attention on FP8 entries, the indexer on FP4 keys, the engine on both"
+    timeout 200 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py \
+      -k "sparse_attention_fp8 or indexer_scores_fp4 or fp8_cache" -p no:cacheprovider --tb=short 2>&1 \
+      | grep -v "^  \|^$" | tail -15
+  fi
+  if [ "${SWEEP:-1}" = 1 ]; then
+    for b in ${BATCHES:-1 32}; do   # one run a batch, each under its own limit, each writing what it measured
+      stamp "batch $b: bf16 pools against the byte formats (v4jax bench kernels --sweep kv_formats --tokens $b)"
+      timeout ${SWEEP_S:-180} python3 -W ignore -m v4jax.bench kernels --sweep kv_formats --tokens $b \
+        --out "$out/kv_b$b" 2>&1 | quiet | tail -14
+    done
+  fi
   ;;
 repeat)
   imports

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from v4jax.bench import kernels_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +28,21 @@ def test_tune_and_sweep_small(tmp_path):
     assert kernels_main(["--sweep", "fused_projections", "--small", "--out", str(tmp_path)]) == 0
     row = json.loads((tmp_path / "bench_fused_projections.json").read_text())["rows"][0]
     assert row["max_abs_diff"] < 0.5 and {"separate", "fused", "multi"} <= set(row)
+
+
+@pytest.mark.slow   # ~40 s: nine forms compiled in interpret mode
+def test_kv_formats_sweep_small(tmp_path):
+    """--sweep kv_formats end to end: every form of every case runs, is checked against the reference and timed."""
+    assert kernels_main(["--sweep", "kv_formats", "--small", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "kv_formats.json").read_text())["rows"]
+    assert [(r["case"], r["form"]) for r in rows] == [
+        (c, f) for c, forms in (("attention csa", _ATTENTION_FORMS), ("attention hca", _ATTENTION_FORMS),
+                                ("indexer scores", _INDEXER_FORMS)) for f in forms]
+    assert all(r["same_inf"] and r["max_rel_err"] < 1e-2 and r["us_per_layer"] > 0 for r in rows)
+
+
+_ATTENTION_FORMS = ("bf16 pool (Triton)", "fp8 entries (Triton)", "fp8 entries (XLA reference)")
+_INDEXER_FORMS = ("bf16 keys (Triton)", "fp4 keys (Triton)", "fp4 keys (XLA reference)")
 
 
 def test_kernels_import_nothing_but_the_config():

@@ -65,6 +65,36 @@ def test_pallas_engine_equals_xla_on_gpu(tmp_path, monkeypatch):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_pallas_engine_equals_xla_on_gpu_fp8_cache(tmp_path, monkeypatch):
+    """kv_cache_dtype="fp8": the engine on the Triton kernels reading the byte pools (FP8 entries, FP4 indexer keys)
+    gives the XLA path's greedy tokens, every sparse-attention and indexer call on the byte-reading kernels. Log-probs
+    within 1e-3, not 1e-5: each new entry is rounded to FP8, and the two paths' f32 summation orders may put a value
+    on the other side of an e4m3 rounding boundary (a step of 1/16 of the value)."""
+    cfg = H.cfg_real_ratios()
+    write_official_checkpoint(tmp_path, cfg, H.random_official_tensors(cfg, seed=5, include_mtp=False), fp8=False,
+                              fp4_experts=False, bf16=False)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (1, 300, 700)]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True)
+    calls = []
+    for module, name, fmt in ((SA, "_sparse_attention_gpu", "entry_format"), (IX, "_indexer_scores_gpu", "key_format")):
+        def wrapped(*a, _fn=getattr(module, name), _name=name, _fmt=fmt, **kw):
+            calls.append((_name, kw.get(_fmt) is not None))
+            return _fn(*a, **kw)
+        monkeypatch.setattr(module, name, wrapped)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, max_model_len=1280, prefill_chunk=256,
+                  attention_impl=impl, kv_cache_dtype="fp8")
+        outs[impl] = llm.generate(prompts, sp)
+        if impl == "xla":
+            assert not calls, calls
+    assert {n for n, _ in calls} == {"_sparse_attention_gpu", "_indexer_scores_gpu"} and all(b for _, b in calls)
+    for p, a, b in zip(prompts, outs["xla"], outs["pallas"]):
+        assert a.token_ids == b.token_ids, f"prompt of {len(p)} tokens"
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-3)
+
+
 def test_second_generate_compiles_nothing():
     # JAX 0.11's Pallas fuser changed a thread-local state in jit's cache key after its first use, so a process's
     # second generate traced and compiled its prefill again (v4jax.engine.steps.pin_trace_context)

@@ -1,9 +1,10 @@
 """Indexer scores and exact top-k.
 
-Scores: reference vs float64 numpy (reference §3.5); TPU-style Pallas (TPU interpret) and GPU Triton (interpret)
-vs the reference, every element checked (interpret outputs start NaN-poisoned; -inf must land exactly where the
-reference has -inf). Top-k: every implementation vs a numpy lexsort oracle of the tie rule (score desc, then
-lower index; -inf -> -1; k > S padded) on rows with deliberate ties, -0.0/+0.0, -inf padding, few valid entries;
+Scores: reference vs float64 numpy (reference §3.5); TPU-style Pallas (TPU interpret) and GPU Triton (interpret; on
+float pools and on FP4-key byte pools) vs the reference, every element checked (interpret outputs start
+NaN-poisoned; -inf must land exactly where the reference has -inf). Top-k: every implementation vs a numpy lexsort
+oracle of the tie rule (score desc, then lower index; -inf -> -1; k > S padded) on rows with deliberate ties,
+-0.0/+0.0, -inf padding, few valid entries;
 both branches of the GPU threshold method (fast path and buffer overflow -> exact fallback) and of the TPU
 approx_max_k method. Lowering for TPU and CUDA.
 """
@@ -90,6 +91,24 @@ def test_scores_gpu_kernel_interpret(rng, T, Hi, dtype, tol, n_inner):
     args = _score_inputs(rng, 2, T, Hi, 32, 300, 500, dtype)
     ref = ix.indexer_scores_ref(*args)
     out = jax.jit(functools.partial(ix._indexer_scores_gpu, interpret=True, sb=64, n_inner=n_inner))(*args)
+    _check_scores(out, ref, tol, tol)
+
+
+@pytest.mark.parametrize("Di,T,Hi,dtype,tol,n_inner", [(64, 3, 16, jnp.float32, 1e-5, 1),
+                                                        (128, 20, 12, jnp.bfloat16, 1e-3, 1),
+                                                        (128, 1, 16, jnp.float32, 1e-5, 3)])
+def test_scores_gpu_kernel_interpret_fp4_keys(rng, Di, T, Hi, dtype, tol, n_inner):
+    """The Triton kernel reading FP4 keys as bytes (decoded in registers) against the reference reading the same bytes:
+    keys of magnitudes a few powers of two apart (their ue8m0 scales differ) and an all-zero key (the scale's floor)."""
+    from pallas_kernels import kv_format
+    fmt = kv_format.Fp4Key(Di)
+    q, w, pool, rows, n_valid = _score_inputs(rng, 2, T, Hi, Di, 300, 500, dtype)
+    keys = np.asarray(pool, np.float32) * np.exp(rng.standard_normal((pool.shape[0], 1)))
+    keys[65] = 0.0
+    pool = jax.jit(fmt.encode)(jnp.asarray(keys))
+    ref = ix.indexer_scores_ref(q, w, pool, rows, n_valid, key_format=fmt)
+    out = jax.jit(functools.partial(ix._indexer_scores_gpu, interpret=True, sb=64, n_inner=n_inner,
+                                    key_format=fmt))(q, w, pool, rows, n_valid)
     _check_scores(out, ref, tol, tol)
 
 
@@ -246,6 +265,21 @@ def test_scores_lower_for_tpu_and_cuda(shape):
     exp = _compat.export_for_tpu(ix._indexer_scores_tpu, *_score_shapes(*shape))
     assert "tpu_custom_call" in exp.mlir_module()
     assert "triton" in _compat.lower_for_cuda(ix._indexer_scores_gpu, *_score_shapes(*shape))
+
+
+def test_fp4_keys_take_the_triton_kernel_on_gpu(monkeypatch):
+    """The public entry, as it dispatches on a GPU, runs the Triton kernel on an FP4 key pool at Flash decode shapes
+    (lowered for CUDA here, the pool passed in place), not the reference."""
+    from pallas_kernels import kv_format
+    fmt = kv_format.Fp4Key(128)
+    A = jax.ShapeDtypeStruct
+    monkeypatch.setattr(_compat, "backend", lambda: "gpu")
+    txt = _compat.lower_for_cuda(functools.partial(ix.indexer_scores, key_format=fmt), A((4, 1, 64, 128), jnp.bfloat16),
+                                 A((4, 1, 64), jnp.float32), A((1 << 20, fmt.nbytes), jnp.uint8),
+                                 A((4, 32768), jnp.int32), A((4, 1), jnp.int32))
+    call = next(line for line in txt.splitlines() if "xla.gpu.triton" in line)
+    assert "v4_indexer_scores_gpu" in call and "stablehlo.gather" not in txt
+    assert "%arg2" in call.split("triton(", 1)[1].split(")", 1)[0].split(", ")   # the key bytes as they are
 
 
 def test_topk_lowers_for_tpu_and_cuda(monkeypatch):

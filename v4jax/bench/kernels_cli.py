@@ -26,7 +26,7 @@ def main(argv=None) -> int:
                  help="--tune: sparse attention configs to sweep (default: a built-in grid)")
   p.add_argument("--sweep", choices=list(sweeps.SWEEPS), default=None, help="one tile sweep instead of the table")
   p.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=None, metavar="N[,N]",
-                 help="--sweep: tokens of the prefill chunk (prefill_experts: a list)")
+                 help="--sweep: tokens of the prefill chunk (prefill_experts: a list; kv_formats: the decode batches)")
   p.add_argument("--keys", type=int, default=None, help="--sweep topk_prefill / indexer_prefill: compressed keys")
   p.add_argument("--k", type=int, default=None, help="--sweep topk_prefill: k")
   p.add_argument("--configs", nargs="*", default=None, metavar="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL",

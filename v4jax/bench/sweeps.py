@@ -20,10 +20,13 @@ is reported, not fatal.
   --sweep attention_prefill   sparse attention on a prefill chunk per tile (--tokens T, --configs
                               HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ...)
   --sweep indexer_prefill     indexer scores on a prefill chunk per tile (--tokens T --keys S)
+  --sweep kv_formats          decode's sparse attention and indexer at 128K, batch 1 and 32 (--tokens B[,B]), on
+                              bf16 pools against the FP8-entry / FP4-key byte pools (kv_cache_dtype="fp8")
+                                                                                 -> OUT/kv_formats.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post): tiny shapes in interpret mode on a CPU, to check the
-code end to end; the numbers mean nothing there. The other sweeps run on a GPU only. Times are GPU kernel time
-from a profiler trace unless said otherwise.
+`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats): tiny shapes in interpret mode on a CPU, to
+check the code end to end; the numbers mean nothing there. The other sweeps run on a GPU only. Times are GPU kernel
+time from a profiler trace unless said otherwise.
 """
 from __future__ import annotations
 
@@ -662,11 +665,151 @@ def stored_weights(a, out_dir: str) -> int:
     return 0
 
 
+def kv_formats(a, out_dir: str) -> int:
+    """Decode reads of the KV pools at 128K, Flash shapes, at batch 1 and 32: the pools in bf16 against the release's
+    byte formats (kv_cache_dtype="fp8": FP8 entries of 584 B against 1,024, FP4 indexer keys of 68 B against 256);
+    --tokens B[,B] picks the batches.
+    Cases: a CSA layer's sparse attention (64 heads x 512; its 128-entry window + 512 of 32,768 entries selected),
+    an HCA layer's (the window + all 1,024 entries) and the indexer scores (64 heads x 128 over 32,768 keys in
+    pages of 64). Forms: the GPU kernel the model calls on each pool (the Triton kernels) and, on the byte pools,
+    the XLA reference (what a GPU ran on them before the kernels read bytes). Each call runs over several layers one
+    after another (unrolled: no loop's kernels in the time), their rows apart in one flat pool as the model's are,
+    so that >= ~100 MB are read per call and the reads come from HBM, not from the 50 MB L2 (batch 1: 256
+    attention / 128 indexer layers); time = GPU kernel time per layer from a profiler trace; GB/s = the bytes a
+    layer must read (rows or keys, their ids, q and o or the scores) / time. Every form is checked against the
+    reference on the same pools (max |err| relative to max |ref|). --small: tiny shapes in interpret mode on a CPU.
+    -> OUT/kv_formats.json"""
+    from pallas_kernels import kv_format
+    SA = importlib.import_module("pallas_kernels.sparse_attention")
+    IX = importlib.import_module("pallas_kernels.indexer")
+    interp = jax.default_backend() == "cpu"
+    if a.small:
+        H, D, rope, W, K, n_c4, Hi, Di, batches, reach, reach_ix = 16, 128, 64, 16, 32, 256, 16, 32, (1,), 2, 2
+    else:
+        H, D, rope, W, K, n_c4, Hi, Di, batches, reach, reach_ix = 64, 512, 64, 128, 512, 32768, 64, 128, \
+            tuple(a.tokens or (1, 32)), 256, 128
+    n_hca, page = n_c4 // 32, 64            # 1,024 HCA entries at 128K (one per 128 tokens); 64 keys a 256-token page
+    ent, key = kv_format.Fp8Entry(D, rope), kv_format.Fp4Key(Di)
+    repeats = a.repeats or (1 if a.small else 3)
+    rows_out = []
+
+    def encode(fmt, x):   # by chunks of rows: the whole pool's f32 temporaries would not fit
+        n = x.shape[0]
+        c = int(np.gcd(n, 4096))
+        return jax.jit(lambda x: lax.map(fmt.encode, x.reshape(n // c, c, -1)).reshape(n, fmt.nbytes))(x)
+
+    def save():   # after every form: a run cut short by its time limit keeps what it measured
+        with open(os.path.join(out_dir, "kv_formats.json"), "w") as fh:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, repeats=repeats, rows=rows_out),
+                      fh, indent=1)
+
+    def measure(case, B, L, name, fn, args, per_layer, ref):
+        """fn(*args) -> one output per layer (the first one checked against ref; the compiled call is timed)."""
+        try:
+            out = np.asarray(jax.jit(fn)(*args)[0].astype(F32)).astype(np.float64)
+            fin = np.isfinite(ref)
+            err = float(np.max(np.abs(out[fin] - ref[fin])) / max(np.max(np.abs(ref[fin])), 1e-30))
+            same_inf = bool(np.array_equal(np.isfinite(out), fin))
+            sec, per_kernel = _kb().time_trace(fn, args, repeats=repeats)
+        except Exception as e:  # noqa: BLE001 - a form the compiler rejects is reported, not fatal
+            rows_out.append(dict(case=case, batch=B, form=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(f"{case} B={B} {name}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+            save()
+            return
+        us = sec / L * 1e6
+        top = ", ".join(f"{k[:40]} {v / L * 1e6:.1f}" for k, v in list(per_kernel.items())[:3])
+        rows_out.append(dict(case=case, batch=B, form=name, layers=L, us_per_layer=us, MB_per_layer=per_layer / 1e6,
+                             GBps=per_layer / us / 1e3, max_rel_err=err, same_inf=same_inf,
+                             kernels_us_per_layer={k: v / L * 1e6 for k, v in per_kernel.items()}))
+        print(f"{case} B={B:2d} {name:28s} {us:8.1f} us/layer {per_layer / 1e6:7.2f} MB "
+              f"{per_layer / us / 1e3:6.0f} GB/s  err {err:.1e}{'' if same_inf else ' INF PATTERN DIFFERS'}  [{top}]",
+              flush=True)
+        save()
+
+    for B in batches:
+        ks = jax.random.split(jax.random.key(B), 12)
+        L = max(1, reach // B)
+        q = jax.random.normal(ks[0], (B, 1, H, D), BF16)
+        sink = jax.random.normal(ks[1], (H,), F32)
+        swa = jax.random.normal(ks[2], (L * B * W, D), BF16)
+        swa8 = encode(ent, swa)
+        req = (jnp.arange(L)[:, None] * B + jnp.arange(B)[None, :])[:, :, None, None]     # [L, B, 1, 1]
+        win = (req * W + jnp.arange(W)).astype(jnp.int32)
+        for kind, n_cmp in (("csa", n_c4), ("hca", n_hca)):
+            cmp = jax.random.normal(ks[3], (L * B * n_cmp, D), BF16)
+            cmp8 = encode(ent, cmp)
+            sel = (jax.random.randint(ks[4], (L, B, 1, K), 0, n_cmp) if kind == "csa"
+                   else jnp.broadcast_to(jnp.arange(n_cmp), (L, B, 1, n_cmp)))
+            sel = (req * n_cmp + sel).astype(jnp.int32)
+            wins, sels = list(win), list(sel)
+            n_rows = W + sel.shape[-1]
+            scale = D ** -0.5
+            case = f"attention {kind}"
+            ref32 = jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale, return_lse=True))
+            # as the model calls them (an HCA layer's rows end where its -1s begin: valid_prefix)
+            gpu_kw = dict(scale=scale, interpret=interp, skip_tail=kind == "hca")
+            forms = [
+                ("bf16 pool (Triton)", functools.partial(SA._sparse_attention_gpu, **gpu_kw),
+                 swa, cmp, D * 2, ref32(q, swa, wins[0], cmp, sels[0], sink)[0]),
+                ("fp8 entries (Triton)", functools.partial(SA._sparse_attention_gpu, **gpu_kw, entry_format=ent),
+                 swa8, cmp8, ent.nbytes, None),
+                ("fp8 entries (XLA reference)", functools.partial(SA.sparse_attention_ref, scale=scale,
+                                                                  entry_format=ent),
+                 swa8, cmp8, ent.nbytes, None),
+            ]
+            ref8 = np.asarray(jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale, return_lse=True,
+                                                        entry_format=ent))(q, swa8, wins[0], cmp8, sels[0], sink)[0])
+            for name, f, sp, cp, row_bytes, ref in forms:
+                f = jax.jit(f)   # one layer's call lowered once, not once per layer (a Triton call takes ~0.25 s)
+                ref = np.asarray(ref, np.float64) if ref is not None else ref8.astype(np.float64)
+                per_layer = B * n_rows * (row_bytes + 4) + 2 * B * H * D * 2
+                measure(case, B, L, name,
+                        lambda q, sink, sp, cp, wins, sels, f=f: [f(q, sp, w, cp, c, sink) for w, c in zip(wins, sels)],
+                        (q, sink, sp, cp, wins, sels), per_layer, ref)
+            del cmp, cmp8
+        del swa, swa8
+
+        L = max(1, reach_ix // B)
+        iq = jax.random.normal(ks[5], (B, 1, Hi, Di), BF16)
+        w = jax.random.normal(ks[6], (B, 1, Hi), F32) * Hi ** -0.5
+        keys = jax.random.normal(ks[7], (L * B * n_c4, Di), BF16)
+        keys4 = encode(key, keys)
+        n_pages = B * n_c4 // page              # a layer's pages, drawn at random for its requests
+        perm = jnp.argsort(jax.random.uniform(ks[8], (L, n_pages)), axis=-1).reshape(L, B, n_c4 // page)
+        krows = ((jnp.arange(L)[:, None, None] * n_pages + perm)[..., None] * page + jnp.arange(page))
+        krows = list(krows.reshape(L, B, n_c4).astype(jnp.int32))
+        n_valid = jnp.full((B, 1), n_c4, jnp.int32)
+        ref = np.asarray(jax.jit(IX.indexer_scores_ref)(iq, w, keys, krows[0], n_valid), np.float64)
+        ref4 = np.asarray(jax.jit(functools.partial(IX.indexer_scores_ref, key_format=key))(iq, w, keys4, krows[0],
+                                                                                             n_valid), np.float64)
+        for name, f, pool, key_bytes, r in [
+                ("bf16 keys (Triton)", functools.partial(IX._indexer_scores_gpu, interpret=interp), keys, Di * 2, ref),
+                ("fp4 keys (Triton)", functools.partial(IX._indexer_scores_gpu, interpret=interp, key_format=key),
+                 keys4, key.nbytes, ref4),
+                ("fp4 keys (XLA reference)", functools.partial(IX.indexer_scores_ref, key_format=key), keys4,
+                 key.nbytes, ref4)]:
+            f = jax.jit(f)
+            per_layer = B * n_c4 * (key_bytes + 4 + 4) + B * Hi * (Di * 2 + 4)
+            measure("indexer scores", B, L, name,
+                    lambda iq, w, pool, krows, nv, f=f: [f(iq, w, pool, r, nv) for r in krows],
+                    (iq, w, pool, krows, n_valid), per_layer, r)
+        del keys, keys4
+
+    print("\nper layer: bf16 pool -> byte formats (Triton), and the byte formats' XLA reference")
+    for case, B in dict.fromkeys((r["case"], r["batch"]) for r in rows_out):
+        us = [r.get("us_per_layer") for r in rows_out if r["case"] == case and r["batch"] == B]
+        if len(us) == 3 and None not in us:   # the forms in order: bf16 pool, bytes (Triton), bytes (XLA)
+            print(f"  {case:18s} B={B:2d}: {us[0]:8.1f} -> {us[1]:8.1f} us ({us[0] / us[1]:.2f}x); "
+                  f"XLA on bytes {us[2]:8.1f} us", flush=True)
+    print(f"wrote {out_dir}/kv_formats.json")
+    return 0 if all("error" not in r and r["same_inf"] for r in rows_out) else 1
+
+
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
-          "stored_weights": stored_weights}
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post")   # the sweeps with a --small form
+          "stored_weights": stored_weights, "kv_formats": kv_formats}
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats")   # the sweeps with a --small form
 
 
 def sweep(a, out_dir: str) -> int:
