@@ -23,6 +23,8 @@ is reported, not fatal.
   --sweep kv_formats          decode's sparse attention and indexer at 128K, batch 1 and 32 (--tokens B[,B]), on
                               bf16 pools against the FP8-entry / FP4-key byte pools (kv_cache_dtype="fp8")
                                                                                  -> OUT/kv_formats.json
+  --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
+                              against bf16                                       -> OUT/stored_weights.json
 
 `--small` (tune, layer_linear, fused_projections, hc_post, kv_formats): tiny shapes in interpret mode on a CPU, to
 check the code end to end; the numbers mean nothing there. The other sweeps run on a GPU only. Times are GPU kernel
