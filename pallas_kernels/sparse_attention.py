@@ -14,9 +14,7 @@ Implementations behind `sparse_attention`:
     online-softmax update per chunk. DMAs move whole HBM tiles (8 rows, 16 for bf16; Mosaic rejects others): a
     tile-aligned run is one copy, any other row comes with its tile and is picked out on chip.
   * GPU (Pallas Triton): grid (B*T, H/hb, splits); rows are gathered with pointer loads; when there are few
-    (b, t) programs the entry range is split and the partial softmax states are merged in XLA. FP8 entries
-    (kv_format.Fp8Entry) are gathered as bytes and decoded in registers into pieces of the row (one per scale
-    block of the NoPE dims, one of the RoPE dims), each its own product with the matching slice of q.
+    (b, t) programs the entry range is split and the partial softmax states are merged in XLA.
 """
 from __future__ import annotations
 
@@ -252,41 +250,14 @@ def _gpu_gather_rows(pool_ref, ids, valid):
     return _compat.pltriton.load(pool_ref.at[safe, cols], mask=valid[:, None], other=0.0)
 
 
-def _gpu_pieces(D, fmt):
-    """The (first dim, width) pieces of a row the GPU kernel computes with: the whole row; for FP8 entries one piece
-    per scale block of the NoPE dims (each scaled by its own byte) and one of the RoPE dims."""
-    if fmt is None:
-        return ((0, D),)
-    return tuple((j * kv_format.FP8_BLOCK, kv_format.FP8_BLOCK) for j in range(fmt.n_scales)) + ((fmt.nope, fmt.rope),)
-
-
-def _gpu_gather_entries(pool_ref, ids, valid, fmt, dtype):
-    """FP8 entries ids (masked by valid; other rows read as 0) of pool_ref [R, fmt.nbytes] uint8, decoded in registers
-    -> the `_gpu_pieces` [len(ids), width] in dtype: each scale block's e4m3 codes widened by the hardware (sm >= 89)
-    times its ue8m0 scale, and the RoPE dims' bf16 byte pairs joined. Values are exact in bf16 (e4m3 times a power
-    of two), as the reference decodes them. Every load is a contiguous run of a row."""
-    safe = jnp.where(valid, ids, 0)[:, None]
-    load = lambda c0, n: _compat.pltriton.load(
-        pool_ref.at[safe, c0 + lax.broadcasted_iota(jnp.int32, (1, n), 1)], mask=valid[:, None], other=0)
-    scales_at = fmt.nope + 2 * fmt.rope
-    pieces = []
-    for j in range(fmt.n_scales):
-        codes = lax.bitcast_convert_type(load(j * kv_format.FP8_BLOCK, kv_format.FP8_BLOCK), jnp.float8_e4m3fn)
-        scale = lax.bitcast_convert_type(load(scales_at + j, 1).astype(jnp.uint32) << 23, F32)   # [C, 1]; 0 masked
-        pieces.append((codes.astype(F32) * scale).astype(dtype))
-    lo, hi = lax.unstack(load(fmt.nope, 2 * fmt.rope).astype(jnp.uint32).reshape(-1, fmt.rope, 2), axis=2)
-    pieces.append(lax.bitcast_convert_type((lo | (hi << 8)) << 16, F32).astype(dtype))   # bf16 bits, little-endian
-    return pieces
-
-
 def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref, *out_refs, scale, block,
-                n_w_blocks, n_c_blocks, n_split, final, skip_tail, fmt):
+                n_w_blocks, n_c_blocks, n_split, final, skip_tail):
     sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
-    hb, D = q_ref.shape
-    # bytes decode to q's dtype (exact); a float pool computes in bf16 only if both are bf16
-    cdt = q_ref.dtype if fmt is not None else common_compute_dtype(q_ref.dtype, swa_ref.dtype)
-    pieces = _gpu_pieces(D, fmt)
-    qs = [q_ref[...].astype(cdt)] if fmt is None else [q_ref[:, pl.ds(c0, w)].astype(cdt) for c0, w in pieces]
+    q = q_ref[...]                                       # [hb, D]
+    cdt = common_compute_dtype(q.dtype, swa_ref.dtype)
+    q = q.astype(cdt)
+    hb = q.shape[0]
+    D = q.shape[1]
     if final:
         sink = sink_ref[...].astype(F32)                   # [hb]
         m0 = jnp.maximum(sink, MASK_FLOOR)
@@ -294,7 +265,7 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cm
     else:
         m0 = jnp.full((hb,), MASK_FLOOR, F32)
         l0 = jnp.zeros((hb,), F32)
-    acc0 = tuple(jnp.zeros((hb, w), F32) for _, w in pieces)
+    acc0 = jnp.zeros((hb, D), F32)
 
     def run(rows_ref, pool_ref, n_blocks, carry, used=None):
         lo = sp * n_blocks // n_split
@@ -306,17 +277,14 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cm
             m, l, acc = carry
             ids = rows_ref[pl.ds(j * block, block)]           # [C]
             valid = ids >= 0
-            if fmt is None:
-                ks = [_gpu_gather_rows(pool_ref, ids, valid)]   # [C, D]
-            else:
-                ks = _gpu_gather_entries(pool_ref, ids, valid, fmt, cdt)
-            s = functools.reduce(jnp.add, [mm_nt(qp, kp.astype(cdt)) for qp, kp in zip(qs, ks)]) * scale  # [hb, C]
+            k = _gpu_gather_rows(pool_ref, ids, valid)        # [C, D]
+            s = mm_nt(q, k.astype(cdt)) * scale               # [hb, C]
             s = jnp.where(valid[None, :], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[:, None])
             l = alpha * l + jnp.sum(p, axis=1)
-            acc = tuple(alpha[:, None] * a + pv_matmul(p, kp) for a, kp in zip(acc, ks))
+            acc = alpha[:, None] * acc + pv_matmul(p, k)
             return m_new, l, acc
 
         return lax.fori_loop(lo, hi, body, carry)
@@ -326,27 +294,19 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cm
     if n_c_blocks:
         carry = run(rows_c_ref, cmp_ref, n_c_blocks, carry, used_c_ref[...] if skip_tail else None)
     m, l, acc = carry
-    cols = (lambda c0, w: (slice(None), pl.ds(c0, w))) if fmt is not None else (lambda c0, w: ...)
     if final:
         (o_ref,) = out_refs
-        for (c0, w), a in zip(pieces, acc):
-            o_ref[cols(c0, w)] = jnp.where(l[:, None] > 0, a / jnp.where(l > 0, l, 1.0)[:, None],
-                                           0.0).astype(o_ref.dtype)
+        o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
-        for (c0, w), a in zip(pieces, acc):
-            acc_ref[cols(c0, w)] = a
+        acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
 
 
-def _gpu_supported(q, swa_pool, cmp_pool, fmt=None):
+def _gpu_supported(q, swa_pool, cmp_pool):
     D = q.shape[-1]
     pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
-    if fmt is not None:   # bytes: every piece a power of two (Triton's tensors), both pools in the format
-        return (fmt.dim == D and fmt.nope % kv_format.FP8_BLOCK == 0 and pow2(fmt.rope)
-                and all(p is None or (p.dtype == jnp.uint8 and p.shape[-1] == fmt.nbytes)
-                        for p in (swa_pool, cmp_pool)))
     ok = pow2(D) and swa_pool.dtype in (jnp.bfloat16, F32)
     if cmp_pool is not None:
         ok = ok and cmp_pool.dtype == swa_pool.dtype
@@ -355,7 +315,7 @@ def _gpu_supported(q, swa_pool, cmp_pool, fmt=None):
 
 def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                           n_split=None, block=_GPU_BLOCK, heads=_GPU_HEADS, num_warps=4, num_stages=2,
-                          return_lse=False, skip_tail=False, entry_format=None):
+                          return_lse=False, skip_tail=False):
     B, T, H, D = q.shape
     C = block
     hb = heads
@@ -368,7 +328,7 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     has_cmp = cmp_pool is not None and cmp_rows is not None and cmp_rows.shape[-1] > 0
     rw = pad_last(swa_rows.reshape(B * T, -1).astype(jnp.int32), round_up(max(swa_rows.shape[-1], 1), C), -1)
     if has_cmp:
-        if cmp_pool.dtype != swa_pool.dtype and entry_format is None:
+        if cmp_pool.dtype != swa_pool.dtype:
             cmp_pool = cmp_pool.astype(swa_pool.dtype)
         rc = pad_last(cmp_rows.reshape(B * T, -1).astype(jnp.int32), round_up(cmp_rows.shape[-1], C), -1)
     else:
@@ -388,7 +348,7 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
         n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
     final = n_split == 1 and not return_lse  # the partial states carry what lse needs
     kernel = functools.partial(_gpu_kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
-                               n_split=n_split, final=final, skip_tail=skip_tail, fmt=entry_format)
+                               n_split=n_split, final=final, skip_tail=skip_tail)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     in_specs = [
         pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0)),
@@ -438,8 +398,11 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
                      return_lse=False, valid_prefix=False, entry_format=None):
     """Pallas sparse attention; same contract as `sparse_attention_ref`.
 
-    entry_format: the pools hold entries as bytes in this format (pallas_kernels.kv_format.Fp8Entry); both
-    kernels gather the bytes (584 a Flash entry against 1,024 in bf16) and decode them on chip.
+    entry_format: the pools hold entries as bytes in this format (pallas_kernels.kv_format.Fp8Entry); the
+    TPU-style kernel gathers the bytes and decodes them on chip; on a GPU the reference runs. Measured on the H200
+    (v4jax bench kernels --sweep kv_formats, one CSA layer at 128K): a Triton form gathering the bytes and decoding
+    each scale block in registers took 56.8 us at batch 1 and 191 us at batch 32, the reference 22.5 and 110 us
+    (the bf16 pool's kernel: 14.8 and 38 us), so the Triton form was removed.
 
     valid_prefix: a hint that each query's valid compressed rows end where its -1s begin (HCA: every entry before
     n_ready); the GPU kernel then stops each query's loop after its last valid block. On the H200, the last
@@ -451,9 +414,9 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
     kernel in the HLO interpreter (fast; the tests also run it in the strict TPU interpret mode).
     """
     be = _compat.backend()
-    if be == "gpu" and not interpret and _gpu_supported(q, swa_pool, cmp_pool, entry_format):
+    if be == "gpu" and not interpret and entry_format is None and _gpu_supported(q, swa_pool, cmp_pool):
         return _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,
-                                     return_lse=return_lse, skip_tail=valid_prefix, entry_format=entry_format)
+                                     return_lse=return_lse, skip_tail=valid_prefix)
     if be == "gpu" and not interpret:
         return sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale, return_lse=return_lse,
                                     entry_format=entry_format)

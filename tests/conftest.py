@@ -1,4 +1,5 @@
 """Shared pytest setup: float32 numerics at full matmul precision for every JAX test."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -6,13 +7,25 @@ import sys
 import jax
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import xla_flags  # noqa: E402
+
 jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# The persistent compilation cache (v4jax.compile_cache, on by default) in a temporary directory for the run.
+# The persistent compilation cache (v4jax.compile_cache, on by default) in a temporary directory for the run, one
+# for all of a run's xdist workers: programs one worker compiled, the other loads.
 if "V4JAX_COMPILATION_CACHE" not in os.environ:
     import tempfile
-    os.environ["V4JAX_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="v4jax-test-jax-cache-")
+    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if _run:
+        os.environ["V4JAX_COMPILATION_CACHE"] = os.path.join(tempfile.gettempdir(), f"v4jax-test-jax-cache-{_run}")
+    else:
+        os.environ["V4JAX_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="v4jax-test-jax-cache-")
+
+# On a CPU-only machine the suite's time is mostly XLA compiling; LLVM at -O0 compiles it faster (xla_flags.py).
+if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags.CPU_OPT}".strip()
 
 # `import hf_reference` from any test module, whatever the rootdir / import mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import pytest
+import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,7 +99,7 @@ def _mesh_case() -> dict:
 
 
 def test_too_many_pages_for_one_data_shard_same_everywhere():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags.cpu(8), JAX_PLATFORMS="cpu",
                TF_CPP_MIN_LOG_LEVEL="2")
     r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=900)

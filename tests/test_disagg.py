@@ -8,6 +8,7 @@ import pytest
 
 from v4jax import LLM, SamplingParams
 from v4jax.cache import transfer as T
+import xla_flags
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
 # one slot, short contexts: few programs to compile (each prompt below stays within two 32-token pages)
@@ -346,7 +347,7 @@ def test_prefill_and_decode_on_different_meshes():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags.cpu(8), JAX_PLATFORMS="cpu",
                TF_CPP_MIN_LOG_LEVEL="2")
     decode_meshes = ["tensor=4", "data=2,context=2"]
     r = subprocess.run([sys.executable, os.path.join(root, "tests", "disagg_mesh_worker.py"), "--prefill-mesh",

@@ -79,38 +79,6 @@ def _byte_pool(key, fmt, rows):
     return jax.jit(fmt.encode)(x)
 
 
-@pytest.mark.parametrize("B,T,H,dtype,n_split,lse", [
-    (1, 1, 64, jnp.bfloat16, None, False),        # batch 1: entries split across programs
-    (32, 1, 64, jnp.bfloat16, None, False),
-    (4, 2, 64, jnp.bfloat16, 1, True),            # MTP verify; the partial-state outputs
-    (3, 2, 20, jnp.float32, None, False),         # f32 products, padded heads
-])
-def test_sparse_attention_fp8_gpu(B, T, H, dtype, n_split, lse):
-    """The Triton kernel on FP8 entries (the Flash 584-byte entry, decoded in registers) and the public entry on GPU
-    against the reference reading the same bytes."""
-    from pallas_kernels import kv_format
-    fmt = kv_format.Fp8Entry(512, 64)
-    W, K = 128, 512
-    ks = jax.random.split(jax.random.key(3), 8)
-    R1, R2 = B * W, B * 4 * K
-    q = jax.random.normal(ks[0], (B, T, H, 512), dtype)
-    swa, cmp = _byte_pool(ks[1], fmt, R1), _byte_pool(ks[2], fmt, R2)
-    rw = jax.random.randint(ks[3], (B, T, W), -1, R1).astype(jnp.int32)
-    rc = jax.random.randint(ks[4], (B, T, K), -1, R2).astype(jnp.int32)
-    sink = jax.random.normal(ks[5], (H,), jnp.float32)
-    args = (q, swa, rw, cmp, rc, sink)
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    ref_o, ref_lse = SA.sparse_attention_ref(*args, scale=512 ** -0.5, entry_format=fmt, return_lse=True)
-    out = jax.jit(functools.partial(SA._sparse_attention_gpu, scale=512 ** -0.5, n_split=n_split, entry_format=fmt,
-                                    return_lse=lse))(*args)
-    if lse:
-        out, got_lse = out
-        _close(got_lse, ref_lse, 1e-4)
-    _close(out.astype(jnp.float32), ref_o.astype(dtype).astype(jnp.float32), tol)
-    pub = jax.jit(functools.partial(SA.sparse_attention, scale=512 ** -0.5, entry_format=fmt))(*args)
-    _close(pub.astype(jnp.float32), ref_o.astype(dtype).astype(jnp.float32), tol)
-
-
 @pytest.mark.parametrize("B,T,Hi,S,dtype", [(1, 1, 64, 32768, jnp.bfloat16), (32, 1, 64, 8192, jnp.bfloat16),
                                             (1, 20, 64, 1000, jnp.bfloat16), (2, 3, 16, 300, jnp.float32)])
 def test_indexer_scores_fp4_gpu(B, T, Hi, S, dtype):

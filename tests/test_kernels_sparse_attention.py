@@ -128,44 +128,6 @@ def test_gpu_kernel_interpret_skip_tail(rng, n_split):
     _check(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def _fp8_inputs(rng, B, T, H, fmt, W, K, R1, R2, dtype):
-    """_inputs' rows, q and sink with FP8-entry pools (kv_format.Fp8Entry bytes): rows of magnitudes a few powers of
-    two apart (so their ue8m0 scales differ) and one all-zero row (the scale's floor)."""
-    q, swa, rw, cmp, rc, sink = _inputs(rng, B, T, H, fmt.dim, W, K, R1, R2, dtype)
-    enc = jax.jit(fmt.encode)
-
-    def pool(x):
-        x = np.asarray(x, np.float32) * np.exp(rng.standard_normal((x.shape[0], 1)))
-        x[1] = 0.0
-        return enc(jnp.asarray(x))
-
-    return q, pool(swa), rw, pool(cmp), rc, sink
-
-
-@pytest.mark.parametrize("dim,dtype,tol,n_split,lse", [
-    (256, jnp.float32, 1e-5, 1, False),     # three scale blocks + RoPE; one program per (head block, query)
-    (256, jnp.float32, 1e-5, 3, False),     # the entries split, partial states merged
-    (256, jnp.float32, 1e-5, 1, True),      # return_lse: the partial-state outputs
-    (512, jnp.bfloat16, 2e-2, None, False),  # the Flash entry (7 scale blocks, 584 B)
-])
-def test_gpu_kernel_interpret_fp8_entries(rng, dim, dtype, tol, n_split, lse):
-    """The Triton kernel reading FP8 entries as bytes (decoded in registers) against the reference reading the same
-    bytes."""
-    from pallas_kernels import kv_format
-    fmt = kv_format.Fp8Entry(dim, 64)
-    args = _fp8_inputs(rng, 2, 2, 20, fmt, 40, 70, 64, 300, dtype)   # H=20: padded to a multiple of 16 heads
-    ref = sa.sparse_attention_ref(*args, scale=0.05, entry_format=fmt, return_lse=True)
-    out = jax.jit(functools.partial(sa._sparse_attention_gpu, scale=0.05, interpret=True, n_split=n_split,
-                                    entry_format=fmt, return_lse=lse))(*args)
-    if lse:
-        (out, got_lse), (ref, ref_lse) = out, ref
-        _check(got_lse, ref_lse, rtol=1e-5, atol=1e-5)
-    else:
-        ref = ref[0].astype(dtype)
-        assert out.dtype == dtype
-    _check(out, ref.astype(jnp.float32), rtol=tol, atol=tol)
-
-
 def _shapes(B, T, H, D, W, K, R1, R2, dt):
     S = jax.ShapeDtypeStruct
     return (S((B, T, H, D), dt), S((R1, D), dt), S((B, T, W), jnp.int32), S((R2, D), dt), S((B, T, K), jnp.int32),
@@ -188,9 +150,9 @@ def test_lowers_for_cuda_triton(n_split):
     assert "triton" in txt
 
 
-def test_fp8_entries_take_the_triton_kernel_on_gpu(monkeypatch):
-    """The public entry, as it dispatches on a GPU, runs the Triton kernel on FP8 byte pools at Flash decode shapes
-    (lowered for CUDA here, the pools passed in place), not the reference."""
+def test_fp8_entries_take_the_reference_on_gpu(monkeypatch):
+    """The public entry, as it dispatches on a GPU, runs the XLA reference on FP8 byte pools at Flash decode shapes
+    (lowered for CUDA here): no Triton call (a Triton form reading the bytes was measured slower and removed)."""
     from pallas_kernels import kv_format
     fmt = kv_format.Fp8Entry(512, 64)
     S = jax.ShapeDtypeStruct
@@ -200,10 +162,7 @@ def test_fp8_entries_take_the_triton_kernel_on_gpu(monkeypatch):
     for kw in (dict(), dict(return_lse=True, valid_prefix=True)):
         txt = _compat.lower_for_cuda(functools.partial(sa.sparse_attention, scale=0.04, entry_format=fmt, **kw),
                                      *shapes)
-        call = next(line for line in txt.splitlines() if "xla.gpu.triton" in line)
-        operands = call.split("triton(", 1)[1].split(")", 1)[0].split(", ")
-        assert "v4_sparse_attention_gpu" in call and "stablehlo.gather" not in txt
-        assert {"%arg1", "%arg3"} <= set(operands)   # both byte pools go to the kernel as they are
+        assert "triton" not in txt and "stablehlo.gather" in txt
 
 
 @pytest.mark.parametrize("impl", ["ref", "tpu", "gpu"])

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from sharding import multihost
+import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[3, 4, 5] * 5, [7, 8] * 6, [11, 12, 13]]  # as in multihost_worker.py
@@ -70,7 +71,7 @@ def test_serve_on_two_processes(tiny_checkpoint):
 
     import httpx
     coord, http_port, n = _free_port(), _free_port(), 2
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags.cpu(4), JAX_PLATFORMS="cpu",
                JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", JAX_DEFAULT_MATMUL_PRECISION="highest",
                TF_CPP_MIN_LOG_LEVEL="2", V4JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{coord}",
                V4JAX_NUM_PROCESSES=str(n), V4JAX_COMPILATION_CACHE="off")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINE = dict(dtype="float32", quant_sim=True, max_num_seqs=4, max_model_len=1200, prefill_chunk=256)
@@ -20,7 +21,7 @@ ENGINE = dict(dtype="float32", quant_sim=True, max_num_seqs=4, max_model_len=120
 
 @pytest.mark.slow
 def test_native_formats_on_a_mesh_equal_simulated(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags.cpu(8),
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=3600)

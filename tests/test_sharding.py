@@ -18,6 +18,7 @@ from v4jax.cache import LOGICAL_AXES as POOL_AXES
 from v4jax.cache.boundary import LOGICAL_AXES as STORE_AXES
 from v4jax.config import preset
 from v4jax.model import Transformer
+import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ":pallas" = attention_impl="pallas" (interpret mode)
@@ -33,7 +34,7 @@ EXPERTS_MESHES = {"expert=4,tensor=2": [2], "data=2,expert=2": [4], "data=8": [8
 
 
 def _run_worker(args, timeout=1500) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags.cpu(8), JAX_PLATFORMS="cpu",
                TF_CPP_MIN_LOG_LEVEL="2")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mesh_worker.py"), *args], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MESHES = ("data=2,tensor=2", "tensor=2,expert=2")
@@ -15,7 +16,7 @@ MESHES = ("data=2,tensor=2", "tensor=2,expert=2")
 
 @pytest.mark.slow
 def test_forced_drafts_on_meshes_equal_plain_greedy():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags.cpu(8),
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__, *MESHES], env=env, capture_output=True, text=True,
                           timeout=3600)
