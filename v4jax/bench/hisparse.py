@@ -5,9 +5,10 @@ step and decode tokens/s, the hot buffer's hit rate and the bytes fetched from t
 
     v4jax bench hisparse --model tiny --dtype float32 --context 2048 --concurrency 4 --device-pages 8
     v4jax bench hisparse --model flash-1gpu --context 131072 --concurrency 8 [--no-offload]
-Prompts are random token ids. The time and the counters are read once every request has its first decode call's
-tokens and after the last, so that prefill's fetches and the decode program's compilation are not in the per-step
-figures."""
+Prompts are random token ids, put in the prefix cache by a first pass of one token each, so that in the timed pass
+the requests decode side by side. The time and the counters are read once every request has its first decode call's
+tokens and at the first request's last token, so that prefill's fetches and the decode program's compilation are
+not in the per-step figures."""
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,8 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
 
     from v4jax import LLM, SamplingParams
     from v4jax.memory import _host_available_bytes, device_free_bytes, model_weight_bytes
-    opts = dict(dtype=dtype, max_num_seqs=concurrency, max_model_len=context + new_tokens + 1,
+    # a request is `context` tokens in all, prompt and output (a 1M request fits a 1M model)
+    opts = dict(dtype=dtype, max_num_seqs=concurrency, max_model_len=context,
                 prefill_chunk=prefill_chunk, memory_budget_bytes=budget)
     if offload:
         opts.update(enable_hisparse=True, hisparse_device_pages=device_pages)
@@ -57,32 +59,38 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
     free, _ = device_free_bytes(in_use=model_weight_bytes(llm.model))
     fit = fit_requests(llm.config, llm.options, llm.max_model_len, dtype, free, _host_available_bytes())
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(2, llm.config.vocab_size, context).tolist() for _ in range(concurrency)]
+    prompts = [rng.integers(2, llm.config.vocab_size, context - new_tokens - 1).tolist() for _ in range(concurrency)]
     core = llm.engine
     lay = core.layout
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    # The timed window: from the moment every request has its first decode call's tokens (its prefill done, and
-    # that call compiled the decode program of the context's page bucket, which a shorter warm-up's would not be)
-    # to the last token. No warm-up run: at long contexts it would cost a prefill of its own.
+    # A first pass prefills every prompt (one token each) into the prefix cache, so that in the timed pass the
+    # requests' prefills are hits and they decode side by side: without it the first request decodes alone while
+    # the others prefill, and a window of all of them decoding may never come.
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    # The timed window: from the moment every request has its first decode call's tokens (that call compiled the
+    # decode program of the context's page bucket) to the first request's last token, while all of them decode.
     k = llm.options.decode_steps
     if new_tokens <= 2 * k:
         raise ValueError(f"--new-tokens {new_tokens}: the timed window starts after the first decode call's {k} "
                          f"tokens; use more than {2 * k}")
     got = [0] * concurrency
-    t0 = st0 = None
+    t0 = t1 = st0 = st1 = None
     for i, ids, _ in llm.generate(prompts, params, stream=True):
         got[i] += len(ids)
         if t0 is None and min(got) > k:
-            st0, t0, at, done = llm.stats()["pools"]["c4_kv"], time.perf_counter(), max(got), sum(got)
-    wall = time.perf_counter() - t0
-    st1 = llm.stats()["pools"]["c4_kv"]
-    steps = max(max(got) - at, 1)
+            st0, t0, got0 = llm.stats()["pools"]["c4_kv"], time.perf_counter(), list(got)
+        if t0 is not None and t1 is None and max(got) >= new_tokens:
+            st1, t1, got1 = llm.stats()["pools"]["c4_kv"], time.perf_counter(), list(got)
+    if t1 is None or t1 <= t0:
+        raise RuntimeError("no window with every request decoding: give more --new-tokens")
+    wall = t1 - t0
+    steps = max(max(b - a for a, b in zip(got0, got1)), 1)
     row = {"model": model, "context": context, "concurrency": concurrency, "offload": offload,
            "fit_requests": fit, "device_free_bytes": free,
            "full_pages": lay.n_pages, "capacity_tokens": lay.n_pages * lay.page_size,
            "c4_device_bytes": st1.get("device_bytes_total", st1["bytes_total"]),
            "c4_host_bytes": st1.get("host_bytes_total", 0), "ms_per_step": 1e3 * wall / steps,
-           "tokens_per_s": (sum(got) - done) / wall if wall > 0 else None}
+           "tokens_per_s": (sum(got1) - sum(got0)) / wall}
     if offload:
         d = {k: st1[k] - st0[k] for k in ("selected", "hits", "fetched_bytes", "transferred_bytes")}
         row.update(device_rows=st1["device_rows"], hit_rate=d["hits"] / d["selected"] if d["selected"] else None,
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="v4jax bench hisparse", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
+    p.add_argument("--context", type=int, default=2048, help="tokens per request, prompt and output")
     p.add_argument("--concurrency", type=int, default=4, help="requests decoding together (max_num_seqs)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per request in the timed run")
     p.add_argument("--device-pages", type=int, default=None, help="hisparse_device_pages (default: one step's)")
