@@ -59,8 +59,8 @@
 #   spec       speculative decoding (MTP) against plain decoding, drafts kept at forced ACCEPT rates, batches
 #              BATCHES, k KS (v4jax bench spec)
 #   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
-#              (v4jax bench hisparse): flash-slice at 128K / 512K / 1M and flash-1gpu at 128K, each with and without
-#              offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
+#              (v4jax bench hisparse), one row a call: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
+#              without offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
 #              $OUT/hisparse.jsonl and a table (ROWS, DEVICE_PAGES, TESTS=0)
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
@@ -194,14 +194,15 @@ spec)
   ;;
 hisparse)
   imports
-  # Host offload of the C4 KV against the pool on the device, one call (timeouts add up to 565 s at the default
-  # ROWS): LLM.generate of CONCURRENCY random prompts of each context, 64 new tokens, the C4 KV on the host (a hot
+  # Host offload of the C4 KV against the pool on the device, one row (a pair of runs) a call: each run compiles its
+  # programs for minutes with the cache off (at 128K, 85 s was not enough, nor 170 s for the host run of 4
+  # requests). LLM.generate of CONCURRENCY random prompts of CONTEXT tokens in all (64 of them new), the C4 KV on the host (a hot
   # buffer of DEVICE_PAGES pages' entries per CSA layer) or on the device. Each row: the requests of that context the
   # device's free memory (and with offload the host's) would hold, C4 bytes on the device and the host, decode
   # ms/step and tokens/s, hit rate and bytes fetched per step (v4jax bench hisparse). ROWS="MODEL:CONTEXT:
   # CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair: half each); flash-1gpu comes last (43 layers: its
   # 128K prefill takes ~15 s a request). TESTS=0 skips the offload's tests run first
-  ROWS=${ROWS:-flash-slice:131072:4:100 flash-slice:524288:2:130 flash-slice:1048576:1:150 flash-1gpu:131072:1:140}
+  ROWS=${ROWS:-flash-slice:131072:2:540}   # the others: flash-slice:524288:2:540, flash-slice:1048576:1:540, flash-1gpu:131072:1:540
   rm -f "$out/hisparse.jsonl"
   if [ "${TESTS:-1}" = 1 ]; then  # the offload's own tests on this device first: pinned_host rows, the fetch, a layer
     stamp "offload tests (the row cache and one CSA layer against the device's)"
