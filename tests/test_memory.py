@@ -329,3 +329,20 @@ def test_pool_figures_import_no_model():
         for name in os.listdir(os.path.join(root, package)):
             if name.endswith(".py"):
                 assert not {m for m in imports(f"{package}/{name}") if m.startswith("v4jax.memory")}, name
+
+
+def test_flash_h200_is_the_most_experts_one_h200_holds():
+    """The `flash-h200` preset in the release's formats passes the weights' fit check on one H200 (139.7 GiB, 90 %
+    usable), with room left for pools; 8 experts more would not leave it, and whole Flash does not fit."""
+    h200 = int(139.7 * GiB)
+    fmt = M.report_weight_format(preset("flash"), None, "fp8")
+    stored = lambda cfg: M.param_bytes(cfg, 2, weights=fmt)["total"]
+    cfg = preset("flash-h200")
+    assert cfg.n_routed_experts == 192 and cfg.replace(n_routed_experts=256) == preset("flash")
+    M.check_weights_fit(cfg, stored(cfg), "bfloat16", limit=h200, weights=fmt)
+    assert 0.9 * h200 - stored(cfg) > 10 * GiB   # pools and the step's temporaries
+    assert 0.9 * h200 - stored(cfg.replace(n_routed_experts=200)) < 8 * GiB
+    with pytest.raises(M.DeviceMemoryError, match="would fit"):
+        M.check_weights_fit(preset("flash"), stored(preset("flash")), "bfloat16", limit=h200, weights=fmt)
+    with pytest.raises(M.DeviceMemoryError):  # in bf16: several times the device
+        M.check_weights_fit(cfg, M.param_bytes(cfg, 2)["total"], "bfloat16", limit=h200)
