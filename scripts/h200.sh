@@ -57,7 +57,7 @@
 #   precision  the release's formats (FP8/FP4 weights, FP8 cache entries) against bf16: LLM.generate at batch 1 / 32, 4K,
 #              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...")
 #   spec       speculative decoding (MTP) against plain decoding, drafts kept at forced ACCEPT rates, batches
-#              BATCHES, k KS (v4jax bench spec)
+#              BATCHES, k KS (v4jax bench spec); PROFILE=1: each row's device kernels per token position (TAIL=200)
 #   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
 #              (v4jax bench hisparse), one row a call: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
 #              without offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
@@ -187,10 +187,10 @@ spec)
   # Speculative decoding with the MTP block through LLM.generate (flash-slice, random weights: drafts kept by a coin
   # at rates ACCEPT, one engine of the largest batch per (k, rate), 4K prompts) against plain decoding
   MODEL=${MODEL:-flash-slice}
-  stamp "$MODEL: k ${KS:-1,3}, forced acceptance ${ACCEPT:-0.5,0.8}, batches ${BATCHES:-1,8,32}"
+  stamp "$MODEL: k ${KS:-1,3}, forced acceptance ${ACCEPT:-0.6,0.8}, batches ${BATCHES:-1,8,32}"
   timeout ${SPEC_S:-560} python3 -W ignore -m v4jax.bench spec --model "$MODEL" --dtype bfloat16 --context 4096 \
-    --new ${NEW:-64} --k ${KS:-1,3} --accept ${ACCEPT:-0.5,0.8} --batch ${BATCHES:-1,8,32} --out "$out/spec.json" \
-    2>&1 | quiet | tail -30
+    --new ${NEW:-64} --k ${KS:-1,3} --accept ${ACCEPT:-0.6,0.8} --batch ${BATCHES:-1,8,32} --out "$out/spec.json" \
+    ${PROFILE:+--profile} 2>&1 | quiet | tail -${TAIL:-30}
   ;;
 hisparse)
   imports

@@ -307,3 +307,15 @@ def test_forced_acceptance_for_benchmarks():
                 _assert_teacher_forced(llm, p, o)
         else:  # every draft kept: a step makes 3 tokens (the last step of a request may be cut by max_tokens)
             assert (accepted == steps).all() and steps <= 2 * -(-sp.max_tokens // 3)
+
+
+def test_decode_profile_takes_the_prefill_from_the_long_run(monkeypatch):
+    """`v4jax bench spec --profile`: each kernel family's launches and time in the long run less the short run's (the
+    prefill and first token), per generated token position, the heaviest first."""
+    from v4jax.bench import profile as P
+    from v4jax.bench.spec import decode_profile
+    tops = {1: [("prefill_gemm", 10, 5.0), ("attention", 2, 1.0)],
+            65: [("prefill_gemm", 10, 5.0), ("attention", 130, 9.0), ("mtp_head", 64, 3.2)]}
+    monkeypatch.setattr(P, "summarize", lambda call, repeats, top: {"top": tops[call()]})
+    got = decode_profile(lambda sp: sp.max_tokens, SamplingParams(max_tokens=1), SamplingParams(max_tokens=65), 64)
+    assert got == [("attention", 2.0, 0.125), ("mtp_head", 1.0, 0.05), ("prefill_gemm", 0.0, 0.0)]

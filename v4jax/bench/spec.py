@@ -62,12 +62,13 @@ def _same_prefix(outs, plain) -> float:
 
 
 def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: int = 0,
-        accepts=(None,)) -> list[dict]:
+        accepts=(None,), profile: bool = False) -> list[dict]:
     """Rows for plain decoding and each (k, acceptance) pair at each batch; acceptance None is the drafter's own, a
     number forces it (each of the MTP block's drafts kept with that probability: what a drafter of that acceptance
     costs and gains). One engine of max(batches) slots per (k, acceptance); a batch of b runs the
     first b prompts. Decode time per token = (time of new + 1 tokens - time of 1 token) / new, the same prompts
-    each time with the prefix cache off (each call prefills alike), after an untimed pair that compiles."""
+    each time with the prefix cache off (each call prefills alike), after an untimed pair that compiles.
+    profile: each row also gets the device kernels per generated token position, by kernel family (`decode_profile`)."""
     from v4jax import LLM, SamplingParams
 
     long_sp = SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True)
@@ -105,11 +106,28 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
                    "tokens_per_step": 1 + sum(acc) / steps if steps else 1.0, "same_as_plain": same}
             row["speedup"] = row["tokens_per_s"] / next(
                 r["tokens_per_s"] for r in rows + [row] if r["k"] == 0 and r["batch"] == b)
+            if profile:
+                row["profile"] = decode_profile(lambda sp, g=llm.generate, p=prompts[:b]: g(p, sp), short_sp, long_sp,
+                                                new)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
         gc.collect()  # the next engine loads its own weights: this one's must be gone (flash-1gpu: 50 GB each)
     return rows
+
+
+def decode_profile(generate, short_sp, long_sp, new: int, top: int = 25) -> list:
+    """The device kernels of `new` decoded tokens: profiler traces (v4jax.bench.profile.summarize) of
+    generate(long_sp) and generate(short_sp), the second (the prefill and the first token) taken from the first
+    per kernel family. Returns the `top` families by time: [(family, launches, ms) per generated token position]."""
+    from v4jax.bench.profile import summarize
+    short, long = (summarize(lambda sp=sp: generate(sp), repeats=1, top=10_000) for sp in (short_sp, long_sp))
+    if "error" in short or "error" in long:
+        return [("error", 0, short.get("error") or long.get("error"))]
+    base = {name: (n, ms) for name, n, ms in short["top"]}
+    diff = [(name, (n - base.get(name, (0, 0.0))[0]) / new, (ms - base.get(name, (0, 0.0))[1]) / new)
+            for name, n, ms in long["top"]]
+    return sorted(diff, key=lambda d: -d[2])[:top]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -137,6 +155,8 @@ def spec_main(argv=None) -> int:
                    "forced acceptance rates in (0, 1] (each draft kept with that probability, right or not; the outputs "
                    "then differ from plain decoding's): what a drafter that good costs and gains")
     p.add_argument("--max-model-len", type=int, default=0, help="default: context + new + 16 (512 with the play openings)")
+    p.add_argument("--profile", action="store_true", help="trace each row's generate calls (a GPU): the device "
+                   "kernels per generated token position, by kernel family, in the row's JSON and printed")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
     batches = [int(x) for x in a.batch.split(",") if x]
@@ -149,8 +169,14 @@ def spec_main(argv=None) -> int:
     if any(x is not None and not 0 < x <= 1 for x in accepts):
         p.error("--accept: rates in (0, 1]")
     max_len = a.max_model_len or (a.context + a.new + 16 if a.context else 512)
-    rows = run(a.model, [int(x) for x in a.k.split(",") if x], a.new, batches, a.dtype, max_len, a.context, accepts)
+    rows = run(a.model, [int(x) for x in a.k.split(",") if x], a.new, batches, a.dtype, max_len, a.context, accepts,
+               a.profile)
     print(markdown(rows))
+    for r in rows:
+        if r.get("profile"):
+            print(f"\nk {r['k']}, drafts {r['accept']}, batch {r['batch']}: device kernels per token position")
+            for name, n, ms in r["profile"]:
+                print(f"  {name[:60]:60s} {n:7.2f} launches {1e3 * ms:9.1f} us")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
