@@ -123,7 +123,7 @@ def decode_profile(generate, short_sp, long_sp, new: int, top: int = 25) -> list
     from v4jax.bench.profile import summarize
     short, long = (summarize(lambda sp=sp: generate(sp), repeats=1, top=10_000) for sp in (short_sp, long_sp))
     if "error" in short or "error" in long:
-        return [("error", 0, short.get("error") or long.get("error"))]
+        return [(f"(no profile: {short.get('error') or long.get('error')})", 0, 0.0)]
     base = {name: (n, ms) for name, n, ms in short["top"]}
     diff = [(name, (n - base.get(name, (0, 0.0))[0]) / new, (ms - base.get(name, (0, 0.0))[1]) / new)
             for name, n, ms in long["top"]]
