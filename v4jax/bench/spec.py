@@ -1,7 +1,8 @@
 """`v4jax bench spec`: speculative decoding with the MTP block against plain decoding, through `LLM.generate`.
 
-For the plain engine and each k of `--k`: one untimed `generate` (it compiles), then a timed one of other prompts
-(the prefix cache would otherwise serve them), greedy, `--new` tokens each at batch `--batch`. Reports ms per
+For the plain engine and each k of `--k`: an untimed pair of `generate` calls (they compile and put the prompts'
+full pages in the prefix cache), then a timed pair of the same prompts, greedy, 1 and `--new` + 1 tokens each at
+batch `--batch`; their difference is decode with the batch together. Reports ms per
 generated token, the speed against plain decoding, acceptance by draft position and the mean tokens a step
 (1 + accepted / steps); the drafter's outputs must equal plain decoding's in float32 (greedy speculation is
 lossless), else it fails. A forced acceptance rate keeps each draft of the MTP block with that probability,
@@ -67,7 +68,10 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
     number forces it (each of the MTP block's drafts kept with that probability: what a drafter of that acceptance
     costs and gains). One engine of max(batches) slots per (k, acceptance); a batch of b runs the
     first b prompts. Decode time per token = (time of new + 1 tokens - time of 1 token) / new, the same prompts
-    each time with the prefix cache off (each call prefills alike), after an untimed pair that compiles.
+    each time, after an untimed pair that compiles and puts the prompts' full pages in the prefix cache: in the
+    timed pair both calls prefill only each prompt's last page, so the difference is decode with the whole batch
+    decoding together (with the cache off, the first requests of a large batch decoded alone between the others'
+    prefill chunks: plain flash-slice at batch 32 took 20.9 ms a token position on the H200, its decode step 2.5).
     profile: each row also gets the device kernels per generated token position, by kernel family (`decode_profile`)."""
     from v4jax import LLM, SamplingParams
 
@@ -77,7 +81,7 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
     for k, accept in [(0, None)] + [(k, a) for k in ks for a in accepts]:
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
         llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len,
-                  speculative_config=spec, enable_prefix_caching=False)
+                  speculative_config=spec)
         prompts = _prompts(llm, context, max(batches))
         if accept is not None:
             llm.engine.greedy_spec = dataclasses.replace(llm.engine.greedy_spec, forced_acceptance=accept)
