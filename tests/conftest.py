@@ -1,12 +1,14 @@
 """Shared pytest setup: float32 numerics at full matmul precision for every JAX test."""
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
 import jax
 import pytest
 
+# `import hf_reference` (and xla_flags) from any test module, whatever the rootdir / import mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import xla_flags  # noqa: E402
 
@@ -24,11 +26,10 @@ if "V4JAX_COMPILATION_CACHE" not in os.environ:
         os.environ["V4JAX_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="v4jax-test-jax-cache-")
 
 # On a CPU-only machine the suite's time is mostly XLA compiling; LLVM at -O0 compiles it faster (xla_flags.py).
-if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")):
+_accelerator = shutil.which("nvidia-smi") or any(
+    importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+if not _accelerator:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags.CPU_OPT}".strip()
-
-# `import hf_reference` from any test module, whatever the rootdir / import mode.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
