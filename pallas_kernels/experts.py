@@ -60,6 +60,14 @@ def supported(x, w1) -> bool:
                                 _pow2_block(d, DOWN_ROWS), _pow2_block(i, DOWN_COLS)))
 
 
+def _expert_tokens(tok_ref, start, count, tb):
+    """An expert's slots of the sorted pairs, [start, start + count), as a tile of tb: (valid [TB], the token each
+    valid slot reads [TB], 0 elsewhere)."""
+    slot = lax.broadcasted_iota(jnp.int32, (tb,), 0)
+    valid = slot < count
+    return valid, pltriton.load(tok_ref.at[jnp.where(valid, start + slot, 0)], mask=valid, other=0)
+
+
 def _up_kernel(layer_ref, offs_ref, tok_ref, x_ref, w1_ref, w3_ref, h_ref, *, n_exp, n_inner, rows, cols, tb,
                limit):
     e, j = pl.program_id(0), pl.program_id(1)
@@ -67,9 +75,7 @@ def _up_kernel(layer_ref, offs_ref, tok_ref, x_ref, w1_ref, w3_ref, h_ref, *, n_
 
     @pl.when(count > 0)
     def _():
-        slot = lax.broadcasted_iota(jnp.int32, (tb,), 0)
-        valid = slot < count
-        tok = pltriton.load(tok_ref.at[jnp.where(valid, start + slot, 0)], mask=valid, other=0)  # [TB]
+        valid, tok = _expert_tokens(tok_ref, start, count, tb)
         row0 = (layer_ref[0] * n_exp + e) * n_inner + j * rows  # this block's first row of w [n*E*I, D]
         cdt = x_ref.dtype
 
@@ -196,9 +202,7 @@ def _fp4_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, w1_ref, s1_ref,
 
     @pl.when(count > 0)
     def _():
-        slot = lax.broadcasted_iota(jnp.int32, (tb,), 0)
-        valid = slot < count
-        tok = pltriton.load(tok_ref.at[jnp.where(valid, start + slot, 0)], mask=valid, other=0)  # [TB]
+        valid, tok = _expert_tokens(tok_ref, start, count, tb)
         row0 = (layer_ref[0] * n_exp + e) * n_inner + j * rows
         cdt = xe_ref.dtype
 
