@@ -323,6 +323,17 @@ def test_bench_requests_that_fit():
     assert fit_requests(cfg, off, 4096, "float32", None, None) is None
 
 
+@pytest.mark.slow  # ~1 min: two 4K prompts prefilled twice on the CPU
+def test_bench_times_requests_decoding_together():
+    """v4jax bench hisparse: --context is a request's whole length (the tiny model's 4,096 positions hold one), and
+    the timed window has every request decoding: tokens/s x ms/step is about the request count (tokens arrive a
+    decode call's 8 at a time, so the window's ends cut one request's call short)."""
+    from v4jax.bench.hisparse import run
+    row = run("tiny", "float32", 4096, 2, 48, True, 8, None, 256)
+    assert row["context"] == 4096 and row["offload"] and 0 < row["hit_rate"] <= 1
+    assert 1.5 < row["tokens_per_s"] * row["ms_per_step"] / 1e3 <= 2.0 + 1e-6
+
+
 def test_flags():
     import argparse
 
