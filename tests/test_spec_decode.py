@@ -130,6 +130,16 @@ def test_greedy_with_forced_drafts_equals_plain_greedy():
 
 
 @pytest.mark.slow
+def test_fixed_step_count_as_on_gpu(monkeypatch):
+    """A GPU runs each call's `spec_steps` steps without an early exit (no loop predicate read on the host): the
+    steps after every slot stopped or had its tokens change nothing."""
+    from v4jax.engine import steps
+    monkeypatch.setattr(steps, "early_exit", lambda: False)
+    assert steps.spec_steps(8, 2) == 2 and steps.spec_steps(8, 4) == 1
+    _check_forced(_spec_llm(1))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_greedy_with_mtp_drafts_equals_plain_greedy(k):
     llm = _spec_llm(k)

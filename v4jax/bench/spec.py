@@ -66,7 +66,7 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
         accepts=(None,), profile: bool = False) -> list[dict]:
     """Rows for plain decoding and each (k, acceptance) pair at each batch; acceptance None is the drafter's own, a
     number forces it (each of the MTP block's drafts kept with that probability: what a drafter of that acceptance
-    costs and gains). One engine of max(batches) slots per (k, acceptance); a batch of b runs the
+    costs and gains). One engine of max(batches) slots per k; a batch of b runs the
     first b prompts. Decode time per token = (time of new + 1 tokens - time of 1 token) / new, the same prompts
     each time, after an untimed pair that compiles and puts the prompts' full pages in the prefix cache: in the
     timed pair both calls prefill only each prompt's last page, so the difference is decode with the whole batch
@@ -78,14 +78,16 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
     long_sp = SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True)
     short_sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows, plain = [], {}
-    for k, accept in [(0, None)] + [(k, a) for k in ks for a in accepts]:
+    for k in [0] + list(ks):
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        # one engine per k, its rates run in turn: a rate recompiles the decode call only (flash-1gpu: its
+        # prefill programs and 50 GB of weights once per k, not per rate)
         llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len,
                   speculative_config=spec)
         prompts = _prompts(llm, context, max(batches))
-        if accept is not None:
-            llm.engine.greedy_spec = dataclasses.replace(llm.engine.greedy_spec, forced_acceptance=accept)
-        for b in batches:
+        drafter = llm.engine.greedy_spec
+        for accept, b in [(a, b) for a in (accepts if k else [None]) for b in batches]:
+            llm.engine.greedy_spec = dataclasses.replace(drafter, forced_acceptance=accept)
             for _ in range(2):  # the first pair compiles
                 t0 = time.perf_counter()
                 llm.generate(prompts[:b], short_sp)
