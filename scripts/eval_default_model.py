@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write the results JSON here")
     p.add_argument("--markdown", default=None, help="write a markdown summary here")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8"],
+                   help="round the keys as an engine's pools of this kv_cache_dtype store them (fp8: the release's "
+                        "FP8 entries and FP4 indexer keys)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-windows", type=int, default=None, help="held-out windows to use (default: all)")
@@ -157,11 +160,14 @@ def main(argv=None):
     print(f"[eval] {args.ckpt} on {dev.platform}:{dev.device_kind} ({args.dtype}); {len(windows)} held-out "
           f"windows of {T + 1}", flush=True)
 
+    kvd = args.kv_cache_dtype
+    cache = kvd if kvd == "fp8" or (kvd == "bfloat16" and args.dtype != "bfloat16") else None
+
     @jax.jit
     def full(state, tokens):
         m = nnx.merge(graphdef, state)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        logits, mtp_logits, aux, _ = forward_with_aux(m, x, RunOptions(indexer_aux=True))
+        logits, mtp_logits, aux, _ = forward_with_aux(m, x, RunOptions(indexer_aux=True, cache_dtype=cache))
         _, nll = cross_entropy(logits, y)
         _, mtp_nll = cross_entropy(mtp_logits, y[:, 1:])
         hit = jnp.argmax(mtp_logits, -1) == y[:, 1:]
@@ -174,7 +180,7 @@ def main(argv=None):
     def window_only(state, tokens):
         m = nnx.merge(graphdef, state)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        _, nll = cross_entropy(m(x, RunOptions(drop_compressed=True)), y)
+        _, nll = cross_entropy(m(x, RunOptions(drop_compressed=True, cache_dtype=cache)), y)
         return nll
 
     B = args.batch_size
@@ -215,6 +221,7 @@ def main(argv=None):
     res = dict(
         checkpoint=os.path.relpath(args.ckpt, ROOT) if args.ckpt.startswith(ROOT) else args.ckpt,
         device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, compute_dtype=args.dtype,
+        kv_cache_dtype=kvd,
         windows=int(count), seq_len=T, tokens=int(count * T),
         heldout_loss=float(per_pos.mean()), heldout_ppl=float(np.exp(per_pos.mean())),
         heldout_loss_window_only=float(per_pos_drop.mean()),

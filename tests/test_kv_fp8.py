@@ -375,6 +375,31 @@ def test_fp8_pools_dense_layout(real_ckpt, quant_sim_run):
     _same(LLM(real_ckpt, kv_cache_dtype="fp8", kv_layout="dense", **ENGINE).generate(prompts, params), want)
 
 
+@pytest.mark.slow  # an engine and two forwards to compile (~70 s on CPU)
+def test_teacher_forced_forward_rounds_as_the_cache():
+    """The teacher-forced forward of an LLM with FP8 cache entries rounds its keys as the pools store them (FP8
+    window and compressed entries, FP4 indexer keys): the engine's greedy tokens are its argmax and their log-probs
+    those of the forward (float32; a median within 1e-5, the rest within 0.01 where a last-bit difference between
+    the paths flips an FP8 rounding: compiled at -O0, as the tests are, 4 of 24 differed by up to 1.2e-3; at -O2
+    none beyond 2e-6), over a prompt whose decode crosses CSA and HCA windows; the forward without the rounding
+    misses them by 0.1 to 2."""
+    from v4jax import LLM, SamplingParams
+    llm = LLM("tiny", dtype="float32", kv_cache_dtype="fp8", max_num_seqs=1, max_model_len=96, prefill_chunk=32)
+    prompt = np.random.default_rng(5).integers(2, llm.config.vocab_size, 40).tolist()
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY))
+    seq = prompt + out.token_ids
+    lg = llm.logits(seq)[len(prompt) - 1:-1]
+    lp = lg - lg.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    assert (lg.argmax(-1) == np.asarray(out.token_ids)).all()
+    diff = np.abs(np.asarray(out.logprobs) - lp[np.arange(len(out.token_ids)), out.token_ids])
+    assert np.median(diff) < 1e-5 and diff.max() < 0.01, diff
+    exact = LLM("tiny", dtype="float32", max_num_seqs=1, max_model_len=96).logits(seq)[len(prompt) - 1:-1]
+    exact = exact - exact.max(-1, keepdims=True)
+    exact = exact - np.log(np.exp(exact).sum(-1, keepdims=True))
+    assert np.abs(np.asarray(out.logprobs) - exact[np.arange(len(out.token_ids)), out.token_ids]).max() > 0.1
+
+
 def test_kernel_and_config_block_sizes_agree():
     from pallas_kernels import kv_format
     from v4jax import config

@@ -382,7 +382,11 @@ class LLM:
         self.run_options = RunOptions(quant_sim=self.options.quant_sim, attention_impl=impl, mesh_rules=self.mesh_rules)
         graphdef, state = nnx.split(self.model)
         self._state = state
-        opts = self.run_options
+        # the teacher-forced forward rounds the keys as this engine's pools store them: it is the reference its
+        # generated tokens and log-probs are held to, and what prompt log-probs score with
+        kvd = self.options.kv_cache_dtype
+        rounds = kvd == "fp8" or (kvd == "bfloat16" and _DTYPES[dtype] != jnp.bfloat16)
+        opts = dataclasses.replace(self.run_options, cache_dtype=kvd if rounds else None)
         mr = self.mesh_rules
 
         @jax.jit

@@ -193,9 +193,6 @@ class Indexer(nnx.Module):
         w = L.linear(x.astype(F32), self.weights_proj.weight[...].astype(F32)) if proj is None else proj
         return w * (self.head_dim ** -0.5) * (self.n_heads ** -0.5)
 
-    def finish_keys(self, pooled, cos, sin, dtype, opts: RunOptions):
-        return self.round_keys(self.compressor.finish(pooled, cos, sin, dtype), opts)
-
     def round_keys(self, k, opts: RunOptions, fp4_keys: bool = False):
         """Finished keys -> the keys the indexer stores: Hadamard-rotated under quant_sim (then rounded to FP4) and
         for FP4 keys (fp4_keys: rounded as the pool encodes them)."""
@@ -278,7 +275,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         cos, sin = self.rope(positions)
         q, qr = self.queries(x, cos, sin, opts)
-        kv = self.window_kv(x, cos, sin, opts)
+        kv = self.as_cached("swa", self.window_kv(x, cos, sin, opts), opts)
         pos_q = positions[:, :, None]
         pos_k = positions[:, None, :]
         keys, valid = kv, (pos_k <= pos_q) & (pos_k > pos_q - cfg.window_size)
@@ -290,7 +287,7 @@ class Attention(nnx.Module):
             keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
             if self.indexer is not None and n > 0:
                 ikeys = self._compressed_entries(self.indexer.compressor, x, positions, opts)
-                iq = self.indexer.queries(qr, cos, sin, opts)
+                iq = self.indexer.queries(qr, cos, sin, opts, fp4_keys=opts.cache_dtype == "fp8")
                 scores = L.index_scores(iq, self.indexer.head_weights(x), ikeys)
                 if opts.indexer_aux:
                     aux = self._indexer_aux(q, keys, jnp.concatenate([valid, causal], -1), scores, causal)
@@ -452,6 +449,18 @@ class Attention(nnx.Module):
         pooled = L.compress_windows(a, z, comp.ratio, comp.overlap)
         n = pooled.shape[1]
         cos, sin = self.rope(jnp.arange(n) * comp.ratio)
+        entries = comp.finish(pooled, cos, sin, x.dtype)
         if comp is self.compressor:
-            return self.kv_round(comp.finish(pooled, cos, sin, x.dtype), opts)
-        return self.indexer.finish_keys(pooled, cos, sin, x.dtype, opts)
+            return self.as_cached("kv", self.kv_round(entries, opts), opts)
+        return self.as_cached("idx", self.indexer.round_keys(entries, opts, fp4_keys=opts.cache_dtype == "fp8"), opts)
+
+    def as_cached(self, pool: str, values, opts: RunOptions):
+        """values [..., K] as the pool `pool` ("swa", "kv", "idx") of an engine with kv_cache_dtype
+        opts.cache_dtype gives them back (the teacher-forced forward: RunOptions.cache_dtype)."""
+        if opts.cache_dtype is None:
+            return values
+        if opts.cache_dtype != "fp8":
+            return values.astype(opts.cache_dtype).astype(values.dtype)
+        fmt = self.entry_formats()[pool]
+        flat = values.reshape(-1, values.shape[-1])
+        return fmt.decode(fmt.encode(flat), values.dtype).reshape(values.shape)

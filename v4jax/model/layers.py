@@ -36,6 +36,10 @@ class RunOptions:
     indexer_aux: bool = False  # sow IndexerAux (indexer log-probs and the attention-mass target) per CSA stack
     routing_aux: bool = False  # sow RoutingAux (the experts of every top-k-routed layer)
     drop_compressed: bool = False  # teacher-forced forward only: the window alone (what compressed entries earn)
+    # teacher-forced forward only: the keys rounded as the engine's pools of this kv_cache_dtype store them (None:
+    # kept in the compute dtype; "bfloat16"; "fp8": the release's FP8 entries and FP4 indexer keys), so that the
+    # forward stays the reference for an engine whose cache rounds (the cached path rounds by writing its pools)
+    cache_dtype: str | None = None
     # The ops table of attention_impl as the forward runs it (ops_for, on a mesh mesh_ops): Transformer sets it once
     # per forward pass and the layers read it (a Linear inside the layer loop: its `linear`), never the string.
     ops: Any = None
