@@ -276,6 +276,32 @@ def test_offer_never_pulled_is_withdrawn(engines, path, caplog):
     sender.close()
 
 
+def test_bench_pd_reports_gb_per_s(engines, monkeypatch):
+    """`v4jax bench pd`'s timing: each transport's row has the bytes moved, a transfer time and GB/s = bytes /
+    seconds; a transport that cannot start (jax.experimental.transfer on a backend without it) has its error in its
+    row and the http path is still timed; pages return on both sides."""
+    from v4jax.bench import pd
+    from v4jax.serve import pd as serve_pd
+    prefill, decode = engines
+    sizes, rows = pd.measure(prefill, decode, [40], ["jax", "http"], repeats=1, timeout_s=30)
+    assert [s["prompt"] for s in sizes] == [40] and sizes[0]["bytes"] == sum(analytic := pd.analytic_bytes(
+        prefill, 40).values()) and analytic
+    assert [(r["path"], r["error"], r["repeats"]) for r in rows] == [("jax", None, 1), ("http", None, 1)]
+    for r in rows:
+        assert r["bytes"] == sizes[0]["bytes"] and r["transfer_ms"] > 0 and r["import_ms"] > 0
+        assert r["gb_per_s"] == pytest.approx(r["bytes"] / r["transfer_ms"] / 1e6)
+
+    def broken(host):
+        raise RuntimeError("no transfer server on this backend")
+    monkeypatch.setattr(serve_pd, "start_transfer_server", broken)
+    _, rows = pd.measure(prefill, decode, [40], ["jax", "http"], repeats=1, timeout_s=30)
+    assert rows[0]["gb_per_s"] is None and "no transfer server" in rows[0]["error"]
+    assert rows[1]["error"] is None and rows[1]["gb_per_s"] > 0
+    table = pd.markdown(sizes, rows)
+    assert "| jax | 40 |" in table and "RuntimeError: no transfer server" in table
+    assert _all_free(prefill) and _all_free(decode)
+
+
 @pytest.mark.slow  # two speculative engines to compile
 def test_speculative_decode_side(engines):
     """With speculative decoding on both sides the drafter's state moves too: the single speculative engine's
