@@ -543,6 +543,32 @@ def test_bench_serve_against_the_server(served, tmp_path):
     assert bench.markdown(rep).count("\n") == 2
 
 
+def test_bench_serve_long_prompts_among_decoding_streams(served, tmp_path):
+    """`v4jax bench serve`'s second class: long prompts arriving on their own schedule while short streams decode;
+    per class TTFT / TPOT / ITL, and the short streams' ITL split by whether a long request was waiting for its
+    first token (its prefill chunks run between their decode calls)."""
+    from v4jax.bench import serve as bench
+    argv = ["--url", served.url, "--api-key", KEY, "--num-requests", "6", "--rate", "inf", "--max-concurrency", "3",
+            "--prompt-len", "5:8", "--output-len", "24", "--vocab", "2048", "--long-num", "3", "--long-rate", "20",
+            "--long-prompt-len", "96", "--long-output-len", "4", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    rep = json.loads((tmp_path / "serve_bench.json").read_text())
+    c = rep["classes"]
+    assert (c["short"]["requests"], c["short"]["completed"], c["long"]["requests"], c["long"]["completed"]) == (6, 6, 3, 3)
+    assert c["short"]["output_tokens"] == 6 * 24 and c["long"]["prompt_tokens"] == 3 * 96
+    assert c["long"]["output_tokens"] == 3 * 4 and rep["summary"]["completed"] == 9
+    for cls in ("short", "long"):
+        for k in ("ttft_s", "tpot_s", "itl_s"):
+            assert 0 < c[cls][k]["p50"] <= c[cls][k]["p99"] < 60, (cls, k, c[cls][k])
+    during, outside = c["short"]["itl_during_long_s"], c["short"]["itl_outside_long_s"]
+    assert during["n"] > 0 and outside["n"] >= 0 and during["p50"] > 0
+    assert sorted(r["class"] for r in rep["requests"]) == ["long"] * 3 + ["short"] * 6
+    assert "1 long" not in rep["load"] and "3 long (prompt 96, output 4) at Poisson 20/s" in rep["load"]
+    table = (tmp_path / "serve_bench.md").read_text()
+    assert "| short | 6 | 6 | 5:8 | 24 |" in table and "| long | 3 | 3 | 96 | 4 |" in table
+    assert _idle_and_free(served.state)
+
+
 def test_shutdown_ends_running_streams(served):
     """Runs last: SIGTERM's path (handle_exit) with no grace: the running stream ends early with [DONE] and the
     OpenAI finish_reason "length" (the engine's "abort": cut short by the server), the server stops, and the engine

@@ -2,6 +2,8 @@
 
     v4jax bench serve --url http://127.0.0.1:8000 --rate 4 --num-requests 64 --prompt-len 32 --output-len 16:64
     v4jax bench serve --replay multi_turn --step-s 0.05          # a trace of v4jax.bench.replay, steps -> seconds
+    v4jax bench serve --num-requests 64 --max-concurrency 8 --prompt-len 512 --output-len 256:480 \
+        --long-num 8 --long-rate 1 --long-prompt-len 8192 --long-output-len 8   # long prompts among decoding streams
 
 Requests arrive as a Poisson process at `--rate` per second (`inf`: all at once), whatever the server's
 progress (open loop), each a streamed `/v1/completions` call with a token-id prompt, `ignore_eos` (so outputs
@@ -10,9 +12,17 @@ have exactly the drawn length), `return_token_ids` and the usage chunk. Lengths 
 `arrival x --step-s`, one that extends a parent `arrival x --step-s` after the parent finished, its prompt the
 parent's prompt + the tokens the parent got + its own new tokens (the prefix cache's case).
 
+A second class of requests, `--long-num N` > 0: N long prompts (`--long-prompt-len`, `--long-output-len`) arriving
+as a Poisson process at `--long-rate` per second from `--long-start` seconds on (their own schedule: the short
+requests' arrivals and lengths are those of the same seed without them), while the short ones (`--num-requests`;
+`--max-concurrency` bounds only these) decode. What a long prefill costs the streams decoding beside it (on one
+server: its chunks run between their decode calls; disaggregated: on another server) shows in the short class's
+ITL while a long request is between its send and its first token, against its ITL otherwise.
+
 Measured per request on the client: TTFT = first chunk carrying a token - send; TPOT = (last token chunk - first)
 / (tokens - 1), over requests with >= 2 tokens (tokens come several per chunk: one engine decode call each);
-e2e = end of stream - send. Throughput: output tokens (and prompt + output) / wall time from the first send to
+e2e = end of stream - send; ITL = the gap between a stream's successive token chunks / the chunk's tokens (one
+sample a chunk, in the units of TPOT). Throughput: output tokens (and prompt + output) / wall time from the first send to
 the last end. p50 / p90 / p99 by linear interpolation. Errors are non-200 answers, error events and broken
 streams, by kind. The server's prefix-cache counters (/metrics) are read before and after."""
 from __future__ import annotations
@@ -38,6 +48,8 @@ class Result:
     end: float | None = None
     tokens: list = dataclasses.field(default_factory=list)
     error: str | None = None
+    cls: str = "short"
+    chunks: list = dataclasses.field(default_factory=list)  # (arrival, tokens) of each chunk carrying tokens
 
 
 def _length(spec: str) -> tuple[int, int]:
@@ -72,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests open at once "
                    "(default: no limit, a pure open loop)")
+    p.add_argument("--long-num", type=int, default=0, help="long requests among the short ones (0: none)")
+    p.add_argument("--long-prompt-len", type=_length, default=(4096, 4096), metavar="N|LO:HI",
+                   help="long requests' prompt tokens")
+    p.add_argument("--long-output-len", type=_length, default=(16, 16), metavar="N|LO:HI",
+                   help="long requests' generated tokens")
+    p.add_argument("--long-rate", type=float, default=1.0, help="long requests' mean arrivals per second (Poisson)")
+    p.add_argument("--long-start", type=float, default=0.0, help="seconds after the first short request that the "
+                   "long requests' arrivals start")
     p.add_argument("--replay", default=None, help="replay a v4jax.bench.replay trace instead: shared_system, "
                    "multi_turn, long_docs or agentic")
     p.add_argument("--replay-scale", type=float, default=1.0, help="the trace's length scale")
@@ -115,6 +135,7 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int, temperatu
                         res.first = res.first or now
                         res.last = now
                         res.tokens += ids
+                        res.chunks.append((now, len(ids)))
             if not done and res.error is None:
                 res.error = "stream ended without [DONE]"
     except Exception as e:  # a broken connection, a timeout: counted, the run goes on
@@ -129,17 +150,23 @@ async def _synthetic(client, a, model: str, rng: random.Random) -> list[Result]:
     t = 0.0
     for _ in range(a.num_requests):
         p = [rng.randrange(2, a.vocab) for _ in range(rng.randint(*a.prompt_len))]
-        reqs.append((t, p, rng.randint(*a.output_len)))
+        reqs.append((t, p, rng.randint(*a.output_len), "short"))
         if not math.isinf(a.rate):
             t += rng.expovariate(a.rate)
+    long_rng = random.Random(rng.random())  # its own draws: the short requests are those of the seed without it
+    t = a.long_start
+    for _ in range(a.long_num):
+        p = [long_rng.randrange(2, a.vocab) for _ in range(long_rng.randint(*a.long_prompt_len))]
+        reqs.append((t, p, long_rng.randint(*a.long_output_len), "long"))
+        t += long_rng.expovariate(a.long_rate)
     sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
     start = time.perf_counter()
-    results = [Result(len(p), 0.0) for _, p, _ in reqs]
+    results = [Result(len(p), 0.0, cls=c) for _, p, _, c in reqs]
 
     async def fire(i):
-        at, p, mt = reqs[i]
+        at, p, mt, cls = reqs[i]
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        if sem is None:
+        if sem is None or cls == "long":
             await _one(client, model, p, mt, a.temperature, a.timeout, results[i])
         else:
             async with sem:
@@ -215,6 +242,34 @@ def summarize(results: list[Result]) -> dict:
     }
 
 
+def _itl(r: Result) -> list[tuple[float, float, float]]:
+    """(gap start, gap end, seconds per token) of each chunk after a stream's first."""
+    return [(t0, t1, (t1 - t0) / n) for (t0, _), (t1, n) in zip(r.chunks, r.chunks[1:])]
+
+
+def summarize_classes(results: list[Result]) -> dict:
+    """Per class (short, long): the summary of its requests with their ITL; for the short class, its ITL split by
+    whether the gap overlaps a long request's wait for its first token (send -> first token: its prefill, and
+    disaggregated its transfer)."""
+    out = {}
+    waits = [(r.sent, r.first if r.first is not None else r.end) for r in results if r.cls == "long"]
+    for cls in ("short", "long"):
+        mine = [r for r in results if r.cls == cls]
+        if not mine:
+            continue
+        s = summarize(mine)
+        gaps = [g for r in mine if r.error is None for g in _itl(r)]
+        s["itl_s"] = _dist([x for _, _, x in gaps])
+        if cls == "short" and waits:
+            overlap = [any(t0 < w1 and w0 < t1 for w0, w1 in waits) for t0, t1, _ in gaps]
+            during = [x for (_, _, x), o in zip(gaps, overlap) if o]
+            outside = [x for (_, _, x), o in zip(gaps, overlap) if not o]
+            s["itl_during_long_s"] = {**_dist(during), "n": len(during)}
+            s["itl_outside_long_s"] = {**_dist(outside), "n": len(outside)}
+        out[cls] = s
+    return out
+
+
 def markdown(rep: dict) -> str:
     s = rep["summary"]
     ms = lambda d: " / ".join("-" if d[k] is None else f"{d[k] * 1e3:.0f}" for k in ("p50", "p90", "p99"))
@@ -229,6 +284,28 @@ def markdown(rep: dict) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1), row]
     if s["errors_by_kind"]:
         lines.append("\nerrors: " + ", ".join(f"{k}: {v}" for k, v in sorted(s["errors_by_kind"].items())))
+    if rep.get("classes"):
+        lines += ["", class_table([("", rep)])]
+    return "\n".join(lines)
+
+
+def class_table(reps: Sequence[tuple[str, dict]]) -> str:
+    """One row per (run, class) of runs with a long class: TTFT, TPOT and ITL p50 / p99 in ms, and the short
+    class's ITL while a long request waits for its first token against otherwise (with the gaps counted)."""
+    ms = lambda d: "-" if not d or d["p50"] is None else f"{d['p50'] * 1e3:.1f} / {d['p99'] * 1e3:.1f}"
+    with_n = lambda d: "-" if not d or d["p50"] is None else f"{ms(d)} ({d['n']})"
+    lines = ["| run | class | requests | ok | prompt | output | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
+             "| short ITL during long prefills p50 / p99 ms (gaps) | short ITL otherwise p50 / p99 ms (gaps) |",
+             "|---|---|---:|---:|---|---|---|---|---|---|---|"]
+    for label, rep in reps:
+        args = rep.get("args", {})
+        for cls, c in (rep.get("classes") or {}).items():
+            prompt, output = ((args.get("long_prompt_len"), args.get("long_output_len")) if cls == "long" else
+                              (args.get("prompt_len"), args.get("output_len")))
+            spec = lambda r: "-" if not r else _spec(tuple(r))
+            lines.append(f"| {label or rep['load']} | {cls} | {c['requests']} | {c['completed']} | {spec(prompt)} | "
+                         f"{spec(output)} | {ms(c['ttft_s'])} | {ms(c['tpot_s'])} | {ms(c['itl_s'])} | "
+                         f"{with_n(c.get('itl_during_long_s'))} | {with_n(c.get('itl_outside_long_s'))} |")
     return "\n".join(lines)
 
 
@@ -257,7 +334,9 @@ async def run(a) -> dict:
         model = a.model or models[0]["id"]
         rng = random.Random(a.seed)
         if a.warmup_requests:
-            warm = argparse.Namespace(**{**vars(a), "num_requests": a.warmup_requests, "rate": math.inf})
+            # the long class too (two at most), arriving while the short ones decode: their mixed steps compile
+            warm = argparse.Namespace(**{**vars(a), "num_requests": a.warmup_requests, "rate": math.inf,
+                                         "long_num": min(a.long_num, 2)})
             res = await _synthetic(client, warm, model, random.Random(a.seed + 1))
             bad = [r.error for r in res if r.error]
             if bad:
@@ -269,12 +348,16 @@ async def run(a) -> dict:
     load = (f"replay {a.replay} (scale {a.replay_scale:g}, {a.step_s:g} s/step)" if a.replay else
             f"{'all at once' if math.isinf(a.rate) else f'Poisson {a.rate:g}/s'}, prompt {_spec(a.prompt_len)}, "
             f"output {_spec(a.output_len)}")
+    if a.long_num and not a.replay:
+        load += (f"; {a.long_num} long (prompt {_spec(a.long_prompt_len)}, output {_spec(a.long_output_len)}) at "
+                 f"Poisson {a.long_rate:g}/s from {a.long_start:g} s")
     t0 = min((r.sent for r in results), default=0.0)
-    per_request = [{"sent_s": r.sent - t0, "prompt_len": r.prompt_len, "tokens": len(r.tokens),
+    per_request = [{"class": r.cls, "sent_s": r.sent - t0, "prompt_len": r.prompt_len, "tokens": len(r.tokens),
                     "ttft_s": None if r.first is None else r.first - r.sent,
                     "e2e_s": None if r.end is None else r.end - r.sent, "error": r.error} for r in results]
-    return {"load": load, "model": model, "url": a.url, "summary": summarize(results), "prefix_cache": pc,
-            "requests": per_request,
+    classes = summarize_classes(results) if any(r.cls == "long" for r in results) else None
+    return {"load": load, "model": model, "url": a.url, "summary": summarize(results), "classes": classes,
+            "prefix_cache": pc, "requests": per_request,
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k != "api_key"}}
 
 
@@ -283,7 +366,12 @@ def _spec(r: tuple[int, int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.long_num and a.replay:
+        p.error("--long-num is a synthetic load's second class: not with --replay")
+    if a.long_num and not a.long_rate > 0:
+        p.error("--long-rate must be > 0")
     rep = asyncio.run(run(a))
     rep["command"] = "v4jax bench serve " + " ".join(argv if argv is not None else sys.argv[1:])
     table = markdown(rep)
