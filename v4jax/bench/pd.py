@@ -204,14 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt + 16")
+    ap.add_argument("--max-num-seqs", type=int, default=1, help="slots of each engine (one request moves at a time)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a transfer may take before it is an error")
     ap.add_argument("--out", default=None, help="directory for pd_bench.json")
     a = ap.parse_args(argv)
 
     from v4jax.api import LLM
 
-    # one slot each: two engines of a long context share one device (as a prefill and a decode server can)
-    opts = dict(dtype=a.dtype, max_num_seqs=1, max_model_len=a.max_model_len or max(a.prompt_len) + 16,
+    # few slots: two engines of a long context share one device (as a prefill and a decode server can)
+    opts = dict(dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len or max(a.prompt_len) + 16,
                 prefill_chunk=a.prefill_chunk)
     src, dst = LLM(a.model, **opts).engine, LLM(a.model, **opts).engine
     print(f"model {a.model or 'default'} ({a.dtype}), transports {' '.join(a.path)}, median of {a.repeats} "

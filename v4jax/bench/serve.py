@@ -22,8 +22,8 @@ ITL while a long request is between its send and its first token, against its IT
 Measured per request on the client: TTFT = first chunk carrying a token - send; TPOT = (last token chunk - first)
 / (tokens - 1), over requests with >= 2 tokens (tokens come several per chunk: one engine decode call each);
 e2e = end of stream - send; ITL = the gap between a stream's successive token chunks / the chunk's tokens (one
-sample a chunk, in the units of TPOT). Throughput: output tokens (and prompt + output) / wall time from the first send to
-the last end. p50 / p90 / p99 by linear interpolation. Errors are non-200 answers, error events and broken
+sample a chunk, in the units of TPOT). Throughput: output tokens (and prompt + output) / wall time from the first send
+to the last end. p50 / p90 / p99 by linear interpolation. Errors are non-200 answers, error events and broken
 streams, by kind. The server's prefix-cache counters (/metrics) are read before and after."""
 from __future__ import annotations
 
@@ -294,8 +294,8 @@ def class_table(reps: Sequence[tuple[str, dict]]) -> str:
     class's ITL while a long request waits for its first token against otherwise (with the gaps counted)."""
     ms = lambda d: "-" if not d or d["p50"] is None else f"{d['p50'] * 1e3:.1f} / {d['p99'] * 1e3:.1f}"
     with_n = lambda d: "-" if not d or d["p50"] is None else f"{ms(d)} ({d['n']})"
-    lines = ["| run | class | requests | ok | prompt | output | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
-             "| short ITL during long prefills p50 / p99 ms (gaps) | short ITL otherwise p50 / p99 ms (gaps) |",
+    lines = ["| run | class | requests | ok | prompt | output | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+             "| ITL p50 / p99 ms | short ITL during long prefills p50 / p99 ms (gaps) | short ITL otherwise p50 / p99 ms (gaps) |",
              "|---|---|---:|---:|---|---|---|---|---|---|---|"]
     for label, rep in reps:
         args = rep.get("args", {})
@@ -303,7 +303,7 @@ def class_table(reps: Sequence[tuple[str, dict]]) -> str:
             prompt, output = ((args.get("long_prompt_len"), args.get("long_output_len")) if cls == "long" else
                               (args.get("prompt_len"), args.get("output_len")))
             spec = lambda r: "-" if not r else _spec(tuple(r))
-            lines.append(f"| {label or rep['load']} | {cls} | {c['requests']} | {c['completed']} | {spec(prompt)} | "
+            lines.append(f"| {label or '-'} | {cls} | {c['requests']} | {c['completed']} | {spec(prompt)} | "
                          f"{spec(output)} | {ms(c['ttft_s'])} | {ms(c['tpot_s'])} | {ms(c['itl_s'])} | "
                          f"{with_n(c.get('itl_during_long_s'))} | {with_n(c.get('itl_outside_long_s'))} |")
     return "\n".join(lines)
