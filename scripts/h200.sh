@@ -66,6 +66,20 @@
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
 #              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
 #              NEW=16 VOCAB=500 bash scripts/h200.sh load
+#   pd         prefill/decode disaggregation on one GPU (carry [".whl"]): `v4jax bench pd` (one request's state between
+#              two engines at 4K / 16K / 32K, bytes and GB/s by transport, jax and http), then one load through a
+#              colocated `v4jax serve` and through `v4jax router` in front of a prefill and a decode server (two
+#              processes on the GPU): short streams decoding while long prompts arrive (v4jax bench serve --long-num),
+#              TTFT / TPOT / ITL per class, an unmeasured pass first -> $OUT/pd_bench.json, pd_colocated.json,
+#              pd_disagg.json, pd.md, pd_logs.txt. STEPS ("transfer colocated disagg"), MODEL, PD_ARGS, ENGINE_ARGS,
+#              LOAD_ARGS, TRANSPORT (jax | http; default jax unless bench pd's jax rows failed), WARM=0, BUDGET_S
+#              (540 in all), PD_S / WARM_S / LOAD_S (a step's limit), PORT override; CPU dry run of the default model
+#              (minutes of compiling on CPU):
+#              SKIP_WHEELS=1 MODEL= BUDGET_S=3000 PD_S=900 WARM_S=900 LOAD_S=600 PD_ARGS="--prompt-len 64 256 1000 \
+#              --repeats 3" ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --prefill-chunk 64" \
+#              LOAD_ARGS="--num-requests 12 --max-concurrency 4 --rate inf --prompt-len 16 --output-len 32:48 \
+#              --vocab 2048 --long-num 3 --long-rate 2 --long-start 0.2 --long-prompt-len 384 --long-output-len 4" \
+#              bash scripts/h200.sh pd
 #   multigpu N decode on N = 2 / 4 / 8 GPUs against one (v4jax bench mesh; kind nvidia-h200-xN) ->
 #              $OUT/mesh_<model>/mesh.json. CPU dry run: v4jax bench mesh --model tiny --dtype float32 \
 #              --meshes "tensor=2;expert=2" --batches 1,4 --context 64
@@ -598,6 +612,146 @@ EOF
   if kill -0 "$pid" 2>/dev/null; then stamp "server still running 30 s after SIGTERM"; kill -9 "$pid"; fi
   wait "$pid"; stamp "server exit code $?"
   tail -5 "$out/server.log"
+  ;;
+pd)
+  imports
+  # Prefill/decode disaggregation on one GPU, one call (the variables: see the header). Every step has its own limit
+  # within BUDGET_S from the stage's start and writes its results as it ends, so a step cut short leaves the ones
+  # before it. The servers share one persistent compilation cache: the disaggregated servers load most of what the
+  # colocated one compiled (same engine options), and an unmeasured pass of the load (WARM=0 skips it) compiles the
+  # rest before the measured one.
+  if [ -z "${SKIP_WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:.
+  fi
+  export V4JAX_COMPILATION_CACHE=${PD_CACHE:-/tmp/v4jax-pd-cache}
+  MODEL=${MODEL-flash-slice}
+  STEPS=${STEPS:-transfer colocated disagg}
+  # default options but 16 slots of 8448 tokens: a long prompt (8192) and its output in 33 pages, a short one in 4
+  # (few page buckets: few programs to compile)
+  ENGINE_ARGS=${ENGINE_ARGS:---max-num-seqs 16 --max-model-len 8448}
+  PD_ARGS=${PD_ARGS:---prompt-len 4096 16384 32768 --prefill-chunk 8192 --repeats 3}
+  # 8 short streams at a time (a closed loop: a slot freed is taken again at once), 6 long prompts at 1/s among them
+  LOAD_ARGS=${LOAD_ARGS:---num-requests 48 --max-concurrency 8 --rate inf --prompt-len 512 --output-len 256:480 \
+--vocab 129280 --long-num 6 --long-rate 1 --long-start 0.5 --long-prompt-len 8192 --long-output-len 8}
+  TRANSPORT=${TRANSPORT:-auto}  # auto: jax, unless bench pd's jax rows failed here
+  PORT=${PORT:-8130}  # the colocated server and the router; the prefill server +1, the decode server +2
+  pdlogs=/tmp/v4jax-pd-logs; rm -rf "$pdlogs"; mkdir -p "$pdlogs"
+  lim() { local l=$(( ${BUDGET_S:-540} - $(date +%s) + t0 )); [ "$l" -gt "$1" ] && l=$1; echo $(( l > 1 ? l : 1 )); }
+  wait_up() {  # URL PID SECONDS: /health answers 200 while PID lives
+    python3 - "$@" <<'EOF'
+import os, sys, time, httpx
+url, pid, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deadline = time.monotonic() + limit
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(1)
+    try:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+EOF
+  }
+  stop() {  # SIGTERM, 30 s to drain, then SIGKILL; each one's exit code
+    for p in "$@"; do kill -TERM "$p" 2>/dev/null; done
+    for p in "$@"; do
+      for _ in $(seq 1 60); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
+      kill -0 "$p" 2>/dev/null && { echo "  $p still running 30 s after SIGTERM"; kill -9 "$p"; }
+      wait "$p"; echo "  pid $p exit code $?"
+    done
+  }
+  drive() {  # NAME URL: the unmeasured pass (another seed), then the measured one -> $out/pd_NAME.json
+    if [ "${WARM:-1}" = 1 ]; then
+      stamp "$1: unmeasured pass"
+      timeout "$(lim ${WARM_S:-240})" python3 -W ignore -m v4jax.cli bench serve --url "$2" $LOAD_ARGS --seed 1 \
+        --out "$pdlogs/warm_$1" > "$pdlogs/warm_$1.log" 2>&1; echo "  rc=$?"
+    fi
+    stamp "$1: measured pass"
+    timeout "$(lim ${LOAD_S:-120})" python3 -W ignore -m v4jax.cli bench serve --url "$2" $LOAD_ARGS \
+      --out "$pdlogs/$1" > "$pdlogs/load_$1.log" 2>&1; echo "  rc=$?"
+    grep "^|\|^errors\|Error" "$pdlogs/load_$1.log"
+    cp "$pdlogs/$1/serve_bench.json" "$out/pd_$1.json" 2>/dev/null || echo "  no results for $1"
+  }
+  url=http://127.0.0.1
+  rm -f "$out"/pd_bench.json "$out"/pd_colocated.json "$out"/pd_disagg.json
+  for step in $STEPS; do
+    case $step in
+    transfer)
+      stamp "bench pd $PD_ARGS, transports jax and http"
+      timeout "$(lim ${PD_S:-200})" python3 -W ignore -m v4jax.cli bench pd ${MODEL:+--model $MODEL} --path jax http \
+        $PD_ARGS --out "$out" > "$pdlogs/bench_pd.log" 2>&1; echo "  rc=$?"
+      grep "^| [a-z0-9]* | [0-9]\|^model\|Error" "$pdlogs/bench_pd.log" | grep -v "| total |\|^| [0-9]* | [a-z]" \
+        | head -30
+      ;;
+    colocated)
+      stamp "colocated: v4jax serve ${MODEL:-(default model)} $ENGINE_ARGS"
+      python3 -W ignore -m v4jax.cli serve $MODEL --port "$PORT" --no-access-log $ENGINE_ARGS \
+        > "$pdlogs/colocated.log" 2>&1 &
+      pid=$!
+      if wait_up "$url:$PORT" "$pid" "$(lim 180)"; then
+        stamp "server up"; drive colocated "$url:$PORT"
+      else
+        stamp "server did not come up"; tail -n 20 "$pdlogs/colocated.log"
+      fi
+      stop "$pid"
+      ;;
+    disagg)
+      if [ "$TRANSPORT" = auto ]; then
+        TRANSPORT=$(python3 -c "import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))['rows']
+except OSError:
+    rows = []
+print('http' if any(r['path'] == 'jax' and r['error'] for r in rows) else 'jax')" "$out/pd_bench.json")
+      fi
+      stamp "disaggregated: a prefill and a decode server (transport $TRANSPORT) behind a router, on one GPU"
+      for role in prefill decode; do
+        p=$(( PORT + $([ $role = prefill ] && echo 1 || echo 2) ))
+        # two processes on one GPU: each allocates as it goes, within its share
+        XLA_PYTHON_CLIENT_MEM_FRACTION=${PD_MEM_FRACTION:-0.45} python3 -W ignore -m v4jax.cli serve $MODEL \
+          --port "$p" --no-access-log $ENGINE_ARGS --disaggregation-mode $role --pd-transport "$TRANSPORT" \
+          > "$pdlogs/$role.log" 2>&1 &
+        eval "pid_$role=$!"
+      done
+      python3 -W ignore -m v4jax.cli router --prefill "$url:$((PORT + 1))" --decode "$url:$((PORT + 2))" \
+        --port "$PORT" --log-level warning > "$pdlogs/router.log" 2>&1 &
+      pid_router=$!
+      if wait_up "$url:$((PORT + 1))" "$pid_prefill" "$(lim 180)" \
+          && wait_up "$url:$((PORT + 2))" "$pid_decode" "$(lim 180)" && wait_up "$url:$PORT" "$pid_router" "$(lim 30)"
+      then
+        stamp "servers up"; drive disagg "$url:$PORT"
+        python3 -c "import httpx, sys; print(httpx.get(sys.argv[1] + '/metrics').text)" "$url:$((PORT + 2))" \
+          | grep -E "^v4jax_pd_transfer" | grep -v "_created\|_bucket" | head -12
+      else
+        stamp "servers did not come up"; tail -n 15 "$pdlogs/prefill.log" "$pdlogs/decode.log" "$pdlogs/router.log"
+      fi
+      stop "$pid_router" "$pid_prefill" "$pid_decode"
+      ;;
+    *) echo "pd: unknown step $step (transfer, colocated, disagg)" ;;
+    esac
+  done
+  for f in "$pdlogs"/*.log; do echo "== $f"; tail -n 25 "$f"; done > "$out/pd_logs.txt"
+  python3 - "$out" <<'EOF' | tee "$out/pd.md"
+import json, os, sys
+from v4jax.bench import pd, serve
+out = sys.argv[1]
+load = lambda name: json.load(open(os.path.join(out, name))) if os.path.exists(os.path.join(out, name)) else None
+b = load("pd_bench.json")
+if b:
+    print(f"Transfer ({b['model']}, {b['dtype']}, median of {b['repeats']}):\n")
+    print(pd.markdown(b["sizes"], b["rows"]) + "\n")
+runs = [(label, r) for label, r in (("colocated", load("pd_colocated.json")),
+                                    ("disaggregated", load("pd_disagg.json"))) if r]
+if runs:
+    print(f"Load: {runs[0][1]['load']}\n")
+    print(serve.class_table(runs))
+EOF
   ;;
 multigpu)
   imports
