@@ -563,7 +563,7 @@ def test_bench_serve_long_prompts_among_decoding_streams(served, tmp_path):
     during, outside = c["short"]["itl_during_long_s"], c["short"]["itl_outside_long_s"]
     assert during["n"] > 0 and outside["n"] >= 0 and during["p50"] > 0
     assert sorted(r["class"] for r in rep["requests"]) == ["long"] * 3 + ["short"] * 6
-    assert "1 long" not in rep["load"] and "3 long (prompt 96, output 4) at Poisson 20/s" in rep["load"]
+    assert "; 3 long (prompt 96, output 4) at Poisson 20/s from 0 s" in rep["load"]
     table = (tmp_path / "serve_bench.md").read_text()
     assert "| short | 6 | 6 | 5:8 | 24 |" in table and "| long | 3 | 3 | 96 | 4 |" in table
     assert _idle_and_free(served.state)
