@@ -41,8 +41,7 @@ def _prompts(lens, vocab, seed=0):
 @pytest.fixture(scope="module")
 def real_llm(real_ckpt):
     """One engine for the teacher-forced decode and the chunked-prefill reference (prefill chunks of 256 tokens on
-    1, 2 and 4 pages of table, decode calls on 1, 2, 4 and 5: compiling them is most of the cost on CPU).
-    tests/test_engine_core.py's prefix-cache test runs an engine with the same options."""
+    1, 2 and 4 pages of table, decode calls on 1, 2, 4 and 5: compiling them is most of the cost on CPU)."""
     return LLM(real_ckpt, dtype="float32", max_num_seqs=4, max_model_len=1200, prefill_chunk=256)
 
 

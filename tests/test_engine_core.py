@@ -12,7 +12,7 @@ from checkpoints import write_official_checkpoint
 from sharding import parse_mesh_spec
 from v4jax import LLM, SamplingParams
 from v4jax.api import EngineOptions
-from v4jax.config import preset
+from v4jax.config import CSA, HCA, preset
 from v4jax.cache.layout import pool_layout
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=True)
@@ -170,14 +170,27 @@ def test_abort_returns_pages_and_reports():
 
 
 # ---- the prefix cache is exact -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def real_ckpt(tmp_path_factory):
-    """Window 128, CSA 4 with a binding top-16, HCA 128, random weights, float32."""
-    cfg = H.cfg_real_ratios()
-    d = tmp_path_factory.mktemp("real_prefix")
+def _write_ckpt(d, cfg) -> str:
     write_official_checkpoint(d, cfg, H.random_official_tensors(cfg, seed=7, include_mtp=False), fp8=False,
                               fp4_experts=False, bf16=False)
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def real_ckpt(tmp_path_factory):
+    """Window 128, CSA 4 with a binding top-16, HCA 128, random weights, float32."""
+    return _write_ckpt(tmp_path_factory.mktemp("real_prefix"), H.cfg_real_ratios())
+
+
+@pytest.fixture(scope="module")
+def csa_hca_ckpt(tmp_path_factory):
+    """cfg_real_ratios' attention (window 128, CSA 4 with a binding top-16, HCA 128) on two layers, a CSA and an HCA
+    one: every state a cached page resumes from (window pages, C4 entries and indexer keys, C128 entries, both
+    compressors' partial windows), at half the four layers' compile time. (A sliding layer holds window pages only;
+    a stack of two layers of one kind resuming from a prefix hit: tests/test_disagg.py's export test, tiny.)"""
+    cfg = dataclasses.replace(H.cfg_real_ratios(), n_layers=2, layer_types=(CSA, HCA), compress_ratios=(4, 128),
+                              n_hash_layers=0)
+    return _write_ckpt(tmp_path_factory.mktemp("csa_hca_prefix"), cfg)
 
 
 # shared-prefix lengths: on a page boundary (256, 512) and inside a page, every residue mod 4, residues
@@ -200,12 +213,10 @@ def _same(a, b):
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
-def test_prefix_cache_exact(real_ckpt):
-    # the options of tests/test_engine.py's real-ratio engine: in one run the warm engine's programs (the same
-    # shapes, caching on) come from the persistent compilation cache
+def test_prefix_cache_exact(csa_hca_ckpt):
     opts = dict(dtype="float32", max_num_seqs=4, max_model_len=1200, prefill_chunk=256)
-    cold = LLM(real_ckpt, enable_prefix_caching=False, **opts)
-    warm = LLM(real_ckpt, **opts)
+    cold = LLM(csa_hca_ckpt, enable_prefix_caching=False, **opts)
+    warm = LLM(csa_hca_ckpt, **opts)
     vocab = cold.config.vocab_size
     base = _prompts((700,), vocab, seed=4)[0]
     variants = _variants(base, vocab)
