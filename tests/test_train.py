@@ -18,10 +18,20 @@ STEPS = 30
 
 
 def _script():
+    """scripts/train_default_model.py as a module. Importing it adds a GPU flag to XLA_FLAGS (for its own process,
+    before JAX starts); here JAX has started and never reads it again, but the persistent compilation cache keys
+    do: the test process keeps its XLA_FLAGS, so that its later programs still match the cache's entries."""
     spec = importlib.util.spec_from_file_location("train_default_model",
                                                   os.path.join(ROOT, "scripts", "train_default_model.py"))
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    flags = os.environ.get("XLA_FLAGS")
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = flags
     return mod
 
 
