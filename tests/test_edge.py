@@ -92,7 +92,9 @@ def _start(state):
 def served():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        llm = LLM(max_model_len=64, max_num_seqs=2, prefill_chunk=8, decode_steps=2)  # the embedded model
+        # the embedded model, with tests/test_serve_fuzz.py's engine options: in one run the programs one of the
+        # two compiles, the other loads from the persistent compilation cache
+        llm = LLM(max_model_len=64, max_num_seqs=2, prefill_chunk=16, decode_steps=2)
     state = ServerState(llm, ServerOptions(log_level="critical", access_log=False)).start()
     server, thread, port = _start(state)
     yield state, port
