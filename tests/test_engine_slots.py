@@ -18,9 +18,8 @@ OPTIONS = {"dtype": "float32", "max_model_len": 256, "prefill_chunk": 16, "decod
 
 @pytest.fixture(scope="module")
 def llm4():
-    llm = LLM("tiny", max_num_seqs=4, **OPTIONS)
-    llm.engine.warmup()
-    return llm
+    """The 4-slot engine (not warmed up: the tests that count compiles after warm-up call warmup themselves)."""
+    return LLM("tiny", max_num_seqs=4, **OPTIONS)
 
 
 def _count_decode_rows(eng, monkeypatch) -> list:
@@ -62,6 +61,7 @@ def test_buckets_grow_and_shrink_with_the_state_carried(llm4, monkeypatch):
     state across changes both ways; every request gets the tokens and log-probs it gets alone. After warm-up
     nothing compiles."""
     eng = llm4.engine
+    eng.warmup()
     compiled = eng.compiled_variants()
     rng = np.random.default_rng(1)
     # (arrival step, prompt length, max_tokens): into slots 0, 1, 2, then the lowest one free at step 12
@@ -109,6 +109,7 @@ def test_warmup_compiles_every_slot_bucket(llm4):
     """Warm-up compiles each slot bucket (1, 2, 4 of 4 slots) for every page bucket, sampling and greedy; a
     generate whose decode calls cross the buckets compiles nothing more."""
     eng = llm4.engine
+    eng.warmup()
     assert eng._slot_buckets() == [1, 2, 4]
     n = eng.compiled_variants()
     rng = np.random.default_rng(2)
