@@ -3,7 +3,8 @@ driven by the official `openai` client and plain httpx.
 
 One server for the module (compiling the engine's buckets is most of the cost): prefill chunks of 8 tokens, and
 prompts of at most 8 tokens or chat prompts of 16, so every chunk uses one prefill bucket; every request stays
-inside one 256-token page (one decode bucket). The shutdown test runs last: it stops the shared server."""
+inside one 256-token page (one page bucket); 4 decode slots (slot buckets 1, 2 and 4, greedy and sampling, each
+compiled once and used by several tests). The shutdown test runs last: it stops the shared server."""
 import asyncio
 import json
 import socket
@@ -26,6 +27,7 @@ MODEL = "v4jax-shakespeare"
 PROMPTS = ["ROMEO:", "JULIET:"]
 MAX_TOKENS = 8
 LOAD_CLIENTS, LOAD_TOKENS = 64, 8
+SLOTS = 4
 
 
 def _all_pages_free(core) -> bool:
@@ -49,7 +51,7 @@ def _start(state: ServerState):
 
 @pytest.fixture(scope="module")
 def served():
-    llm = LLM(max_model_len=512, prefill_chunk=8, decode_steps=2)
+    llm = LLM(max_model_len=512, prefill_chunk=8, decode_steps=2, max_num_seqs=SLOTS)
     # references before the server owns the engine (only its thread may drive it afterwards)
     refs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True))
     streamed = {i: [] for i in range(len(PROMPTS))}
@@ -506,10 +508,11 @@ def test_load_with_disconnects_returns_every_page(served):
 
 def test_queue_bound_turns_excess_into_429(served):
     orch = served.state.orchestrator
-    old, orch.max_waiting = orch.max_waiting, 0  # capacity: the 8 decode slots
+    old, orch.max_waiting = orch.max_waiting, 0  # capacity: the decode slots
     try:
         async def one(http):
-            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 48, "ignore_eos": True, "stream": True}
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     return r.status_code, r.headers.get("retry-after"), json.loads(await r.aread())
@@ -526,7 +529,7 @@ def test_queue_bound_turns_excess_into_429(served):
         orch.max_waiting = old
     ok = [r for r in results if r[0] == 200]
     busy = [r for r in results if r[0] == 429]
-    assert len(ok) + len(busy) == 20 and len(ok) >= 8 and busy
+    assert len(ok) + len(busy) == 20 and len(ok) >= SLOTS and busy
     assert all(done for _, done, _ in ok)
     assert all(ra == "1" and body["error"]["type"] == "rate_limit_error" for _, ra, body in busy)
     assert _idle_and_free(served.state)
