@@ -204,7 +204,7 @@ spec)
   stamp "$MODEL: k ${KS:-1,3}, forced acceptance ${ACCEPT:-0.6,0.8}, batches ${BATCHES:-1,8,32}"
   timeout ${SPEC_S:-560} python3 -W ignore -m v4jax.bench spec --model "$MODEL" --dtype bfloat16 --context 4096 \
     --new ${NEW:-64} --k ${KS:-1,3} --accept ${ACCEPT:-0.6,0.8} --batch ${BATCHES:-1,8,32} --out "$out/spec.json" \
-    ${PROFILE:+--profile} 2>&1 | quiet | tail -${TAIL:-30}
+    ${PROFILE:+--profile} 2>&1 | quiet | tee "$out/spec.log" | tail -${TAIL:-30}  # the log keeps each row as it ends
   ;;
 hisparse)
   imports
