@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -285,12 +286,15 @@ class RequestState:
 
 
 def checksum(arrays: dict) -> str:
-    """A digest of every array's name, shape, dtype and bytes (sorted by name): one per transfer."""
+    """A digest of every array's name, shape, dtype and bytes (sorted by name): one per transfer. The bytes go
+    through CRC-32, the check made for transmission errors (the shared secret, not this, keeps strangers out):
+    23 MB in 7 ms on one core where blake2b took 42 (a 32K flash-slice request; the checksum was most of the
+    transfer's time on the H200, computed once on each side)."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}|{a.dtype.name}|{a.shape}|".encode())
-        h.update(a.view(np.uint8).reshape(-1).data if a.size else b"")
+        crc = zlib.crc32(a.view(np.uint8).reshape(-1).data) if a.size else 0
+        h.update(f"{name}|{a.dtype.name}|{a.shape}|{a.nbytes}|{crc:08x}|".encode())
     return h.hexdigest()
 
 

@@ -244,7 +244,7 @@ class StateTransport:
                 raise T.TransferError(f"the state from {control['address']} did not arrive within "
                                       f"{wait_s:g} s (the sender died, stalled or withdrew it)")
             time.sleep(0.001)
-        arrays = {n: np.zeros(shape, dt) for n, (shape, dt) in specs.items()}
+        arrays = {n: np.zeros(shape, dt) for n, (shape, dt) in specs.items() if n not in names}  # the empty ones
         arrays.update({n: np.asarray(a) for n, a in zip(names, got)})
         T.verify(arrays, control["checksum"])
         return T.RequestState(control["meta"], arrays)
