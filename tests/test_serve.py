@@ -320,6 +320,8 @@ def test_metrics_count_what_happened(served, client):
                  "v4jax_prefix_cache_hit_tokens_total", "v4jax_prefix_cache_reused_pages_total",
                  "v4jax_prefix_cache_tombstoned_tails_total", "v4jax_recomputed_tokens_total"):
         assert name in after
+    # the engine compiled its programs in this process (the references before the server started)
+    assert after["v4jax_programs_compiled_total"] > 0 and after["v4jax_program_compile_seconds_total"] > 0
 
 
 
@@ -331,7 +333,8 @@ def test_metrics_export_the_engines_pool_bytes_and_cache_figures():
                        "tokens": {"used": 2, "total": 8, "unit": "256 tokens", "bytes_used": 2048,
                                   "bytes_total": 8192}},
              "prefix_cache": {"reused_pages": 5, "tombstoned_tails": 2, "hit_tokens": 1280},
-             "requests": {"recomputed_tokens": 77, "preempted": 1}}
+             "requests": {"recomputed_tokens": 77, "preempted": 1},
+             "programs": {"compiled": 12, "compile_seconds": 40.5}}
     text = ServerMetrics(lambda: stats).render().decode()
     got = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
            if line and not line.startswith("#")}
@@ -340,6 +343,7 @@ def test_metrics_export_the_engines_pool_bytes_and_cache_figures():
     assert got["v4jax_prefix_cache_reused_pages_total"] == 5
     assert got["v4jax_prefix_cache_tombstoned_tails_total"] == 2
     assert got["v4jax_recomputed_tokens_total"] == 77
+    assert got["v4jax_programs_compiled_total"] == 12 and got["v4jax_program_compile_seconds_total"] == 40.5
     assert "# TYPE v4jax_recomputed_tokens_total counter" in text or "# TYPE v4jax_recomputed_tokens counter" in text
     assert "# TYPE v4jax_pool_bytes_used gauge" in text
 
@@ -543,7 +547,12 @@ def test_bench_serve_against_the_server(served, tmp_path):
     s = rep["summary"]
     assert (s["requests"], s["completed"], s["errors"]) == (8, 8, 0)
     assert 8 * 4 <= s["output_tokens"] <= 8 * 12 and s["ttft_s"]["p50"] > 0 and s["e2e_s"]["p99"] >= s["e2e_s"]["p50"]
-    assert bench.markdown(rep).count("\n") == 2
+    # the programs the server compiled while measured (/metrics before and after), named under the table if any
+    cw = rep["compiled_while_measured"]
+    assert cw["programs_compiled"] >= 0 and (cw["compile_seconds"] > 0) == (cw["programs_compiled"] > 0)
+    md = bench.markdown(rep)
+    assert md.count("\n") == (4 if cw["programs_compiled"] else 2)
+    assert ("programs compiled while measured" in md) == bool(cw["programs_compiled"])
 
 
 def test_bench_serve_long_prompts_among_decoding_streams(served, tmp_path):

@@ -24,7 +24,8 @@ Measured per request on the client: TTFT = first chunk carrying a token - send; 
 e2e = end of stream - send; ITL = the gap between a stream's successive token chunks / the chunk's tokens (one
 sample a chunk, in the units of TPOT). Throughput: output tokens (and prompt + output) / wall time from the first send
 to the last end. p50 / p90 / p99 by linear interpolation. Errors are non-200 answers, error events and broken
-streams, by kind. The server's prefix-cache counters (/metrics) are read before and after."""
+streams, by kind. The server's prefix-cache counters and its compiled programs (/metrics) are read before and
+after."""
 from __future__ import annotations
 
 import argparse
@@ -282,6 +283,10 @@ def markdown(rep: dict) -> str:
            f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {s['total_throughput']:.1f} | "
            f"{ms(s['ttft_s'])} | {ms(s['tpot_s'])} | {sec(s['e2e_s'])} | {reuse} |")
     lines = [head, "|" + "---|" * (head.count("|") - 1), row]
+    cw = rep.get("compiled_while_measured")
+    if cw and cw["programs_compiled"]:
+        lines.append(f"\nprograms compiled while measured: {cw['programs_compiled']:.0f} "
+                     f"({cw['compile_seconds']:.1f} s of compiling; every stream waited for them)")
     if s["errors_by_kind"]:
         lines.append("\nerrors: " + ", ".join(f"{k}: {v}" for k, v in sorted(s["errors_by_kind"].items())))
     if rep.get("classes"):
@@ -309,20 +314,33 @@ def class_table(reps: Sequence[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def _counter(text: str, name: str) -> float:
+def _counter(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
-    return 0.0
+    return None
 
 
-async def _prefix_counters(client) -> dict | None:
+_COUNTERS = {"queried_tokens": "v4jax_prefix_cache_queried_tokens_total",
+             "hit_tokens": "v4jax_prefix_cache_hit_tokens_total",
+             "programs_compiled": "v4jax_programs_compiled_total",
+             "compile_seconds": "v4jax_program_compile_seconds_total"}
+
+
+async def _server_counters(client) -> dict:
+    """The server's counters that bench serve reports as a run's difference (those /metrics has; a router's has
+    none of them)."""
     try:
         text = (await client.get("/metrics")).text
     except Exception:
+        return {}
+    return {k: v for k, name in _COUNTERS.items() if (v := _counter(text, name)) is not None}
+
+
+def _delta(before: dict, after: dict, keys: Sequence[str], kind=int) -> dict | None:
+    if not all(k in before and k in after for k in keys):
         return None
-    return {"queried_tokens": _counter(text, "v4jax_prefix_cache_queried_tokens_total"),
-            "hit_tokens": _counter(text, "v4jax_prefix_cache_hit_tokens_total")}
+    return {k: kind(after[k] - before[k]) for k in keys}
 
 
 async def run(a) -> dict:
@@ -341,10 +359,12 @@ async def run(a) -> dict:
             bad = [r.error for r in res if r.error]
             if bad:
                 raise SystemExit(f"warm-up failed: {bad[0]}")
-        before = await _prefix_counters(client)
+        before = await _server_counters(client)
         results = await (_replayed(client, a, model) if a.replay else _synthetic(client, a, model, rng))
-        after = await _prefix_counters(client)
-    pc = ({k: int(after[k] - before[k]) for k in after} if before and after else None)
+        after = await _server_counters(client)
+    pc = _delta(before, after, ("queried_tokens", "hit_tokens"))
+    # programs the server compiled while measured: each one stalled every stream for its compile
+    compiled = _delta(before, after, ("programs_compiled", "compile_seconds"), float)
     load = (f"replay {a.replay} (scale {a.replay_scale:g}, {a.step_s:g} s/step)" if a.replay else
             f"{'all at once' if math.isinf(a.rate) else f'Poisson {a.rate:g}/s'}, prompt {_spec(a.prompt_len)}, "
             f"output {_spec(a.output_len)}")
@@ -357,7 +377,7 @@ async def run(a) -> dict:
                     "e2e_s": None if r.end is None else r.end - r.sent, "error": r.error} for r in results]
     classes = summarize_classes(results) if any(r.cls == "long" for r in results) else None
     return {"load": load, "model": model, "url": a.url, "summary": summarize(results), "classes": classes,
-            "prefix_cache": pc, "requests": per_request,
+            "prefix_cache": pc, "compiled_while_measured": compiled, "requests": per_request,
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k != "api_key"}}
 
 

@@ -528,6 +528,9 @@ class EngineCore:
             # on a mesh with data / context axes: each shard's own pages (a request uses only its shard's)
             "shards": kv.shard_usage(in_use),
             "prefix_cache": kv.prefix_stats(),
+            # programs compiled (or loaded from the persistent cache) in this process: one more while serving is a
+            # request waiting for the compiler
+            "programs": {"compiled": S.compiled_programs(), "compile_seconds": S.compile_seconds()},
             "spec_decode": dict(self.spec_decode, accepted_by_position=list(self.spec_decode["accepted_by_position"])),
             "requests": {
                 "running": len(sch.running()), "prefilling": len(sch.prefilling()), "waiting": len(sch.waiting),

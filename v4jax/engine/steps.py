@@ -420,7 +420,7 @@ class JittedSteps:
 
 
 _STEP_NAMES = {n for f in (_prefill, _decode) for n in (f.__name__, f"jit({f.__name__})")}
-_compiled = [0]
+_compiled = [0, 0.0]  # programs, seconds
 _counting = threading.Lock()
 
 
@@ -428,6 +428,7 @@ def _count_compile(event: str, secs: float, *, fun_name: str = "", **kwargs) -> 
     if event == "/jax/core/compile/backend_compile_duration" and fun_name in _STEP_NAMES:
         with _counting:
             _compiled[0] += 1
+            _compiled[1] += secs
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
@@ -437,3 +438,8 @@ def compiled_programs() -> int:
     """Prefill and decode programs compiled (or loaded from the persistent cache) in this process so far: JAX's
     backend-compile event, which an ahead-of-time compile (warm-up) and a call's own compile both send."""
     return _compiled[0]
+
+
+def compile_seconds() -> float:
+    """The seconds those compiles (or cache loads) took, summed over the threads that ran them."""
+    return _compiled[1]

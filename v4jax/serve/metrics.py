@@ -89,6 +89,12 @@ class _EngineCollector:
         yield CounterMetricFamily("v4jax_recomputed_tokens", "Prompt and generated tokens computed again: after a "
                                   "preemption, or past cached pages that could not be resumed from (a dropped "
                                   "window tail)", value=rq.get("recomputed_tokens", 0))
+        pg = s.get("programs", {})
+        yield CounterMetricFamily("v4jax_programs_compiled", "Prefill and decode programs compiled (or loaded from "
+                                  "the persistent compilation cache) since start; one more while serving is a stall",
+                                  value=pg.get("compiled", 0))
+        yield CounterMetricFamily("v4jax_program_compile_seconds", "Seconds those compiles took (summed over the "
+                                  "threads that ran them)", value=pg.get("compile_seconds", 0.0))
         sd = s.get("spec_decode", {})
         yield CounterMetricFamily("v4jax_spec_decode_num_drafts", "Speculative steps of the decode slots (each "
                                   "drafts num_speculative_tokens tokens)", value=sd.get("num_drafts", 0))
