@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import zlib
 
@@ -320,12 +319,9 @@ def to_bytes(state: RequestState) -> bytes:
     names = sorted(state.arrays)
     header = json.dumps({"meta": state.meta, "specs": state.specs(), "order": names,
                          "checksum": checksum(state.arrays)}).encode()
-    buf = io.BytesIO()
-    buf.write(len(header).to_bytes(8, "little"))
-    buf.write(header)
-    for n in names:
-        buf.write(np.ascontiguousarray(state.arrays[n]).tobytes())
-    return buf.getvalue()
+    # one copy of the arrays' bytes (the join), not three (tobytes, the buffer, getvalue)
+    return b"".join([len(header).to_bytes(8, "little"), header] +
+                    [np.ascontiguousarray(state.arrays[n]).reshape(-1).view(np.uint8).data for n in names])
 
 
 def from_bytes(data: bytes) -> RequestState:
