@@ -666,15 +666,32 @@ EOF
       wait "$p"; echo "  pid $p exit code $?"
     done
   }
-  drive() {  # NAME URL: the unmeasured pass (another seed), then the measured one -> $out/pd_NAME.json
+  compiled() {  # ENGINE_URL...: each engine server's step programs compiled so far, and their seconds (/metrics)
+    python3 - "$@" <<'EOF'
+import sys, httpx
+for url in sys.argv[1:]:
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError as e:
+        print(f"  {url}: /metrics failed ({e})"); continue
+    got = {l.split()[0]: float(l.split()[1]) for l in text.splitlines() if l.startswith("v4jax_program")}
+    print(f"  {url}: {got.get('v4jax_programs_compiled_total', 0):.0f} programs compiled, "
+          f"{got.get('v4jax_program_compile_seconds_total', 0):.1f} s")
+EOF
+  }
+  drive() {  # NAME URL ENGINE_URL...: the unmeasured pass (another seed), then the measured one -> $out/pd_NAME.json
+    local name=$1 target=$2; shift 2
     if [ "${WARM:-1}" = 1 ]; then
-      stamp "$1: unmeasured pass"
-      timeout "$(lim ${WARM_S:-240})" python3 -W ignore -m v4jax.cli bench serve --url "$2" $LOAD_ARGS --seed 1 \
-        --out "$pdlogs/warm_$1" > "$pdlogs/warm_$1.log" 2>&1; echo "  rc=$?"
+      stamp "$name: unmeasured pass"
+      timeout "$(lim ${WARM_S:-240})" python3 -W ignore -m v4jax.cli bench serve --url "$target" $LOAD_ARGS --seed 1 \
+        --out "$pdlogs/warm_$name" > "$pdlogs/warm_$name.log" 2>&1; echo "  rc=$?"
     fi
-    stamp "$1: measured pass"
-    timeout "$(lim ${LOAD_S:-120})" python3 -W ignore -m v4jax.cli bench serve --url "$2" $LOAD_ARGS \
-      --out "$pdlogs/$1" > "$pdlogs/load_$1.log" 2>&1; echo "  rc=$?"
+    compiled "$@"  # a count that grows during the measured pass is a compile every stream waited for
+    stamp "$name: measured pass"
+    timeout "$(lim ${LOAD_S:-120})" python3 -W ignore -m v4jax.cli bench serve --url "$target" $LOAD_ARGS \
+      --out "$pdlogs/$name" > "$pdlogs/load_$name.log" 2>&1; echo "  rc=$?"
+    compiled "$@"
+    set -- "$name"
     grep "^|\|^errors\|Error" "$pdlogs/load_$1.log"
     cp "$pdlogs/$1/serve_bench.json" "$out/pd_$1.json" 2>/dev/null || echo "  no results for $1"
   }
@@ -695,7 +712,7 @@ EOF
         > "$pdlogs/colocated.log" 2>&1 &
       pid=$!
       if wait_up "$url:$PORT" "$pid" "$(lim 180)"; then
-        stamp "server up"; drive colocated "$url:$PORT"
+        stamp "server up"; drive colocated "$url:$PORT" "$url:$PORT"
       else
         stamp "server did not come up"; tail -n 20 "$pdlogs/colocated.log"
       fi
@@ -725,7 +742,7 @@ print('http' if any(r['path'] == 'jax' and r['error'] for r in rows) else 'jax')
       if wait_up "$url:$((PORT + 1))" "$pid_prefill" "$(lim 180)" \
           && wait_up "$url:$((PORT + 2))" "$pid_decode" "$(lim 180)" && wait_up "$url:$PORT" "$pid_router" "$(lim 30)"
       then
-        stamp "servers up"; drive disagg "$url:$PORT"
+        stamp "servers up"; drive disagg "$url:$PORT" "$url:$((PORT + 1))" "$url:$((PORT + 2))"
         python3 -c "import httpx, sys; print(httpx.get(sys.argv[1] + '/metrics').text)" "$url:$((PORT + 2))" \
           | grep -E "^v4jax_pd_transfer" | grep -v "_created\|_bucket" | head -12
       else
