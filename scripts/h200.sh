@@ -58,6 +58,8 @@
 #              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...")
 #   spec       speculative decoding (MTP) against plain decoding, drafts kept at forced ACCEPT rates, batches
 #              BATCHES, k KS (v4jax bench spec); PROFILE=1: each row's device kernels per token position (TAIL=200)
+#   width      the page-table width buckets against one width (scripts/width_probe.py): ms/step and prefill per row,
+#              programs compiled, programs a warm-up would compile -> $OUT/width.jsonl (MODEL, ROWS_W, NEW, WIDTH_S)
 #   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
 #              (v4jax bench hisparse), one row a call: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
 #              without offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
@@ -205,6 +207,14 @@ spec)
   timeout ${SPEC_S:-560} python3 -W ignore -m v4jax.bench spec --model "$MODEL" --dtype bfloat16 --context 4096 \
     --new ${NEW:-64} --k ${KS:-1,3} --accept ${ACCEPT:-0.6,0.8} --batch ${BATCHES:-1,8,32} --out "$out/spec.json" \
     ${PROFILE:+--profile} 2>&1 | quiet | tee "$out/spec.log" | tail -${TAIL:-30}  # the log keeps each row as it ends
+  ;;
+width)
+  imports
+  # one width for every table would make the programs per shape one (flash-slice at 16 slots x 8,448 tokens: 242
+  # programs with 7 widths); measured here before the engine chooses it
+  stamp "${MODEL:-flash-slice}: power-of-two width buckets against one width"
+  timeout ${WIDTH_S:-560} python3 -W ignore scripts/width_probe.py --model "${MODEL:-flash-slice}" \
+    --rows ${ROWS_W:-1x4096 32x4096 1x131072} --new ${NEW:-32} --out "$out/width.jsonl" 2>&1 | quiet | tail -20
   ;;
 hisparse)
   imports
