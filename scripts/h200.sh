@@ -48,7 +48,10 @@
 #   depth2     GPU tests; flash-slice: decode rows, mHC Sinkhorn loop vs unrolled (launches), generate rows and
 #              the 128K prefill
 # Serving and meshes:
-#   serve      `v4jax serve` and `v4jax bench serve` on one machine (carry [".whl"]: the server's wheels), then
+#   serve      `v4jax serve` and `v4jax bench serve` on one machine (carry [".whl"]: the server's wheels, those of
+#              fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection and
+#              opentelemetry-api for Python 3.12: `pip download --no-deps --python-version 3.12 --only-binary=:all:
+#              -d .whl NAME==VERSION` at the versions of this venv; fastapi 0.165 imports opentelemetry), then
 #              SIGTERM and a check that the server drained and exited 0 -> $OUT/server.log, $OUT/metrics.txt,
 #              $OUT/r<RATE>/serve_bench.{md,json}. MODEL, SERVE_ARGS, RATES, BENCH_ARGS, WARMUP, PORT override;
 #              a CPU dry run of the default model: SKIP_WHEELS=1 MODEL= SERVE_ARGS="--max-model-len 512" RATES="4"
