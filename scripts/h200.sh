@@ -705,7 +705,7 @@ EOF
       --out "$pdlogs/$name" > "$pdlogs/load_$name.log" 2>&1; echo "  rc=$?"
     compiled "$@"
     set -- "$name"
-    grep "^|\|^errors\|Error" "$pdlogs/load_$1.log"
+    grep "^|\|^errors\|Error\|^programs compiled" "$pdlogs/load_$1.log"
     cp "$pdlogs/$1/serve_bench.json" "$out/pd_$1.json" 2>/dev/null || echo "  no results for $1"
   }
   url=http://127.0.0.1
