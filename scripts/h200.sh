@@ -704,9 +704,8 @@ EOF
     timeout "$(lim ${LOAD_S:-120})" python3 -W ignore -m v4jax.cli bench serve --url "$target" $LOAD_ARGS \
       --out "$pdlogs/$name" > "$pdlogs/load_$name.log" 2>&1; echo "  rc=$?"
     compiled "$@"
-    set -- "$name"
-    grep "^|\|^errors\|Error\|^programs compiled" "$pdlogs/load_$1.log"
-    cp "$pdlogs/$1/serve_bench.json" "$out/pd_$1.json" 2>/dev/null || echo "  no results for $1"
+    grep "^|\|^errors\|Error\|^programs compiled" "$pdlogs/load_$name.log"
+    cp "$pdlogs/$name/serve_bench.json" "$out/pd_$name.json" 2>/dev/null || echo "  no results for $name"
   }
   url=http://127.0.0.1
   rm -f "$out"/pd_bench.json "$out"/pd_colocated.json "$out"/pd_disagg.json

@@ -4,6 +4,7 @@ backend's device, median of the repeats. Tells whether a backend's transfer serv
 printed) and what a pull into device memory costs against one through host memory (the CPU backend).
 
     python scripts/transfer_probe.py [--mb 23] [--arrays 20] [--repeats 5] [--backends gpu cpu]
+    python scripts/transfer_probe.py --state     # the servers' StateTransport: checksum, offer, pull
 """
 import argparse
 import statistics
@@ -37,13 +38,46 @@ def probe(backend: str, mb: float, n: int, repeats: int) -> dict:
             "GB/s": per * 2 * n / ms / 1e6, "equal": ok, "first_ms": times[0] * 1e3}
 
 
+def probe_state(mb: float, n: int, repeats: int) -> dict:
+    """The servers' own path (v4jax.serve.pd.StateTransport, transport jax): the checksum, an offer, a pull (the
+    arrays checked against the checksum on arrival) of a state of N bf16 arrays; medians of the repeats."""
+    import ml_dtypes
+    from v4jax.engine import transfer as T
+    from v4jax.serve.pd import StateTransport
+    rng = np.random.default_rng(0)
+    per = int(mb * 1e6 / n / 2)
+    arrays = {f"pool{i}/group/field": rng.standard_normal(per).astype(ml_dtypes.bfloat16) for i in range(n)}
+    state = T.RequestState({"request": {"request_id": "probe"}}, arrays)
+    sender, receiver = StateTransport(path="jax"), StateTransport(path="jax")
+    times = {"checksum": [], "offer": [], "pull": []}
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        T.checksum(arrays)
+        t1 = time.perf_counter()
+        control = sender.offer(state)
+        t2 = time.perf_counter()
+        got = receiver.pull(control)
+        t3 = time.perf_counter()
+        for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[k].append(v)
+    assert all(np.array_equal(got.arrays[k].view(np.uint16), v.view(np.uint16)) for k, v in arrays.items())
+    return {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()} | {"bytes": state.nbytes()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mb", type=float, default=23.0)
     p.add_argument("--arrays", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backends", nargs="+", default=["gpu", "cpu"])
+    p.add_argument("--state", action="store_true", help="time the servers' own path instead (StateTransport: "
+                   "checksum, offer, pull)")
     a = p.parse_args()
+    if a.state:
+        r = probe_state(a.mb, a.arrays, a.repeats)
+        print(f"StateTransport (jax), {r['bytes']:,} bytes in {a.arrays} arrays, median of {a.repeats}: checksum "
+              f"{r['checksum']:.1f} ms, offer {r['offer']:.1f} ms, pull {r['pull']:.1f} ms")
+        return
     print("| backend | device | bytes | pull ms (median) | GB/s | first ms | equal | error |")
     print("|---|---|---:|---:|---:|---:|---|---|")
     for b in a.backends:

@@ -287,8 +287,8 @@ class RequestState:
 def checksum(arrays: dict) -> str:
     """A digest of every array's name, shape, dtype and bytes (sorted by name): one per transfer. The bytes go
     through CRC-32, the check made for transmission errors (the shared secret, not this, keeps strangers out):
-    23 MB in 7 ms on one core where blake2b took 42 (a 32K flash-slice request; computed once on each side, the
-    blake2b digest was most of a transfer's time, measured on the CPU)."""
+    23 MB in 7-12 ms where blake2b took 32-40 (a 32K flash-slice request's size; computed once on each side, the
+    blake2b digest was most of a transfer's time: `python scripts/transfer_probe.py --state` on 2 CPU cores)."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
