@@ -152,3 +152,30 @@ def test_the_call_updates_the_pools_in_place(llm4):
     assert out.tokens.shape == (2, eng.k) and end.tokens.shape == (s,)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(eng.pools)):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_cover_warmup_no_step_waits():
+    """After a warm-up of the covering programs only (prefill per row count at its longest chunk, the decode call
+    over every slot, both at the widest page table), a generate of mixed lengths and sampling forms compiles
+    nothing on its own thread: its steps run on covering programs while their own compile in the background.
+    Once those compiles end, the same generate runs every step on its own program and gives the same tokens
+    (seeded sampling included) and log-probs."""
+    # steps of one row of 32 or two of 16; page tables of one page or two (the cover's)
+    llm = LLM("tiny", max_num_seqs=2, **{**OPTIONS, "prefill_chunk": 32, "max_model_len": 512})
+    eng = llm.engine
+    assert eng.warmup(cover_only=True) == 3
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (71, 7)]
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=i, logprobs=True, ignore_eos=True)
+              for i, (n, t) in enumerate(((9, 0.0), (20, 0.7)))]
+    before = eng.stats()["programs"]
+    got = llm.generate(prompts, params)
+    during = eng.stats()["programs"]
+    eng.programs.wait()
+    after = eng.stats()["programs"]
+    assert during["substituted_steps"] > 0
+    assert after["compiled"] - before["compiled"] == after["background"] - before["background"] > 0, after
+    again = llm.generate(prompts, params)
+    assert eng.stats()["programs"]["substituted_steps"] == during["substituted_steps"]
+    for g, w in zip(got, again):
+        _same(g, w)

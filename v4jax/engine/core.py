@@ -14,7 +14,6 @@ is dispatched before step n's results are read, so the host's bookkeeping overla
 continues from call n's device-side state)."""
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -34,6 +33,7 @@ from v4jax.cache.manager import KVCacheManager
 from v4jax.config import ModelConfig
 from v4jax.engine import steps as S
 from v4jax.engine.checks import RequestCheck
+from v4jax.engine.programs import Program, ProgramBook
 from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, PREFILLED, DecodePlan, Request, RequestDelta,  # noqa: F401
                                     Scheduler, chunk_bucket)
 from v4jax.model import RunOptions, Transformer
@@ -98,6 +98,11 @@ class EngineCore:
         self.top_specs = {spec.any_sampled: dataclasses.replace(spec, top_logprobs=MAX_TOP_LOGPROBS)
                           for spec in (self.spec, self.greedy_spec)}
         self.steps = S.JittedSteps.make(run_options.mesh_rules)
+        # the compiled step programs, and the one each step runs (a covering one while its own compiles, after
+        # warm-up): a greedy-only step may run on its sampling twin
+        self.programs = ProgramBook(self._compile_program, {
+            self.greedy_spec: (self.greedy_spec, self.spec),
+            self.top_specs[False]: (self.top_specs[False], self.top_specs[True])})
         self._flight: _InFlight | None = None
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
@@ -112,6 +117,7 @@ class EngineCore:
         self._first: dict = {}  # prefilled request id -> its first token's log-prob and alternatives
         self._transfer_jits = None
         self._format = None  # transfer_format(), once
+        self._merged_example = None  # _decode_state_merge(), once
 
     def _create_pools(self, n_boundary_rows: int, caching: bool):
         """The pools and the boundary store, created in their shards on a mesh (one jit, out_shardings from the
@@ -338,12 +344,14 @@ class EngineCore:
         # always through the (tiny) merge, so the decode step sees device arrays every time (numpy and device
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
-        rows = self._slot_bucket(max(r.slot for r in plan.running))
-        pt, swa = self.kv.decode_tables(self._page_bucket(plan.upto), rows)
         spec = self._spec_for(temp, any(r.params.top_logprobs for r in plan.running))
-        self.pools, self.store, out, state = self.steps.decode(spec, self._leaves, self.pools, self.store, state, pt,
-                                                               swa)
-        return _InFlight(out, state, rows, [(r.slot, r) for r in plan.running],
+        program = self.programs.choose(Program("decode", spec, self._slot_bucket(max(r.slot for r in plan.running)),
+                                               0, self._page_bucket(plan.upto)))
+        pt, swa = self.kv.decode_tables(program.pages, program.rows)
+        self.pools, self.store, out, state = self.steps.decode(program.spec, self._leaves, self.pools, self.store,
+                                                               state, pt, swa)
+        self.programs.ran(program)
+        return _InFlight(out, state, program.rows, [(r.slot, r) for r in plan.running],
                          {r.slot: r.fed for r in plan.running})
 
     def _slot_bucket(self, highest: int) -> int:
@@ -393,8 +401,18 @@ class EngineCore:
         without rows."""
         if not plans:
             return None
-        n_rows = _pow2(len(plans))
+        # One program per prefill shape and sampling form, the sampling one: its full-vocabulary sort of at most
+        # MAX_PREFILL_ROWS rows is small beside a prefill step, and a greedy-only twin of every shape doubled what
+        # warm-up compiles. The top-N variant only where a row ends its prompt (only that row's token is read).
+        top_n = any(r.params.top_logprobs and e == r.n_tokens for r, _, e in plans)
+        furthest = max(s for _, s, _ in plans)
         bucket = chunk_bucket(max(e - s for _, s, e in plans))
+        # a row's table reaches past its chunk's compiled length (a covering program's longer chunk too)
+        program = self.programs.choose(
+            Program("prefill", self.top_specs[True] if top_n else self.spec, _pow2(len(plans)), bucket,
+                    self._page_bucket(furthest + bucket)),
+            fits=lambda p: p.pages >= self._page_bucket(furthest + p.chunk))
+        n_rows, bucket = program.rows, program.chunk
         slots = self.layout.max_slots
         chunk = np.zeros((n_rows, bucket), np.int32)
         start, n_valid, slot = (np.zeros(n_rows, np.int32) for _ in range(3))
@@ -408,26 +426,28 @@ class EngineCore:
             start[i], n_valid[i], slot[i], fresh[i] = s0, e0 - s0, req.slot, s0 == 0
             temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, max(sp.top_k, 0)
             seed[i], sidx[i], tidx[i] = req.seed, req.sample_index, len(req.output)
-        pt, swa = self.kv.prefill_tables([r.slot for r, _, _ in plans], n_rows,
-                                         self._page_bucket(max(s for _, s, _ in plans) + bucket))
+        pt, swa = self.kv.prefill_tables([r.slot for r, _, _ in plans], n_rows, program.pages)
         samp = S.SamplingState(temp, top_p, top_k, seed, sidx, tidx)
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
-        # One program per prefill shape and sampling form, the sampling one: its full-vocabulary sort of at most
-        # MAX_PREFILL_ROWS rows is small beside a prefill step, and a greedy-only twin of every shape doubled what
-        # warm-up compiles. The top-N variant only where a row ends its prompt (only that row's token is read).
-        top_n = any(r.params.top_logprobs and e == r.n_tokens for r, _, e in plans)
-        spec = self.top_specs[True] if top_n else self.spec
-        self.pools, self.store, tok, lp, top = self.steps.prefill(spec, self._leaves, self.pools, self.store, batch,
-                                                                  pt, swa, samp)
+        self.pools, self.store, tok, lp, top = self.steps.prefill(program.spec, self._leaves, self.pools, self.store,
+                                                                  batch, pt, swa, samp)
+        self.programs.ran(program)
         return tok, lp, top
 
     # ---- compile and report ----
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compile every program the engine can dispatch (prefill rows x chunk x pages, decode slots x pages in its
-        sampling and greedy-only forms, the prefix restore and the decode-state merge), several at once; afterwards
-        nothing compiles but the variants with top-N alternatives (`top_specs`), which compile at the first request
-        that asks for them (compiling them here would double the warm-up for what most deployments never use).
-        `progress(done, total)` after each program. Returns the number of programs compiled.
+    def warmup(self, progress: Callable[[int, int], None] | None = None, *, cover_only: bool = False) -> int:
+        """Compile the step programs ahead of time, several at once, with the prefix restore and the decode-state
+        merge; `progress(done, total)` after each. Returns the number of step programs compiled.
+
+        Every program the engine can dispatch (prefill rows x chunk x pages, decode slots x pages in the sampling
+        and greedy-only forms): afterwards nothing compiles but the variants with top-N alternatives
+        (`top_specs`), at the first request that asks for them (compiling them here would double the warm-up for
+        what most deployments never use). `cover_only`: only the programs that cover every other one
+        (v4jax.engine.programs: a few instead of well over a hundred); afterwards a step whose own program is
+        missing runs on a covering one while its own compiles in the background, so no step waits for the
+        compiler either. On several processes every process must run the same program each step, which a
+        background compile's timing would not guarantee: there the steps whose programs are missing compile them
+        (warm-up with every program to avoid that).
 
         The step programs are compiled ahead of time (`lower(...).compile()` on the engine's own arrays, which
         fills the caches a later call looks in, and runs nothing: the pools are untouched), in threads: XLA's
@@ -438,64 +458,76 @@ class EngineCore:
         empty = [i for i, r in enumerate(self.scheduler.slots) if r is None]
         if self.kv.caching and empty:
             self.pools = self.steps.restore(self.pools, self.store, empty[0], 0)
-        programs = self._prefill_programs() + self._decode_programs()
-        done = 0
-
-        def compile_one(program):
-            S.pin_trace_context()  # the thread's own trace context must match the engine thread's
-            jitted, args = program
-            jitted.lower(*args).compile()
-
-        workers = max(1, min(len(programs), os.cpu_count() or 1, MAX_COMPILE_THREADS))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for f in concurrent.futures.as_completed([pool.submit(compile_one, p) for p in programs]):
-                f.result()
-                done += 1
-                if progress is not None:
-                    progress(done, len(programs))
+        self._decode_state_merge()
+        programs = self._cover_programs() if cover_only else self._prefill_programs() + self._decode_programs()
+        self.programs.compile_now(programs, min(os.cpu_count() or 1, MAX_COMPILE_THREADS), progress)
+        self.programs.substitute = cover_only and jax.process_count() == 1
         if self.compile_hooks is not None:
             self.compile_hooks, (_, after) = None, self.compile_hooks
             after()
         return len(programs)
 
-    def _page_buckets(self) -> list[int]:
-        lay = self.layout
-        return sorted({self._page_bucket(n * lay.page_size) for n in range(1, lay.max_pages_per_seq + 1)})
+    def _compile_program(self, program: Program) -> None:
+        """Compile one step program ahead of time on arguments of its shape (the pools are only read for their
+        shapes and placement: lowering takes arrays a step has since donated)."""
+        rb, nb, s = program.rows, program.pages, self.layout.max_slots
+        if program.kind == "prefill":
+            z = lambda dt=np.int32: np.zeros(rb, dt)
+            samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z())
+            batch = S.PrefillBatch(np.zeros((rb, program.chunk), np.int32), z(), z(), z(bool),
+                                   np.full(rb, s, np.int32))
+            self.steps.prefill.lower(program.spec, self._leaves, self.pools, self.store, batch,
+                                     np.full((rb, nb), -1, np.int32),
+                                     np.full((rb, self.kv.max_swa_pages), -1, np.int32), samp).compile()
+        else:
+            pt, swa = self.kv.decode_tables(nb, rb)
+            self.steps.decode.lower(program.spec, self._leaves, self.pools, self.store, self._decode_state_merge(),
+                                    pt, swa).compile()
 
-    def _prefill_programs(self) -> list:
-        """(jitted, arguments) of every prefill step shape: rows x chunk bucket within the step's token budget, each
-        with the page buckets its rows can need (a row of compiled length T needs T's pages at least)."""
-        s, top = self.layout.max_slots, self.scheduler.step_tokens
-        row_buckets = sorted({_pow2(r) for r in range(1, min(MAX_PREFILL_ROWS, s) + 1)})
-        shapes = [(rb, cb) for rb in row_buckets for cb in sorted({chunk_bucket(c) for c in range(1, top + 1)})
-                  if rb == 1 or rb * cb <= top]
-        n_swa = self.kv.max_swa_pages
-        out = []
-        for nb in self._page_buckets():
-            for rb, cb in shapes:
-                if nb < self._page_bucket(cb):
-                    continue  # never dispatched: the pages of a chunk from position 0 already need a larger bucket
-                z = lambda dt=np.int32: np.zeros(rb, dt)
-                samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z())
-                batch = S.PrefillBatch(np.zeros((rb, cb), np.int32), z(), z(), z(bool), np.full(rb, s, np.int32))
-                out.append((self.steps.prefill, (self.spec, self._leaves, self.pools, self.store, batch,
-                                                 np.full((rb, nb), -1, np.int32), np.full((rb, n_swa), -1, np.int32),
-                                                 samp)))
-        return out
-
-    def _decode_programs(self) -> list:
-        """(jitted, arguments) of the decode call at every slot bucket x page bucket, sampling and greedy-only."""
+    def _decode_state_merge(self):
+        """A decode state as the decode call sees it: the merge's device arrays (a signature of their own; the
+        merge compiled once)."""
+        if self._merged_example is not None:
+            return self._merged_example
         s = self.layout.max_slots
         n = lambda dt=np.int32: np.zeros((s,), dt)
         st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
                            S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n()))
-        st = self.steps.carry(st, st, n(bool))  # the call sees the merge's device arrays (a signature of their own)
-        out = []
-        for nb, rows in itertools.product(self._page_buckets(), self._slot_buckets()):
-            pt, swa = self.kv.decode_tables(nb, rows)
-            for spec in (self.spec, self.greedy_spec):
-                out.append((self.steps.decode, (spec, self._leaves, self.pools, self.store, st, pt, swa)))
-        return out
+        self._merged_example = self.steps.carry(st, st, n(bool))
+        return self._merged_example
+
+    def _page_buckets(self) -> list[int]:
+        lay = self.layout
+        return sorted({self._page_bucket(n * lay.page_size) for n in range(1, lay.max_pages_per_seq + 1)})
+
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows, chunk bucket) of every prefill step: rows x length within the step's token budget."""
+        s, top = self.layout.max_slots, self.scheduler.step_tokens
+        row_buckets = sorted({_pow2(r) for r in range(1, min(MAX_PREFILL_ROWS, s) + 1)})
+        return [(rb, cb) for rb in row_buckets for cb in sorted({chunk_bucket(c) for c in range(1, top + 1)})
+                if rb == 1 or rb * cb <= top]
+
+    def _prefill_programs(self) -> list[Program]:
+        """Every prefill step shape, each with the page buckets its rows can need (a row of compiled length T
+        needs T's pages at least)."""
+        return [Program("prefill", self.spec, rb, cb, nb) for nb in self._page_buckets()
+                for rb, cb in self._prefill_shapes() if nb >= self._page_bucket(cb)]
+
+    def _decode_programs(self) -> list[Program]:
+        """The decode call at every slot bucket x page bucket, sampling and greedy-only."""
+        return [Program("decode", spec, rows, 0, nb)
+                for nb, rows in itertools.product(self._page_buckets(), self._slot_buckets())
+                for spec in (self.spec, self.greedy_spec)]
+
+    def _cover_programs(self) -> list[Program]:
+        """The fewest programs that cover every one warm-up would compile: per prefill row count its longest
+        chunk, and the decode call over every slot, all at the widest page table and in the sampling form."""
+        widest = max(self._page_buckets())
+        longest = {}
+        for rb, cb in self._prefill_shapes():
+            longest[rb] = max(longest.get(rb, 0), cb)
+        return ([Program("prefill", self.spec, rb, cb, widest) for rb, cb in sorted(longest.items())]
+                + [Program("decode", self.spec, max(self._slot_buckets()), 0, widest)])
 
     def compiled_variants(self) -> int:
         """Prefill and decode programs compiled (or loaded from the persistent cache) in this process so far."""
@@ -530,7 +562,10 @@ class EngineCore:
             "prefix_cache": kv.prefix_stats(),
             # programs compiled (or loaded from the persistent cache) in this process: one more while serving is a
             # request waiting for the compiler
-            "programs": {"compiled": S.compiled_programs(), "compile_seconds": S.compile_seconds()},
+            # `background`: of those, compiled while a covering program ran the steps (no request waited);
+            # `substituted_steps`: steps that ran on a covering program meanwhile
+            "programs": {"compiled": S.compiled_programs(), "compile_seconds": S.compile_seconds(),
+                         "background": S.compiled_programs(background=True), **self.programs.counts()},
             "spec_decode": dict(self.spec_decode, accepted_by_position=list(self.spec_decode["accepted_by_position"])),
             "requests": {
                 "running": len(sch.running()), "prefilling": len(sch.prefilling()), "waiting": len(sch.waiting),

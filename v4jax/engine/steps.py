@@ -27,6 +27,7 @@ from v4jax.config import ModelConfig
 from v4jax.model import RunOptions
 from v4jax.engine import dspark as DS
 from v4jax.engine import spec as SP
+from v4jax.engine.programs import in_background
 from v4jax.engine.sampling import filtered_probs, sample, top_alternatives
 from v4jax.model.transformer import last_valid
 
@@ -420,26 +421,28 @@ class JittedSteps:
 
 
 _STEP_NAMES = {n for f in (_prefill, _decode) for n in (f.__name__, f"jit({f.__name__})")}
-_compiled = [0, 0.0]  # programs, seconds
+_compiled = {"programs": 0, "seconds": 0.0, "background": 0}
 _counting = threading.Lock()
 
 
 def _count_compile(event: str, secs: float, *, fun_name: str = "", **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration" and fun_name in _STEP_NAMES:
         with _counting:
-            _compiled[0] += 1
-            _compiled[1] += secs
+            _compiled["programs"] += 1
+            _compiled["seconds"] += secs
+            _compiled["background"] += in_background()
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
-def compiled_programs() -> int:
+def compiled_programs(*, background: bool = False) -> int:
     """Prefill and decode programs compiled (or loaded from the persistent cache) in this process so far: JAX's
-    backend-compile event, which an ahead-of-time compile (warm-up) and a call's own compile both send."""
-    return _compiled[0]
+    backend-compile event, which an ahead-of-time compile (warm-up) and a call's own compile both send.
+    `background`: only those compiled on the background threads (v4jax.engine.programs)."""
+    return _compiled["background" if background else "programs"]
 
 
 def compile_seconds() -> float:
     """The seconds those compiles (or cache loads) took, summed over the threads that ran them."""
-    return _compiled[1]
+    return _compiled["seconds"]

@@ -204,13 +204,14 @@ class Server(uvicorn.Server):
         self.handle_exit(None, None)
 
 
-def serve(llm, options: ServerOptions, *, warmup: bool = False) -> int:
+def serve(llm, options: ServerOptions, *, warmup: str = "none") -> int:
     """Run `v4jax serve` until SIGINT / SIGTERM; the engine is stopped after the last stream has ended.
+    `warmup`: "cover", "all" or "none" (`--warmup`: which programs compile before the server answers).
     One process of several (jax.distributed): process 0 answers HTTP and schedules, the others take the same
     engine steps (`v4jax.serve.engine.follow`) until process 0 stops."""
     import jax
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s: %(message)s")
-    if warmup:
+    if warmup != "none":
         from tqdm import tqdm
         t = time.perf_counter()
         with tqdm(desc="warm-up: compiling the engine's programs", unit="program", file=sys.stderr,
@@ -218,7 +219,7 @@ def serve(llm, options: ServerOptions, *, warmup: bool = False) -> int:
             def progress(done: int, total: int) -> None:
                 bar.total = total
                 bar.update(done - bar.n)
-            n = llm.engine.warmup(progress)
+            n = llm.engine.warmup(progress, cover_only=warmup == "cover")
         log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t)
     leader = None
     if jax.process_count() > 1:

@@ -134,10 +134,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-offer-timeout", dest="pd_offer_timeout_s", type=float, default=d.pd_offer_timeout_s,
                    help="a prefill server drops a request's exported state that no decode server pulled within "
                    "this many seconds (logged; v4jax_pd_offers_withdrawn_total)")
-    p.add_argument("--warmup", action="store_true", help="compile every program the engine can dispatch before "
-                   "answering, with a progress bar (several at once; the first requests of each shape compile "
-                   "otherwise). Long: flash-slice on an H200 took ~5.6 s a program at 8 threads, and a 16K "
-                   "context with 32 slots has ~200; the persistent compilation cache keeps them for the next start")
+    p.add_argument("--warmup", default="cover", choices=["cover", "all", "none"],
+                   help="compile before answering (a progress bar): cover (default), the few programs that can run "
+                   "every step (a step whose own program is missing runs on one while its own compiles in the "
+                   "background: no request waits for the compiler); all, every program (long: flash-slice on an "
+                   "H200 took ~5.6 s a program at 8 threads, and a 16K context with 32 slots has ~200); none, the "
+                   "first requests of each shape compile. The persistent compilation cache keeps them for the next "
+                   "start")
 
 
 def server_options(args) -> ServerOptions:

@@ -1,0 +1,68 @@
+"""The program book (v4jax.engine.programs): which compiled program runs a step whose own is missing, and its own
+compiled in the background. The engine's use of it: tests/test_engine_slots.py::test_cover_warmup_no_step_waits."""
+import threading
+
+from v4jax.engine.programs import Program, ProgramBook, in_background
+
+
+class Form:
+    """A stand-in for a StepSpec (hashed by identity, as StepSpec is)."""
+    def __init__(self, any_sampled: bool):
+        self.any_sampled = any_sampled
+
+
+SAMPLED, GREEDY = Form(True), Form(False)
+
+
+def _book():
+    compiled, release = [], threading.Event()
+
+    def compile_program(p):
+        release.wait(5)
+        compiled.append((p, in_background()))
+
+    return ProgramBook(compile_program, {GREEDY: (GREEDY, SAMPLED)}), compiled, release
+
+
+def test_exact_program_without_substitution():
+    """Before warm-up turns substitution on, a step runs its own program (its call compiles it)."""
+    book, compiled, _ = _book()
+    book.ran(Program("decode", SAMPLED, 4, 0, 8))
+    exact = Program("decode", SAMPLED, 1, 0, 1)
+    assert book.choose(exact) == exact and not compiled
+
+
+def test_cheapest_cover_runs_while_the_exact_program_compiles():
+    book, compiled, release = _book()
+    covers = [Program("decode", SAMPLED, 4, 0, 8), Program("decode", SAMPLED, 2, 0, 8),
+              Program("decode", SAMPLED, 2, 0, 4), Program("prefill", SAMPLED, 2, 64, 8)]
+    for p in covers:
+        book.ran(p)
+    book.substitute = True
+    exact = Program("decode", GREEDY, 1, 0, 2)
+    assert book.choose(exact) == Program("decode", SAMPLED, 2, 0, 4)  # fewest rows, then the narrowest table
+    assert book.choose(exact) == Program("decode", SAMPLED, 2, 0, 4)  # submitted once
+    assert book.counts() == {"ready": 4, "compiling": 1, "substituted_steps": 2}
+    release.set()
+    book.wait()
+    assert compiled == [(exact, True)]  # on a background thread
+    assert book.choose(exact) == exact and book.counts()["substituted_steps"] == 2
+
+
+def test_what_may_not_cover():
+    """A cover must be at least as large in every dimension, of the same kind, of a form that may run the step
+    (a greedy-only program never runs a sampling step) and fit the step's own limits; without one the step runs
+    its own program (its call compiles it)."""
+    book, compiled, release = _book()
+    for p in (Program("decode", GREEDY, 8, 0, 8), Program("decode", SAMPLED, 1, 0, 8),
+              Program("decode", SAMPLED, 8, 0, 1), Program("prefill", SAMPLED, 8, 64, 8)):
+        book.ran(p)
+    book.substitute = True
+    exact = Program("decode", SAMPLED, 2, 0, 2)
+    assert book.choose(exact) == exact
+    prefill = Program("prefill", SAMPLED, 1, 16, 2)
+    assert book.choose(prefill, fits=lambda p: p.pages >= 16) == prefill
+    assert book.choose(prefill, fits=lambda p: p.pages >= 8) == Program("prefill", SAMPLED, 8, 64, 8)
+    assert book.counts()["substituted_steps"] == 1 and not compiled
+    release.set()
+    book.wait()

@@ -1,0 +1,149 @@
+"""Which step programs are compiled, which one a step runs, and the missing ones compiled in the background.
+
+A step's exact program is fixed by its shape: prefill rows x chunk length x page-table width, decode slots x
+page-table width, and its form (sampling or greedy-only, with or without top-N alternatives). A program at least
+as large in every dimension runs the step correctly: rows past the step's are empty, tokens past a row's
+`n_valid` and page-table columns past a request's pages are masked, and a sampling program's greedy rows take the
+argmax. So do other requests sharing a step already: a request's tokens do not depend on the bucket it ran in.
+
+Once warm-up has compiled a cover (for each prefill row count, the longest chunk at the widest table; the decode
+call over every slot at the widest table: 5 programs for flash-slice with 16 slots, against 242 in all), a step
+whose exact program is not compiled runs on the cheapest compiled one that covers it, while the exact program
+compiles on a background thread and takes over from the next step on. On an H200 a flash-slice
+program took ~15 s to compile (a step, milliseconds): a new shape after `/health` said ready stalled every
+stream for that long; now it costs a few steps on a larger program.
+
+On several processes every process must run the same program each step (the followers replay the leader's
+steps), which a background compile's timing would not guarantee, so there the exact program always runs."""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger("v4jax.engine")
+
+# Background compile threads. Tracing holds the GIL (~3 s of a flash-slice program's ~15 s on the H200's host),
+# which the engine thread needs to dispatch its steps: two keep a burst of new shapes moving without starving it.
+BACKGROUND_THREADS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled step: its kind, form (the StepSpec, hashed by identity) and shape."""
+    kind: str  # "prefill" | "decode"
+    spec: Any  # v4jax.engine.steps.StepSpec
+    rows: int  # prefill rows, or the decode call's slots
+    chunk: int  # a prefill row's compiled length (decode: 0)
+    pages: int  # page-table width
+
+    def covers(self, other: "Program", wider_specs: dict) -> bool:
+        return (self.kind == other.kind and self.spec in wider_specs.get(other.spec, (other.spec,))
+                and self.rows >= other.rows and self.chunk >= other.chunk and self.pages >= other.pages)
+
+    def cost(self) -> tuple:
+        # the tokens a step computes, then the table it reads; the greedy-only form before the sampling one
+        return self.rows * max(self.chunk, 1), self.pages, self.spec.any_sampled
+
+
+_worker = threading.local()
+
+
+def in_background() -> bool:
+    """Whether this thread is one of the background compile threads (compiles there keep no request waiting)."""
+    return getattr(_worker, "background", False)
+
+
+def _mark_background() -> None:
+    _worker.background = True
+
+
+class ProgramBook:
+    """The engine's record of its compiled step programs, and the choice of the program a step runs.
+
+    `compile_program(program)` compiles one ahead of time (the engine's `lower(...).compile()` on arguments of
+    that shape, which fills the caches the step's own call looks in). `wider_specs[spec]`: the forms that may run a
+    step of form `spec`, itself first (a greedy-only step may run on the sampling program)."""
+
+    def __init__(self, compile_program: Callable[[Program], None], wider_specs: dict):
+        self._compile = compile_program
+        self._wider = wider_specs
+        self._ready: set[Program] = set()
+        self._pending: dict[Program, concurrent.futures.Future] = {}
+        self._lock = threading.RLock()  # a done callback may run inside _submit, which holds it
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.substitute = False  # cover steps whose program is missing (set by warm-up, on one process)
+        self.substituted_steps = 0  # steps that ran on a covering program
+
+    def choose(self, exact: Program, fits: Callable[[Program], bool] = lambda p: True) -> Program:
+        """The program a step of shape `exact` runs: itself once compiled (or when nothing may stand in for it:
+        its call then compiles it), else the cheapest compiled one that covers it and `fits` (the step's own
+        limits), `exact` then compiling in the background."""
+        with self._lock:
+            if exact in self._ready or not self.substitute:
+                return exact
+            cover = [p for p in self._ready if p.covers(exact, self._wider) and fits(p)]
+            if not cover:
+                return exact
+            self._submit(exact)
+            self.substituted_steps += 1
+            return min(cover, key=Program.cost)
+
+    def ran(self, program: Program) -> None:
+        """A step's call returned: its program is compiled (its call compiled it if it was not)."""
+        with self._lock:
+            self._ready.add(program)
+
+    def compile_now(self, programs: list[Program], threads: int, progress=None) -> None:
+        """Compile `programs` on `threads` threads (XLA's compiler releases the GIL, and one program compiles on
+        few cores), calling `progress(done, total)` after each."""
+        from v4jax.engine.steps import pin_trace_context
+
+        def one(p):
+            pin_trace_context()  # the thread's own trace context must match the engine thread's
+            self._compile(p)
+            return p
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(programs), threads))) as pool:
+            for done, f in enumerate(concurrent.futures.as_completed([pool.submit(one, p) for p in programs]), 1):
+                self.ran(f.result())
+                if progress is not None:
+                    progress(done, len(programs))
+
+    def _submit(self, program: Program) -> None:
+        if program in self._pending:
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, "v4jax-compile",
+                                                                   initializer=_mark_background)
+        self._pending[program] = f = self._executor.submit(self._background, program)
+        f.add_done_callback(lambda _: self._done(program))
+
+    def _background(self, program: Program) -> None:
+        from v4jax.engine.steps import pin_trace_context
+        pin_trace_context()
+        self._compile(program)
+
+    def _done(self, program: Program) -> None:
+        with self._lock:
+            f = self._pending.pop(program)
+            if f.exception() is None:
+                self._ready.add(program)
+            else:  # the step's own call compiles it then, and raises there if it must
+                log.warning("background compile of %s failed: %s", program, f.exception())
+
+    def wait(self) -> None:
+        """Until every background compile has ended."""
+        while True:
+            with self._lock:
+                pending = list(self._pending.values())
+            if not pending:
+                return
+            concurrent.futures.wait(pending)
+
+    def counts(self) -> dict:
+        with self._lock:
+            return {"ready": len(self._ready), "compiling": len(self._pending),
+                    "substituted_steps": self.substituted_steps}
