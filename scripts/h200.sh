@@ -63,6 +63,9 @@
 #              BATCHES, k KS (v4jax bench spec); PROFILE=1: each row's device kernels per token position (TAIL=200)
 #   width      the page-table width buckets against one width (scripts/width_probe.py): ms/step and prefill per row,
 #              programs compiled, programs a warm-up would compile -> $OUT/width.jsonl (MODEL, ROWS_W, NEW, WIDTH_S)
+#   startup    `v4jax serve` per --warmup mode (carry [".whl"]; v4jax bench startup, compilation cache off): seconds to
+#              ready, the first load's TTFT / TPOT / ITL and longest gap, compiles waited for or done in the background
+#              -> $OUT/startup (MODEL, MODES ("none cover"), SERVE_ARGS, BENCH_ARGS, STARTUP_S, SKIP_WHEELS)
 #   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
 #              (v4jax bench hisparse), one row a call: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
 #              without offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
@@ -218,6 +221,22 @@ width)
   stamp "${MODEL:-flash-slice}: power-of-two width buckets against one width"
   timeout ${WIDTH_S:-560} python3 -W ignore scripts/width_probe.py --model "${MODEL:-flash-slice}" \
     --rows ${ROWS_W:-1x4096 32x4096 1x131072} --new ${NEW:-32} --out "$out/width.jsonl" 2>&1 | quiet | tail -20
+  ;;
+startup)
+  imports
+  # `v4jax serve` per --warmup mode (carry [".whl"]), the compilation cache off: seconds to /health, then a first
+  # load of varied prompt lengths with nothing sent before it; the compiles every stream waited for against those
+  # done in the background (v4jax bench startup)
+  if [ -z "${SKIP_WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:.
+  fi
+  stamp "${MODEL-flash-slice}: v4jax serve --warmup ${MODES:-none cover}"
+  timeout ${STARTUP_S:-560} python3 -W ignore -m v4jax.cli bench startup --model "${MODEL-flash-slice}" \
+    --modes ${MODES:-none cover} --serve-args "${SERVE_ARGS:---max-num-seqs 16 --max-model-len 4096}" \
+    --bench-args "${BENCH_ARGS:---rate 2 --num-requests 24 --prompt-len 16:3000 --output-len 16:128 --vocab 129280}" \
+    --ready-timeout 300 --load-timeout 300 --out "$out/startup" 2>&1 | quiet | tail -20
   ;;
 hisparse)
   imports

@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.set_defaults(func=_router)
 
     b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
-                       help="benchmarks (decode, generate, kernels, mesh, pd, replay, serve, spec, table, tpu-aot, "
-                            "tpu-plan)",
+                       help="benchmarks (decode, generate, kernels, mesh, pd, replay, serve, spec, startup, table, "
+                            "tpu-aot, tpu-plan)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("serve", "open-loop load against a running v4jax serve (v4jax.bench.serve)"),
                        ("spec", ("speculative decoding with the MTP block against plain decoding: ms/token, "
                                  "acceptance by draft position (v4jax.bench.spec)")),
+                       ("startup", ("`v4jax serve` per --warmup mode: seconds to ready, then its first load's "
+                                    "TTFT / ITL and the compiles it waited for (v4jax.bench.startup)")),
                        ("hisparse", ("long requests decoding with the C4 KV pool on the host or the device: capacity, "
                                      "ms/step, hit rate, bytes fetched per step (v4jax.bench.hisparse)")),
                        ("table", "one markdown table from decode.json / generate.json files (v4jax.bench.table)"),
@@ -387,7 +389,7 @@ BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4j
               "kernels": ("v4jax.bench.kernels_cli", "main"), "mesh": ("v4jax.bench.mesh", "main"),
               "replay": ("v4jax.bench.replay", "main"), "serve": ("v4jax.bench.serve", "main"),
               "pd": ("v4jax.bench.pd", "main"), "hisparse": ("v4jax.bench.hisparse", "main"),
-              "spec": ("v4jax.bench.spec", "spec_main"),
+              "spec": ("v4jax.bench.spec", "spec_main"), "startup": ("v4jax.bench.startup", "main"),
               "table": ("v4jax.bench.table", "main"), "tpu-aot": ("v4jax.bench.tpu_aot", "aot_main"),
               "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main")}
 

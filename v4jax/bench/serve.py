@@ -219,7 +219,7 @@ def _pct(xs: Sequence[float], q: float) -> float | None:
 
 def _dist(xs: Sequence[float]) -> dict:
     return {"mean": sum(xs) / len(xs) if xs else None, "p50": _pct(xs, 50), "p90": _pct(xs, 90),
-            "p99": _pct(xs, 99)}
+            "p99": _pct(xs, 99), "max": max(xs, default=None)}
 
 
 def summarize(results: list[Result]) -> dict:
@@ -240,6 +240,9 @@ def summarize(results: list[Result]) -> dict:
         "ttft_s": _dist([r.first - r.sent for r in ok if r.first is not None]),
         "tpot_s": _dist([(r.last - r.first) / (len(r.tokens) - 1) for r in ok if len(r.tokens) >= 2]),
         "e2e_s": _dist([r.end - r.sent for r in ok]),
+        "itl_s": _dist([x for r in ok for _, _, x in _itl(r)]),
+        # the longest wait of a stream between two chunks: a stall of the whole server (a compile) shows here
+        "max_gap_s": max((t1 - t0 for r in ok for t0, t1, _ in _itl(r)), default=None),
     }
 
 
