@@ -112,6 +112,14 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # The first thing every stage does: import the tree with the machine's JAX and say which (an import error shows at
 # once, not minutes into a stage: importing v4jax once failed on JAX 0.11.2)
 imports() { python3 -c "import jax, v4jax; print('jax', jax.__version__, '- v4jax imports')" || exit 1; }
+# The server stages' wheels (carry [".whl"], see `serve` in the header), unless SKIP_WHEELS is set
+wheels() {
+  if [ -z "${SKIP_WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:.
+  fi
+}
 summary() {
   python3 - "$1" <<'EOF' 2>&1 | tail -80
 import json, sys
@@ -227,11 +235,7 @@ startup)
   # `v4jax serve` per --warmup mode (carry [".whl"]), the compilation cache off: seconds to /health, then a first
   # load of varied prompt lengths with nothing sent before it; the compiles every stream waited for against those
   # done in the background (v4jax bench startup)
-  if [ -z "${SKIP_WHEELS:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl || { echo "wheel install failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:.
-  fi
+  wheels
   stamp "${MODEL-flash-slice}: v4jax serve --warmup ${MODES:-none cover}"
   timeout ${STARTUP_S:-560} python3 -W ignore -m v4jax.cli bench startup --model "${MODEL-flash-slice}" \
     --modes ${MODES:-none cover} --serve-args "${SERVE_ARGS:---max-num-seqs 16 --max-model-len 4096}" \
@@ -289,11 +293,7 @@ load)
   # engine at default options with 1 / 8 / 32 / 64 prompts of 1024 tokens and 256 new (its programs go into the
   # persistent compilation cache), then `v4jax serve` with the same options, the cache warm, under 1 / 8 / 32 / 64
   # concurrent streams of the same shapes (v4jax bench serve --rate inf); SIGTERM, exit code
-  if [ -z "${SKIP_WHEELS:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl || { echo "wheel install failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:.
-  fi
+  wheels
   export V4JAX_COMPILATION_CACHE=${V4JAX_COMPILATION_CACHE:-$out/jax_cache}
   MODEL=${MODEL-flash-slice}
   ENGINE_ARGS=${ENGINE_ARGS:---max-num-seqs 64 --max-model-len 2048}
@@ -600,11 +600,7 @@ serve)
   BENCH_ARGS=${BENCH_ARGS:---num-requests 160 --prompt-len 512 --output-len 64:256 --vocab 129280}
   WARMUP=${WARMUP:-8}  # requests of the same shapes before the first measured run: they compile its buckets
   PORT=${PORT:-8123}
-  if [ -z "${SKIP_WHEELS:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl || { echo "wheel install failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:.
-  fi
+  wheels
   python3 -c "import jax, fastapi, uvicorn; print('jax', jax.__version__, jax.devices(), 'fastapi', fastapi.__version__)" \
     || exit 1
   stamp "starting v4jax serve ${MODEL:-(default model)}"
@@ -652,11 +648,7 @@ pd)
   # before it. The servers share one persistent compilation cache: the disaggregated servers load most of what the
   # colocated one compiled (same engine options), and an unmeasured pass of the load (WARM=0 skips it) compiles the
   # rest before the measured one.
-  if [ -z "${SKIP_WHEELS:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl || { echo "wheel install failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:.
-  fi
+  wheels
   export V4JAX_COMPILATION_CACHE=${PD_CACHE:-/tmp/v4jax-pd-cache}
   MODEL=${MODEL-flash-slice}
   STEPS=${STEPS:-transfer colocated disagg}

@@ -470,6 +470,7 @@ class EngineCore:
     def _compile_program(self, program: Program) -> None:
         """Compile one step program ahead of time on arguments of its shape (the pools are only read for their
         shapes and placement: lowering takes arrays a step has since donated)."""
+        S.pin_trace_context()  # in the compiling thread: its trace context must match the engine thread's
         rb, nb, s = program.rows, program.pages, self.layout.max_slots
         if program.kind == "prefill":
             z = lambda dt=np.int32: np.zeros(rb, dt)

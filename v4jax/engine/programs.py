@@ -99,10 +99,7 @@ class ProgramBook:
     def compile_now(self, programs: list[Program], threads: int, progress=None) -> None:
         """Compile `programs` on `threads` threads (XLA's compiler releases the GIL, and one program compiles on
         few cores), calling `progress(done, total)` after each."""
-        from v4jax.engine.steps import pin_trace_context
-
         def one(p):
-            pin_trace_context()  # the thread's own trace context must match the engine thread's
             self._compile(p)
             return p
 
@@ -118,13 +115,8 @@ class ProgramBook:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, "v4jax-compile",
                                                                    initializer=_mark_background)
-        self._pending[program] = f = self._executor.submit(self._background, program)
+        self._pending[program] = f = self._executor.submit(self._compile, program)
         f.add_done_callback(lambda _: self._done(program))
-
-    def _background(self, program: Program) -> None:
-        from v4jax.engine.steps import pin_trace_context
-        pin_trace_context()
-        self._compile(program)
 
     def _done(self, program: Program) -> None:
         with self._lock:
