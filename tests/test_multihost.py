@@ -2,6 +2,7 @@
 single-device tokens, and the same sampled tokens (a fresh seed agreed on)."""
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def test_two_processes_one_mesh_equal_single_device(tiny_checkpoint):
 def test_serve_on_two_processes(tiny_checkpoint):
     """`v4jax serve` as two processes of one 8-device mesh: process 0 answers HTTP (greedy tokens and log-probs
     equal the single-device run's; a seeded sampled request, streamed, n = 2), process 1 takes the same engine
-    steps, and both exit cleanly when process 0 gets SIGTERM."""
+    steps (on the same programs, covering ones included), and both exit cleanly when process 0 gets SIGTERM."""
     import signal
     import time
 
@@ -116,10 +117,36 @@ def test_serve_on_two_processes(tiny_checkpoint):
                 for ch in json.loads(line[6:])["choices"]:
                     per_seq[ch["index"]] += ch.get("token_ids") or []
             assert [len(v) for v in per_seq.values()] == [6, 6]
+            # the default warm-up compiled the cover (the sampling forms): a greedy request without log-probs ran
+            # its decode steps on the sampling program while the greedy one compiled in the background, until both
+            # processes agreed to it (processes on different programs would hang in a collective)
+            r = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0.0,
+                                                   "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref[1].token_ids, r.text
+            def metrics():
+                return {line.split()[0]: float(line.split()[1]) for line in http.get("/metrics").text.splitlines()
+                        if line.startswith("v4jax_")}
+
+            substituted = metrics()["v4jax_steps_substituted_total"]
+            assert substituted > 0
+            # once compiled, the leader announces the greedy program with its next step; both processes run it
+            while metrics()["v4jax_programs_compiled_background_total"] == 0:
+                assert time.monotonic() < deadline + 300, "the background compile did not end"
+                time.sleep(1)
+            r = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0.0,
+                                                   "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref[1].token_ids, r.text
+            assert metrics()["v4jax_steps_substituted_total"] == substituted
+            substituted = metrics()["v4jax_steps_substituted_total"]
         procs[0].send_signal(signal.SIGTERM)
+        outs = []
         for p in procs:
             out, _ = p.communicate(timeout=120)
             assert p.returncode == 0, out[-5000:]
+            outs.append(out)
+        # the follower ran the same steps on the same programs: as many on covering ones
+        followed = re.search(r"followed \d+ engine steps, (\d+) of them on covering programs", outs[1])
+        assert followed and int(followed.group(1)) == substituted, outs[1][-3000:]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -66,3 +66,23 @@ def test_what_may_not_cover():
     assert book.counts()["substituted_steps"] == 1 and not compiled
     release.set()
     book.wait()
+
+
+def test_several_processes_wait_for_the_leaders_word():
+    """Agreed (several processes): a program compiled in the background runs no step before the leader has taken
+    it (`take_compiled`, published with a step) and every process has agreed to it; it is not compiled again
+    meanwhile."""
+    book, compiled, release = _book()
+    book.agreed = book.substitute = True
+    cover = Program("decode", SAMPLED, 4, 0, 8)
+    book.ran(cover)
+    exact = Program("decode", SAMPLED, 1, 0, 1)
+    assert book.choose(exact) == cover
+    release.set()
+    book.wait()
+    assert book.choose(exact) == cover and compiled == [(exact, True)]  # compiled, not yet agreed
+    assert book.take_compiled() == [exact] and book.take_compiled() == []
+    follower, _, _ = _book()
+    for b in (book, follower):
+        b.agree([exact])
+        assert b.choose(exact) == exact

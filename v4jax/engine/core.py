@@ -446,8 +446,9 @@ class EngineCore:
         (v4jax.engine.programs: a few instead of well over a hundred); afterwards a step whose own program is
         missing runs on a covering one while its own compiles in the background, so no step waits for the
         compiler either. On several processes every process must run the same program each step, which a
-        background compile's timing would not guarantee: there the steps whose programs are missing compile them
-        (warm-up with every program to avoid that).
+        background compile's timing would not guarantee: there that needs the processes to agree on what is
+        compiled (`programs.agreed`, as the multi-process server does: `take_compiled_programs` /
+        `agree_programs`), else the steps whose programs are missing compile them.
 
         The step programs are compiled ahead of time (`lower(...).compile()` on the engine's own arrays, which
         fills the caches a later call looks in, and runs nothing: the pools are untouched), in threads: XLA's
@@ -461,11 +462,29 @@ class EngineCore:
         self._decode_state_merge()
         programs = self._cover_programs() if cover_only else self._prefill_programs() + self._decode_programs()
         self.programs.compile_now(programs, min(os.cpu_count() or 1, MAX_COMPILE_THREADS), progress)
-        self.programs.substitute = cover_only and jax.process_count() == 1
+        self.programs.substitute = cover_only and (jax.process_count() == 1 or self.programs.agreed)
         if self.compile_hooks is not None:
             self.compile_hooks, (_, after) = None, self.compile_hooks
             after()
         return len(programs)
+
+    def take_compiled_programs(self) -> list:
+        """The leader of several processes, before a step: the programs it compiled in the background since the
+        last call, agreed to here and named for the other processes (`agree_programs`)."""
+        programs = self.programs.take_compiled()
+        self.programs.agree(programs)
+        names = {id(spec): name for name, spec in self._named_specs().items()}
+        return [[p.kind, names[id(p.spec)], p.rows, p.chunk, p.pages] for p in programs]
+
+    def agree_programs(self, named: list) -> None:
+        """The other processes, before the same step: the leader's `take_compiled_programs`."""
+        specs = self._named_specs()
+        self.programs.agree([Program(kind, specs[name], rows, chunk, pages) for kind, name, rows, chunk, pages
+                             in named])
+
+    def _named_specs(self) -> dict:
+        return {"sampled": self.spec, "greedy": self.greedy_spec, "top_sampled": self.top_specs[True],
+                "top_greedy": self.top_specs[False]}
 
     def _compile_program(self, program: Program) -> None:
         """Compile one step program ahead of time on arguments of its shape (the pools are only read for their

@@ -14,7 +14,9 @@ program took ~15 s to compile (a step, milliseconds): a new shape after `/health
 stream for that long; now it costs a few steps on a larger program.
 
 On several processes every process must run the same program each step (the followers replay the leader's
-steps), which a background compile's timing would not guarantee, so there the exact program always runs."""
+steps), which a background compile's timing would not guarantee: there a program compiled in the background may
+run steps only once the leader has announced it (`agreed`: the leader takes what it compiled with `take_compiled`
+at the start of a step and publishes it with the step; every process then `agree`s to it before the step)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -74,8 +76,11 @@ class ProgramBook:
         self._pending: dict[Program, concurrent.futures.Future] = {}
         self._lock = threading.RLock()  # a done callback may run inside _submit, which holds it
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self.substitute = False  # cover steps whose program is missing (set by warm-up, on one process)
+        self.substitute = False  # cover steps whose program is missing (set by warm-up)
         self.substituted_steps = 0  # steps that ran on a covering program
+        # several processes: background compiles wait in _compiled until every process has agreed to them
+        self.agreed = False
+        self._compiled: set[Program] = set()
 
     def choose(self, exact: Program, fits: Callable[[Program], bool] = lambda p: True) -> Program:
         """The program a step of shape `exact` runs: itself once compiled (or when nothing may stand in for it:
@@ -110,7 +115,7 @@ class ProgramBook:
                     progress(done, len(programs))
 
     def _submit(self, program: Program) -> None:
-        if program in self._pending:
+        if program in self._pending or program in self._compiled:
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, "v4jax-compile",
@@ -122,9 +127,23 @@ class ProgramBook:
         with self._lock:
             f = self._pending.pop(program)
             if f.exception() is None:
-                self._ready.add(program)
+                (self._compiled if self.agreed else self._ready).add(program)
             else:  # the step's own call compiles it then, and raises there if it must
                 log.warning("background compile of %s failed: %s", program, f.exception())
+
+    def take_compiled(self) -> list[Program]:
+        """The leader of several processes, at the start of a step: the programs compiled in the background since
+        the last call, to publish with the step (and `agree` to, as every process does)."""
+        with self._lock:
+            out, self._compiled = list(self._compiled), set()
+            return out
+
+    def agree(self, programs: list[Program]) -> None:
+        """Programs every process may now run steps on (a process that has not compiled one yet compiles it in
+        the step's own call)."""
+        with self._lock:
+            self._ready.update(programs)
+            self._compiled.difference_update(programs)
 
     def wait(self) -> None:
         """Until every background compile has ended."""

@@ -211,6 +211,8 @@ def serve(llm, options: ServerOptions, *, warmup: str = "none") -> int:
     engine steps (`v4jax.serve.engine.follow`) until process 0 stops."""
     import jax
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s: %(message)s")
+    if jax.process_count() > 1:  # the leader's steps announce the programs compiled in the background
+        llm.engine.programs.agreed = True
     if warmup != "none":
         from tqdm import tqdm
         t = time.perf_counter()
@@ -229,7 +231,9 @@ def serve(llm, options: ServerOptions, *, warmup: str = "none") -> int:
         if jax.process_index() != 0:
             log.info("process %d of %d: following process 0's engine steps", jax.process_index(),
                      jax.process_count())
-            follow(llm.engine, channel)
+            steps = follow(llm.engine, channel)
+            log.info("process %d: followed %d engine steps, %d of them on covering programs", jax.process_index(),
+                     steps, llm.engine.programs.substituted_steps)
             return 0
         leader = LeaderEngine(llm.engine, channel)
     state = ServerState(llm, options, engine=leader)

@@ -140,7 +140,9 @@ class LeaderEngine:
         return self.local.abort(request_id)
 
     def step(self):
-        self.channel.publish(json.dumps({"commands": self._pending}))
+        # with the programs compiled in the background since the last step: every process may run steps on them
+        # from this one on (v4jax.engine.programs)
+        self.channel.publish(json.dumps({"commands": self._pending, "programs": self.core.take_compiled_programs()}))
         self._pending = []
         return self.local.step()
 
@@ -182,5 +184,6 @@ def follow(core: EngineCore, channel) -> int:
                 core.add_request(request_id, prompt, SamplingParams(**params), sample_index=sample_index)
             else:
                 core.abort(command[1])
+        core.agree_programs(message.get("programs", []))
         core.step()
         steps += 1
