@@ -490,17 +490,17 @@ class EngineCore:
         """Compile one step program ahead of time on arguments of its shape (the pools are only read for their
         shapes and placement: lowering takes arrays a step has since donated)."""
         S.pin_trace_context()  # in the compiling thread: its trace context must match the engine thread's
-        rb, nb, s = program.rows, program.pages, self.layout.max_slots
+        rb, s = program.rows, self.layout.max_slots
+        # empty tables of the step's shape (the host's own tables belong to the engine thread)
+        pt, swa = self.kv.prefill_tables([], rb, program.pages)
         if program.kind == "prefill":
             z = lambda dt=np.int32: np.zeros(rb, dt)
             samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z())
             batch = S.PrefillBatch(np.zeros((rb, program.chunk), np.int32), z(), z(), z(bool),
                                    np.full(rb, s, np.int32))
-            self.steps.prefill.lower(program.spec, self._leaves, self.pools, self.store, batch,
-                                     np.full((rb, nb), -1, np.int32),
-                                     np.full((rb, self.kv.max_swa_pages), -1, np.int32), samp).compile()
+            self.steps.prefill.lower(program.spec, self._leaves, self.pools, self.store, batch, pt, swa,
+                                     samp).compile()
         else:
-            pt, swa = self.kv.decode_tables(nb, rb)
             self.steps.decode.lower(program.spec, self._leaves, self.pools, self.store, self._decode_state_merge(),
                                     pt, swa).compile()
 
