@@ -293,6 +293,9 @@ def markdown(rep: dict) -> str:
                      f"({cw['compile_seconds']:.1f} s of compiling); every stream waited for {waited:.0f} of them"
                      + (f", {cw['background']:.0f} compiled in the background while {cw['substituted_steps']:.0f} "
                         "steps ran on covering programs" if cw.get("background") else ""))
+    if cw and cw.get("still_compiling"):
+        lines.append(f"\nstill compiling in the background at the end: {cw['still_compiling']:.0f} "
+                     f"({cw.get('substituted_steps', 0):.0f} steps ran on covering programs)")
     if s["errors_by_kind"]:
         lines.append("\nerrors: " + ", ".join(f"{k}: {v}" for k, v in sorted(s["errors_by_kind"].items())))
     if rep.get("classes"):
@@ -332,7 +335,8 @@ _COUNTERS = {"queried_tokens": "v4jax_prefix_cache_queried_tokens_total",
              "programs_compiled": "v4jax_programs_compiled_total",
              "compile_seconds": "v4jax_program_compile_seconds_total",
              "background": "v4jax_programs_compiled_background_total",
-             "substituted_steps": "v4jax_steps_substituted_total"}
+             "substituted_steps": "v4jax_steps_substituted_total",
+             "compiling": "v4jax_programs_compiling"}
 
 
 async def _server_counters(client) -> dict:
@@ -376,6 +380,8 @@ async def run(a) -> dict:
     compiled = _delta(before, after, ("programs_compiled", "compile_seconds"), float)
     if compiled is not None:
         compiled.update(_delta(before, after, ("background", "substituted_steps"), float) or {})
+        if "compiling" in after:  # at the end, still compiling in the background (counted once done)
+            compiled["still_compiling"] = after["compiling"]
     load = (f"replay {a.replay} (scale {a.replay_scale:g}, {a.step_s:g} s/step)" if a.replay else
             f"{'all at once' if math.isinf(a.rate) else f'Poisson {a.rate:g}/s'}, prompt {_spec(a.prompt_len)}, "
             f"output {_spec(a.output_len)}")

@@ -92,7 +92,8 @@ def run_mode(a, mode: str) -> dict:
 def markdown(rows: Sequence[dict]) -> str:
     ms = lambda d, k: "-" if not d or d.get(k) is None else f"{d[k] * 1e3:.0f}"
     head = ("| --warmup | ready s | compiled before ready | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p99 ms | "
-            "longest gap ms | compiled while measured: waited for / background | steps on a covering program |")
+            "longest gap ms | compiled while measured: waited for / background (still compiling at the end) | "
+            "steps on a covering program |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "summary" not in r:
@@ -104,7 +105,8 @@ def markdown(rows: Sequence[dict]) -> str:
         lines.append(f"| {r['mode']} | {r['ready_s']:.1f} | {r['compiled_before_ready']:.0f} | "
                      f"{ms(s['ttft_s'], 'p50')} / {ms(s['ttft_s'], 'p99')} | "
                      f"{ms(s['tpot_s'], 'p50')} / {ms(s['tpot_s'], 'p99')} | {ms(s['itl_s'], 'p99')} | {gap} | "
-                     f"{n - bg:.0f} / {bg:.0f} | {cw.get('substituted_steps', 0):.0f} |")
+                     f"{n - bg:.0f} / {bg:.0f} ({cw.get('still_compiling', 0):.0f}) | "
+                     f"{cw.get('substituted_steps', 0):.0f} |")
     return "\n".join(lines)
 
 

@@ -97,6 +97,8 @@ class _EngineCollector:
                                   "covering programs ran the steps that needed them", value=pg.get("background", 0))
         yield CounterMetricFamily("v4jax_steps_substituted", "Steps that ran on a covering program while their own "
                                   "compiled in the background", value=pg.get("substituted_steps", 0))
+        yield GaugeMetricFamily("v4jax_programs_compiling", "Programs compiling in the background now",
+                                value=pg.get("compiling", 0))
         yield CounterMetricFamily("v4jax_program_compile_seconds", "Seconds those compiles took (summed over the "
                                   "threads that ran them)", value=pg.get("compile_seconds", 0.0))
         sd = s.get("spec_decode", {})
