@@ -470,11 +470,9 @@ class EngineCore:
 
     def take_compiled_programs(self) -> list:
         """The leader of several processes, before a step: the programs it compiled in the background since the
-        last call, agreed to here and named for the other processes (`agree_programs`)."""
-        programs = self.programs.take_compiled()
-        self.programs.agree(programs)
-        names = {id(spec): name for name, spec in self._named_specs().items()}
-        return [[p.kind, names[id(p.spec)], p.rows, p.chunk, p.pages] for p in programs]
+        last call (agreed to here), named for the other processes (`agree_programs`)."""
+        names = {spec: name for name, spec in self._named_specs().items()}
+        return [[p.kind, names[p.spec], p.rows, p.chunk, p.pages] for p in self.programs.take_compiled()]
 
     def agree_programs(self, named: list) -> None:
         """The other processes, before the same step: the leader's `take_compiled_programs`."""

@@ -16,7 +16,8 @@ stream for that long; now it costs a few steps on a larger program.
 On several processes every process must run the same program each step (the followers replay the leader's
 steps), which a background compile's timing would not guarantee: there a program compiled in the background may
 run steps only once the leader has announced it (`agreed`: the leader takes what it compiled with `take_compiled`
-at the start of a step and publishes it with the step; every process then `agree`s to it before the step)."""
+at the start of a step, which agrees to it there, and publishes it with the step; the other processes `agree`
+before taking the step)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -133,9 +134,10 @@ class ProgramBook:
 
     def take_compiled(self) -> list[Program]:
         """The leader of several processes, at the start of a step: the programs compiled in the background since
-        the last call, to publish with the step (and `agree` to, as every process does)."""
+        the last call, agreed to here, to publish with the step (the others `agree` to them before it)."""
         with self._lock:
             out, self._compiled = list(self._compiled), set()
+            self._ready.update(out)
             return out
 
     def agree(self, programs: list[Program]) -> None:

@@ -91,16 +91,16 @@ class _EngineCollector:
                                   "window tail)", value=rq.get("recomputed_tokens", 0))
         pg = s.get("programs", {})
         yield CounterMetricFamily("v4jax_programs_compiled", "Prefill and decode programs compiled (or loaded from "
-                                  "the persistent compilation cache) since start; one more while serving is a stall, unless compiled in "
-                                  "the background", value=pg.get("compiled", 0))
+                                  "the persistent compilation cache) since start; one more while serving is a stall, "
+                                  "unless compiled in the background", value=pg.get("compiled", 0))
+        yield CounterMetricFamily("v4jax_program_compile_seconds", "Seconds those compiles took (summed over the "
+                                  "threads that ran them)", value=pg.get("compile_seconds", 0.0))
         yield CounterMetricFamily("v4jax_programs_compiled_background", "Of those, compiled in the background while "
                                   "covering programs ran the steps that needed them", value=pg.get("background", 0))
         yield CounterMetricFamily("v4jax_steps_substituted", "Steps that ran on a covering program while their own "
                                   "compiled in the background", value=pg.get("substituted_steps", 0))
         yield GaugeMetricFamily("v4jax_programs_compiling", "Programs compiling in the background now",
                                 value=pg.get("compiling", 0))
-        yield CounterMetricFamily("v4jax_program_compile_seconds", "Seconds those compiles took (summed over the "
-                                  "threads that ran them)", value=pg.get("compile_seconds", 0.0))
         sd = s.get("spec_decode", {})
         yield CounterMetricFamily("v4jax_spec_decode_num_drafts", "Speculative steps of the decode slots (each "
                                   "drafts num_speculative_tokens tokens)", value=sd.get("num_drafts", 0))
