@@ -15,6 +15,9 @@ Implementations behind `sparse_attention`:
     tile-aligned run is one copy, any other row comes with its tile and is picked out on chip.
   * GPU (Pallas Triton): grid (B*T, H/hb, splits); rows are gathered with pointer loads; when there are few
     (b, t) programs the entry range is split and the partial softmax states are merged in XLA.
+  * `dense_prefix_attention` (GPU, Pallas Triton): an HCA layer's prefill chunk, whose queries all read the same
+    compressed rows (each up to its n_ready) and overlapping windows: grid (H/hb, B*T/tq); a program takes tq
+    consecutive queries x hb heads as one [tq*hb, D] block and reads each key block once for all of them.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _compat, kv_format
-from ._common import (F32, MASK_FLOOR, common_compute_dtype, gather_groups, mm_nt, pad_last, pv_matmul, round_up,
-                      tile_rows, tiled_view, tpu_gather_finish, tpu_gather_start)
+from ._common import (F32, MASK_FLOOR, common_compute_dtype, gather_groups, mm_nn, mm_nt, next_pow2, pad_last,
+                      pv_matmul, round_up, tile_rows, tiled_view, tpu_gather_finish, tpu_gather_start)
 
 # --------------------------------------------------------------------------------------------------------------
 # Reference
@@ -388,6 +391,177 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
         lse = (jnp.maximum(mx, MASK_FLOOR) + jnp.log(den))[:, :H].reshape(B, T, H)
     o = o[:, :H].reshape(B, T, H, D)
     return (o, lse) if return_lse else o.astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU kernel for an HCA layer's prefill chunk: blocks of consecutive queries share their rows
+# --------------------------------------------------------------------------------------------------------------
+
+_PREFIX_Q_BLOCK = 4    # queries per program ...
+_PREFIX_HEADS = 16     # ... times heads per program: 64 (query, head) rows, one m64 tensor-core tile of the dots
+_PREFIX_BLOCK = 64     # rows of a key block
+_PREFIX_WARPS = 8
+_PREFIX_STAGES = 2
+_PREFIX_MIN_T = 64     # query tokens per batch row from which an HCA layer takes this kernel (decode: the one above)
+
+
+def dense_prefix_rows(win_rows, hca_rows, n_ready, t, window):
+    """An HCA chunk's per-query row lists as `sparse_attention` takes them: query t's window rows
+    win_rows[b, t : t + window] -> [B, T, window] (past the end of win_rows: -1), and its compressed rows
+    hca_rows[b, e] for e < n_ready[b, t], -1 after -> [B, T, S]."""
+    b, u = win_rows.shape
+    swa_rows = jnp.take_along_axis(jnp.broadcast_to(win_rows[:, None, :], (b, t, u)),
+                                   jnp.arange(t)[None, :, None] + jnp.arange(window)[None, None, :], axis=2)
+    e = jnp.arange(hca_rows.shape[1])[None, None, :]
+    cmp_rows = jnp.where(e < n_ready[:, :, None], hca_rows[:, None, :], -1)
+    return swa_rows, cmp_rows
+
+
+def dense_prefix_attention_ref(q, swa_pool, win_rows, cmp_pool, hca_rows, n_ready, sink, *, scale, window,
+                               return_lse=False):
+    """jnp reference of `dense_prefix_attention`: `sparse_attention_ref` over the rows of `dense_prefix_rows`."""
+    swa_rows, cmp_rows = dense_prefix_rows(win_rows, hca_rows, n_ready, q.shape[1], window)
+    return sparse_attention_ref(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale, return_lse=return_lse)
+
+
+def _prefix_kernel(q_ref, sink_ref, nr_ref, win_ref, ncb_ref, hca_ref, swa_ref, cmp_ref, *out_refs, scale, T, H,
+                   n_q, tq, hb, window, block, n_w_blocks, pv_split):
+    load, store = _compat.pltriton.load, _compat.pltriton.store
+    C, M = block, tq * hb
+    D = q_ref.shape[-1]
+    ib = pl.program_id(1)                                 # grid (head block, b * n_q + query block)
+    b = lax.div(ib, n_q)
+    t0 = lax.rem(ib, n_q) * tq
+    r = lax.broadcasted_iota(jnp.int32, (M,), 0)          # row r of the block: query t0 + r // hb, head r % hb
+    t = t0 + lax.div(r, hb)
+    h = pl.program_id(0) * hb + lax.rem(r, hb)
+    t_ok, h_ok = t < T, h < H
+    ok = t_ok & h_ok
+    row = (b * T + t) * H + h                             # the row of q (and o) viewed as [B*T*H, D]
+    q = _gpu_gather_rows(q_ref, row, ok)                  # [M, D]
+    cdt = common_compute_dtype(q.dtype, swa_ref.dtype)
+    q = q.astype(cdt)
+    sink = load(sink_ref.at[jnp.where(h_ok, h, 0)], mask=h_ok, other=-jnp.inf).astype(F32)      # [M]
+    n_ready = load(nr_ref.at[jnp.where(t_ok, b * T + t, 0)], mask=t_ok, other=0)              # [M]
+    m0 = jnp.maximum(sink, MASK_FLOOR)
+    carry = (m0, jnp.exp(sink - m0), jnp.zeros((M, D), F32))
+    cols = lax.broadcasted_iota(jnp.int32, (C,), 0)
+
+    def update(carry, k, valid):                          # k [C, D]; valid [M, C]
+        m, l, acc = carry
+        s = mm_nt(q, k.astype(cdt)) * scale               # [M, C]
+        s = jnp.where(valid, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        pv = pv_matmul(p, k) if pv_split or k.dtype != jnp.bfloat16 else mm_nn(p.astype(k.dtype), k)
+        return m_new, l, alpha[:, None] * acc + pv
+
+    def window_block(j, carry):                           # union rows t0 + j*C .. : row u is in query t's window
+        u0 = t0 + j * C                                   # when t <= u < t + window
+        ids = win_ref[pl.ds(u0, C)]
+        live = ids >= 0
+        d = (u0 + cols)[None, :] - t[:, None]             # [M, C]
+        return update(carry, _gpu_gather_rows(swa_ref, ids, live), live[None, :] & (d >= 0) & (d < window))
+
+    def prefix_block(j, carry):                           # entries e = j*C .. : query t sees e < n_ready[t]
+        ids = hca_ref[pl.ds(j * C, C)]
+        live = ids >= 0
+        e = j * C + cols
+        return update(carry, _gpu_gather_rows(cmp_ref, ids, live), live[None, :] & (e[None, :] < n_ready[:, None]))
+
+    carry = lax.fori_loop(0, n_w_blocks, window_block, carry)
+    carry = lax.fori_loop(0, ncb_ref[...], prefix_block, carry)
+    m, l, acc = carry
+    o_ref = out_refs[0]
+    # rows of no (query, head) point past the output: masked on a GPU, dropped by interpret mode's scatter
+    dst = jnp.where(ok, row, o_ref.shape[0])
+    o = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    store(o_ref.at[dst[:, None], lax.broadcasted_iota(jnp.int32, (1, D), 1)], o.astype(o_ref.dtype),
+          mask=jnp.broadcast_to(ok[:, None], (M, D)))
+    if len(out_refs) > 1:
+        store(out_refs[1].at[dst], m + jnp.log(l), mask=ok)
+
+
+def dense_prefix_supported(q, swa_pool, cmp_pool):
+    """Shapes and dtypes `dense_prefix_attention` takes (bf16 / f32 pools of power-of-two width, 32-bit offsets)."""
+    return _gpu_supported(q, swa_pool, cmp_pool) and cmp_pool is not None and q.size < 2 ** 31
+
+
+def dense_prefix_applies(q, swa_pool, cmp_pool, entry_format=None):
+    """Whether the model's HCA attention takes `dense_prefix_attention`: on a GPU, for chunks of at least
+    _PREFIX_MIN_T query tokens per row, on pools the kernel reads (FP8 entries: the path of `sparse_attention`)."""
+    return (_compat.backend() == "gpu" and entry_format is None and q.shape[1] >= _PREFIX_MIN_T
+            and dense_prefix_supported(q, swa_pool, cmp_pool))
+
+
+def dense_prefix_attention(q, swa_pool, win_rows, cmp_pool, hca_rows, n_ready, sink, *, scale, window,
+                           interpret=False, return_lse=False, q_block=_PREFIX_Q_BLOCK, heads=_PREFIX_HEADS,
+                           block=_PREFIX_BLOCK, num_warps=_PREFIX_WARPS, num_stages=_PREFIX_STAGES, pv_split=True):
+    """An HCA layer's attention over a chunk of consecutive queries (GPU, Pallas Triton); the contract of
+    `dense_prefix_attention_ref` (= `sparse_attention_ref` on the rows of `dense_prefix_rows`, lse included).
+
+    Shapes (einsum letters): q [b, t, h, d]; swa_pool [r, d], cmp_pool [s', d] (K = V); win_rows [b, u] the SWA rows
+    of the chunk's window union, query t's window win_rows[b, t : t + window] (u = t + window - 1 as the model
+    builds it); hca_rows [b, s] the compressed rows of each batch row, the SAME for all its queries; n_ready [b, t]
+    (query t sees entries e < n_ready[b, t]); sink [h]; -1 rows are none. Returns o [b, t, h, d] (q's dtype; f32
+    with return_lse, and lse [b, t, h] f32).
+
+    Why this form: in an HCA layer every query of a batch row reads the same compressed rows (up to its own
+    n_ready) and consecutive queries' windows overlap by window - 1 rows, so the per-query kernel above
+    (`_sparse_attention_gpu`, one program per (head block, query)) gathers each row once per query and runs
+    [16, d] x [d, C] dots. Here a program takes a block of tq consecutive queries x hb heads as one M = tq * hb
+    row block ([m, d] with m = (query, head), t-major) and loads each key block once for all of them: the
+    FlashAttention shape of a shared-KV (MQA) layer, m = 64 rows being one Hopper m64 tensor-core tile. The loop:
+    (1) the union of the block's windows, win_rows[b, t0 : t0 + tq + window - 1], in blocks of C rows, each
+    (query, row) pair masked by the query's own window (t <= u < t + window); (2) the compressed rows hca_rows[b, :]
+    in blocks of C up to the block's largest n_ready (and the row's last valid entry), masked per query by
+    e < n_ready[b, t]. Online softmax in f32 with the sink as the running state's start (as `_gpu_kernel`'s
+    `final`), then o = acc / l (0 where l = 0) and lse = m + log(l). q and o are read and written as rows of their
+    [b*t*h, d] views (gathered / scattered with row pointers, masked past T and H), so no padded or transposed copy
+    of them is made. Heads: hb = min(heads, next_pow2(H)), tq = q_block * heads / hb (the row block's size kept).
+    pv_split: p @ v with p split into two bf16 parts (`pv_matmul`, ~2^-17 relative as the reference); False: one
+    bf16 p (the FlashAttention rounding, half the PV work). Registers: acc is [m, d] f32 (m = 64, d = 512: 128 KB,
+    hence 8 warps); q_block, heads, block, num_warps, num_stages are swept by `v4jax bench kernels --sweep
+    attention_prefill`.
+    """
+    B, T, H, D = q.shape
+    C = block
+    hb = min(heads, next_pow2(H))
+    tq = max(1, q_block * heads // hb)
+    n_q, n_hb = -(-T // tq), -(-H // hb)
+    n_w = -(-(tq + window - 1) // C)
+    if cmp_pool.dtype != swa_pool.dtype:
+        cmp_pool = cmp_pool.astype(swa_pool.dtype)
+    U = (n_q - 1) * tq + n_w * C                           # the last block's union ends within it
+    win = pad_last(win_rows.astype(jnp.int32)[:, :U], U, -1)
+    S = hca_rows.shape[1]
+    hca = pad_last(hca_rows.astype(jnp.int32), round_up(max(S, 1), C), -1)
+    nr = jnp.clip(n_ready.astype(jnp.int32), 0, S)
+    # per query block, the compressed blocks up to its largest n_ready and its row's last valid entry
+    last = jnp.max(jnp.where(hca_rows >= 0, jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=-1, initial=0)   # [B]
+    top = jnp.max(jnp.pad(nr, ((0, 0), (0, n_q * tq - T))).reshape(B, n_q, tq), axis=-1)                     # [B, n_q]
+    ncb = ((jnp.minimum(top, last[:, None]) + C - 1) // C).reshape(B * n_q)
+    qf = q.reshape(B * T * H, D)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    per_b = lambda n: pl.BlockSpec((None, n), lambda h, i: (lax.div(i, n_q), 0))
+    args = (qf, sink.astype(F32), nr.reshape(B * T), win, ncb, hca, swa_pool, cmp_pool)
+    in_specs = [full(qf), full(args[1]), full(args[2]), per_b(U), pl.BlockSpec((None,), lambda h, i: (i,)),
+                per_b(hca.shape[-1]), full(swa_pool), full(cmp_pool)]
+    out_shape = [jax.ShapeDtypeStruct((B * T * H, D), F32 if return_lse else q.dtype)]
+    if return_lse:
+        out_shape.append(jax.ShapeDtypeStruct((B * T * H,), F32))
+    kernel = functools.partial(_prefix_kernel, scale=float(scale), T=T, H=H, n_q=n_q, tq=tq, hb=hb,
+                               window=int(window), block=C, n_w_blocks=n_w, pv_split=pv_split)
+    out = pl.pallas_call(
+        kernel, out_shape=tuple(out_shape), grid=(n_hb, B * n_q), in_specs=in_specs,
+        out_specs=tuple(full(s) for s in out_shape),
+        compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=bool(interpret), name="v4_dense_prefix_attention_gpu",
+    )(*args)
+    o = out[0].reshape(B, T, H, D)
+    return (o, out[1].reshape(B, T, H)) if return_lse else o
 
 
 # --------------------------------------------------------------------------------------------------------------

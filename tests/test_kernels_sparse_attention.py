@@ -187,3 +187,112 @@ def test_partials_over_disjoint_rows_merge_to_one_softmax(rng, impl):
     merged = (w0[..., None] * o0 + w1[..., None] * o1) / (w0 + w1)[..., None]
     _check(merged, ref, 1e-5, 1e-5)
     assert np.isneginf(l1[1, 0]).all()                         # nothing valid and no sink: lse = -inf
+
+
+# ---- dense_prefix_attention: an HCA layer's prefill chunk, blocks of consecutive queries --------------------------
+
+def _prefix_inputs(rng, B, T, H, D, W, S, R1, R2, dtype, sink_inf=False):
+    """An HCA chunk as the model hands it over: q, the SWA pool, the window union win_rows [B, T + W - 1] (random
+    -1s), the compressed pool, hca_rows [B, S] (a -1 inside, as another shard's rows; row 1: a -1 tail past its
+    entries, as a page bucket wider than the row's entries), n_ready [B, T] (row 0 rising from 0 to the full
+    width S, row 1 not monotone), sink [H]."""
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
+    swa = jnp.asarray(rng.standard_normal((R1, D)), dtype)
+    cmp = jnp.asarray(rng.standard_normal((R2, D)), dtype)
+    win = rng.integers(0, R1, (B, T + W - 1))
+    win[rng.random(win.shape) < 0.25] = -1
+    hca = rng.integers(0, R2, (B, S))
+    hca[:, 3] = -1
+    nr = np.sort(rng.integers(0, S + 1, (B, T)), axis=1)
+    nr[0, :2], nr[0, -1] = 0, S
+    if B > 1:
+        hca[1, S - S // 3:] = -1
+        rng.shuffle(nr[1])
+        win[1, :W] = -1                                        # query (1, 0): no window rows ...
+        nr[1, 0] = 0                                           # ... and no entries: o = 0 (lse -inf without a sink)
+    sink = jnp.asarray(rng.standard_normal(H) * 2, jnp.float32)
+    if sink_inf:
+        sink = jnp.full((H,), -jnp.inf, jnp.float32)
+    return q, swa, jnp.asarray(win, jnp.int32), cmp, jnp.asarray(hca, jnp.int32), jnp.asarray(nr, jnp.int32), sink
+
+
+@pytest.mark.parametrize("dtype,tol,return_lse,H,kw", [
+    (jnp.float32, 1e-5, False, 20, dict(q_block=4, heads=16, block=16)),   # T=11: a partial query block, 2 head blocks
+    (jnp.float32, 1e-5, True, 20, dict(q_block=4, heads=8, block=32)),     # 3 head blocks, the last of 4 heads
+    (jnp.float32, 1e-5, True, 6, dict(q_block=2, heads=16, block=16)),     # H < heads: hb = 8, tq = 4
+    (jnp.bfloat16, 2e-2, False, 20, dict(q_block=4, heads=16, block=16)),
+    (jnp.bfloat16, 2e-2, True, 20, dict(q_block=2, heads=16, block=16, pv_split=False)),
+])
+def test_dense_prefix_kernel_interpret(rng, dtype, tol, return_lse, H, kw):
+    W, S = 6, 40
+    args = _prefix_inputs(rng, 2, 11, H, 64, W, S, 50, 70, dtype, sink_inf=return_lse and H == 6)
+    ref = sa.dense_prefix_attention_ref(*args, scale=0.125, window=W, return_lse=return_lse)
+    out = jax.jit(functools.partial(sa.dense_prefix_attention, scale=0.125, window=W, interpret=True,
+                                    return_lse=return_lse, **kw))(*args)
+    if not return_lse:
+        assert out.dtype == dtype
+        _check(out, ref.astype(jnp.float32), rtol=tol, atol=tol)
+        return
+    (o, lse), (ro, rlse) = out, ref
+    assert o.dtype == jnp.float32 and lse.shape == args[0].shape[:3]
+    _check(o, ro, rtol=tol, atol=tol)
+    lse = np.asarray(lse)
+    assert not np.any(np.isnan(lse))
+    np.testing.assert_allclose(lse, np.asarray(rlse), rtol=tol, atol=tol)     # -inf where the reference's is
+    if H == 6:
+        assert np.isneginf(lse[1, 0]).all() and np.all(np.asarray(o)[1, 0] == 0)
+
+
+def test_dense_prefix_rows_are_the_models(rng):
+    """dense_prefix_rows builds the per-query rows as the model's Pallas path does for sparse_attention, and its
+    reference equals the model's XLA attention (window masked by positions) on the same chunk."""
+    from v4jax.model import ops
+    B, T, H, D, W, S = 2, 7, 4, 32, 5, 12
+    q, swa, win, cmp, hca, nr, sink = _prefix_inputs(rng, B, T, H, D, W, S, 30, 40, jnp.float32)
+    start = jnp.array([3, 20])
+    win_pos = start[:, None] - (W - 1) + jnp.arange(T + W - 1)[None, :]
+    pos = start[:, None] + jnp.arange(T)[None, :]
+    win = jnp.where(win_pos >= 0, win, -1)
+    xla = ops._attend_xla(q, sink, 0.2, swa, win, win_pos, pos, W, cmp, hca, nr, None)
+    ref = sa.dense_prefix_attention_ref(q, swa, win, cmp, hca, nr, sink, scale=0.2, window=W)
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(xla), rtol=1e-5, atol=1e-5)
+
+
+def test_attend_pallas_takes_dense_prefix_on_gpu(rng, monkeypatch):
+    """ops._attend_pallas as it dispatches on a GPU: an HCA chunk of >= _PREFIX_MIN_T queries runs
+    dense_prefix_attention (interpreted here) and equals the XLA path, with and without the lse; a shorter chunk
+    (decode) and FP8 entries keep sparse_attention."""
+    from v4jax.model import ops
+    B, T, H, D, W, S = 2, 9, 20, 64, 6, 40
+    q, swa, win, cmp, hca, nr, sink = _prefix_inputs(rng, B, T, H, D, W, S, 50, 70, jnp.float32)
+    win_pos = 100 + jnp.arange(T + W - 1)[None, :].repeat(B, 0)
+    pos = win_pos[:, W - 1:]
+    calls = []
+    kernel = sa.dense_prefix_attention
+    monkeypatch.setattr(_compat, "backend", lambda: "gpu")
+    monkeypatch.setattr(sa, "_PREFIX_MIN_T", 8)
+    monkeypatch.setattr(sa, "dense_prefix_attention",
+                        lambda *a, **kw: calls.append(kw) or kernel(*a, interpret=True, block=16, **kw))
+    for with_lse in (False, True):
+        got = ops._attend_pallas(q, sink, 0.125, swa, win, win_pos, pos, W, cmp, hca, nr, None, with_lse=with_lse)
+        want = ops._attend_xla(q, sink, 0.125, swa, win, win_pos, pos, W, cmp, hca, nr, None, with_lse=with_lse)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            _check(g, w, rtol=1e-5, atol=1e-5)
+    assert [kw["return_lse"] for kw in calls] == [False, True]
+    from pallas_kernels import kv_format
+    assert not sa.dense_prefix_applies(q[:, :4], swa, cmp)                       # decode-sized T
+    assert not sa.dense_prefix_applies(q, swa, cmp, kv_format.Fp8Entry(64, 32))  # FP8 entries
+    monkeypatch.setattr(_compat, "backend", lambda: "cpu")
+    assert not sa.dense_prefix_applies(q, swa, cmp)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_dense_prefix_lowers_for_cuda_triton(return_lse):
+    """The kernel lowers for CUDA at an HCA layer's shapes: the last 8192-token chunk of a 128K prompt."""
+    S = jax.ShapeDtypeStruct
+    B, T, H, D, W = 1, 8192, 64, 512, 128
+    shapes = (S((B, T, H, D), jnp.bfloat16), S((131072, D), jnp.bfloat16), S((B, T + W - 1), jnp.int32),
+              S((1024, D), jnp.bfloat16), S((B, 1024), jnp.int32), S((B, T), jnp.int32), S((H,), jnp.float32))
+    txt = _compat.lower_for_cuda(functools.partial(sa.dense_prefix_attention, scale=0.04, window=W,
+                                                   return_lse=return_lse), *shapes)
+    assert "triton" in txt

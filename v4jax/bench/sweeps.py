@@ -18,7 +18,9 @@ is reported, not fatal.
                               matmul (--tokens M, default 8192)                 -> OUT/prefill_experts.json
   --sweep topk_prefill        the top-k of a prefill chunk's indexer scores (--tokens N --keys S --k K)
   --sweep attention_prefill   sparse attention on a prefill chunk per tile (--tokens T, --configs
-                              HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ...)
+                              HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ... for the per-query kernel,
+                              prefix:TQ:HEADS:BLOCK:WARPS:STAGES[:PV_SPLIT] ... for the HCA layers'
+                              dense_prefix_attention)                         -> OUT/attention_prefill.json
   --sweep indexer_prefill     indexer scores on a prefill chunk per tile (--tokens T --keys S)
   --sweep kv_formats          decode's sparse attention and indexer at 128K, batch 1 and 32 (--tokens B[,B]), on
                               bf16 pools against the FP8-entry / FP4-key byte pools (kv_cache_dtype="fp8")
@@ -26,9 +28,9 @@ is reported, not fatal.
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats): tiny shapes in interpret mode on a CPU, to
-check the code end to end; the numbers mean nothing there. The other sweeps run on a GPU only. Times are GPU kernel
-time from a profiler trace unless said otherwise.
+`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill): tiny shapes in interpret
+mode on a CPU, to check the code end to end; the numbers mean nothing there. The other sweeps run on a GPU only.
+Times are GPU kernel time from a profiler trace unless said otherwise.
 """
 from __future__ import annotations
 
@@ -513,63 +515,163 @@ def topk_prefill(a, out_dir: str) -> int:
     return 0
 
 
+def _prefill_configs(specs, small):
+    """--configs of attention_prefill: HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL (the per-query kernel) and
+    prefix:TQ:HEADS:BLOCK:WARPS:STAGES[:PV_SPLIT] (dense_prefix_attention); default: a built-in grid."""
+    today, prefix = [], []
+    for c in specs or []:
+        if c.startswith("prefix:"):
+            v = [int(x) for x in c.split(":")[1:]]
+            prefix.append(tuple(v) + (1,) * (6 - len(v)))
+        else:
+            today.append(tuple(int(x) for x in c.split(":")))
+    if specs:
+        return today, prefix
+    if small:
+        return [(16, 4, 16, 2, 0), (16, 4, 16, 2, 1)], [(4, 16, 16, 4, 2, 1), (2, 8, 16, 4, 2, 0)]
+    today = [(*c, 0) for c in itertools.product((16, 32), (4, 8), (64,), (2,))] + [
+        (16, 4, 64, 2, 1), (32, 8, 64, 2, 1), (64, 8, 64, 2, 1), (64, 8, 32, 2, 1)]
+    prefix = [(4, 16, 64, 8, 2, 1), (4, 16, 32, 8, 2, 1), (4, 16, 32, 8, 3, 1), (4, 16, 64, 4, 2, 1),
+              (2, 32, 64, 8, 2, 1), (1, 64, 64, 8, 2, 1), (8, 8, 64, 8, 2, 1), (2, 16, 64, 4, 2, 1),
+              (8, 16, 32, 8, 2, 1), (4, 16, 64, 8, 2, 0), (4, 16, 32, 8, 2, 0)]
+    return today, prefix
+
+
 def attention_prefill(a, out_dir: str) -> int:
-    """The GPU sparse-attention kernel on a prefill chunk: by default the last 8192-token chunk (--tokens) of a
-    128K prompt, 64 heads x 512, per tile (--configs HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ...), against the XLA
-    reference's outputs. Three cases: a CSA layer (each query's 128-token window + 512 selected entries of
-    32768), an HCA layer (the window + every entry closed before the query: 960-1024 of them), and an HCA chunk
-    ending at 72K with rows as wide as the 128K bucket's (where skipping the blocks past a query's last valid row,
-    skip_tail, pays). TFLOP/s counts the valid rows (QK and PV)."""
+    """The GPU sparse-attention kernels on a prefill chunk: by default the last 8192-token chunk (--tokens) of a
+    128K prompt, 64 heads x 512, per tile, against the XLA reference's outputs. Three cases: a CSA layer (each
+    query's 128-token window + 512 selected entries of 32768), an HCA layer (the window + every entry closed before
+    the query: 960-1024 of them, n_ready rising along the chunk, valid as a prefix), and an HCA chunk ending at 72K
+    with rows as wide as the 128K bucket's (where skipping the blocks past a query's last valid row, skip_tail,
+    pays). Kernels: the per-query `_sparse_attention_gpu` (--configs HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL) on every
+    case and, on the HCA cases, `dense_prefix_attention` (--configs prefix:TQ:HEADS:BLOCK:WARPS:STAGES[:PV_SPLIT]),
+    each as the model calls it: on an HCA case the per-query kernel's rows are built from the chunk's window union
+    and n_ready inside the timed call (`dense_prefix_rows`, what ops._attend_pallas does), the kernel's own time
+    reported beside. Each output is checked against the reference (max |err|) and, for dense_prefix_attention,
+    against the per-query kernel's with skip_tail (max |diff|). TFLOP/s counts the valid rows (QK and PV).
+    --small: tiny shapes in interpret mode on a CPU (numbers meaningless). -> OUT/attention_prefill.json"""
     SA = importlib.import_module("pallas_kernels.sparse_attention")
-    T = (a.tokens or [8192])[0]
-    configs = [tuple(int(v) for v in c.split(":")) for c in a.configs or []] or \
-        [(*c, 0) for c in itertools.product((16, 32), (4, 8), (64,), (2,))] + [(16, 4, 64, 2, 1), (32, 8, 64, 2, 1)]
-    H, D, W, B, ctx = 64, 512, 128, 1, 131072
+    interp = jax.default_backend() == "cpu"
+    if a.small:
+        T, H, D, W, ctx, n_sel, ratio = (a.tokens or [64])[0], 20, 64, 16, 2048, 32, 128
+    else:
+        T, H, D, W, ctx, n_sel, ratio = (a.tokens or [8192])[0], 64, 512, 128, 131072, 512, 128
+    today_cfgs, prefix_cfgs = _prefill_configs(a.configs, a.small)
+    repeats = a.repeats or (1 if a.small else 3)
+    B = 1
     ks = jax.random.split(jax.random.key(0), 6)
     q = jax.random.normal(ks[0], (B, T, H, D), BF16)
     sink = jax.random.normal(ks[1], (H,), F32)
-    pos = ctx - T + jnp.arange(T)                                     # the chunk's positions
     swa = jax.random.normal(ks[2], (ctx, D), BF16)                    # one row per position (a page table of 1s)
 
-    def window(p):
-        w = p[:, None] - W + 1 + jnp.arange(W)[None, :]
-        return jnp.where(w >= 0, w, -1).astype(jnp.int32)[None]
+    def union(end):   # the window union of the chunk ending at `end`: positions end - T - W + 1 .. end - 1
+        p = end - T - W + 1 + jnp.arange(T + W - 1)
+        return jnp.where(p >= 0, p, -1).astype(jnp.int32)[None]
 
-    n_csa, n_hca = ctx // 4, ctx // 128
+    n_csa, n_hca = ctx // 4, ctx // ratio
     csa = jax.random.normal(ks[3], (n_csa, D), BF16)
-    sel = jax.random.randint(ks[4], (T, 512), 0, n_csa)
+    sel = jax.random.randint(ks[4], (T, n_sel), 0, n_csa)
     hca = jax.random.normal(ks[5], (n_hca, D), BF16)
-    e = jnp.arange(n_hca)[None, :]
-    mid = 73728 - T + jnp.arange(T)   # a chunk ending at 72K whose rows are as wide as the 128K bucket's
-    cases = {
-        "csa": (q, swa, window(pos), csa, jnp.where(sel < ((pos + 1) // 4)[:, None], sel, -1).astype(jnp.int32)[None],
-                sink),
-        "hca": (q, swa, window(pos), hca, jnp.where(e < ((pos + 1) // 128)[:, None], e, -1).astype(jnp.int32)[None],
-                sink),
-        "hca-mid": (q, swa, window(mid), hca,
-                    jnp.where(e < ((mid + 1) // 128)[:, None], e, -1).astype(jnp.int32)[None], sink),
-    }
+    hca_rows = jnp.arange(n_hca, dtype=jnp.int32)[None]
+    pos = ctx - T + jnp.arange(T)                                     # the chunk's positions
+    mid = ctx * 9 // 16 - T + jnp.arange(T)   # a chunk ending at 72K (of 128K) whose rows are as wide as 128K's
+    csa_win, _ = SA.dense_prefix_rows(union(ctx), hca_rows, jnp.zeros((B, T), jnp.int32), T, W)
+    # HCA: (q, swa, win_rows [B, T+W-1], kv, hca_rows [B, S], n_ready [B, T], sink), as ops.attend gets them
+    hca_cases = {"hca": (q, swa, union(ctx), hca, hca_rows, ((pos + 1) // ratio).astype(jnp.int32)[None], sink),
+                 "hca-mid": (q, swa, union(ctx * 9 // 16), hca, hca_rows,
+                             ((mid + 1) // ratio).astype(jnp.int32)[None], sink)}
     scale = D ** -0.5
-    for name, args in cases.items():
-        rows = int(np.asarray((args[2] >= 0).sum() + (args[4] >= 0).sum()))
-        flops = 4 * rows * H * D
+    rows_out = []
+
+    def save():   # after every config: a run cut short by its time limit keeps what it measured
+        with open(os.path.join(out_dir, "attention_prefill.json"), "w") as fh:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tokens=T, heads=H, dim=D,
+                           window=W, context=ctx, repeats=repeats, rows=rows_out), fh, indent=1)
+
+    def measure(row, fn, args, flops, ref, other=None):
+        """Runs fn(*args), checks it against ref (and other), times it; one row of the JSON. Returns the output."""
+        tag = f"  {row['case']} {row['kernel']} " + " ".join(f"{k}={v}" for k, v in row["config"].items()) + ":"
+        try:
+            out = np.asarray(jax.jit(fn)(*args).astype(F32))
+            row["max_err"] = float(np.max(np.abs(out - ref)))
+            if other is not None:
+                row["max_diff_per_query_kernel"] = float(np.max(np.abs(out - other)))
+            sec, per_kernel = _kb().time_trace(fn, args, repeats=repeats)
+        except Exception as ex:  # noqa: BLE001 - a tile Triton cannot lower or fit is reported, not fatal
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            print(f"{tag} failed {row['error'][:200]}", flush=True)
+            rows_out.append(row)
+            save()
+            return None
+        top = max(per_kernel.items(), key=lambda kv: kv[1]) if per_kernel else ("", sec)
+        row.update(ms=sec * 1e3, kernel_ms=top[1] * 1e3, tflops=flops / sec / 1e12,
+                   kernels_ms={k: v * 1e3 for k, v in per_kernel.items()})
+        diff = f"  vs per-query {row['max_diff_per_query_kernel']:.2e}" if other is not None else ""
+        print(f"{tag} {sec * 1e3:7.2f} ms (kernel {top[1] * 1e3:7.2f}) {flops / sec / 1e12:6.1f} TFLOP/s  "
+              f"max err {row['max_err']:.2e}{diff}", flush=True)
+        rows_out.append(row)
+        save()
+        return out
+
+    cases = {"csa": None, **hca_cases}
+    for name in cases:
+        if name == "csa":
+            rc = jnp.where(sel < ((pos + 1) // 4)[:, None], sel, -1).astype(jnp.int32)[None]
+            rows_args = (q, swa, csa_win, csa, rc, sink)
+            to_rows = None
+        else:
+            _, _, win, kv, hr, nr, _ = hca_cases[name]
+            rw, rc = SA.dense_prefix_rows(win, hr, nr, T, W)
+            rows_args = (q, swa, rw, kv, rc, sink)
+
+            def to_rows(f):   # the per-query kernel on an HCA chunk as ops._attend_pallas calls it
+                def g(q, swa, win, kv, hr, nr, sink):
+                    rw, rc = SA.dense_prefix_rows(win, hr, nr, T, W)
+                    return f(q, swa, rw, kv, rc, sink)
+                return g
+        n_rows = int(np.asarray((rows_args[2] >= 0).sum() + (rows_args[4] >= 0).sum()))
+        flops = 4 * n_rows * H * D
         ref_fn = jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale))
         sl = lambda x, i: x[:, i:i + 512]  # noqa: E731
-        ref = np.concatenate([np.asarray(ref_fn(sl(args[0], i), args[1], sl(args[2], i), args[3], sl(args[4], i),
-                                                args[5]).astype(F32)) for i in range(0, T, 512)], axis=1)
-        print(f"{name}: T={T} valid rows {rows / 1e6:.2f} M, {flops / 1e12:.3f} TFLOP", flush=True)
-        for hb, nw, blk, ns, skip in configs:
+        ref = np.concatenate([np.asarray(ref_fn(sl(rows_args[0], i), rows_args[1], sl(rows_args[2], i), rows_args[3],
+                                                sl(rows_args[4], i), rows_args[5]).astype(F32))
+                              for i in range(0, T, 512)], axis=1)
+        print(f"{name}: T={T} valid rows {n_rows / 1e6:.2f} M, {flops / 1e12:.3f} TFLOP", flush=True)
+        per_query = None
+        for hb, nw, blk, ns, skip in today_cfgs:
             fn = functools.partial(SA._sparse_attention_gpu, scale=scale, heads=hb, num_warps=nw, block=blk,
-                                   num_stages=ns, skip_tail=bool(skip))
-            tag = f"  {name} heads={hb} warps={nw} block={blk} stages={ns} skip_tail={skip}:"
-            try:
-                out = np.asarray(jax.jit(fn)(*args).astype(F32))
-                err = float(np.max(np.abs(out - ref)))
-                sec, _ = _kb().time_trace(fn, args, repeats=3)
-                print(f"{tag} {sec * 1e3:7.2f} ms {flops / sec / 1e12:6.1f} TFLOP/s  max err {err:.2e}", flush=True)
-            except Exception as ex:  # noqa: BLE001 - a tile Triton cannot lower or fit is reported, not fatal
-                print(f"{tag} failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
-    return 0
+                                   num_stages=ns, skip_tail=bool(skip), interpret=interp)
+            row = dict(case=name, kernel="per-query",
+                       config=dict(heads=hb, warps=nw, block=blk, stages=ns, skip_tail=skip))
+            if to_rows is None:
+                measure(row, fn, rows_args, flops, ref)
+            else:
+                out = measure(row, to_rows(fn), hca_cases[name], flops, ref)
+                if skip and per_query is None:
+                    per_query = out
+        if to_rows is None:
+            continue
+        if per_query is None:   # the per-query kernel as the model runs it, to compare with
+            fn = to_rows(functools.partial(SA._sparse_attention_gpu, scale=scale, skip_tail=True, interpret=interp))
+            per_query = np.asarray(jax.jit(fn)(*hca_cases[name]).astype(F32))
+        for tq, hb, blk, nw, ns, split in prefix_cfgs:
+            fn = functools.partial(SA.dense_prefix_attention, scale=scale, window=W, q_block=tq, heads=hb, block=blk,
+                                   num_warps=nw, num_stages=ns, pv_split=bool(split), interpret=interp)
+            row = dict(case=name, kernel="dense-prefix",
+                       config=dict(q_block=tq, heads=hb, block=blk, warps=nw, stages=ns, pv_split=split))
+            measure(row, fn, hca_cases[name], flops, ref, per_query)
+
+    print("\nbest per case (ms, the whole call):")
+    ok = True
+    for name in cases:
+        for kern in ("per-query", "dense-prefix"):
+            got = [r for r in rows_out if r["case"] == name and r["kernel"] == kern and "ms" in r]
+            if got:
+                best = min(got, key=lambda r: r["ms"])
+                print(f"  {name:8s} {kern:13s} {best['ms']:7.2f} ms  {best['config']}", flush=True)
+        ok = ok and all("error" not in r for r in rows_out if r["case"] == name)
+    print(f"wrote {out_dir}/attention_prefill.json")
+    return 0 if ok or not a.small else 1
 
 
 def indexer_prefill(a, out_dir: str) -> int:
@@ -809,7 +911,8 @@ SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, 
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
           "stored_weights": stored_weights, "kv_formats": kv_formats}
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats")   # the sweeps with a --small form
+# the sweeps with a --small form
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats", "attention_prefill")
 
 
 def sweep(a, out_dir: str) -> int:

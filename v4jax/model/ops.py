@@ -218,8 +218,13 @@ def _select_pallas(iq, w, idx_pool, rows, n_ready, k, key_format=None):
 
 def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_rows, n_ready, sel_rows,
                    with_lse=False, entry_format=None):
-    """pallas_kernels.sparse_attention over per-query row lists, gathered inside the kernel."""
+    """pallas_kernels.sparse_attention over per-query row lists, gathered inside the kernel. An HCA layer's prefill
+    chunk on a GPU (T >= sparse_attention._PREFIX_MIN_T, bf16 / f32 pools) takes dense_prefix_attention instead:
+    blocks of consecutive queries read their shared rows once (its doc)."""
     b, t = q.shape[:2]
+    if hca_rows is not None and pallas_sparse_attention.dense_prefix_applies(q, swa, kv, entry_format):
+        return pallas_sparse_attention.dense_prefix_attention(q, swa, win_rows, kv, hca_rows, n_ready, sink,
+                                                              scale=scale, window=window, return_lse=with_lse)
     # Query t's window is win_rows[t : t + W] (win_pos starts at start - W + 1).
     swa_rows = jnp.take_along_axis(_broadcast_rows(win_rows, t),
                                    jnp.arange(t)[None, :, None] + jnp.arange(window)[None, None, :], axis=2)
