@@ -72,7 +72,12 @@ def run_mode(a, mode: str) -> dict:
             bench = [sys.executable, "-W", "ignore", "-m", "v4jax.cli", "bench", "serve", "--url", url,
                      *shlex.split(a.bench_args)]
             with_out = bench + (["--out", out_dir] if out_dir else [])
-            r = subprocess.run(with_out, capture_output=True, text=True, timeout=a.load_timeout)
+            try:
+                r = subprocess.run(with_out, capture_output=True, text=True, timeout=a.load_timeout)
+            except subprocess.TimeoutExpired:  # a row that says so, and the next mode still runs
+                row["error"] = f"the load did not finish in {a.load_timeout:.0f} s"
+                row["compiled_at_timeout"] = _metrics(url).get("programs_compiled")
+                return row
             if out_dir and os.path.exists(os.path.join(out_dir, "serve_bench.json")):
                 with open(os.path.join(out_dir, "serve_bench.json")) as f:
                     rep = json.load(f)
@@ -97,7 +102,11 @@ def markdown(rows: Sequence[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "summary" not in r:
-            lines.append(f"| {r['mode']} | {r.get('ready_s', '-')} | - | {r.get('error', 'no results')[:80]} |")
+            err = r.get("error", "no results")[:80]
+            if r.get("compiled_at_timeout") is not None:
+                err += f" ({r['compiled_at_timeout']:.0f} programs compiled by then)"
+            ready = "-" if r.get("ready_s") is None else f"{r['ready_s']:.1f}"
+            lines.append(f"| {r['mode']} | {ready} | - | {err} |")
             continue
         s, cw = r["summary"], r["compiled_while_measured"] or {}
         n, bg = cw.get("programs_compiled", 0), cw.get("background", 0)
