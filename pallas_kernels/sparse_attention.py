@@ -402,6 +402,11 @@ _PREFIX_HEADS = 16     # ... times heads per program: 64 (query, head) rows, one
 _PREFIX_BLOCK = 64     # rows of a key block
 _PREFIX_WARPS = 8
 _PREFIX_STAGES = 2
+# bf16 pools: one bf16 p in the p @ v dot. H200, 8192 queries x 64 heads x 512 at the end of a 128K prompt (v4jax
+# bench kernels --sweep attention_prefill): 5.30 ms against the per-query kernel's 9.0; with p split in two bf16
+# parts (pv_matmul) 64.6 ms (two [64, C] x [C, 512] dots and their f32 accumulators spill registers). Max error
+# against the f32 reference 1.95e-3 either way (the bf16 output's rounding, as the per-query kernel's).
+_PREFIX_PV_SPLIT = False
 _PREFIX_MIN_T = 64     # query tokens per batch row from which an HCA layer takes this kernel (decode: the one above)
 
 
@@ -498,7 +503,8 @@ def dense_prefix_applies(q, swa_pool, cmp_pool, entry_format=None):
 
 def dense_prefix_attention(q, swa_pool, win_rows, cmp_pool, hca_rows, n_ready, sink, *, scale, window,
                            interpret=False, return_lse=False, q_block=_PREFIX_Q_BLOCK, heads=_PREFIX_HEADS,
-                           block=_PREFIX_BLOCK, num_warps=_PREFIX_WARPS, num_stages=_PREFIX_STAGES, pv_split=True):
+                           block=_PREFIX_BLOCK, num_warps=_PREFIX_WARPS, num_stages=_PREFIX_STAGES,
+                           pv_split=_PREFIX_PV_SPLIT):
     """An HCA layer's attention over a chunk of consecutive queries (GPU, Pallas Triton); the contract of
     `dense_prefix_attention_ref` (= `sparse_attention_ref` on the rows of `dense_prefix_rows`, lse included).
 
