@@ -165,9 +165,10 @@ def test_cover_warmup_no_step_waits():
     eng = llm.engine
     assert eng.warmup(cover_only=True) == 3
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(2, 500, n).tolist() for n in (71, 7)]
-    params = [SamplingParams(max_tokens=n, temperature=t, seed=i, logprobs=True, ignore_eos=True)
-              for i, (n, t) in enumerate(((9, 0.0), (20, 0.7)))]
+    prompts = [rng.integers(2, 500, n).tolist() for n in (71, 7, 40)]
+    # greedy, sampled, and greedy with top-3 alternatives (the cover's form has them)
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=i, logprobs=True, top_logprobs=top, ignore_eos=True)
+              for i, (n, t, top) in enumerate(((9, 0.0, 0), (20, 0.7, 0), (6, 0.0, 3)))]
     before = eng.stats()["programs"]
     got = llm.generate(prompts, params)
     during = eng.stats()["programs"]
@@ -179,3 +180,9 @@ def test_cover_warmup_no_step_waits():
     assert eng.stats()["programs"]["substituted_steps"] == during["substituted_steps"]
     for g, w in zip(got, again):
         _same(g, w)
+        assert (g.top_logprobs is None) == (w.top_logprobs is None)
+        if g.top_logprobs is not None:
+            assert [[i for i, _ in t] for t in g.top_logprobs] == [[i for i, _ in t] for t in w.top_logprobs]
+            np.testing.assert_allclose([[v for _, v in t] for t in g.top_logprobs],
+                                       [[v for _, v in t] for t in w.top_logprobs], atol=1e-5)
+    assert len(got[2].top_logprobs) == 6 and all(len(t) == 3 for t in got[2].top_logprobs)

@@ -117,9 +117,10 @@ def test_serve_on_two_processes(tiny_checkpoint):
                 for ch in json.loads(line[6:])["choices"]:
                     per_seq[ch["index"]] += ch.get("token_ids") or []
             assert [len(v) for v in per_seq.values()] == [6, 6]
-            # the default warm-up compiled the cover (the sampling forms): a greedy request without log-probs ran
-            # its decode steps on the sampling program while the greedy one compiled in the background, until both
-            # processes agreed to it (processes on different programs would hang in a collective)
+            # the default warm-up compiled the cover (the sampling forms with the top-N alternatives): a greedy
+            # request without log-probs ran its decode steps on the cover while its own compiled in the
+            # background, until both processes agreed to it (processes on different programs would hang in a
+            # collective)
             r = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0.0,
                                                    "ignore_eos": True, "return_token_ids": True})
             assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref[1].token_ids, r.text
@@ -129,8 +130,8 @@ def test_serve_on_two_processes(tiny_checkpoint):
 
             substituted = metrics()["v4jax_steps_substituted_total"]
             assert substituted > 0
-            # once compiled, the leader announces the greedy program with its next step; both processes run it
-            while metrics()["v4jax_programs_compiled_background_total"] == 0:
+            # once compiled, the leader announces the programs with its next step; both processes run them
+            while (m := metrics())["v4jax_programs_compiled_background_total"] == 0 or m["v4jax_programs_compiling"]:
                 assert time.monotonic() < deadline + 300, "the background compile did not end"
                 time.sleep(1)
             r = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0.0,

@@ -7,11 +7,11 @@ from v4jax.engine.programs import Program, ProgramBook, in_background
 
 class Form:
     """A stand-in for a StepSpec (hashed by identity, as StepSpec is)."""
-    def __init__(self, any_sampled: bool):
-        self.any_sampled = any_sampled
+    def __init__(self, any_sampled: bool, top_logprobs: int = 0):
+        self.any_sampled, self.top_logprobs = any_sampled, top_logprobs
 
 
-SAMPLED, GREEDY = Form(True), Form(False)
+SAMPLED, GREEDY, TOP = Form(True), Form(False), Form(True, 20)
 
 
 def _book():
@@ -86,3 +86,21 @@ def test_several_processes_wait_for_the_leaders_word():
     for b in (book, follower):
         b.agree([exact])
         assert b.choose(exact) == exact
+
+
+def test_the_top_n_form_covers_every_form_and_costs_most():
+    """The cover's form (sampling, with the top-N alternatives) may run a step of any form; where a program of the
+    same shape without them is compiled, that one runs the step."""
+    release = threading.Event()
+    book = ProgramBook(lambda p: release.wait(5), {GREEDY: (GREEDY, SAMPLED, TOP), SAMPLED: (SAMPLED, TOP)})
+    book.substitute = True
+    top = Program("decode", TOP, 4, 0, 8)
+    book.ran(top)
+    for form in (GREEDY, SAMPLED):
+        assert book.choose(Program("decode", form, 2, 0, 4)) == top
+    assert not Program("decode", SAMPLED, 4, 0, 8).covers(Program("decode", TOP, 2, 0, 4), {})
+    plain = Program("decode", SAMPLED, 4, 0, 8)
+    book.ran(plain)
+    assert book.choose(Program("decode", GREEDY, 2, 0, 4)) == plain
+    release.set()
+    book.wait()

@@ -99,10 +99,13 @@ class EngineCore:
                           for spec in (self.spec, self.greedy_spec)}
         self.steps = S.JittedSteps.make(run_options.mesh_rules)
         # the compiled step programs, and the one each step runs (a covering one while its own compiles, after
-        # warm-up): a greedy-only step may run on its sampling twin
+        # warm-up): a greedy-only step may run on its sampling twin, and any step on the sampling form with the
+        # top-N alternatives (the cover's form: the alternatives are read only for the requests that asked)
+        top = self.top_specs[True]
         self.programs = ProgramBook(self._compile_program, {
-            self.greedy_spec: (self.greedy_spec, self.spec),
-            self.top_specs[False]: (self.top_specs[False], self.top_specs[True])})
+            self.greedy_spec: (self.greedy_spec, self.spec, self.top_specs[False], top),
+            self.spec: (self.spec, top),
+            self.top_specs[False]: (self.top_specs[False], top)})
         self._flight: _InFlight | None = None
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
@@ -442,10 +445,10 @@ class EngineCore:
         Every program the engine can dispatch (prefill rows x chunk x pages, decode slots x pages in the sampling
         and greedy-only forms): afterwards nothing compiles but the variants with top-N alternatives
         (`top_specs`), at the first request that asks for them (compiling them here would double the warm-up for
-        what most deployments never use). `cover_only`: only the programs that cover every other one
-        (v4jax.engine.programs: a few instead of well over a hundred); afterwards a step whose own program is
-        missing runs on a covering one while its own compiles in the background, so no step waits for the
-        compiler either. On several processes every process must run the same program each step, which a
+        what most deployments never use). `cover_only`: only the programs that cover every other one, the top-N
+        variants included (v4jax.engine.programs: a few instead of well over a hundred); afterwards a step whose
+        own program is missing runs on a covering one while its own compiles in the background, so no step waits
+        for the compiler either. On several processes every process must run the same program each step, which a
         background compile's timing would not guarantee: there that needs the processes to agree on what is
         compiled (`programs.agreed`, as the multi-process server does: `take_compiled_programs` /
         `agree_programs`), else the steps whose programs are missing compile them.
@@ -538,14 +541,16 @@ class EngineCore:
                 for spec in (self.spec, self.greedy_spec)]
 
     def _cover_programs(self) -> list[Program]:
-        """The fewest programs that cover every one warm-up would compile: per prefill row count its longest
-        chunk, and the decode call over every slot, all at the widest page table and in the sampling form."""
+        """The fewest programs that cover every step: per prefill row count its longest chunk, and the decode call
+        over every slot, all at the widest page table and in the sampling form with the top-N alternatives (so a
+        first request asking for log-prob alternatives waits for no compile either)."""
         widest = max(self._page_buckets())
         longest = {}
         for rb, cb in self._prefill_shapes():
             longest[rb] = max(longest.get(rb, 0), cb)
-        return ([Program("prefill", self.spec, rb, cb, widest) for rb, cb in sorted(longest.items())]
-                + [Program("decode", self.spec, max(self._slot_buckets()), 0, widest)])
+        form = self.top_specs[True]
+        return ([Program("prefill", form, rb, cb, widest) for rb, cb in sorted(longest.items())]
+                + [Program("decode", form, max(self._slot_buckets()), 0, widest)])
 
     def compiled_variants(self) -> int:
         """Prefill and decode programs compiled (or loaded from the persistent cache) in this process so far."""

@@ -7,7 +7,8 @@ as large in every dimension runs the step correctly: rows past the step's are em
 argmax. So do other requests sharing a step already: a request's tokens do not depend on the bucket it ran in.
 
 Once warm-up has compiled a cover (for each prefill row count, the longest chunk at the widest table; the decode
-call over every slot at the widest table: 5 programs for flash-slice with 16 slots, against 242 in all), a step
+call over every slot at the widest table, in the sampling form with the top-N alternatives: 5 programs for
+flash-slice with 16 slots, against 242 in all), a step
 whose exact program is not compiled runs on the cheapest compiled one that covers it, while the exact program
 compiles on a background thread and takes over from the next step on. On an H200 a flash-slice
 program took ~15 s to compile (a step, milliseconds): a new shape after `/health` said ready stalled every
@@ -47,8 +48,9 @@ class Program:
                 and self.rows >= other.rows and self.chunk >= other.chunk and self.pages >= other.pages)
 
     def cost(self) -> tuple:
-        # the tokens a step computes, then the table it reads; the greedy-only form before the sampling one
-        return self.rows * max(self.chunk, 1), self.pages, self.spec.any_sampled
+        # the tokens a step computes, then the table it reads; the greedy-only form before the sampling one, and
+        # either before its twin with the top-N alternatives
+        return self.rows * max(self.chunk, 1), self.pages, self.spec.top_logprobs > 0, self.spec.any_sampled
 
 
 _worker = threading.local()
@@ -68,7 +70,8 @@ class ProgramBook:
 
     `compile_program(program)` compiles one ahead of time (the engine's `lower(...).compile()` on arguments of
     that shape, which fills the caches the step's own call looks in). `wider_specs[spec]`: the forms that may run a
-    step of form `spec`, itself first (a greedy-only step may run on the sampling program)."""
+    step of form `spec`, itself first (a greedy-only step may run on the sampling program, any step on the
+    sampling one with the top-N alternatives)."""
 
     def __init__(self, compile_program: Callable[[Program], None], wider_specs: dict):
         self._compile = compile_program
