@@ -36,8 +36,9 @@
 #              --only sinkhorn), their and the top-k GPU tests, batch 1 / 32 at 4K of flash-slice with each
 #              kernel's time per line of the model
 #   sweep      a prefill chunk's top-k per stage and its sparse attention per tile (--sweep topk_prefill /
-#              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks tiles; the indexer's
-#              is v4jax bench kernels --sweep indexer_prefill)
+#              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks the per-query
+#              kernel's tiles, "prefix:TQ:HEADS:BLOCK:WARPS:STAGES:PV_SPLIT ..." the HCA query-block kernel's; the
+#              indexer's is v4jax bench kernels --sweep indexer_prefill)
 #   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
 #   kvformats  the sparse attention and indexer kernels on FP8 entries / FP4 keys: their and the engine's GPU tests
 #              (TESTS=0 skips), then decode at 128K, batch 1 / 32, bf16 pools against the byte formats
