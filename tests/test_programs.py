@@ -2,7 +2,7 @@
 compiled in the background. The engine's use of it: tests/test_engine_slots.py::test_cover_warmup_no_step_waits."""
 import threading
 
-from v4jax.engine.programs import Program, ProgramBook, in_background
+from v4jax.engine.programs import BACKGROUND_THREADS, Program, ProgramBook, in_background
 
 
 class Form:
@@ -104,3 +104,32 @@ def test_the_top_n_form_covers_every_form_and_costs_most():
     assert book.choose(Program("decode", GREEDY, 2, 0, 4)) == plain
     release.set()
     book.wait()
+
+
+EXIT_SCRIPT = """
+import sys, time
+from v4jax.engine.programs import Program, ProgramBook
+class Form:
+    any_sampled, top_logprobs = True, 0
+form, log = Form(), sys.argv[1]
+def compile_program(p):
+    time.sleep(0.5)
+    with open(log, "a") as f:
+        f.write(f"{p.rows}\\n")
+book = ProgramBook(compile_program, {})
+book.substitute = True
+book.ran(Program("decode", form, 64, 0, 64))
+for rows in range(1, 11):
+    book.choose(Program("decode", form, rows, 0, 1))
+"""
+
+
+def test_exit_drops_the_queued_background_compiles(tmp_path):
+    """A process that exits with background compiles queued finishes only those already running (not the whole
+    queue, which on an H200 could be minutes of compiling between SIGTERM and exit)."""
+    import subprocess
+    import sys
+    log = tmp_path / "compiled"
+    subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(log)], check=True, timeout=120)
+    ran = log.read_text().split() if log.exists() else []
+    assert len(ran) <= BACKGROUND_THREADS, ran

@@ -80,6 +80,7 @@ class ProgramBook:
         self._pending: dict[Program, concurrent.futures.Future] = {}
         self._lock = threading.RLock()  # a done callback may run inside _submit, which holds it
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
         self.substitute = False  # cover steps whose program is missing (set by warm-up)
         self.substituted_steps = 0  # steps that ran on a covering program
         # several processes: background compiles wait in _compiled until every process has agreed to them
@@ -119,17 +120,30 @@ class ProgramBook:
                     progress(done, len(programs))
 
     def _submit(self, program: Program) -> None:
-        if program in self._pending or program in self._compiled:
+        if program in self._pending or program in self._compiled or self._closed:
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, "v4jax-compile",
                                                                    initializer=_mark_background)
+            # At interpreter exit concurrent.futures joins its threads, which first run every queued compile (a
+            # burst of new shapes on an H200 left 27 of ~15 s each: minutes between SIGTERM and exit). Hooks of
+            # this list run last-registered first, so this one drops the queue before that join.
+            threading._register_atexit(self.close)
         self._pending[program] = f = self._executor.submit(self._compile, program)
         f.add_done_callback(lambda _: self._done(program))
+
+    def close(self) -> None:
+        """Drop the background compiles still queued (those running end); no more are started."""
+        with self._lock:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _done(self, program: Program) -> None:
         with self._lock:
             f = self._pending.pop(program)
+            if f.cancelled():
+                return
             if f.exception() is None:
                 (self._compiled if self.agreed else self._ready).add(program)
             else:  # the step's own call compiles it then, and raises there if it must
