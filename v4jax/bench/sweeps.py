@@ -27,9 +27,14 @@ is reported, not fatal.
                                                                                  -> OUT/kv_formats.json
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
+  --sweep fp8_prefill         a prefill chunk's projections through FP8 weights (--tokens M, default 8192; Flash
+                              shapes): XLA's dequantize + bf16 matmul and a bf16-weight matmul against the FP8
+                              GEMM pallas_kernels.fp8_matmul per tile (--configs BM:BN:WARPS:STAGES[:GROUP_M])
+                                                                                 -> OUT/fp8_prefill.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill): tiny shapes in interpret
-mode on a CPU, to check the code end to end; the numbers mean nothing there. The other sweeps run on a GPU only.
+`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill, fp8_prefill): tiny
+shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there. The other sweeps
+run on a GPU only.
 Times are GPU kernel time from a profiler trace unless said otherwise.
 """
 from __future__ import annotations
@@ -769,6 +774,124 @@ def stored_weights(a, out_dir: str) -> int:
     return 0
 
 
+# ---- --sweep fp8_prefill -------------------------------------------------------------------------------------------
+
+def fp8_prefill_shapes(small: bool):
+    """(name, O, D, groups) of the projections of one Flash layer that the release stores in FP8 (from the flash
+    preset): D is the input width of one group."""
+    if small:
+        return [("small", 256, 256, 1), ("small grouped", 512, 256, 2)]
+    from v4jax.config import preset
+    c = preset("flash")
+    hk = c.n_heads * c.head_dim
+    return [("wq_a", c.q_lora_rank, c.dim, 1), ("wq_b", hk, c.q_lora_rank, 1), ("wkv", c.head_dim, c.dim, 1),
+            ("wo_a (grouped)", c.o_groups * c.o_lora_rank, hk // c.o_groups, c.o_groups),
+            ("wo_b", c.dim, c.o_groups * c.o_lora_rank, 1),
+            ("indexer wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank, 1),
+            ("shared w1 / w3", c.moe_inter_dim, c.dim, 1), ("shared w2", c.dim, c.moe_inter_dim, 1)]
+
+
+def _fp8_configs(specs, small):
+    """--configs of fp8_prefill: BM:BN:WARPS:STAGES[:GROUP_M]; default: a grid around 128 x 128 tiles."""
+    if specs:
+        return [tuple(int(v) for v in c.split(":")) + ((8,) if c.count(":") == 3 else ()) for c in specs]
+    if small:
+        return [(32, 128, 4, 2, 8), (32, 64, 4, 2, 2)]
+    return [(128, 128, 8, 3, 8), (128, 128, 4, 3, 8), (128, 128, 8, 4, 8), (128, 128, 4, 4, 8),
+            (64, 128, 4, 4, 8), (128, 256, 8, 3, 8), (256, 128, 8, 3, 8), (128, 128, 8, 3, 16)]
+
+
+def fp8_prefill(a, out_dir: str) -> int:
+    """A prefill chunk (--tokens M, default 8192) through each projection of a Flash layer that the release stores
+    in FP8 (e4m3, 128 x 128 ue8m0 blocks), as the model's layer loop calls it (layer 1 of a stack of 2, the layer
+    index traced): XLA's form today (ops._linear_xla: the layer's slice dequantized to bf16, a bf16 matmul), a
+    bf16-weight matmul of the same shape (ops._linear_xla on the bf16 stack), and pallas_kernels.fp8_matmul per
+    tile (--configs BM:BN:WARPS:STAGES[:GROUP_M]; its activation rounding included, as ops._linear_pallas runs it).
+    x is rounded to FP8 as layers.Linear rounds an FP8 linear's input (wo_a's is not in the model: there the kernel
+    also runs with quantize_x=False, the form fp8_matmul.UNROUNDED would route). Each output is checked against
+    XLA's FP8 form: max |diff| / max |ref| and the share of elements further apart than a bf16 ulp. Times: device
+    time per call from a profiler trace (the host's wall time on a CPU). --small: tiny shapes in interpret mode on
+    a CPU (numbers meaningless). -> OUT/fp8_prefill.json"""
+    F8 = importlib.import_module("pallas_kernels.fp8_matmul")
+    from v4jax.model import ops, quant
+    interp = jax.default_backend() == "cpu"
+    tokens = a.tokens or ([40] if a.small else [8192])
+    configs = _fp8_configs(a.configs, a.small)
+    repeats = a.repeats or (1 if a.small else 5)
+    layers = 2
+    rows_out = []
+
+    def save():   # after every row: a run cut short by its time limit keeps what it measured
+        with open(os.path.join(out_dir, "fp8_prefill.json"), "w") as fh:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tokens=tokens, layer_stack=layers,
+                           repeats=repeats, rows=rows_out), fh, indent=1)
+
+    @jax.jit
+    def agreement(y, ref):
+        y, ref = y.astype(F32), ref.astype(F32)
+        top = jnp.max(jnp.abs(ref))
+        diff = jnp.abs(y - ref)
+        return diff.max() / top, jnp.mean(diff > 2.0 ** -7 * jnp.abs(ref) + 1e-6 * top), jnp.all(jnp.isfinite(y))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+    def case(key, m, o, d, g):
+        kx, kw, ks = jax.random.split(key, 3)
+        x = quant.fp8_roundtrip(jax.random.normal(kx, (m, g, d) if g > 1 else (m, d), F32), 128).astype(BF16)
+        mag = jnp.exp2(jax.random.randint(ks, (layers, o // 128, d // 128), -3, 3).astype(F32)) * d ** -0.5
+        w = jax.random.normal(kw, (layers, o, d), F32) * jnp.repeat(jnp.repeat(mag, 128, 1), 128, 2)
+        values, scale = quant.quantize(w, "fp8")
+        return x, values, scale, quant.dequantize(values, scale, "fp8", BF16, w.shape)
+
+    for m, (name, o, d, g) in itertools.product(tokens, fp8_prefill_shapes(a.small)):
+        x, values, scale, w_bf16 = case(jax.random.key(o + d + g), m, o, d, g)
+        layer = jnp.int32(1)
+        tflop = 2 * m * o * d / 1e12
+        ref = None
+        forms = [("xla fp8 (dequantize + bf16)", dict(), lambda x, v, s, i: ops._linear_xla(x, v, i, g, s[i]),
+                  (x, values, scale, layer)),
+                 ("xla bf16 weights", dict(), lambda x, w, i: ops._linear_xla(x, w, i, g), (x, w_bf16, layer))]
+        for bm, bn, nw, ns, gm in configs:
+            for qx in ((True, False) if g > 1 else (True,)):
+                cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, group_m=gm)
+                forms.append(("fp8_matmul" + ("" if qx else " unrounded x"), cfg,
+                              lambda x, v, s, i, cfg=cfg, qx=qx: F8.fp8_linear(
+                                  x, v, i, g, scale=s[i], quantize_x=qx, interpret=interp, **cfg),
+                              (x, values, scale, layer)))
+        print(f"{name}: M={m} O={o} D={d} groups={g}, {tflop:.3f} TFLOP", flush=True)
+        for form, cfg, fn, args in forms:
+            row = dict(shape=name, tokens=m, O=o, D=d, groups=g, form=form, config=cfg)
+            tag = f"  {form} " + " ".join(f"{k}={v}" for k, v in cfg.items()) + ":"
+            try:
+                y = jax.jit(fn)(*args)
+                if ref is None:
+                    ref = y
+                err, beyond, finite = (float(v) for v in agreement(y, ref))
+                sec, per_kernel = _kb().time_trace(fn, args, repeats=repeats)
+            except Exception as ex:  # noqa: BLE001 - a tile Triton cannot lower or fit is reported, not fatal
+                row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+                print(f"{tag} failed {row['error'][:200]}", flush=True)
+                rows_out.append(row)
+                save()
+                continue
+            row.update(ms=sec * 1e3, tflops=tflop / sec, max_err_rel=err, beyond_ulp=beyond, finite=bool(finite),
+                       kernels_ms={k: v * 1e3 for k, v in per_kernel.items()})
+            print(f"{tag} {sec * 1e3:8.3f} ms {tflop / sec:7.1f} TFLOP/s  max err {err:.2e}, "
+                  f"{beyond:.1e} beyond an ulp", flush=True)
+            rows_out.append(row)
+            save()
+        del x, values, scale, w_bf16, ref
+
+    print("\nbest per shape (ms, the whole call):")
+    for m, (name, *_rest) in itertools.product(tokens, fp8_prefill_shapes(a.small)):
+        got = [r for r in rows_out if r["shape"] == name and r["tokens"] == m and "ms" in r]
+        for form in dict.fromkeys(r["form"] for r in got):
+            best = min((r for r in got if r["form"] == form), key=lambda r: r["ms"])
+            print(f"  {name:16s} M={m:5d} {form:28s} {best['ms']:8.3f} ms  {best['config']}", flush=True)
+    print(f"wrote {out_dir}/fp8_prefill.json")
+    ok = all("error" not in r and r["finite"] and r["beyond_ulp"] < 1e-3 for r in rows_out)
+    return 0 if ok or not a.small else 1
+
+
 def kv_formats(a, out_dir: str) -> int:
     """Decode reads of the KV pools at 128K, Flash shapes, at batch 1 and 32: the pools in bf16 against the release's
     byte formats (kv_cache_dtype="fp8": FP8 entries of 584 B against 1,024, FP4 indexer keys of 68 B against 256);
@@ -910,9 +1033,9 @@ def kv_formats(a, out_dir: str) -> int:
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
-          "stored_weights": stored_weights, "kv_formats": kv_formats}
+          "stored_weights": stored_weights, "kv_formats": kv_formats, "fp8_prefill": fp8_prefill}
 # the sweeps with a --small form
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats", "attention_prefill")
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats", "attention_prefill", "fp8_prefill")
 
 
 def sweep(a, out_dir: str) -> int:

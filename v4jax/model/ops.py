@@ -40,15 +40,17 @@ be partitioned automatically); XLA partitions the jnp forms itself.
   hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post).
   linear(x, w, layer, groups, scale=None) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a
       layer stack w [n, O, D] (v4jax.model.layers.linear, groups included); with `scale` (layer `layer`'s ue8m0
-      block scales), w is the release's e4m3 stack, x already rounded to FP8; off a mesh only (on one the
-      projections are XLA's, partitioned by the rules).
+      block scales), w is the release's e4m3 stack, x already rounded to FP8 (layers.Linear) but for the grouped
+      wo_a (groups > 1), whose input the release does not round; off a mesh only (on one the projections are
+      XLA's, partitioned by the rules).
 The kernels are read from their modules at call time (tests patch them to count calls).
 
 Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
   "xla" everywhere: the jnp maths below and in v4jax.model.layers.
   "pallas" (OPS["pallas"]): the kernels as they run portably (the TPU-style kernels, interpreted on CPU) plus the
       kernels written for Triton (experts, linear, project, hc_post), interpreted on CPU. On a GPU `compress` also
-      takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes. On
+      takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes,
+      and `linear` a prefill chunk's FP8 GEMM (pallas_kernels.fp8_matmul) for weights kept as stored. On
       a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit VMEM): the table
       takes the XLA table's experts, linear, project and hc_post, named in `Ops.from_xla`.
 """
@@ -65,6 +67,7 @@ from pallas_kernels import compressor as pallas_compressor
 from pallas_kernels import compressor_gpu as pallas_compressor_gpu
 from pallas_kernels import experts as pallas_experts
 from pallas_kernels import experts_grouped as pallas_experts_grouped
+from pallas_kernels import fp8_matmul as pallas_fp8_matmul
 from pallas_kernels import hc_post as pallas_hc_post
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import kv_format
@@ -285,11 +288,18 @@ def _linear_xla(x, w, layer, groups=1, scale=None):
 
 def _linear_pallas(x, w, layer, groups=1, scale=None):
     """pallas_kernels.layer_linear for a decode step's few tokens (the layer's weight read from the stack in
-    place; FP8 weights as stored) on GPU and, interpreted, on CPU; XLA's matmul for more tokens. On the H200 the
-    XLA form of an FP8 weight (the layer's slice dequantized, then a bf16 matmul) made a flash-slice decode step
-    2x slower than bf16 weights (3.16 against 1.57 ms at batch 1, 4K)."""
-    if pallas_linear.supported(x, w, groups, scaled=scale is not None):
+    place; FP8 weights as stored) on GPU and, interpreted, on CPU; on a GPU, a prefill chunk through FP8 weights as
+    stored takes pallas_kernels.fp8_matmul (the release's block-scaled FP8 GEMM on the FP8 tensor cores, the
+    weight read from the stack in place; x arrives rounded to FP8, which the kernel's rounding leaves as it is;
+    the grouped wo_a's unrounded input only where fp8_matmul.UNROUNDED says); XLA's matmul for the rest. On the
+    H200 the XLA form of an FP8 weight (the layer's slice dequantized, then a bf16 matmul) made a flash-slice
+    decode step 2x slower than bf16 weights (3.16 against 1.57 ms at batch 1, 4K)."""
+    scaled = scale is not None
+    if pallas_linear.supported(x, w, groups, scaled=scaled):
         return pallas_linear.layer_linear(x, w, layer, groups, scale=scale).astype(x.dtype)
+    rounded = groups == 1  # the release rounds the input of every FP8 linear but wo_a (the grouped one)
+    if pallas_fp8_matmul.supported(x, w, groups, scaled=scaled, rounded=rounded):
+        return pallas_fp8_matmul.fp8_linear(x, w, layer, groups, scale=scale, quantize_x=rounded)
     return _linear_xla(x, w, layer, groups, scale)
 
 
