@@ -63,6 +63,9 @@ MIN_TOKENS = _DECODE_TOKENS + 1
 BM, BN, WARPS, STAGES, GROUP_M = 128, 128, 8, 3, 8
 MIN_PROGRAMS = 132  # one per SM of the H200: fewer output tiles split D (split-K)
 MAX_SPLITS = 8
+# Whether the model's prefill linears take this kernel at all: not before it has run on a GPU (the sweep against
+# XLA's dequantize + bf16 matmul, and the engine's GPU tests with it); until then they stay with XLA.
+ROUTED = False
 # Whether the model's unrounded FP8 inputs (the grouped wo_a: bf16 products on the tensor cores, the weight read as
 # stored) take this kernel too. Off until the sweep shows it beating XLA's dequantize + cuBLAS bf16 matmul there.
 UNROUNDED = False

@@ -114,6 +114,9 @@ def test_linear_pallas_takes_the_kernel_for_a_prefill_chunk_on_gpu(monkeypatch):
     monkeypatch.setattr(F8, "fp8_tensor_cores", lambda: True)         # (this machine's device is a CPU)
     monkeypatch.setattr(F8, "fp8_linear", lambda *a, **kw: calls.append(kw) or kernel(*a, interpret=True,
                                                                                         block_m=32, **kw))
+    ops._linear_pallas(x, w.values, jnp.int32(1), 1, w.scale[1])
+    assert not calls                                                  # not routed before its first GPU run
+    monkeypatch.setattr(F8, "ROUTED", True)
     got = ops._linear_pallas(x, w.values, jnp.int32(1), 1, w.scale[1])
     want = ops._linear_xla(x, w.values, jnp.int32(1), 1, w.scale[1])
     assert len(calls) == 1 and calls[0]["quantize_x"] and got.shape == want.shape and got.dtype == BF16

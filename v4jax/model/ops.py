@@ -50,8 +50,8 @@ Which table runs where (`ops_for`, resolved once per forward pass from RunOption
   "pallas" (OPS["pallas"]): the kernels as they run portably (the TPU-style kernels, interpreted on CPU) plus the
       kernels written for Triton (experts, linear, project, hc_post), interpreted on CPU. On a GPU `compress` also
       takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes,
-      and `linear` a prefill chunk's FP8 GEMM (pallas_kernels.fp8_matmul) for weights kept as stored. On
-      a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit VMEM): the table
+      and `linear` a prefill chunk's FP8 GEMM (pallas_kernels.fp8_matmul) for weights kept as stored (once
+      fp8_matmul.ROUTED). On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit VMEM): the table
       takes the XLA table's experts, linear, project and hc_post, named in `Ops.from_xla`.
 """
 from __future__ import annotations
@@ -291,14 +291,15 @@ def _linear_pallas(x, w, layer, groups=1, scale=None):
     place; FP8 weights as stored) on GPU and, interpreted, on CPU; on a GPU, a prefill chunk through FP8 weights as
     stored takes pallas_kernels.fp8_matmul (the release's block-scaled FP8 GEMM on the FP8 tensor cores, the
     weight read from the stack in place; x arrives rounded to FP8, which the kernel's rounding leaves as it is;
-    the grouped wo_a's unrounded input only where fp8_matmul.UNROUNDED says); XLA's matmul for the rest. On the
+    the grouped wo_a's unrounded input only where fp8_matmul.UNROUNDED says; both once fp8_matmul.ROUTED, after
+    its first GPU run); XLA's matmul for the rest. On the
     H200 the XLA form of an FP8 weight (the layer's slice dequantized, then a bf16 matmul) made a flash-slice
     decode step 2x slower than bf16 weights (3.16 against 1.57 ms at batch 1, 4K)."""
     scaled = scale is not None
     if pallas_linear.supported(x, w, groups, scaled=scaled):
         return pallas_linear.layer_linear(x, w, layer, groups, scale=scale).astype(x.dtype)
     rounded = groups == 1  # the release rounds the input of every FP8 linear but wo_a (the grouped one)
-    if pallas_fp8_matmul.supported(x, w, groups, scaled=scaled, rounded=rounded):
+    if pallas_fp8_matmul.ROUTED and pallas_fp8_matmul.supported(x, w, groups, scaled=scaled, rounded=rounded):
         return pallas_fp8_matmul.fp8_linear(x, w, layer, groups, scale=scale, quantize_x=rounded)
     return _linear_xla(x, w, layer, groups, scale)
 
