@@ -51,8 +51,9 @@ Which table runs where (`ops_for`, resolved once per forward pass from RunOption
       kernels written for Triton (experts, linear, project, hc_post), interpreted on CPU. On a GPU `compress` also
       takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes,
       and `linear` a prefill chunk's FP8 GEMM (pallas_kernels.fp8_matmul) for weights kept as stored (once
-      fp8_matmul.ROUTED). On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit VMEM): the table
-      takes the XLA table's experts, linear, project and hc_post, named in `Ops.from_xla`.
+      fp8_matmul.ROUTED). On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
+      not fit VMEM): the table takes the XLA table's experts, linear, project and hc_post, named in
+      `Ops.from_xla`.
 """
 from __future__ import annotations
 
