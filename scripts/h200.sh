@@ -39,6 +39,10 @@
 #              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks the per-query
 #              kernel's tiles, "prefix:TQ:HEADS:BLOCK:WARPS:STAGES:PV_SPLIT ..." the HCA query-block kernel's; the
 #              indexer's is v4jax bench kernels --sweep indexer_prefill)
+#   fp8prefill the FP8 prefill GEMM (pallas_kernels.fp8_matmul) against XLA's dequantize + bf16 matmul at Flash's
+#              projection shapes (--sweep fp8_prefill; SWEEP=0 skips, SWEEP_S its limit), then flash-slice in the
+#              release's formats through LLM.generate, a 32K prefill with the kernel off and on (fp8_matmul.ROUTED)
+#              -> $OUT/fp8_prefill.json, $OUT/fp8_routed{0,1}
 #   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
 #   kvformats  the sparse attention and indexer kernels on FP8 entries / FP4 keys: their and the engine's GPU tests
 #              (TESTS=0 skips), then decode at 128K, batch 1 / 32, bf16 pools against the byte formats
@@ -466,6 +470,21 @@ prefill)
     --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 160 --out "$out/gen_slice" \
     > "$out/gen_slice.log" 2>&1
   echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
+  ;;
+fp8prefill)
+  imports
+  if [ "${SWEEP:-1}" = 1 ]; then
+    stamp "FP8 prefill GEMM against XLA's dequantize + bf16 matmul"
+    timeout ${SWEEP_S:-300} python3 -W ignore -m v4jax.bench kernels --sweep fp8_prefill --out "$out" 2>&1 | quiet \
+      | tail -40
+  fi
+  for routed in 0 1; do
+    stamp "flash-slice, FP8 weights as stored: the 32K prefill, fp8_matmul.ROUTED=$routed"
+    timeout ${ROW_S:-120} python3 -W ignore -c "import sys, pallas_kernels.fp8_matmul as f; f.ROUTED = bool($routed)
+from v4jax.bench.generate import generate_main; sys.exit(generate_main(sys.argv[1:]))" --model flash-slice \
+      --quantization fp8 --batches 1 --contexts 4K --prefill 32K --new 8 --prefill-chunk 8192 --attention-impl pallas \
+      --deadline-s $(( ${ROW_S:-120} - 10 )) --out "$out/fp8_routed$routed" 2>&1 | quiet | grep "^|" | tail -3
+  done
   ;;
 sweep)
   imports
