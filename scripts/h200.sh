@@ -70,8 +70,9 @@
 #              programs compiled, programs a warm-up would compile -> $OUT/width.jsonl (MODEL, ROWS_W, NEW, WIDTH_S)
 #   startup    `v4jax serve` per --warmup mode (carry [".whl"]; v4jax bench startup, compilation cache off): seconds to
 #              ready, the first load's TTFT / TPOT / ITL and longest gap, compiles waited for or done in the background
-#              -> $OUT/startup (MODEL, MODES ("none cover"), SERVE_ARGS, BENCH_ARGS, STARTUP_S, SKIP_WHEELS); CPU dry
-#              run of the default model (3 min): SKIP_WHEELS=1 MODEL= SERVE_ARGS="--max-model-len 512" BENCH_ARGS="--rate 2
+#              -> $OUT/startup (MODEL, MODES ("cover none": the cover first; its load of 96 requests at 2/s lasts
+#              long enough for background compiles to end and exact programs to take over), SERVE_ARGS, BENCH_ARGS,
+#              STARTUP_S, SKIP_WHEELS); CPU dry run of the default model (3 min): SKIP_WHEELS=1 MODEL= SERVE_ARGS="--max-model-len 512" BENCH_ARGS="--rate 2
 #              --num-requests 6 --prompt-len 8:300 --output-len 8:16 --vocab 2048" bash scripts/h200.sh startup
 #   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
 #              (v4jax bench hisparse), one row a call: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
@@ -244,10 +245,10 @@ startup)
   # done in the background (v4jax bench startup)
   wheels
   model=${MODEL-flash-slice}
-  stamp "${model:-the default model}: v4jax serve --warmup ${MODES:-none cover}"
+  stamp "${model:-the default model}: v4jax serve --warmup ${MODES:-cover none}"
   timeout ${STARTUP_S:-560} python3 -W ignore -m v4jax.cli bench startup --model "$model" \
-    --modes ${MODES:-none cover} --serve-args "${SERVE_ARGS:---max-num-seqs 16 --max-model-len 4096}" \
-    --bench-args "${BENCH_ARGS:---rate 2 --num-requests 24 --prompt-len 16:3000 --output-len 16:128 --vocab 129280}" \
+    --modes ${MODES:-cover none} --serve-args "${SERVE_ARGS:---max-num-seqs 16 --max-model-len 4096}" \
+    --bench-args "${BENCH_ARGS:---rate 2 --num-requests 96 --prompt-len 16:3000 --output-len 16:128 --vocab 129280}" \
     --ready-timeout 300 --load-timeout 300 --out "$out/startup" 2>&1 | quiet | tail -20
   ;;
 hisparse)
