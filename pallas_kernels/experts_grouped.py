@@ -66,9 +66,11 @@ def grouped_matmul(rows, w, sizes, blocks: Blocks = BLOCKS):
 
 
 def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, blocks: Blocks = BLOCKS,
-                   matmul=None):
+                   matmul=None, w2_input=None):
     """See the module docstring. `matmul(rows, w, sizes)`: the grouped matmul (default the Mosaic-GPU kernel;
-    tests on CPU pass an XLA one)."""
+    tests on CPU pass an XLA one). `w2_input(h, w)`: the release's numerics (h the f32 SwiGLU [R, I], w each
+    row's routing weight [R, 1]; the caller scales and rounds it, as the official expert does before w2), the
+    outputs then summed unweighted; None: h in x's dtype, the outputs weighted."""
     matmul = matmul or functools.partial(grouped_matmul, blocks=blocks)
     if layer is not None:
         w1, w2, w3 = (jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False) for w in (w1, w2, w3))
@@ -87,9 +89,13 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, layer=None, *, blocks
     sizes = jnp.bincount(flat_e, length=n_exp).astype(jnp.int32).at[-1].add(pad)
     xs = jnp.pad(x[tok], ((0, pad), (0, 0)))                                 # [M*k + pad, D]
     h = swiglu(matmul(xs, w1, sizes).astype(F32), matmul(xs, w3, sizes).astype(F32), limit)
-    y = matmul(h.astype(dt), w2, sizes)                                       # [M*k + pad, D] sorted
+    if w2_input is None:
+        y = matmul(h.astype(dt), w2, sizes)                                   # [M*k + pad, D] sorted
+    else:
+        sorted_w = jnp.pad(flat_w[order], (0, pad))[:, None]
+        y = matmul(w2_input(h, sorted_w).astype(dt), w2, sizes)
     # back to (token, k) order by a gather, summed over k in the reference's order (a scatter-add of the
     # sorted rows was 42 ms of a 128K prefill's kernel time)
     unsort = jnp.zeros((m * k,), jnp.int32).at[order].set(jnp.arange(m * k, dtype=jnp.int32))
     y = y[unsort].astype(F32).reshape(m, k, -1)
-    return jnp.sum(y * flat_w.reshape(m, k, 1), axis=1)
+    return jnp.sum(y, axis=1) if w2_input is not None else jnp.sum(y * flat_w.reshape(m, k, 1), axis=1)

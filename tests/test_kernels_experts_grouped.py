@@ -52,3 +52,32 @@ def test_the_pallas_ops_take_the_grouped_form_for_a_prefill_chunk(monkeypatch):
     ref = ops.OPS["xla"].experts(x, w, ex, w1, w2, w3, 2.0, 1)
     assert len(calls) == 3  # up, gate, down
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_experts_as_stored_take_the_grouped_form_with_the_release_rounding(monkeypatch):
+    """A prefill chunk through FP4 experts as stored, with the release's rounding (w2's input the routing weight
+    times the SwiGLU, rounded to FP8; the outputs summed unweighted): the pallas ops widen the layer's experts and
+    run the grouped matmul, equal to the XLA form."""
+    from v4jax.model import ops, quant
+    calls = []
+
+    def matmul(rows, w, sizes, blocks=G.BLOCKS):
+        calls.append(rows.shape)
+        return xla_grouped(rows, w, sizes)
+
+    monkeypatch.setattr(G, "supported", lambda x, w1: x.shape[0] >= 64 and w1.dtype == x.dtype)
+    monkeypatch.setattr(G, "grouped_matmul", matmul)
+    M, k, E, I, D, n = 96, 2, 4, 64, 64, 2
+    ks = jax.random.split(jax.random.key(4), 5)
+    x = quant.fp8_roundtrip(jax.random.normal(ks[0], (M, D)), 128)     # the release rounds the experts' input
+    w1, w3 = (quant.Quantized(*quant.quantize(0.3 * jax.random.normal(kk, (n, E, I, D)), "fp4"), "fp4")
+              for kk in ks[1:3])
+    w2 = quant.Quantized(*quant.quantize(0.3 * jax.random.normal(ks[3], (n, E, D, I)), "fp4"), "fp4")
+    w, ex = jax.lax.top_k(jax.random.normal(ks[4], (M, E)), k)
+    w = jax.nn.softmax(w)
+    ex = ex.at[::5, 1].set(-1)  # pairs of no expert (another shard's: weight 0)
+    w = jnp.where(ex >= 0, w, 0.0)
+    got = ops.OPS["pallas"].experts(x, w, ex, w1, w2, w3, 2.0, 1, act_quant=True)
+    ref = ops.OPS["xla"].experts(x, w, ex, w1, w2, w3, 2.0, 1, act_quant=True)
+    assert len(calls) == 3  # up, gate, down
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)

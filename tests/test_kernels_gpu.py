@@ -252,6 +252,24 @@ def test_grouped_experts_gpu(M, k, E, I, D):
     assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))
 
 
+def test_grouped_experts_as_stored_gpu():
+    """A prefill chunk through FP4 experts as stored with the release's rounding: the pallas ops widen the layer's
+    experts and take the grouped matmul; the XLA form (every expert over every token) as the reference."""
+    from v4jax.model import ops, quant
+    M, k, E, I, D = 1024, 6, 16, 256, 512
+    ks = jax.random.split(jax.random.key(3), 6)
+    x = quant.fp8_roundtrip(jax.random.normal(ks[0], (M, D), jnp.float32), 128).astype(jnp.bfloat16)
+    w1, w3 = (quant.Quantized(*quant.quantize(0.05 * jax.random.normal(kk, (2, E, I, D)), "fp4"), "fp4")
+              for kk in ks[1:3])
+    w2 = quant.Quantized(*quant.quantize(0.05 * jax.random.normal(ks[3], (2, E, D, I)), "fp4"), "fp4")
+    wt, ex = jax.lax.top_k(jax.random.normal(ks[4], (M, E)) + 3.0 * jax.random.normal(ks[5], (E,)), k)
+    wt = jax.nn.softmax(wt)
+    out = jax.jit(lambda *a: ops.OPS["pallas"].experts(*a, 10.0, 1, act_quant=True))(x, wt, ex, w1, w2, w3)
+    ref = jax.jit(lambda *a: ops.OPS["xla"].experts(*a, 10.0, 1, "dense", act_quant=True))(x, wt, ex, w1, w2, w3)
+    ref = np.asarray(ref, np.float64)
+    assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))
+
+
 @pytest.mark.parametrize("M,O,D,G,n", [(1, 1024, 4096, 1, 4), (32, 512, 4096, 1, 4), (1, 8192, 4096, 8, 3),
                                        (32, 8192, 4096, 8, 3)])
 def test_layer_linear_fp8_gpu(M, O, D, G, n):
