@@ -39,7 +39,8 @@
 #              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks the per-query
 #              kernel's tiles, "prefix:TQ:HEADS:BLOCK:WARPS:STAGES:PV_SPLIT ..." the HCA query-block kernel's; the
 #              indexer's is v4jax bench kernels --sweep indexer_prefill)
-#   fp8prefill the FP8 prefill GEMM (pallas_kernels.fp8_matmul) against XLA's dequantize + bf16 matmul at Flash's
+#   fp8prefill the GPU test of a prefill chunk's experts as stored (widened, then the grouped matmul), the FP8
+#              prefill GEMM (pallas_kernels.fp8_matmul) against XLA's dequantize + bf16 matmul at Flash's
 #              projection shapes (--sweep fp8_prefill; SWEEP=0 skips, SWEEP_S its limit), then flash-slice in the
 #              release's formats through LLM.generate, a 32K prefill with the kernel off and on (fp8_matmul.ROUTED)
 #              -> $OUT/fp8_prefill.json, $OUT/fp8_routed{0,1}
@@ -474,6 +475,9 @@ prefill)
   ;;
 fp8prefill)
   imports
+  stamp "GPU test: a prefill chunk's experts as stored"
+  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k as_stored -p no:cacheprovider \
+    --tb=short 2>&1 | grep -v "^  \|^$" | tail -8
   if [ "${SWEEP:-1}" = 1 ]; then
     stamp "FP8 prefill GEMM against XLA's dequantize + bf16 matmul"
     timeout ${SWEEP_S:-300} python3 -W ignore -m v4jax.bench kernels --sweep fp8_prefill --out "$out" 2>&1 | quiet \
