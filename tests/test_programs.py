@@ -133,3 +133,20 @@ def test_exit_drops_the_queued_background_compiles(tmp_path):
     subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(log)], check=True, timeout=120)
     ran = log.read_text().split() if log.exists() else []
     assert len(ran) <= BACKGROUND_THREADS, ran
+
+
+def test_a_dropped_book_is_freed():
+    """The exit hook holds the book weakly: an engine dropped after background compiles (its pools with it) is
+    freed before exit."""
+    import gc
+    import weakref
+
+    book = ProgramBook(lambda p: None, {})
+    book.substitute = True
+    book.ran(Program("decode", SAMPLED, 4, 0, 8))
+    book.choose(Program("decode", SAMPLED, 1, 0, 1))
+    book.wait()
+    ref = weakref.ref(book)
+    del book
+    gc.collect()
+    assert ref() is None

@@ -25,6 +25,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
 log = logging.getLogger("v4jax.engine")
@@ -63,6 +64,12 @@ def in_background() -> bool:
 
 def _mark_background() -> None:
     _worker.background = True
+
+
+def _close_if_alive(ref: "weakref.ref[ProgramBook]") -> None:
+    book = ref()
+    if book is not None:
+        book.close()
 
 
 class ProgramBook:
@@ -127,8 +134,9 @@ class ProgramBook:
                                                                    initializer=_mark_background)
             # At interpreter exit concurrent.futures joins its threads, which first run every queued compile (a
             # burst of new shapes on an H200 left 27 of ~15 s each: minutes between SIGTERM and exit). Hooks of
-            # this list run last-registered first, so this one drops the queue before that join.
-            threading._register_atexit(self.close)
+            # this list run last-registered first, so this one drops the queue before that join. (Through a weak
+            # reference: the book holds its engine, pools included, which must not live until exit.)
+            threading._register_atexit(_close_if_alive, weakref.ref(self))
         self._pending[program] = f = self._executor.submit(self._compile, program)
         f.add_done_callback(lambda _: self._done(program))
 
