@@ -31,10 +31,14 @@ is reported, not fatal.
                               shapes): XLA's dequantize + bf16 matmul and a bf16-weight matmul against the FP8
                               GEMM pallas_kernels.fp8_matmul per tile (--configs BM:BN:WARPS:STAGES[:GROUP_M])
                                                                                  -> OUT/fp8_prefill.json
+  --sweep fp4_experts         a decode step's routed experts in FP4 as stored (Flash shapes, 16 / 256 experts, 1 /
+                              32 tokens): the bf16 kernels, the "bits" FP4 form and the "f8" form (FP8 dots on
+                              codes placed as e4m3 bits) per block (--configs UR:UC:DR:DC:WARPS[:STAGES])
+                                                                                 -> OUT/fp4_experts.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill, fp8_prefill): tiny
-shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there. The other sweeps
-run on a GPU only.
+`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill, fp8_prefill,
+fp4_experts): tiny shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
+The other sweeps run on a GPU only.
 Times are GPU kernel time from a profiler trace unless said otherwise.
 """
 from __future__ import annotations
@@ -774,6 +778,116 @@ def stored_weights(a, out_dir: str) -> int:
     return 0
 
 
+# ---- --sweep fp4_experts -------------------------------------------------------------------------------------------
+
+def _fp4_f8_configs(specs, small):
+    """--configs of fp4_experts: UP_ROWS:UP_COLS:DOWN_ROWS:DOWN_COLS:WARPS[:STAGES] of the "f8" form; default: a
+    grid around experts.F8_UP / F8_DOWN."""
+    if specs:
+        return [tuple(int(v) for v in c.split(":")) + ((2,) if c.count(":") == 4 else ()) for c in specs]
+    if small:
+        return [(32, 128, 32, 128, 4, 2), (16, 64, 16, 32, 4, 2)]
+    return [(32, 128, 32, 128, 4, 2), (16, 128, 16, 128, 4, 2), (64, 128, 64, 128, 4, 2), (32, 256, 32, 256, 4, 2),
+            (32, 64, 32, 64, 4, 2), (64, 256, 64, 256, 8, 2), (32, 128, 32, 128, 8, 2), (32, 128, 32, 128, 4, 3)]
+
+
+def fp4_experts(a, out_dir: str) -> int:
+    """A decode step's routed experts as the release stores them (FP4 e2m1 codes, one ue8m0 scale per 1 x 32) in
+    pallas_kernels.experts' two forms, against its bf16 kernels, at Flash sizes (D 4096, I 2048, 6 of E = 16 and
+    256 experts, --tokens M, default 1 and 32; x rounded to FP8 in bf16, w2's input rounded as the model rounds
+    it): the bf16 kernels (their blocks UP_ROWS x UP_COLS, DOWN_ROWS x DOWN_COLS), the "bits" form (FP4_UP /
+    FP4_DOWN: codes widened to bf16 with their scales, the model's today, experts.FP4_FORM) and the "f8" form
+    (codes placed as e4m3 bits, FP8 dots per 32-column block) per block (--configs UR:UC:DR:DC:WARPS[:STAGES],
+    default 8 around F8_UP / F8_DOWN; a shorter run: --tokens 1, or fewer --configs). Each f8 output is checked
+    against the bits form's, and at E = 16 both against the model's gather form on the dequantized weights
+    (act_quant): max |diff| / max |ref| and the share of elements further apart than 2^-7 |ref| + 1e-6 max |ref|.
+    Times: device time per call from a profiler trace (the host's wall time on a CPU); GB/s = the routed pairs'
+    weights as each form reads them. --small: E = 4, I 128, D 256, M 1 and 5, interpret mode on a CPU (numbers
+    meaningless).
+    -> OUT/fp4_experts.json"""
+    from pallas_kernels import experts as X
+    from v4jax.model import layers as L
+    from v4jax.model import quant
+    k, I, D = (2, 128, 256) if a.small else (6, 2048, 4096)
+    cases = [(E, M) for E in ((4,) if a.small else (16, 256)) for M in (a.tokens or ([1, 5] if a.small else [1, 32]))]
+    configs = _fp4_f8_configs(a.configs, a.small)
+    repeats = a.repeats or (1 if a.small else 5)
+    w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(BF16), 128)  # noqa: E731 - the model's (ops)
+    rows_out = []
+
+    def save():   # after every row: a run cut short by its time limit keeps what it measured
+        with open(os.path.join(out_dir, "fp4_experts.json"), "w") as fh:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, k=k, I=I, D=D,
+                           fp4_form=X.FP4_FORM, repeats=repeats, rows=rows_out), fh, indent=1)
+
+    @jax.jit
+    def agreement(y, ref):
+        top = jnp.max(jnp.abs(ref))
+        diff = jnp.abs(y - ref)
+        return diff.max() / top, jnp.mean(diff > 2.0 ** -7 * jnp.abs(ref) + 1e-6 * top), jnp.all(jnp.isfinite(y))
+
+    def measure(row, fn, args, gbytes, refs=()):
+        tag = f"E={row['E']:3d} M={row['M']:2d} {row['form']:5s} {row.get('config', '')}:"
+        try:
+            y = jax.jit(fn)(*args)
+            for name, ref in refs:
+                err, beyond, finite = (float(v) for v in agreement(y, ref))
+                row[f"vs_{name}"] = dict(max_err_rel=err, beyond=beyond, finite=bool(finite))
+            sec, per_kernel = _kb().time_trace(fn, args, repeats=repeats)
+        except Exception as ex:  # noqa: BLE001 - a block Triton cannot lower or fit is reported, not fatal
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            print(f"{tag} failed {row['error'][:200]}", flush=True)
+            rows_out.append(row)
+            save()
+            return None
+        row.update(ms=sec * 1e3, gbps=gbytes / sec, kernels_ms={n: v * 1e3 for n, v in per_kernel.items()})
+        checks = " ".join(f"vs {n} {row[f'vs_{n}']['max_err_rel']:.1e} ({row[f'vs_{n}']['beyond']:.1e} beyond)"
+                          for n, _ in refs)
+        print(f"{tag} {sec * 1e3:8.4f} ms {gbytes / sec:6.0f} GB/s  {checks}", flush=True)
+        rows_out.append(row)
+        save()
+        return y
+
+    for E, M in cases:
+        x, wt, ex, w1, w2, w3 = experts_case(M, k, E, I, D)
+        pairs = len(set(np.asarray(ex).reshape(-1).tolist()))  # distinct experts: each read once a call
+        per_expert = 3 * I * D
+        x = quant.fp8_roundtrip(x, 128)
+        measure(dict(E=E, M=M, form="bf16"), lambda *args: X.routed_experts(*args, 10.0), (x, wt, ex, w1, w2, w3),
+                pairs * per_expert * 2 / 1e9)
+        st = [quant.Quantized(*quant.quantize(w, "fp4"), "fp4") for w in (w1, w2, w3)]
+        del w1, w2, w3
+        st_args = (x, wt, ex, *[(q.values, q.scale) for q in st])
+        gb = pairs * per_expert * (0.5 + 1 / 32) / 1e9
+        refs = []
+        if E <= 16:   # the model's gather form on the dequantized weights (all E of them: 0.8 GB in bf16 at 16)
+            refs.append(("xla", jax.jit(lambda x, wt, ex, *q: L.routed_experts(x, wt, ex, *q, 10.0, "gather",
+                                                                               act_quant=True))(x, wt, ex, *st)))
+        del st
+        bits = measure(dict(E=E, M=M, form="bits", config=dict(up=X.FP4_UP, down=X.FP4_DOWN)),
+                       lambda *args: X.routed_experts_fp4(*args, 10.0, w2_input), st_args, gb, refs)
+        if bits is not None:
+            refs.append(("bits", bits))
+        for ur, uc, dr, dc, nw, ns in configs:
+            cfg = dict(up=(ur, uc), down=(dr, dc), num_warps=nw, num_stages=ns)
+            measure(dict(E=E, M=M, form="f8", config=cfg),
+                    lambda *args, cfg=cfg: X.routed_experts_fp4(*args, 10.0, w2_input, form="f8", **cfg),
+                    st_args, gb, refs)
+        del st_args, refs, bits
+
+    print("\nper case (ms, the whole call): bf16 kernels, bits form, best f8 block")
+    for E, M in cases:
+        got = {f: [r for r in rows_out if r["E"] == E and r["M"] == M and r["form"] == f and "ms" in r]
+               for f in ("bf16", "bits", "f8")}
+        best = {f: min(v, key=lambda r: r["ms"]) for f, v in got.items() if v}
+        print(f"  E={E:3d} M={M:2d} " + "  ".join(f"{f} {r['ms']:.4f}" for f, r in best.items())
+              + (f"  (f8 {best['f8']['config']})" if "f8" in best else ""), flush=True)
+    print(f"wrote {out_dir}/fp4_experts.json")
+    agree = all(c["finite"] and c["max_err_rel"] < 1e-2 for r in rows_out for n, c in r.items() if n.startswith("vs_"))
+    ran = all("error" not in r for r in rows_out)  # on a GPU a block Triton refuses is reported, not fatal
+    return 0 if agree and (ran or not a.small) else 1
+
+
 # ---- --sweep fp8_prefill -------------------------------------------------------------------------------------------
 
 def fp8_prefill_shapes(small: bool):
@@ -1033,9 +1147,11 @@ def kv_formats(a, out_dir: str) -> int:
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
-          "stored_weights": stored_weights, "kv_formats": kv_formats, "fp8_prefill": fp8_prefill}
+          "stored_weights": stored_weights, "kv_formats": kv_formats, "fp8_prefill": fp8_prefill,
+          "fp4_experts": fp4_experts}
 # the sweeps with a --small form
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats", "attention_prefill", "fp8_prefill")
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats", "attention_prefill", "fp8_prefill",
+                "fp4_experts")
 
 
 def sweep(a, out_dir: str) -> int:

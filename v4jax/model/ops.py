@@ -266,13 +266,14 @@ def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=Non
     included); a decode step's FP4 experts as stored through pallas_kernels.experts' FP4 kernels; the XLA forms
     for the sizes none takes, for FP8 experts at decode and for the release's rounding of bf16 weights."""
     if (isinstance(w1, quant.Quantized) and w1.storage == "fp4" and act_quant
-            and pallas_experts.fp4_supported(x, w1.values)):
+            and pallas_experts.fp4_supported(x, w1.values, pallas_experts.FP4_FORM)):
         # FP4 as stored, decoded in registers: the XLA forms gather and dequantize the chosen experts to bf16 in
-        # memory first (4.5 bytes moved a weight, against 0.53)
+        # memory first (4.5 bytes moved a weight, against 0.53). The kernels' form: pallas_experts.FP4_FORM ("bits",
+        # timed on the H200, until the sweep fp4_experts has timed "f8", its FP8 tensor-core form, there)
         dt = x.dtype
         return pallas_experts.routed_experts_fp4(
             x, weights, experts, (w1.values, w1.scale), (w2.values, w2.scale), (w3.values, w3.scale), limit,
-            lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128), layer=layer)
+            lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128), layer=layer, form=pallas_experts.FP4_FORM)
     if (act_quant and isinstance(w1, quant.Quantized) and form in (None, "grouped")
             and pallas_experts_grouped.supported(x, jax.ShapeDtypeStruct(w1.shape[-3:], x.dtype))):
         # a prefill chunk through experts as stored: the layer's experts widened to x's dtype once a chunk
