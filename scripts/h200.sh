@@ -44,6 +44,9 @@
 #              projection shapes (--sweep fp8_prefill; SWEEP=0 skips, SWEEP_S its limit), then flash-slice in the
 #              release's formats through LLM.generate, a 32K prefill with the kernel off and on (fp8_matmul.ROUTED)
 #              -> $OUT/fp8_prefill.json, $OUT/fp8_routed{0,1}
+#   fp4        the decode-step FP4 expert kernels: today's bit decode against e4m3 built from the codes and FP8 dots
+#              (pallas_kernels.experts FP4_FORM "bits" / "f8") and the bf16 kernels, 16 / 256 experts, 1 / 32 tokens
+#              (--sweep fp4_experts; SWEEP_S its limit, TOKENS "1,32") -> $OUT/fp4_experts.json
 #   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
 #   kvformats  the sparse attention and indexer kernels on FP8 entries / FP4 keys: their and the engine's GPU tests
 #              (TESTS=0 skips), then decode at 128K, batch 1 / 32, bf16 pools against the byte formats
@@ -490,6 +493,12 @@ from v4jax.bench.generate import generate_main; sys.exit(generate_main(sys.argv[
       --quantization fp8 --batches 1 --contexts 4K --prefill 32K --new 8 --prefill-chunk 8192 --attention-impl pallas \
       --deadline-s $(( ${ROW_S:-120} - 10 )) --out "$out/fp8_routed$routed" 2>&1 | quiet | grep "^|" | tail -3
   done
+  ;;
+fp4)
+  imports
+  stamp "FP4 experts at decode: bit decode against FP8 dots"
+  timeout ${SWEEP_S:-540} python3 -W ignore -m v4jax.bench kernels --sweep fp4_experts --tokens ${TOKENS:-1,32} \
+    --out "$out" 2>&1 | quiet | tail -40
   ;;
 sweep)
   imports
