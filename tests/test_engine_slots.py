@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from v4jax import LLM, SamplingParams
+from v4jax.engine import core as core_module
 from v4jax.engine import steps as S
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "logprobs": True}
@@ -154,7 +155,7 @@ def test_the_call_updates_the_pools_in_place(llm4):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
-def test_cover_warmup_no_step_waits():
+def test_cover_warmup_no_step_waits(monkeypatch):
     """After a warm-up of the covering programs only (prefill per row count at its longest chunk, the decode call
     over every slot, both at the widest page table), a generate of mixed lengths and sampling forms compiles
     nothing on its own thread: its steps run on covering programs while their own compile in the background.
@@ -170,7 +171,12 @@ def test_cover_warmup_no_step_waits():
     params = [SamplingParams(max_tokens=n, temperature=t, seed=i, logprobs=True, top_logprobs=top, ignore_eos=True)
               for i, (n, t, top) in enumerate(((9, 0.0, 0), (20, 0.7, 0), (6, 0.0, 3)))]
     before = eng.stats()["programs"]
+    # every step logged as slow: what it ran, covering or its own, first run or not
+    slow = []
+    monkeypatch.setattr(core_module, "SLOW_STEP_S", -1.0)
+    monkeypatch.setattr(core_module.log, "info", lambda msg, *a: slow.append(msg % a))
     got = llm.generate(prompts, params)
+    first_generate = len(slow)
     during = eng.stats()["programs"]
     eng.programs.wait()
     after = eng.stats()["programs"]
@@ -178,6 +184,9 @@ def test_cover_warmup_no_step_waits():
     assert after["compiled"] - before["compiled"] == after["background"] - before["background"] > 0, after
     again = llm.generate(prompts, params)
     assert eng.stats()["programs"]["substituted_steps"] == during["substituted_steps"]
+    assert any("on a covering program" in m for m in slow[:first_generate]), slow
+    assert not any("on a covering program" in m for m in slow[first_generate:]), slow
+    assert sum("its first run" in m for m in slow) >= 3  # the cover's 3 and the exact ones
     for g, w in zip(got, again):
         _same(g, w)
         assert (g.top_logprobs is None) == (w.top_logprobs is None)

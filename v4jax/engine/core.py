@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import os
+import time
 import warnings
 from typing import Callable, Sequence
 
@@ -45,6 +47,10 @@ from v4jax.fields import MAX_TOP_LOGPROBS
 
 # Threads compiling at once in warm-up (each holds a program's compile memory)
 MAX_COMPILE_THREADS = 8
+# A step slower than this is logged with the programs it ran (a stall of every stream: which program, whether on
+# its first run, whether a covering one)
+SLOW_STEP_S = 2.0
+log = logging.getLogger("v4jax.engine")
 
 
 def _pow2(n: int) -> int:
@@ -107,6 +113,7 @@ class EngineCore:
             self.spec: (self.spec, top),
             self.top_specs[False]: (self.top_specs[False], top)})
         self._flight: _InFlight | None = None
+        self._step_programs: list[str] = []  # what the current step dispatched (the slow-step log)
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
         self.counts = {"rejected": 0}  # requests refused at add_request (finished and aborted: the scheduler's)
@@ -291,6 +298,7 @@ class EngineCore:
         S.pin_trace_context()
         if self.compile_hooks is not None:
             self.compile_hooks[0]()
+        t0, self._step_programs = time.perf_counter(), []
         deltas, self._finished = self._finished, []
         sch = self.scheduler
         if self._imports:
@@ -320,7 +328,18 @@ class EngineCore:
         if self.compile_hooks is not None and not self.has_unfinished_requests():
             self.compile_hooks, (_, after) = None, self.compile_hooks
             after()
+        if (seconds := time.perf_counter() - t0) > SLOW_STEP_S:
+            log.info("an engine step took %.1f s (dispatching %s; reading the decode call before)", seconds,
+                     ", ".join(self._step_programs) or "nothing")
         return deltas
+
+    def _ran(self, program: Program, exact: Program) -> None:
+        """Record a dispatched step program (for the slow-step log)."""
+        first = self.programs.ran(program)
+        self._step_programs.append(
+            f"{program.kind} rows {program.rows}" + (f" x {program.chunk}" if program.chunk else "")
+            + f", {program.pages} pages" + (" on a covering program" if program != exact else "")
+            + (", its first run" if first else ""))
 
     def _dispatch_decode(self, plan: DecodePlan | None, prev: _InFlight | None) -> _InFlight | None:
         if plan is None:
@@ -348,12 +367,13 @@ class EngineCore:
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
         spec = self._spec_for(temp, any(r.params.top_logprobs for r in plan.running))
-        program = self.programs.choose(Program("decode", spec, self._slot_bucket(max(r.slot for r in plan.running)),
-                                               0, self._page_bucket(plan.upto)))
+        exact = Program("decode", spec, self._slot_bucket(max(r.slot for r in plan.running)), 0,
+                        self._page_bucket(plan.upto))
+        program = self.programs.choose(exact)
         pt, swa = self.kv.decode_tables(program.pages, program.rows)
         self.pools, self.store, out, state = self.steps.decode(program.spec, self._leaves, self.pools, self.store,
                                                                state, pt, swa)
-        self.programs.ran(program)
+        self._ran(program, exact)
         return _InFlight(out, state, program.rows, [(r.slot, r) for r in plan.running],
                          {r.slot: r.fed for r in plan.running})
 
@@ -411,10 +431,9 @@ class EngineCore:
         furthest = max(s for _, s, _ in plans)
         bucket = chunk_bucket(max(e - s for _, s, e in plans))
         # a row's table reaches past its chunk's compiled length (a covering program's longer chunk too)
-        program = self.programs.choose(
-            Program("prefill", self.top_specs[True] if top_n else self.spec, _pow2(len(plans)), bucket,
-                    self._page_bucket(furthest + bucket)),
-            fits=lambda p: p.pages >= self._page_bucket(furthest + p.chunk))
+        exact = Program("prefill", self.top_specs[True] if top_n else self.spec, _pow2(len(plans)), bucket,
+                        self._page_bucket(furthest + bucket))
+        program = self.programs.choose(exact, fits=lambda p: p.pages >= self._page_bucket(furthest + p.chunk))
         n_rows, bucket = program.rows, program.chunk
         slots = self.layout.max_slots
         chunk = np.zeros((n_rows, bucket), np.int32)
@@ -434,7 +453,7 @@ class EngineCore:
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
         self.pools, self.store, tok, lp, top = self.steps.prefill(program.spec, self._leaves, self.pools, self.store,
                                                                   batch, pt, swa, samp)
-        self.programs.ran(program)
+        self._ran(program, exact)
         return tok, lp, top
 
     # ---- compile and report ----

@@ -84,6 +84,7 @@ class ProgramBook:
         self._compile = compile_program
         self._wider = wider_specs
         self._ready: set[Program] = set()
+        self._executed: set[Program] = set()
         self._pending: dict[Program, concurrent.futures.Future] = {}
         self._lock = threading.RLock()  # a done callback may run inside _submit, which holds it
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -108,10 +109,14 @@ class ProgramBook:
             self.substituted_steps += 1
             return min(cover, key=Program.cost)
 
-    def ran(self, program: Program) -> None:
-        """A step's call returned: its program is compiled (its call compiled it if it was not)."""
+    def ran(self, program: Program) -> bool:
+        """A step's call returned: its program is compiled (its call compiled it if it was not). Returns whether
+        this was the program's first run."""
         with self._lock:
             self._ready.add(program)
+            first = program not in self._executed
+            self._executed.add(program)
+            return first
 
     def compile_now(self, programs: list[Program], threads: int, progress=None) -> None:
         """Compile `programs` on `threads` threads (XLA's compiler releases the GIL, and one program compiles on
@@ -122,7 +127,9 @@ class ProgramBook:
 
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(programs), threads))) as pool:
             for done, f in enumerate(concurrent.futures.as_completed([pool.submit(one, p) for p in programs]), 1):
-                self.ran(f.result())
+                p = f.result()
+                with self._lock:
+                    self._ready.add(p)
                 if progress is not None:
                     progress(done, len(programs))
 
