@@ -91,6 +91,9 @@ def run_mode(a, mode: str) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if out_dir:  # the engine's slow steps (v4jax.engine logs each with the programs it ran)
+                with open(log_path) as f:
+                    row["slow_steps"] = [line.strip() for line in f if "an engine step took" in line]
     return row
 
 
@@ -140,7 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for mode in a.modes:
         rows.append(run_mode(a, mode))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "summary"}), flush=True)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("summary", "slow_steps")}), flush=True)
+        slow = rows[-1].get("slow_steps") or []
+        for line in slow[:10]:
+            print("  ", line, flush=True)
+        if len(slow) > 10:
+            print(f"   ... {len(slow) - 10} more slow steps in {mode}/server.log", flush=True)
     table = markdown(rows)
     print(table)
     if a.out:
