@@ -53,6 +53,13 @@ SLOW_STEP_S = 2.0
 log = logging.getLogger("v4jax.engine")
 
 
+def _described(program: Program, covering: bool, first: bool) -> str:
+    """A dispatched program as the slow-step log names it."""
+    return (f"{program.kind} rows {program.rows}" + (f" x {program.chunk}" if program.chunk else "")
+            + f", {program.pages} pages" + (" on a covering program" if covering else "")
+            + (", its first run" if first else ""))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -113,7 +120,7 @@ class EngineCore:
             self.spec: (self.spec, top),
             self.top_specs[False]: (self.top_specs[False], top)})
         self._flight: _InFlight | None = None
-        self._step_programs: list[str] = []  # what the current step dispatched (the slow-step log)
+        self._step_programs: list[tuple] = []  # (program, covering, first run) of this step's dispatches
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
         self.counts = {"rejected": 0}  # requests refused at add_request (finished and aborted: the scheduler's)
@@ -330,16 +337,12 @@ class EngineCore:
             after()
         if (seconds := time.perf_counter() - t0) > SLOW_STEP_S:
             log.info("an engine step took %.1f s (dispatching %s; reading the decode call before)", seconds,
-                     ", ".join(self._step_programs) or "nothing")
+                     ", ".join(_described(*ran) for ran in self._step_programs) or "nothing")
         return deltas
 
     def _ran(self, program: Program, exact: Program) -> None:
-        """Record a dispatched step program (for the slow-step log)."""
-        first = self.programs.ran(program)
-        self._step_programs.append(
-            f"{program.kind} rows {program.rows}" + (f" x {program.chunk}" if program.chunk else "")
-            + f", {program.pages} pages" + (" on a covering program" if program != exact else "")
-            + (", its first run" if first else ""))
+        """Record a dispatched step program (described only if the step is slow)."""
+        self._step_programs.append((program, program != exact, self.programs.ran(program)))
 
     def _dispatch_decode(self, plan: DecodePlan | None, prev: _InFlight | None) -> _InFlight | None:
         if plan is None:
