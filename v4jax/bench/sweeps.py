@@ -58,6 +58,26 @@ from jax import lax
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
+class _RowLog:
+    """A sweep's rows, the file `path` rewritten after each one (a run cut short by its time limit keeps what it
+    measured) with the device, the JAX version and the sweep's own `fields`."""
+
+    def __init__(self, path: str, **fields):
+        self.path, self.fields, self.rows = path, fields, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        with open(self.path, "w") as fh:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, **self.fields, rows=self.rows),
+                      fh, indent=1)
+
+    def failed(self, row: dict, ex: Exception, tag: str) -> None:
+        """A config the compiler cannot lower or fit: reported in its row, not fatal."""
+        row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+        print(f"{tag} failed {row['error'][:200]}", flush=True)
+        self.add(row)
+
+
 def _kb():
     from v4jax.bench import kernels
     return kernels
@@ -590,12 +610,9 @@ def attention_prefill(a, out_dir: str) -> int:
                  "hca-mid": (q, swa, union(ctx * 9 // 16), hca, hca_rows,
                              ((mid + 1) // ratio).astype(jnp.int32)[None], sink)}
     scale = D ** -0.5
-    rows_out = []
-
-    def save():   # after every config: a run cut short by its time limit keeps what it measured
-        with open(os.path.join(out_dir, "attention_prefill.json"), "w") as fh:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tokens=T, heads=H, dim=D,
-                           window=W, context=ctx, repeats=repeats, rows=rows_out), fh, indent=1)
+    log = _RowLog(os.path.join(out_dir, "attention_prefill.json"), tokens=T, heads=H, dim=D, window=W, context=ctx,
+                  repeats=repeats)
+    rows_out = log.rows
 
     def measure(row, fn, args, flops, ref, other=None):
         """Runs fn(*args), checks it against ref (and other), times it; one row of the JSON. Returns the output."""
@@ -607,10 +624,7 @@ def attention_prefill(a, out_dir: str) -> int:
                 row["max_diff_per_query_kernel"] = float(np.max(np.abs(out - other)))
             sec, per_kernel = _kb().time_trace(fn, args, repeats=repeats)
         except Exception as ex:  # noqa: BLE001 - a tile Triton cannot lower or fit is reported, not fatal
-            row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-            print(f"{tag} failed {row['error'][:200]}", flush=True)
-            rows_out.append(row)
-            save()
+            log.failed(row, ex, tag)
             return None
         top = max(per_kernel.items(), key=lambda kv: kv[1]) if per_kernel else ("", sec)
         row.update(ms=sec * 1e3, kernel_ms=top[1] * 1e3, tflops=flops / sec / 1e12,
@@ -618,8 +632,7 @@ def attention_prefill(a, out_dir: str) -> int:
         diff = f"  vs per-query {row['max_diff_per_query_kernel']:.2e}" if other is not None else ""
         print(f"{tag} {sec * 1e3:7.2f} ms (kernel {top[1] * 1e3:7.2f}) {flops / sec / 1e12:6.1f} TFLOP/s  "
               f"max err {row['max_err']:.2e}{diff}", flush=True)
-        rows_out.append(row)
-        save()
+        log.add(row)
         return out
 
     cases = {"csa": None, **hca_cases}
@@ -813,12 +826,8 @@ def fp4_experts(a, out_dir: str) -> int:
     configs = _fp4_f8_configs(a.configs, a.small)
     repeats = a.repeats or (1 if a.small else 5)
     w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(BF16), 128)  # noqa: E731 - the model's (ops)
-    rows_out = []
-
-    def save():   # after every row: a run cut short by its time limit keeps what it measured
-        with open(os.path.join(out_dir, "fp4_experts.json"), "w") as fh:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, k=k, I=I, D=D,
-                           fp4_form=X.FP4_FORM, repeats=repeats, rows=rows_out), fh, indent=1)
+    log = _RowLog(os.path.join(out_dir, "fp4_experts.json"), k=k, I=I, D=D, fp4_form=X.FP4_FORM, repeats=repeats)
+    rows_out = log.rows
 
     @jax.jit
     def agreement(y, ref):
@@ -835,17 +844,13 @@ def fp4_experts(a, out_dir: str) -> int:
                 row[f"vs_{name}"] = dict(max_err_rel=err, beyond=beyond, finite=bool(finite))
             sec, per_kernel = _kb().time_trace(fn, args, repeats=repeats)
         except Exception as ex:  # noqa: BLE001 - a block Triton cannot lower or fit is reported, not fatal
-            row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-            print(f"{tag} failed {row['error'][:200]}", flush=True)
-            rows_out.append(row)
-            save()
+            log.failed(row, ex, tag)
             return None
         row.update(ms=sec * 1e3, gbps=gbytes / sec, kernels_ms={n: v * 1e3 for n, v in per_kernel.items()})
         checks = " ".join(f"vs {n} {row[f'vs_{n}']['max_err_rel']:.1e} ({row[f'vs_{n}']['beyond']:.1e} beyond)"
                           for n, _ in refs)
         print(f"{tag} {sec * 1e3:8.4f} ms {gbytes / sec:6.0f} GB/s  {checks}", flush=True)
-        rows_out.append(row)
-        save()
+        log.add(row)
         return y
 
     for E, M in cases:
@@ -933,12 +938,8 @@ def fp8_prefill(a, out_dir: str) -> int:
     configs = _fp8_configs(a.configs, a.small)
     repeats = a.repeats or (1 if a.small else 5)
     layers = 2
-    rows_out = []
-
-    def save():   # after every row: a run cut short by its time limit keeps what it measured
-        with open(os.path.join(out_dir, "fp8_prefill.json"), "w") as fh:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tokens=tokens, layer_stack=layers,
-                           repeats=repeats, rows=rows_out), fh, indent=1)
+    log = _RowLog(os.path.join(out_dir, "fp8_prefill.json"), tokens=tokens, layer_stack=layers, repeats=repeats)
+    rows_out = log.rows
 
     @jax.jit
     def agreement(y, ref):
@@ -982,17 +983,13 @@ def fp8_prefill(a, out_dir: str) -> int:
                 err, beyond, finite = (float(v) for v in agreement(y, ref))
                 sec, per_kernel = _kb().time_trace(fn, args, repeats=repeats)
             except Exception as ex:  # noqa: BLE001 - a tile Triton cannot lower or fit is reported, not fatal
-                row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-                print(f"{tag} failed {row['error'][:200]}", flush=True)
-                rows_out.append(row)
-                save()
+                log.failed(row, ex, tag)
                 continue
             row.update(ms=sec * 1e3, tflops=tflop / sec, max_err_rel=err, beyond_ulp=beyond, finite=bool(finite),
                        kernels_ms={k: v * 1e3 for k, v in per_kernel.items()})
             print(f"{tag} {sec * 1e3:8.3f} ms {tflop / sec:7.1f} TFLOP/s  max err {err:.2e}, "
                   f"{beyond:.1e} beyond an ulp", flush=True)
-            rows_out.append(row)
-            save()
+            log.add(row)
         del x, values, scale, w_bf16, ref
 
     print("\nbest per shape (ms, the whole call):")
