@@ -265,25 +265,25 @@ def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=Non
     per weight (pallas_kernels.experts_grouped), experts as stored widened first (the release's rounding
     included); a decode step's FP4 experts as stored through pallas_kernels.experts' FP4 kernels; the XLA forms
     for the sizes none takes, for FP8 experts at decode and for the release's rounding of bf16 weights."""
+    dt = x.dtype
+    # the release's input of w2: the routing weight times the SwiGLU, rounded to FP8 (as the official expert)
+    w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128)  # noqa: E731
     if (isinstance(w1, quant.Quantized) and w1.storage == "fp4" and act_quant
             and pallas_experts.fp4_supported(x, w1.values, pallas_experts.FP4_FORM)):
         # FP4 as stored, decoded in registers: the XLA forms gather and dequantize the chosen experts to bf16 in
         # memory first (4.5 bytes moved a weight, against 0.53). The kernels' form: pallas_experts.FP4_FORM ("bits",
         # timed on the H200, until the sweep fp4_experts has timed "f8", its FP8 tensor-core form, there)
-        dt = x.dtype
         return pallas_experts.routed_experts_fp4(
             x, weights, experts, (w1.values, w1.scale), (w2.values, w2.scale), (w3.values, w3.scale), limit,
-            lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128), layer=layer, form=pallas_experts.FP4_FORM)
+            w2_input, layer=layer, form=pallas_experts.FP4_FORM)
     if (act_quant and isinstance(w1, quant.Quantized) and form in (None, "grouped")
             and pallas_experts_grouped.supported(x, jax.ShapeDtypeStruct(w1.shape[-3:], x.dtype))):
         # a prefill chunk through experts as stored: the layer's experts widened to x's dtype once a chunk
         # (flash-slice, 8192 tokens: 0.8 GB written, ~0.3 ms at the H200's bandwidth, beside 2.5 TFLOP of expert
         # matmuls), then the bf16 grouped matmul. XLA's forms run every expert over every token (E / k times the
         # FLOPs) or, grouped, every sorted row against every expert. Not yet timed on a GPU.
-        dt = x.dtype
         ws = [(L.layer_slice(w, layer) if layer is not None else w).astype(dt) for w in (w1, w2, w3)]
-        return pallas_experts_grouped.routed_experts(
-            x, weights, experts, *ws, limit, w2_input=lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128))
+        return pallas_experts_grouped.routed_experts(x, weights, experts, *ws, limit, w2_input=w2_input)
     if act_quant or isinstance(w1, quant.Quantized):
         return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form, act_quant)
     if pallas_experts.supported(x, w1):
