@@ -260,3 +260,21 @@ def test_fp4_experts_kernel_in_the_engine(tmp_path, monkeypatch):
     assert 1 in calls["fp4"] and max(calls["fp4"]) > 1  # a decode step's routed experts and the prompt chunk's
     assert out.token_ids == ref.token_ids
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
+
+
+def test_tpu_fp8_linear_kernel_in_the_model(tmp_path, monkeypatch):
+    """The TPU table's `linear` (pallas_kernels.fp8_linear_tpu for e4m3 stacks with block scales, interpreted here)
+    inside the layer loop gives the jnp reference's logits."""
+    import dataclasses
+
+    from pallas_kernels import fp8_linear_tpu
+    from v4jax.model import ops
+    path, ids, _, _ = _swapped_kernels_case(tmp_path, monkeypatch)
+    ref = LLM(path, **OPTS).logits(ids)
+    calls = []
+    real = fp8_linear_tpu.fp8_linear
+    monkeypatch.setattr(fp8_linear_tpu, "fp8_linear", lambda x, *a, **kw: calls.append(x.shape) or real(x, *a, **kw))
+    monkeypatch.setitem(ops.OPS, "xla", dataclasses.replace(ops.XLA, linear=ops.TPU_OWN["linear"]))
+    got = LLM(path, **OPTS).logits(ids)
+    assert len(calls) >= 3 * 4  # every layer's stored projections (wq_a, wq_b, wo_a, wo_b at least)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

@@ -37,6 +37,7 @@ SA = importlib.import_module("pallas_kernels.sparse_attention")
 IX = importlib.import_module("pallas_kernels.indexer")
 TK = importlib.import_module("pallas_kernels.topk")
 C = importlib.import_module("pallas_kernels.compressor")
+FL = importlib.import_module("pallas_kernels.fp8_linear_tpu")
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
 
@@ -69,6 +70,14 @@ def cases():
             functools.partial(C._compressor_prefill_tpu, **kw),
             (A((4, T, Dm), BF16), A((4,), I32), A((4,), I32), A((4, coff * m, coff * d), F32),
              A((4, coff * m, coff * d), F32)) + weights + (A((4, E, rd // 2), F32), A((4, E, rd // 2), F32)))
+    # FP8 linears as stored (a 4-layer stack read in place): Flash's wq_b and the grouped wo_a, a decode step of 32
+    # tokens and a 2048-token prefill chunk
+    for proj, o, d, g in (("wq_b", 32768, 1024, 1), ("wo_a", 8192, 4096, 8)):
+        for m in (32, 2048):
+            out[f"fp8_linear {proj} (M={m})"] = (
+                lambda x, w, s, layer, g=g: FL.fp8_linear(x, w, layer, g, scale=s, interpret=False),
+                (A((m, g, d) if g > 1 else (m, d), BF16), A((4, o, d), FL.E4M3),
+                 A((o // 128, d // 128), jnp.float8_e8m0fnu), A((), I32)))
     out.update(engine_cases())
     return out
 

@@ -52,8 +52,9 @@ Which table runs where (`ops_for`, resolved once per forward pass from RunOption
       takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes,
       and `linear` a prefill chunk's FP8 GEMM (pallas_kernels.fp8_matmul) for weights kept as stored (once
       fp8_matmul.ROUTED). On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
-      not fit VMEM): the table takes the XLA table's experts, linear, project and hc_post, named in
-      `Ops.from_xla`.
+      not fit VMEM): the table takes the XLA table's experts, project and hc_post, named in `Ops.from_xla`, and
+      its own `linear` (TPU_OWN): FP8 weights as stored through pallas_kernels.fp8_linear_tpu, XLA's matmul for
+      the rest.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ from pallas_kernels import compressor as pallas_compressor
 from pallas_kernels import compressor_gpu as pallas_compressor_gpu
 from pallas_kernels import experts as pallas_experts
 from pallas_kernels import experts_grouped as pallas_experts_grouped
+from pallas_kernels import fp8_linear_tpu as pallas_fp8_linear_tpu
 from pallas_kernels import fp8_matmul as pallas_fp8_matmul
 from pallas_kernels import hc_post as pallas_hc_post
 from pallas_kernels import indexer as pallas_indexer
@@ -316,6 +318,15 @@ def _linear_pallas(x, w, layer, groups=1, scale=None):
     return _linear_xla(x, w, layer, groups, scale)
 
 
+def _linear_tpu(x, w, layer, groups=1, scale=None):
+    """On a TPU: FP8 weights as stored through pallas_kernels.fp8_linear_tpu (decode and prefill alike; XLA-TPU
+    widens the weight into HBM before its matmul wherever the weight is large, libtpu AOT: 134-403 MB of
+    temporaries per Flash projection on v5e / v6e, every one on v5p); XLA's matmul for bf16 weights."""
+    if scale is not None and pallas_fp8_linear_tpu.supported(x, w, groups):
+        return pallas_fp8_linear_tpu.fp8_linear(x, w, layer, groups, scale=scale).astype(x.dtype)
+    return _linear_xla(x, w, layer, groups, scale)
+
+
 def _project_xla(x, ws):
     return [None] * len(ws)
 
@@ -349,6 +360,7 @@ PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkho
              _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True)
 OPS = {"xla": XLA, "pallas": PALLAS}
 TRITON_ONLY = ("experts", "linear", "project", "hc_post")  # entries of PALLAS whose kernels are written for Triton
+TPU_OWN = {"linear": _linear_tpu}  # of those, the entries a TPU has its own kernels for
 
 
 def _backend() -> str:
@@ -358,7 +370,7 @@ def _backend() -> str:
 def ops_for(attention_impl: str, backend: str | None = None) -> Ops:
     """The table of `attention_impl` as it runs on `backend` ("gpu" | "tpu" | "cpu"; default: this process's).
     See the module doc: on a GPU the Pallas table's compress takes the GPU decode kernel, on a TPU the entries of
-    TRITON_ONLY are the XLA table's (Ops.from_xla names them)."""
+    TRITON_ONLY are the XLA table's (Ops.from_xla names them) but those of TPU_OWN."""
     if attention_impl not in OPS:
         raise ValueError(f"attention_impl must be one of {sorted(OPS)}, got {attention_impl!r}")
     ops = OPS[attention_impl]
@@ -368,7 +380,8 @@ def ops_for(attention_impl: str, backend: str | None = None) -> Ops:
     if backend == "gpu":
         return dataclasses.replace(ops, compress=_compress_pallas_gpu)
     if backend == "tpu":
-        return dataclasses.replace(ops, from_xla=TRITON_ONLY, **{name: getattr(XLA, name) for name in TRITON_ONLY})
+        from_xla = tuple(name for name in TRITON_ONLY if name not in TPU_OWN)
+        return dataclasses.replace(ops, from_xla=from_xla, **{name: getattr(XLA, name) for name in from_xla}, **TPU_OWN)
     return ops
 
 
