@@ -262,19 +262,29 @@ def test_fp4_experts_kernel_in_the_engine(tmp_path, monkeypatch):
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
 
 
-def test_tpu_fp8_linear_kernel_in_the_model(tmp_path, monkeypatch):
-    """The TPU table's `linear` (pallas_kernels.fp8_linear_tpu for e4m3 stacks with block scales, interpreted here)
-    inside the layer loop gives the jnp reference's logits."""
+@pytest.mark.slow  # a minute: interpreted kernels in an engine
+def test_tpu_kernels_in_the_model(tmp_path, monkeypatch):
+    """The TPU table's own entries (TPU_OWN: pallas_kernels.fp8_linear_tpu for e4m3 stacks with block scales and
+    pallas_kernels.fp4_experts_tpu for FP4 experts, interpreted here) inside the layer loop give the jnp
+    reference's logits, and the engine's greedy tokens and log-probs over a prompt chunk and decode steps."""
     import dataclasses
 
-    from pallas_kernels import fp8_linear_tpu
+    from pallas_kernels import fp4_experts_tpu, fp8_linear_tpu
     from v4jax.model import ops
     path, ids, _, _ = _swapped_kernels_case(tmp_path, monkeypatch)
-    ref = LLM(path, **OPTS).logits(ids)
-    calls = []
-    real = fp8_linear_tpu.fp8_linear
-    monkeypatch.setattr(fp8_linear_tpu, "fp8_linear", lambda x, *a, **kw: calls.append(x.shape) or real(x, *a, **kw))
-    monkeypatch.setitem(ops.OPS, "xla", dataclasses.replace(ops.XLA, linear=ops.TPU_OWN["linear"]))
-    got = LLM(path, **OPTS).logits(ids)
-    assert len(calls) >= 3 * 4  # every layer's stored projections (wq_a, wq_b, wo_a, wo_b at least)
-    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    ref = LLM(path, **OPTS)
+    ref_logits, ref_out = ref.logits(ids), ref.generate([ids], sp)[0]
+    calls = {"linear": [], "experts": []}
+    for name, mod, fn in (("linear", fp8_linear_tpu, "fp8_linear"), ("experts", fp4_experts_tpu, "routed_experts_fp4")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda x, *a, real=real, name=name, **kw: calls[name].append(x.shape[0])
+                            or real(x, *a, **kw))
+    monkeypatch.setitem(ops.OPS, "xla", dataclasses.replace(ops.XLA, **ops.TPU_OWN))
+    llm = LLM(path, **OPTS)
+    np.testing.assert_allclose(llm.logits(ids), ref_logits, atol=1e-4, rtol=0)
+    assert len(calls["linear"]) >= 3 * 4  # every layer's stored projections (the full forward's experts are XLA's)
+    out = llm.generate([ids], sp)[0]
+    assert 1 in calls["experts"] and max(calls["experts"]) > 1  # a decode step's routed experts and the prompt's
+    assert out.token_ids == ref_out.token_ids
+    np.testing.assert_allclose(out.logprobs, ref_out.logprobs, atol=1e-4)

@@ -38,6 +38,7 @@ IX = importlib.import_module("pallas_kernels.indexer")
 TK = importlib.import_module("pallas_kernels.topk")
 C = importlib.import_module("pallas_kernels.compressor")
 FL = importlib.import_module("pallas_kernels.fp8_linear_tpu")
+FX = importlib.import_module("pallas_kernels.fp4_experts_tpu")
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
 
@@ -78,6 +79,17 @@ def cases():
                 lambda x, w, s, layer, g=g: FL.fp8_linear(x, w, layer, g, scale=s, interpret=False),
                 (A((m, g, d) if g > 1 else (m, d), BF16), A((4, o, d), FL.E4M3),
                  A((o // 128, d // 128), jnp.float8_e8m0fnu), A((), I32)))
+    # a decode step's FP4 experts as stored (2-layer stack of 16 Flash-sized experts, 6 active), 1 and 32 tokens
+    e8 = jnp.float8_e8m0fnu
+    for m in (1, 32):
+        out[f"fp4_experts (M={m})"] = (
+            lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: FX.routed_experts_fp4(
+                x, wt, ex, (c1, s1), (c2, s2), (c3, s3), 10.0, lambda h, w: (h * w).astype(BF16), layer=layer,
+                interpret=False),
+            (A((m, Dm), BF16), A((m, 6), F32), A((m, 6), I32),
+             A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8),
+             A((2, 16, Dm, 1024), jnp.uint8), A((2, 16, Dm, 64), e8),
+             A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8), A((), I32)))
     out.update(engine_cases())
     return out
 

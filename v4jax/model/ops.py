@@ -52,9 +52,10 @@ Which table runs where (`ops_for`, resolved once per forward pass from RunOption
       takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes,
       and `linear` a prefill chunk's FP8 GEMM (pallas_kernels.fp8_matmul) for weights kept as stored (once
       fp8_matmul.ROUTED). On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
-      not fit VMEM): the table takes the XLA table's experts, project and hc_post, named in `Ops.from_xla`, and
-      its own `linear` (TPU_OWN): FP8 weights as stored through pallas_kernels.fp8_linear_tpu, XLA's matmul for
-      the rest.
+      not fit VMEM): the table takes the XLA table's project and hc_post, named in `Ops.from_xla`, and its own
+      `experts` and `linear` (TPU_OWN): a decode step's FP4 experts as stored through
+      pallas_kernels.fp4_experts_tpu and FP8 weights as stored through pallas_kernels.fp8_linear_tpu, XLA's forms
+      for the rest.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ from pallas_kernels import compressor as pallas_compressor
 from pallas_kernels import compressor_gpu as pallas_compressor_gpu
 from pallas_kernels import experts as pallas_experts
 from pallas_kernels import experts_grouped as pallas_experts_grouped
+from pallas_kernels import fp4_experts_tpu as pallas_fp4_experts_tpu
 from pallas_kernels import fp8_linear_tpu as pallas_fp8_linear_tpu
 from pallas_kernels import fp8_matmul as pallas_fp8_matmul
 from pallas_kernels import hc_post as pallas_hc_post
@@ -295,6 +297,20 @@ def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=Non
     return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form)
 
 
+def _experts_tpu(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False):
+    """On a TPU: a decode step's FP4 experts as stored through pallas_kernels.fp4_experts_tpu (XLA-TPU widens the
+    experts in HBM first: libtpu AOT, v5e, 64 Flash-sized experts a layer: 1.0 GB of temporaries at one token,
+    5.4 GB at 32); XLA's forms for the rest."""
+    if (isinstance(w1, quant.Quantized) and w1.storage == "fp4" and act_quant
+            and pallas_fp4_experts_tpu.supported(x, experts, w1.values, w2.values)):
+        dt = x.dtype
+        w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128)  # noqa: E731 - the release's
+        return pallas_fp4_experts_tpu.routed_experts_fp4(
+            x, weights, experts, (w1.values, w1.scale), (w2.values, w2.scale), (w3.values, w3.scale), limit,
+            w2_input, layer=layer)
+    return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form, act_quant)
+
+
 def _linear_xla(x, w, layer, groups=1, scale=None):
     w = L.layer_slice(w, layer)
     return L.linear(x, w if scale is None else quant.Quantized(w, scale, "fp8"), groups)
@@ -360,7 +376,8 @@ PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkho
              _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True)
 OPS = {"xla": XLA, "pallas": PALLAS}
 TRITON_ONLY = ("experts", "linear", "project", "hc_post")  # entries of PALLAS whose kernels are written for Triton
-TPU_OWN = {"linear": _linear_tpu}  # of those, the entries a TPU has its own kernels for
+# of those, the entries a TPU has its own kernels for (weights as stored)
+TPU_OWN = {"experts": _experts_tpu, "linear": _linear_tpu}
 
 
 def _backend() -> str:
