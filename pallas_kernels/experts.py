@@ -34,7 +34,6 @@ from jax.experimental import pallas as pl
 from ._common import mm_nt, next_pow2, pow2_block as _pow2_block
 from . import _compat
 from ._compat import TritonCompilerParams, pltriton
-from .fp8_matmul import quantize_act
 
 F32 = jnp.float32
 
@@ -197,10 +196,10 @@ def _sum_pairs(y, order, sorted_e, offs, m, k):
     return jnp.sum(y_pairs, axis=1)
 
 
-def fp4_supported(x, w1_codes, form: str = "bits") -> bool:
-    """The FP4 kernels of `form` ("bits" or "f8", FP4_FORMS): at most MAX_TOKENS tokens; the bytes of a row (D / 2
-    for w1 / w3, I / 2 for w2) and the rows divisible by power-of-two blocks of >= 16. w1_codes [..., I, D / 2]."""
-    up, down = _fp4_blocks(form, None, None)
+def fp4_supported(x, w1_codes) -> bool:
+    """At most MAX_TOKENS tokens; the bytes of a row (D / 2 for w1 / w3, I / 2 for w2) and the rows divisible by
+    power-of-two blocks of >= 16. w1_codes [..., I, D / 2]."""
+    up, down = FP4_UP, FP4_DOWN
     i, half_d = w1_codes.shape[-2:]
     return x.shape[0] <= MAX_TOKENS and all(
         b is not None for b in (_pow2_block(i, up[0]), _pow2_block(half_d, up[1] // 2),
@@ -269,21 +268,21 @@ def _fp4_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, w2_ref, s2_ref, y_ref,
 
 
 def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer=None, interpret=None,
-                       num_warps: int = 4, num_stages: int = 2, up=None, down=None, form: str = "bits"):
+                       num_warps: int = 4, num_stages: int = 2, up=FP4_UP, down=FP4_DOWN):
     """`routed_experts` for weights as the release stores them: each of w1, w2, w3 a pair (codes uint8 [..., O,
     C / 2], scales ue8m0 [..., O, C / 32]), read in place and decoded in registers, so a step reads ~0.53 byte a
     weight. The release's numerics: x comes rounded to FP8; w2's input is `w2_input(h, w)` (h the f32 SwiGLU
     [E, TB, I], w each pair's routing weight [E, TB, 1]: the caller scales and rounds it, as the official expert
     does before w2) and the outputs of a token's experts are summed unweighted.
-    form "bits" (this one; blocks FP4_UP / FP4_DOWN): the codes of a row's even columns are the bytes' low
-    halves, the odd ones the high halves: x and w2's input are split the same way (in XLA: [M, D] is small) and
-    each chunk is two bf16 products of the codes widened with their scales. form "f8": `routed_experts_fp4_f8`
-    (blocks F8_UP / F8_DOWN)."""
-    up, down = _fp4_blocks(form, up, down)
-    if form == "f8":
-        return routed_experts_fp4_f8(x, weights, experts, w1, w2, w3, limit, w2_input, layer=layer,
-                                     interpret=interpret, num_warps=num_warps, num_stages=num_stages, up=up,
-                                     down=down)
+    The codes of a row's even columns are the bytes' low halves, the odd ones the high halves: x and w2's input
+    are split the same way (in XLA: [M, D] is small) and each chunk is two bf16 products of the codes widened with
+    their scales.
+    Measured and removed (H200, Flash sizes): e4m3 built from the codes
+    by bit placement (an e2m1 code's bits in e4m3's fields are its value times 2^-6) and FP8 dots per 32-column
+    scale block, with the activations rounded to e4m3 in the kernel. It was slower at one token (16 experts: 0.19
+    against 0.18 ms; 256: 0.25 against 0.26), faster at 32 (0.42 against 0.54; 3.2 against 4.2), and its outputs
+    left the reference's by up to 2.3e-2 of the largest (81 % of them beyond 2^-7) where this form agrees to
+    rounding: no place in the model for it."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     (c1, s1), (c2, s2), (c3, s3) = w1, w2, w3
@@ -322,189 +321,4 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
                   pl.BlockSpec((None, tb, n_inner // 2), lambda e, j: (e, 0, 0)), full(c2f), full(s2f)],
         out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down_fp4", **kw,
     )(layer, offs, he, ho, c2f, s2f)
-    return _sum_pairs(y, order, sorted_e, offs, m, k)
-
-
-# ---- the same experts on the FP8 tensor cores: codes placed as e4m3 bits, scales once per block and output ----------
-E4M3 = jnp.float8_e4m3fn
-ACT_BLOCK = 128  # the release rounds the experts' inputs to e4m3 with one power-of-two scale per 1 x 128
-# Blocks of the "f8" form (rows per program, logical columns per loop step, a multiple of 32): not yet swept on a
-# GPU (v4jax bench kernels --sweep fp4_experts).
-F8_UP, F8_DOWN = (32, 128), (32, 128)
-FP4_FORMS = ("bits", "f8")
-# The form the model's decode step takes (ops._experts_pallas): "bits", timed on the H200 (BENCHMARKS.md, "The
-# release's precision on the H200"), until `v4jax bench kernels --sweep fp4_experts` has timed "f8" against it there
-# and the sweep says "f8" is faster; the sweep decides.
-FP4_FORM = "bits"
-
-
-def _fp4_blocks(form, up, down):
-    if form not in FP4_FORMS:
-        raise ValueError(f"FP4 expert form {form!r}: one of {FP4_FORMS}")
-    dup, ddown = (FP4_UP, FP4_DOWN) if form == "bits" else (F8_UP, F8_DOWN)
-    return up or dup, down or ddown
-
-
-def e4m3_bits(b):
-    """Bytes of two e2m1 codes each (uint8 [..., n]; the low half is the even column) -> e4m3 bytes (uint8
-    [..., 2n], in column order) whose e4m3 values are exactly the codes' values times 2^-6.
-    By bit placement: an e2m1 code is s e1 e0 m (exponent bias 1), an e4m3 byte s eeee mmm (bias 7); placing the
-    code's magnitude e1 e0 m at the e4m3 byte's bits 4..2 and its sign at bit 7 gives exponent field e1e0 and
-    mantissa m00: 2^(e - 7) (1 + m / 2) = 2^-6 * 2^(e - 1) (1 + m / 2) for e > 0, and for e = 0 the e4m3 subnormal
-    2^-6 * m / 2 = 2^-6 times e2m1's m / 2. Four or five integer operations a code, no float arithmetic."""
-    lo = ((b << 2) & 0x1C) | ((b << 4) & 0x80)
-    hi = ((b >> 2) & 0x1C) | (b & 0x80)
-    return jnp.stack([lo, hi], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])  # interleaved: column order
-
-
-def _act_e4m3(a):
-    """a [..., C] f32 / bf16, rounded to FP8 per 1 x 128 (the release's act_quant) -> (e4m3 [..., C], f32 powers
-    of two [..., ceil(C / 128)]) whose products are a, exactly (quantize_act of an already rounded block changes no
-    value; a last partial block is padded with zeros, as the rounding pads it). An unrounded a is rounded."""
-    c = a.shape[-1]
-    q, s = quantize_act(jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -c % ACT_BLOCK)]))
-    return q[..., :c], s
-
-
-def _f8_block(w_ref, s_ref, row0, rows, col):
-    """Rows row0 .. row0 + rows and logical columns col .. col + 32 (one scale block: 16 bytes) of an FP4 stack
-    [R, C / 2] with scales [R, C / 32]: (e4m3 values [rows, 32], each code's value times 2^-6; the rows' block
-    scales times 2^6 [1, rows] in f32). A ue8m0 byte b is 2^(b - 127): its f32 bits are b << 23, so b + 6 gives the
-    scale times 2^6, exactly for every byte up to 248 (b = 0 included: 2^-121, a normal f32)."""
-    w = lax.bitcast_convert_type(e4m3_bits(w_ref[pl.ds(row0, rows), pl.ds(col // 2, FP4_BLOCK // 2)]), E4M3)
-    r = row0 + lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    sb = pltriton.load(s_ref.at[r, col // FP4_BLOCK]).astype(jnp.int32)  # [rows]: a byte each, cached reads
-    return w, lax.bitcast_convert_type((sb + 6) << 23, F32)[None, :]
-
-
-def _f8_up_kernel(layer_ref, offs_ref, tok_ref, x_ref, xs_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *, n_exp,
-                  n_inner, rows, cols, tb, limit):
-    e, j = pl.program_id(0), pl.program_id(1)
-    start, count = offs_ref[e], offs_ref[e + 1] - offs_ref[e]
-
-    @pl.when(count > 0)
-    def _():
-        valid, tok = _expert_tokens(tok_ref, start, count, tb)
-        row0 = (layer_ref[0] * n_exp + e) * n_inner + j * rows
-        lane = lax.broadcasted_iota(jnp.int32, (1, FP4_BLOCK), 1)
-        per_scale = min(cols, ACT_BLOCK) // FP4_BLOCK  # blocks of 32 under one activation scale
-
-        def body(c, acc):
-            a1, a3 = acc
-            for g in range(0, cols // FP4_BLOCK, per_scale):
-                t1, t3 = [], []
-                for b in range(g, g + per_scale):
-                    col = c * cols + b * FP4_BLOCK
-                    # [TB, 32] e4m3; slots past the count read token 0, weighed 0 by their activation scale below
-                    xb = pltriton.load(x_ref.at[tok[:, None], col + lane])
-                    w, s = _f8_block(w1_ref, s1_ref, row0, rows, col)
-                    t1.append(mm_nt(xb, w) * s)
-                    w, s = _f8_block(w3_ref, s3_ref, row0, rows, col)
-                    t3.append(mm_nt(xb, w) * s)
-                p1, p3 = functools.reduce(jnp.add, t1), functools.reduce(jnp.add, t3)
-                xs = pltriton.load(xs_ref.at[tok, (c * cols + g * FP4_BLOCK) // ACT_BLOCK], mask=valid, other=0.0)
-                a1, a3 = a1 + p1 * xs[:, None], a3 + p3 * xs[:, None]
-            return a1, a3
-
-        zero = jnp.zeros((tb, rows), F32)
-        a1, a3 = lax.fori_loop(0, x_ref.shape[1] // cols, body, (zero, zero))
-        h_ref[...] = swiglu(a1, a3, limit)  # f32: the caller scales and rounds it as w2's input
-
-
-def _f8_down_kernel(layer_ref, offs_ref, h_ref, hs_ref, w2_ref, s2_ref, y_ref, *, n_exp, n_out, rows, cols):
-    e, j = pl.program_id(0), pl.program_id(1)
-
-    @pl.when(offs_ref[e + 1] > offs_ref[e])
-    def _():
-        row0 = (layer_ref[0] * n_exp + e) * n_out + j * rows
-        per_scale = min(cols, ACT_BLOCK) // FP4_BLOCK
-
-        def body(c, acc):
-            for g in range(0, cols // FP4_BLOCK, per_scale):
-                t = []
-                for b in range(g, g + per_scale):
-                    col = c * cols + b * FP4_BLOCK
-                    w, s = _f8_block(w2_ref, s2_ref, row0, rows, col)
-                    t.append(mm_nt(h_ref[:, pl.ds(col, FP4_BLOCK)], w) * s)
-                hs = hs_ref[:, pl.ds((c * cols + g * FP4_BLOCK) // ACT_BLOCK, 1)]  # [T, 1]
-                acc = acc + functools.reduce(jnp.add, t) * hs
-            return acc
-
-        y_ref[...] = lax.fori_loop(0, h_ref.shape[1] // cols, body, jnp.zeros(y_ref.shape, F32))
-
-
-def routed_experts_fp4_f8(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer=None, interpret=None,
-                          num_warps: int = 4, num_stages: int = 2, up=F8_UP, down=F8_DOWN):
-    """`routed_experts_fp4` (same arguments, same result up to the order of f32 sums) with FP8 tensor-core dots
-    on codes placed as e4m3 bits (`e4m3_bits`), the block scales applied once per 32-column block and output
-    instead of once per weight.
-
-    Einsum letters: M tokens, k experts a token, E experts, n layers, D model width, I inner width, T token slots
-    of an expert's tile (TB), R rows of a program's block, B = 32 (an FP4 scale block), A = 128 (an activation
-    scale block).
-      x [M, D] rounded to FP8 per 1 x A (bf16 / f32); weights, experts [M, k] (-1 = none);
-      w1, w3: (codes uint8 [(n,) E, I, D / 2], scales ue8m0 [(n,) E, I, D / B]); w2: ([(n,) E, D, I / 2],
-      [(n,) E, D, I / B]); layer: which of n, read in place -> [M, D] f32.
-
-    Why: the "bits" form widens each code with about a dozen integer operations, a gathered scale, a multiply and
-    a convert, and at decode sizes that work, not the 0.53 bytes a weight, sets its time (1.5-1.9x the bf16
-    kernels on the H200). Here a code costs four or five integer operations and no float arithmetic: e4m3_bits
-    gives w' = w / (2^6 * scale) exactly, and the inputs are already e4m3 values times power-of-two scales (x comes
-    rounded to FP8 per 1 x A; w2's input is `w2_input`'s, which the release rounds the same way), so quantize_act
-    splits them exactly into x' [M, D] e4m3 and xs [M, D / A]. Each matmul is then, per block b of 32 columns,
-        d[t, r] = sum_{c in b} x'[t, c] w'[r, c]       (an e4m3 dot [T, B] x [B, R] -> f32, products exact)
-        y[t, r] = sum_a xs[t, a] * sum_{b in a} d_b[t, r] * 2^6 * scale[r, b]
-    (the 2^6 folded into the scale's exponent). The low halves of a row's bytes are its even columns: the
-    decoded halves are interleaved (Triton's join + reshape) into column order, so one dot takes a block's 16
-    bytes against x's 32 columns as they lie; neither x nor w2's input is split.
-      up   grid (E, I / R): program (e, j) over its slots [T] of x' (gathered rows), rows j*R .. of w1 and w3 of
-           expert e, `up[1]` columns a loop step (an unrolled dot per block of 32), the clamped SwiGLU in f32 ->
-           h [E, T, I] f32; then in XLA w2_input(h, routing weights [E, T, 1]) and quantize_act -> h' [E, T, I]
-           e4m3, hs [E, T, I / A].
-      down grid (E, D / R): program (e, j): h'[e] [T, I] by rows j*R .. of w2 of expert e -> y [E, T, D] f32.
-    Inputs that are not FP8-rounded are rounded here (the release's rounding), so they differ from the "bits"
-    form's, which multiplies them as they are.
-
-    Not yet measured: any time on a GPU (the "bits" form remains the model's, FP4_FORM, until the sweep `v4jax
-    bench kernels --sweep fp4_experts` has timed both on the H200); whether Triton lowers the [T, 32] x [32, R]
-    e4m3 dots to mma (Hopper: k = 32 per instruction) without converting the operands back to wider types; what
-    the interleave and the per-block epilogue (a multiply-add on [T, R] per 32 columns) cost; the blocks F8_UP /
-    F8_DOWN and the warps."""
-    if interpret is None:
-        interpret = _compat.backend() == "cpu"
-    (c1, s1), (c2, s2), (c3, s3) = w1, w2, w3
-    m, k = experts.shape
-    n_exp, n_inner, half_d = c1.shape[-3:]
-    d = 2 * half_d
-    if not fp4_supported(x, c1, "f8"):
-        raise ValueError(f"{m} tokens (at most {MAX_TOKENS}), FP4 expert codes {c1.shape}: not for these kernels")
-    # whole bytes of whole 32-column blocks: a power of two of >= 16 bytes, so >= 32 columns
-    ur, uc = _pow2_block(n_inner, up[0]), 2 * _pow2_block(half_d, max(up[1] // 2, 16))
-    dr, dc = _pow2_block(d, down[0]), 2 * _pow2_block(n_inner // 2, max(down[1] // 2, 16))
-    tb = max(16, next_pow2(m))
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
-    u8 = lambda s: lax.bitcast_convert_type(s, jnp.uint8)
-    c1f, c3f, c2f = c1.reshape(-1, half_d), c3.reshape(-1, half_d), c2.reshape(-1, n_inner // 2)
-    s1f, s3f, s2f = u8(s1).reshape(-1, d // FP4_BLOCK), u8(s3).reshape(-1, d // FP4_BLOCK), \
-        u8(s2).reshape(-1, n_inner // FP4_BLOCK)
-    order, sorted_e, offs, sorted_tok = _sort_pairs(experts, n_exp)
-
-    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-    kw = dict(interpret=True) if interpret else dict(
-        compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
-    xq, xs = _act_e4m3(x)
-    h = pl.pallas_call(
-        functools.partial(_f8_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=ur, cols=uc, tb=tb, limit=limit),
-        out_shape=jax.ShapeDtypeStruct((n_exp, tb, n_inner), F32), grid=(n_exp, n_inner // ur),
-        in_specs=[full(a) for a in (layer, offs, sorted_tok, xq, xs, c1f, s1f, c3f, s3f)],
-        out_specs=pl.BlockSpec((None, tb, ur), lambda e, j: (e, 0, j)), name="v4_experts_up_fp4_f8", **kw,
-    )(layer, offs, sorted_tok, xq, xs, c1f, s1f, c3f, s3f)
-    hq, hs = _act_e4m3(w2_input(h, _slot_weights(weights, order, offs, n_exp, tb)))  # [E, T, I], [E, T, I / A]
-    y = pl.pallas_call(
-        functools.partial(_f8_down_kernel, n_exp=n_exp, n_out=d, rows=dr, cols=dc),
-        out_shape=jax.ShapeDtypeStruct((n_exp, tb, d), F32), grid=(n_exp, d // dr),
-        in_specs=[full(layer), full(offs), pl.BlockSpec((None, tb, n_inner), lambda e, j: (e, 0, 0)),
-                  pl.BlockSpec((None, tb, hs.shape[-1]), lambda e, j: (e, 0, 0)), full(c2f), full(s2f)],
-        out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down_fp4_f8", **kw,
-    )(layer, offs, hq, hs, c2f, s2f)
     return _sum_pairs(y, order, sorted_e, offs, m, k)

@@ -39,14 +39,6 @@
 #              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks the per-query
 #              kernel's tiles, "prefix:TQ:HEADS:BLOCK:WARPS:STAGES:PV_SPLIT ..." the HCA query-block kernel's; the
 #              indexer's is v4jax bench kernels --sweep indexer_prefill)
-#   fp8prefill the GPU test of a prefill chunk's experts as stored (widened, then the grouped matmul), the FP8
-#              prefill GEMM (pallas_kernels.fp8_matmul) against XLA's dequantize + bf16 matmul at Flash's
-#              projection shapes (--sweep fp8_prefill; SWEEP=0 skips, SWEEP_S its limit), then flash-slice in the
-#              release's formats through LLM.generate, a 32K prefill with the kernel off and on (fp8_matmul.ROUTED)
-#              -> $OUT/fp8_prefill.json, $OUT/fp8_routed{0,1}
-#   fp4        the decode-step FP4 expert kernels: today's bit decode against e4m3 built from the codes and FP8 dots
-#              (pallas_kernels.experts FP4_FORM "bits" / "f8") and the bf16 kernels, 16 / 256 experts, 1 / 32 tokens
-#              (--sweep fp4_experts; SWEEP_S its limit, TOKENS "1,32") -> $OUT/fp4_experts.json
 #   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
 #   kvformats  the sparse attention and indexer kernels on FP8 entries / FP4 keys: their and the engine's GPU tests
 #              (TESTS=0 skips), then decode at 128K, batch 1 / 32, bf16 pools against the byte formats
@@ -475,30 +467,6 @@ prefill)
     --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 160 --out "$out/gen_slice" \
     > "$out/gen_slice.log" 2>&1
   echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
-  ;;
-fp8prefill)
-  imports
-  stamp "GPU test: a prefill chunk's experts as stored"
-  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k as_stored -p no:cacheprovider \
-    --tb=short 2>&1 | grep -v "^  \|^$" | tail -8
-  if [ "${SWEEP:-1}" = 1 ]; then
-    stamp "FP8 prefill GEMM against XLA's dequantize + bf16 matmul"
-    timeout ${SWEEP_S:-300} python3 -W ignore -m v4jax.bench kernels --sweep fp8_prefill --out "$out" 2>&1 | quiet \
-      | tail -40
-  fi
-  for routed in 0 1; do
-    stamp "flash-slice, FP8 weights as stored: the 32K prefill, fp8_matmul.ROUTED=$routed"
-    timeout ${ROW_S:-120} python3 -W ignore -c "import sys, pallas_kernels.fp8_matmul as f; f.ROUTED = bool($routed)
-from v4jax.bench.generate import generate_main; sys.exit(generate_main(sys.argv[1:]))" --model flash-slice \
-      --quantization fp8 --batches 1 --contexts 4K --prefill 32K --new 8 --prefill-chunk 8192 --attention-impl pallas \
-      --deadline-s $(( ${ROW_S:-120} - 10 )) --out "$out/fp8_routed$routed" 2>&1 | quiet | grep "^|" | tail -3
-  done
-  ;;
-fp4)
-  imports
-  stamp "FP4 experts at decode: bit decode against FP8 dots"
-  timeout ${SWEEP_S:-540} python3 -W ignore -m v4jax.bench kernels --sweep fp4_experts --tokens ${TOKENS:-1,32} \
-    --out "$out" 2>&1 | quiet | tail -40
   ;;
 sweep)
   imports

@@ -49,9 +49,8 @@ Which table runs where (`ops_for`, resolved once per forward pass from RunOption
   "xla" everywhere: the jnp maths below and in v4jax.model.layers.
   "pallas" (OPS["pallas"]): the kernels as they run portably (the TPU-style kernels, interpreted on CPU) plus the
       kernels written for Triton (experts, linear, project, hc_post), interpreted on CPU. On a GPU `compress` also
-      takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes,
-      and `linear` a prefill chunk's FP8 GEMM (pallas_kernels.fp8_matmul) for weights kept as stored (once
-      fp8_matmul.ROUTED). On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
+      takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes.
+      On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
       not fit VMEM): the table takes the XLA table's project and hc_post, named in `Ops.from_xla`, and its own
       `experts` and `linear` (TPU_OWN): a decode step's FP4 experts as stored through
       pallas_kernels.fp4_experts_tpu and FP8 weights as stored through pallas_kernels.fp8_linear_tpu, XLA's forms
@@ -72,7 +71,6 @@ from pallas_kernels import experts as pallas_experts
 from pallas_kernels import experts_grouped as pallas_experts_grouped
 from pallas_kernels import fp4_experts_tpu as pallas_fp4_experts_tpu
 from pallas_kernels import fp8_linear_tpu as pallas_fp8_linear_tpu
-from pallas_kernels import fp8_matmul as pallas_fp8_matmul
 from pallas_kernels import hc_post as pallas_hc_post
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import kv_format
@@ -273,13 +271,12 @@ def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=Non
     # the release's input of w2: the routing weight times the SwiGLU, rounded to FP8 (as the official expert)
     w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128)  # noqa: E731
     if (isinstance(w1, quant.Quantized) and w1.storage == "fp4" and act_quant
-            and pallas_experts.fp4_supported(x, w1.values, pallas_experts.FP4_FORM)):
+            and pallas_experts.fp4_supported(x, w1.values)):
         # FP4 as stored, decoded in registers: the XLA forms gather and dequantize the chosen experts to bf16 in
-        # memory first (4.5 bytes moved a weight, against 0.53). The kernels' form: pallas_experts.FP4_FORM ("bits",
-        # timed on the H200, until the sweep fp4_experts has timed "f8", its FP8 tensor-core form, there)
+        # memory first (4.5 bytes moved a weight, against 0.53)
         return pallas_experts.routed_experts_fp4(
             x, weights, experts, (w1.values, w1.scale), (w2.values, w2.scale), (w3.values, w3.scale), limit,
-            w2_input, layer=layer, form=pallas_experts.FP4_FORM)
+            w2_input, layer=layer)
     if (act_quant and isinstance(w1, quant.Quantized) and form in (None, "grouped")
             and pallas_experts_grouped.supported(x, jax.ShapeDtypeStruct(w1.shape[-3:], x.dtype))):
         # a prefill chunk through experts as stored: the layer's experts widened to x's dtype once a chunk
@@ -318,19 +315,15 @@ def _linear_xla(x, w, layer, groups=1, scale=None):
 
 def _linear_pallas(x, w, layer, groups=1, scale=None):
     """pallas_kernels.layer_linear for a decode step's few tokens (the layer's weight read from the stack in
-    place; FP8 weights as stored) on GPU and, interpreted, on CPU; on a GPU, a prefill chunk through FP8 weights as
-    stored takes pallas_kernels.fp8_matmul (the release's block-scaled FP8 GEMM on the FP8 tensor cores, the
-    weight read from the stack in place; x arrives rounded to FP8, which the kernel's rounding leaves as it is;
-    the grouped wo_a's unrounded input only where fp8_matmul.UNROUNDED says; both once fp8_matmul.ROUTED, after
-    its first GPU run); XLA's matmul for the rest. On the
-    H200 the XLA form of an FP8 weight (the layer's slice dequantized, then a bf16 matmul) made a flash-slice
-    decode step 2x slower than bf16 weights (3.16 against 1.57 ms at batch 1, 4K)."""
+    place; FP8 weights as stored) on GPU and, interpreted, on CPU; XLA's matmul for the rest. On the H200 the XLA
+    form of an FP8 weight (the layer's slice dequantized, then a bf16 matmul) made a flash-slice decode step 2x
+    slower than bf16 weights (3.16 against 1.57 ms at batch 1, 4K). A prefill chunk keeps it: XLA fuses the
+    widening into its bf16 GEMM (Flash's projections at 8192 tokens: 0.05-1.1 ms, ~700 TFLOP/s), where a
+    block-scaled FP8 GEMM in Pallas (e4m3 tensor-core dots, measured and removed) took 2-3x as long (250-330
+    TFLOP/s)."""
     scaled = scale is not None
     if pallas_linear.supported(x, w, groups, scaled=scaled):
         return pallas_linear.layer_linear(x, w, layer, groups, scale=scale).astype(x.dtype)
-    rounded = groups == 1  # the release rounds the input of every FP8 linear but wo_a (the grouped one)
-    if pallas_fp8_matmul.ROUTED and pallas_fp8_matmul.supported(x, w, groups, scaled=scaled, rounded=rounded):
-        return pallas_fp8_matmul.fp8_linear(x, w, layer, groups, scale=scale, quantize_x=rounded)
     return _linear_xla(x, w, layer, groups, scale)
 
 
