@@ -73,23 +73,32 @@ def cases():
              A((4, coff * m, coff * d), F32)) + weights + (A((4, E, rd // 2), F32), A((4, E, rd // 2), F32)))
     # FP8 linears as stored (a 4-layer stack read in place): Flash's wq_b and the grouped wo_a, a decode step of 32
     # tokens and a 2048-token prefill chunk
+    # beside XLA's forms of the same ("XLA": what a TPU ran before; compare their temporaries)
+    from v4jax.model import layers as L
+    from v4jax.model import ops, quant
     for proj, o, d, g in (("wq_b", 32768, 1024, 1), ("wo_a", 8192, 4096, 8)):
-        for m in (32, 2048):
+        for m in (1, 32, 2048):
+            args = (A((m, g, d) if g > 1 else (m, d), BF16), A((4, o, d), FL.E4M3),
+                    A((4, o // 128, d // 128), jnp.float8_e8m0fnu), A((), I32))
             out[f"fp8_linear {proj} (M={m})"] = (
-                lambda x, w, s, layer, g=g: FL.fp8_linear(x, w, layer, g, scale=s, interpret=False),
-                (A((m, g, d) if g > 1 else (m, d), BF16), A((4, o, d), FL.E4M3),
-                 A((o // 128, d // 128), jnp.float8_e8m0fnu), A((), I32)))
+                lambda x, w, s, layer, g=g: FL.fp8_linear(x, w, layer, g, scale=s[layer], interpret=False), args)
+            out[f"fp8_linear {proj} (M={m}) XLA"] = (
+                lambda x, w, s, layer, g=g: L.linear(x, quant.Quantized(w[layer], s[layer], "fp8"), g), args)
     # a decode step's FP4 experts as stored (2-layer stack of 16 Flash-sized experts, 6 active), 1 and 32 tokens
     e8 = jnp.float8_e8m0fnu
     for m in (1, 32):
+        args = (A((m, Dm), BF16), A((m, 6), F32), A((m, 6), I32),
+                A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8),
+                A((2, 16, Dm, 1024), jnp.uint8), A((2, 16, Dm, 64), e8),
+                A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8), A((), I32))
         out[f"fp4_experts (M={m})"] = (
             lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: FX.routed_experts_fp4(
                 x, wt, ex, (c1, s1), (c2, s2), (c3, s3), 10.0, lambda h, w: (h * w).astype(BF16), layer=layer,
-                interpret=False),
-            (A((m, Dm), BF16), A((m, 6), F32), A((m, 6), I32),
-             A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8),
-             A((2, 16, Dm, 1024), jnp.uint8), A((2, 16, Dm, 64), e8),
-             A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8), A((), I32)))
+                interpret=False), args)
+        out[f"fp4_experts (M={m}) XLA"] = (
+            lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: ops._experts_xla(
+                x, wt, ex, *(quant.Quantized(c, s, "fp4") for c, s in ((c1, s1), (c2, s2), (c3, s3))), 10.0, layer,
+                act_quant=True), args)
     out.update(engine_cases())
     return out
 
