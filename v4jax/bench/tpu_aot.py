@@ -165,8 +165,14 @@ def per_device_bytes(abstract_tree, shardings) -> int:
     return total
 
 
-def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: int, chunk: int, k: int):
+def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: int, chunk: int, k: int,
+         quantization: str = "none", attention_impl: str = "xla"):
+    """quantization "fp8": the weights as the release stores them (FP8 linears, FP4 experts); attention_impl
+    "pallas": the TPU's Pallas table (its Mosaic kernels, the stored-weight ones included), as a TPU would run it."""
     from jax.experimental import topologies
+
+    from pallas_kernels import _compat
+    from v4jax.model import quant
 
     from sharding import MeshRules, make_mesh
     from sharding.place import state_shardings
@@ -181,7 +187,9 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
     mr = MeshRules(make_mesh(mesh_spec, topo.devices))
     cfg = preset(preset_name)
     dtype = jnp.bfloat16
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=False))  # no MTP run
+    weights = quant.RELEASE if quantization == "fp8" else quant.DEQUANTIZED
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, mtp=False,  # no MTP run
+                                                  weights=weights))
     graphdef, state = nnx.split(abstract)
     leaves, treedef = jax.tree.flatten(state)
     sh_leaves = jax.tree.leaves(state_shardings(state, mr))
@@ -197,7 +205,8 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
     pools = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), pools, pool_sh)
     from v4jax.cache.boundary import BoundaryStore
     store = BoundaryStore(layers=tuple(None for _ in pools.stacks))  # prefix cache off
-    spec = S.StepSpec(graphdef, treedef, cfg, layout, RunOptions(mesh_rules=mr), k, context, False)
+    spec = S.StepSpec(graphdef, treedef, cfg, layout, RunOptions(attention_impl=attention_impl, mesh_rules=mr), k,
+                      context, False)
     rep = mr.replicated
     A = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
     i32, f32 = jnp.int32, jnp.float32
@@ -217,9 +226,12 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
     for name, (fn, args) in steps.items():
         t0 = time.time()
         row = dict(step=name, preset=preset_name, topology=topology, device_kind=topo.devices[0].device_kind,
-                   devices=len(topo.devices), mesh=mesh_spec, slots=slots, context=context,
+                   devices=len(topo.devices), mesh=mesh_spec, quantization=quantization,
+                   attention_impl=attention_impl, slots=slots, context=context,
                    chunk=chunk if name == "prefill" else None, weights_per_device=weights_dev,
                    pools_per_device=pools_dev)
+        backend = _compat.backend
+        _compat.backend = lambda: "tpu"  # the kernels and the ops table as on the TPU this compiles for
         try:
             compiled = jax.jit(fn, donate_argnums=(1, 2)).trace(*args).lower().compile()
             mem = compiled.memory_analysis()
@@ -228,6 +240,8 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
                 "generated_code_size_in_bytes") if getattr(mem, f, None) is not None})
         except Exception as e:  # noqa: BLE001 - an OOM or a compile error is the finding
             row.update(ok=False, error=f"{type(e).__name__}: {' | '.join(str(e).strip().splitlines()[:3])[:600]}")
+        finally:
+            _compat.backend = backend
         row["compile_seconds"] = round(time.time() - t0, 1)
         print("PLAN " + json.dumps(row), flush=True)
 
@@ -241,6 +255,11 @@ def plan_main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                    help="fp8: the weights as the release stores them (FP8 linears, FP4 routed experts)")
+    ap.add_argument("--attention-impl", choices=("xla", "pallas"), default="xla",
+                    help="pallas: the TPU's Pallas table (Mosaic kernels, the stored-weight kernels included)")
     a = ap.parse_args(argv)
-    plan(a.preset, a.topology, a.mesh, a.slots, a.context, a.chunk, a.decode_steps)
+    plan(a.preset, a.topology, a.mesh, a.slots, a.context, a.chunk, a.decode_steps, a.quantization,
+         a.attention_impl)
     return 0
