@@ -84,9 +84,10 @@ def cases():
                 lambda x, w, s, layer, g=g: FL.fp8_linear(x, w, layer, g, scale=s[layer], interpret=False), args)
             out[f"fp8_linear {proj} (M={m}) XLA"] = (
                 lambda x, w, s, layer, g=g: L.linear(x, quant.Quantized(w[layer], s[layer], "fp8"), g), args)
-    # a decode step's FP4 experts as stored (2-layer stack of 16 Flash-sized experts, 6 active), 1 and 32 tokens
+    # FP4 experts as stored (2-layer stack of 16 Flash-sized experts, 6 active): decode steps of 1 and 32 tokens, a
+    # 256-token prefill chunk
     e8 = jnp.float8_e8m0fnu
-    for m in (1, 32):
+    for m in (1, 32, 256):
         args = (A((m, Dm), BF16), A((m, 6), F32), A((m, 6), I32),
                 A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8),
                 A((2, 16, Dm, 1024), jnp.uint8), A((2, 16, Dm, 64), e8),

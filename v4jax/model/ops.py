@@ -52,7 +52,7 @@ Which table runs where (`ops_for`, resolved once per forward pass from RunOption
       takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes.
       On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
       not fit VMEM): the table takes the XLA table's project and hc_post, named in `Ops.from_xla`, and its own
-      `experts` and `linear` (TPU_OWN): a decode step's FP4 experts as stored through
+      `experts` and `linear` (TPU_OWN): FP4 experts as stored through
       pallas_kernels.fp4_experts_tpu and FP8 weights as stored through pallas_kernels.fp8_linear_tpu, XLA's forms
       for the rest.
 """
@@ -295,11 +295,11 @@ def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=Non
 
 
 def _experts_tpu(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False):
-    """On a TPU: a decode step's FP4 experts as stored through pallas_kernels.fp4_experts_tpu (XLA-TPU widens the
-    experts in HBM first: libtpu AOT, v5e, 64 Flash-sized experts a layer: 1.0 GB of temporaries at one token,
-    5.4 GB at 32); XLA's forms for the rest."""
+    """On a TPU: FP4 experts as stored through pallas_kernels.fp4_experts_tpu, decode steps and prefill chunks
+    (XLA-TPU widens the experts in HBM first: libtpu AOT, v5e, 64 Flash-sized experts a layer: 1.0 GB of
+    temporaries at one token, 5.4 GB at 32); XLA's forms for the rest."""
     if (isinstance(w1, quant.Quantized) and w1.storage == "fp4" and act_quant
-            and pallas_fp4_experts_tpu.supported(x, experts, w1.values, w2.values)):
+            and pallas_fp4_experts_tpu.supported(x, w1.values, w2.values)):
         dt = x.dtype
         w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(dt), 128)  # noqa: E731 - the release's
         return pallas_fp4_experts_tpu.routed_experts_fp4(
