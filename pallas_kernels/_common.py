@@ -158,3 +158,11 @@ def common_compute_dtype(*dtypes):
     """bf16 only if every operand is bf16; f32 otherwise."""
     return jnp.bfloat16 if all(jnp.dtype(d) == jnp.bfloat16 for d in dtypes) else F32
 
+
+def ue8m0_to_f32(scale):
+    """ue8m0 scales (float8_e8m0fnu, or their bytes in an integer dtype) -> 2^(byte - 127) in f32 (byte 0: 2^-127),
+    exactly: the exponent field placed by a shift, no conversion a backend may lack (v4jax.model.quant's rule)."""
+    if scale.dtype == jnp.float8_e8m0fnu:
+        scale = lax.bitcast_convert_type(scale, jnp.uint8)
+    b = scale.astype(jnp.int32)
+    return jnp.where(b == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(b << 23, F32))

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _compat
+from ._common import ue8m0_to_f32
 
 F32 = jnp.float32
 SCALE_COLS = 32  # logical columns per ue8m0 scale
@@ -75,16 +76,10 @@ def _e2m1(c):
     return jnp.where((c & 8) != 0, -mag, mag)
 
 
-def _scale_f32(scale):
-    """ue8m0 scales -> 2^(byte - 127) in f32 (byte 0: 2^-127), exactly."""
-    b = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
-    return jnp.where(b == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(b << 23, F32))
-
-
 def _kernel(layer_ref, expert_ref, ae_ref, ao_ref, c_ref, s_ref, ex_ref, o_ref, *, half: int, kc: int):
     del layer_ref, expert_ref  # used by the index maps
     dt = ae_ref.dtype
-    s = _scale_f32(s_ref[...]).astype(jnp.bfloat16)  # a power of two: exact
+    s = ue8m0_to_f32(s_ref[...]).astype(jnp.bfloat16)  # a power of two: exact
 
     def chunk(q, acc):
         col = pl.multiple_of(q * kc, kc)
@@ -157,10 +152,10 @@ def _tiles(experts, n_exp: int, tm: int):
     row_sorted = jnp.where(real[order], start[sorted_e] + rank, t * tm)
     row = jnp.zeros((p,), jnp.int32).at[order].set(row_sorted.astype(jnp.int32))
     used = jnp.sum(padded) // tm
-    tile_start = jnp.arange(t) * tm
-    owner = jnp.searchsorted(jnp.cumsum(padded), tile_start, side="right").astype(jnp.int32)
-    last = jnp.searchsorted(jnp.cumsum(padded), jnp.maximum(used - 1, 0) * tm, side="right").astype(jnp.int32)
-    tile_expert = jnp.minimum(jnp.where(jnp.arange(t) < used, owner, last), n_exp - 1)
+    # tile i's expert: the first whose rows end past the tile's first row (the unused tiles: the last used one's)
+    first_row = jnp.minimum(jnp.arange(t), jnp.maximum(used - 1, 0)) * tm
+    owner = jnp.searchsorted(start + padded, first_row, side="right").astype(jnp.int32)
+    tile_expert = jnp.minimum(owner, n_exp - 1)
     return row, tile_expert, t
 
 

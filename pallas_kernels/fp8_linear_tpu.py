@@ -21,7 +21,7 @@ Einsum letters: M tokens, D input width (in blocks of 128), O outputs, G groups,
   and the weight tile w[layer, j*BO : (j+1)*BO, :] in VMEM (the layer index is a prefetched scalar, so the tile
   is DMA'd from the stack where it lies), and for each 128-row block r of the tile and each 128-wide D block kb:
       y[:, r] += (x[:, kb] @ widen(w[r, kb]).T) * scale[r, kb]          [BM, 128] f32
-  The scales, converted to f32 by the caller's slice of the stack (one XLA fusion), sit in SMEM and are read as
+  The layer's scales, converted to f32 before the call (one small XLA fusion), sit in SMEM and are read as
   scalars. BO is chosen so that a weight tile is about TILE_BYTES (the grid step's fixed cost, ~0.35 us, against
   the tile's DMA); not yet timed on a TPU.
 """
@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _compat
+from ._common import ue8m0_to_f32
 
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn
@@ -105,7 +106,7 @@ def fp8_linear(x, w, layer=None, groups: int = 1, *, scale, interpret=None, tile
         x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))
     bo = block_out(go, d, tile_bytes)
     per_group = go // bo
-    s = _scale_f32(scale)
+    s = ue8m0_to_f32(scale)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     y = pl.pallas_call(
         functools.partial(_kernel, bo=bo, d=d),
@@ -126,9 +127,3 @@ def fp8_linear(x, w, layer=None, groups: int = 1, *, scale, interpret=None, tile
         return y.reshape(*lead, groups, go)
     return y.reshape(*lead, n_out)
 
-
-def _scale_f32(scale):
-    """ue8m0 [O/128, D/128] -> f32 2^(byte - 127) (byte 0: 2^-127), exactly: v4jax.model.quant.scale_to_f32's
-    rule (the kernels import nothing of the model)."""
-    b = lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.uint32)
-    return jnp.where(b == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(b << 23, F32))
