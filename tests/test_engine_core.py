@@ -266,6 +266,29 @@ def test_prefix_cache_exact(csa_hca_ckpt):
     assert _all_free(warm.engine)
 
 
+def test_prefix_cache_resumes_inside_a_long_chunk(csa_hca_ckpt):
+    """A prompt prefilled in chunks that span several pages (the default chunk is 2048 tokens, a page 256) can be
+    resumed at every page boundary inside them, not only where a chunk ended: a shared prefix of any length hits
+    its full pages, exactly."""
+    opts = dict(dtype="float32", max_num_seqs=2, max_model_len=1400, prefill_chunk=1024)
+    cold = LLM(csa_hca_ckpt, enable_prefix_caching=False, **opts)
+    warm = LLM(csa_hca_ckpt, **opts)
+    vocab = cold.config.vocab_size
+    base = _prompts((1100,), vocab, seed=5)[0]  # chunks [0, 1024) (boundaries 256, 512, 768 inside) and [1024, 1100)
+    rng = np.random.default_rng(6)
+    shared = (300, 600, 900, 1030)
+    variants = [base[:n] + rng.integers(2, vocab, 60).tolist() for n in shared]
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    want = cold.generate(variants, sp)
+    warm.generate([base], sp)
+    for v, w, n in zip(variants, want, shared):
+        before = warm.stats()["prefix_cache"]["hit_tokens"]
+        _same(warm.generate([v], sp), [w])
+        assert warm.stats()["prefix_cache"]["hit_tokens"] - before == n // 256 * 256, n
+    assert warm.stats()["requests"]["recomputed_tokens"] == 0
+    assert _all_free(warm.engine)
+
+
 @pytest.mark.slow  # ~55 s; test_prefix_cache_exact covers every boundary kind in the default run
 def test_prefix_cache_exact_with_decoded_pages_and_small_budget(real_ckpt):
     """A second turn reuses pages the first turn's decode wrote (boundary states saved by the decode loop),

@@ -330,3 +330,23 @@ def test_scheduler_counts_recomputed_tokens_after_preemption():
     _prefill(sch)
     _prefill(sch)
     assert b.status == RUNNING and sch.recomputed_tokens == fed  # what it had computed, computed again
+
+
+def test_recorded_boundaries_host_and_device_agree():
+    """The host's list of a prefill chunk's inner page boundaries (the prefix tree keeps tails there) and the
+    step's (it saves the compressor states there) are the same, for chunks starting on and off a boundary."""
+    import jax.numpy as jnp
+
+    from v4jax.cache.boundary import inner_page_ends, recorded_boundaries
+    p = 256
+    for t in (16, 256, 512, 1024, 2048):
+        rng = np.random.default_rng(t)
+        starts = np.concatenate([np.arange(0, 3 * p + 1, p), rng.integers(0, 4 * p, 12)])
+        n_valid = np.array([min(int(rng.integers(1, t + 1)), t) for _ in starts])
+        n_valid[: 4] = t
+        dev = np.asarray(inner_page_ends(jnp.asarray(starts, jnp.int32), jnp.asarray(n_valid, jnp.int32), p, t))
+        for s, n, row in zip(starts, n_valid, dev):
+            host = list(recorded_boundaries(int(s), int(s + n), p))
+            assert row[row >= 0].tolist() == host, (t, s, n)
+            if s % p == 0:  # a chunk from a boundary records every boundary strictly inside it
+                assert host == [b for b in range(s + 1, s + n) if b % p == 0]

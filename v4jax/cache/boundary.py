@@ -18,6 +18,8 @@ from v4jax.cache.pools import KVPools, pin_host
 
 F32 = jnp.float32
 _FIELDS = (("state_kv", 0.0), ("state_score", -jnp.inf), ("idx_state_kv", 0.0), ("idx_state_score", -jnp.inf))
+# state field -> the LayerPool field a prefill step records its inputs in (v4jax.model.attention.boundary_of)
+_RECORD = {name: name.replace("state", "boundary") for name, _ in _FIELDS}
 
 
 @jax.tree_util.register_dataclass
@@ -71,6 +73,56 @@ def save_boundary_states(store: BoundaryStore, pools: KVPools, slots, rows) -> B
             nd[name] = d[name].at[:, rows].set(src, mode="drop")
         out.append(nd)
     return BoundaryStore(layers=tuple(out))
+
+
+def recorded_boundaries(start: int, end: int, page_size: int) -> range:
+    """The full-page boundaries inside a prefill chunk [start, end) whose CSA state the step records besides its
+    end (host side of inner_page_ends; they must agree): every multiple of P at least P past start (so the m <= P
+    positions before it lie in the chunk) and before end. Chunks start on a boundary (at 0, after a prefix hit,
+    or where the scheduler cut the one before), so each records every boundary inside it."""
+    return range((-(-start // page_size) + 1) * page_size, end, page_size)
+
+
+def inner_page_ends(start, n_valid, page_size: int, t: int):
+    """Device side of recorded_boundaries for rows (start, n_valid) [B] of a t-token chunk: [B, NB] int32, the
+    boundaries in order, -1 past them; NB = t // P - 1, the most a chunk of t tokens holds."""
+    first = (-(-start // page_size) + 1) * page_size
+    ends = first[:, None] + page_size * jnp.arange(max(t // page_size - 1, 0))[None, :]
+    return jnp.where(ends < (start + n_valid)[:, None], ends, -1).astype(jnp.int32)
+
+
+def record_boundaries(pools: KVPools, n_rows: int, n_ends: int) -> KVPools:
+    """The pools of a prefill step of n_rows rows that records n_ends boundaries a row: every CSA stack gets zeroed
+    records [n, n_rows, n_ends * m, C*K] (LayerPool.boundary_*), which its compressors fill in."""
+    stacks = []
+    for lp in pools.stacks:
+        upd = {}
+        if _is_csa(lp):
+            for name, _ in _FIELDS:
+                st = getattr(lp, name)  # [n, slots, 2m, C*K]
+                upd[_RECORD[name]] = jnp.zeros((st.shape[0], n_rows, n_ends * st.shape[2] // 2, st.shape[3]), F32)
+        stacks.append(dataclasses.replace(lp, **upd))
+    return dataclasses.replace(pools, stacks=tuple(stacks))
+
+
+def save_recorded_boundaries(store: BoundaryStore, pools: KVPools, rows) -> tuple[BoundaryStore, KVPools]:
+    """store[rows[b, j]] = row b's records at its j-th boundary (rows [B, NB]; out of range: no write), and the
+    pools without the records."""
+    out, stacks = [], []
+    for lp, d in zip(pools.stacks, store.layers):
+        if d is None:
+            out.append(None)
+            stacks.append(lp)
+            continue
+        nd = {}
+        for name, _ in _FIELDS:
+            rec = getattr(lp, _RECORD[name])  # [n, B, NB*m, C*K]
+            n, b, length, ck = rec.shape
+            nd[name] = d[name].at[:, rows.reshape(-1)].set(rec.reshape(n, rows.size, length // rows.shape[1], ck),
+                                                         mode="drop")
+        out.append(nd)
+        stacks.append(dataclasses.replace(lp, **{_RECORD[name]: None for name, _ in _FIELDS}))
+    return BoundaryStore(layers=tuple(out)), dataclasses.replace(pools, stacks=tuple(stacks))
 
 
 def restore_slot_states(pools: KVPools, store: BoundaryStore, slot, row) -> KVPools:

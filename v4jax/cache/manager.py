@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from v4jax.cache.boundary import recorded_boundaries
 from v4jax.cache.layout import pool_sizes
 from v4jax.cache.pages import PageTables
 from v4jax.cache.pools import PoolLayout
@@ -171,6 +172,15 @@ class KVCacheManager:
                     tail = {j: held.swa[j] for j in js}
             parent = st.nodes[-1] if st.nodes else self._prefix.roots[self.shard_of(slot)]
             st.nodes.append(self._prefix.insert(parent, token_slice(i * p, b), held.full[i], tail))
+
+    def prefill_boundaries(self, start: int, end: int) -> list[int]:
+        """The full-page boundaries at which a prefill step over positions [start, end) of a slot saves its
+        compressor state (the prefix cache can resume there): every one inside the chunk, and its end if a
+        boundary. Pass them to `commit`."""
+        if self._prefix is None:
+            return []
+        p = self.page_size
+        return [*recorded_boundaries(start, end, p), *((end,) if end % p == 0 else ())]
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached page that no slot maps (pages mapped by slots stay theirs)."""

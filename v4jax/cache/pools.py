@@ -67,6 +67,13 @@ class LayerPool:
     pending_score: jax.Array | None = None
     idx_pending_kv: jax.Array | None = None
     idx_pending_score: jax.Array | None = None
+    # Set only inside a prefill step of the prefix cache (v4jax.cache.boundary.record_boundaries): on CSA stacks,
+    # each compressor's inputs (a, z) at the m positions before each full-page boundary inside the chunk
+    # (StepMeta.page_ends) [n, B, NB*m, C*K] f32: the previous window that boundary's saved state holds.
+    boundary_kv: jax.Array | None = None
+    boundary_score: jax.Array | None = None
+    idx_boundary_kv: jax.Array | None = None
+    idx_boundary_score: jax.Array | None = None
     # Host offload of `kv` on CSA stacks (enable_hisparse, v4jax.model.offload): `kv` then lives in host memory and
     # these hold the device's hot copies of some of its rows, their table and LRU state, and the counters.
     kv_hot: jax.Array | None = None  # [n, H, K]
@@ -134,6 +141,9 @@ class StepMeta:
     win_rows: jax.Array  # [B, U] int32 SWA rows of positions start-W+1 .. start+T-1 (-1 = none)
     win_pos: jax.Array  # [B, U] int32 those positions
     entry_rows: dict  # ratio m -> [B, S_m] int32 row of entry e in the ratio's pools (-1 = none)
+    # [B, NB] int32: full-page boundaries inside a prefill chunk whose CSA state the step records (-1 = none);
+    # set with the pools' boundary_* records (v4jax.cache.boundary.record_boundaries)
+    page_ends: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -355,13 +355,12 @@ class Scheduler:
     # ---- update: a step's outputs into request state and deltas ----
     def advance_prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
         """The prefill rows were dispatched: their positions count as computed, and their full pages (written up
-        to each chunk's end; the compressor state is saved where a chunk ends on a full-page boundary) go into the
+        to each chunk's end; the compressor state saved at each full-page boundary of the chunk) go into the
         prefix tree."""
-        p = self.page_size
         for req, s0, e0 in chunks:
             req.computed = e0
             self.recomputed_tokens += max(0, min(e0, req.seen) - s0)
-            self.kv.commit(req.slot, req.token_slice, req.fed, (e0,) if e0 % p == 0 else ())
+            self.kv.commit(req.slot, req.token_slice, req.fed, self.kv.prefill_boundaries(s0, e0))
 
     def finish_prefill(self, chunks: list[tuple[Request, int, int]], tokens, logprobs, top=None) -> list[RequestDelta]:
         """Rows that were their request's last chunk: its first generated token (row i of `tokens`, `logprobs`,

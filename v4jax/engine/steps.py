@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from v4jax import cache as C
-from v4jax.cache.boundary import restore_slot_states, save_boundary_states
+from v4jax.cache.boundary import (inner_page_ends, record_boundaries, restore_slot_states, save_boundary_states,
+                                  save_recorded_boundaries)
 from v4jax.config import ModelConfig
 from v4jax.model import RunOptions
 from v4jax.engine import dspark as DS
@@ -180,6 +181,12 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     t = batch.tokens.shape[1]
     meta = C.make_meta(spec.cfg, spec.layout, batch.start, batch.n_valid, batch.fresh, batch.slot, page_table,
                        swa_table, t)
+    p = spec.layout.page_size
+    ends = None
+    if spec.save_boundaries and t >= 2 * p:  # a chunk with full-page boundaries inside: record their states too
+        ends = inner_page_ends(batch.start, batch.n_valid, p, t)
+        meta = dataclasses.replace(meta, page_ends=ends)
+        pools = record_boundaries(pools, batch.tokens.shape[0], ends.shape[1])
     model = spec.model(leaves)
     drafter = _drafter(spec.cfg) if pools.draft is not None else None
     taps = None
@@ -193,6 +200,9 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     if spec.save_boundaries:
         rows = _boundary_rows(spec, batch.start + batch.n_valid, batch.n_valid > 0, swa_table)
         store = save_boundary_states(store, pools, batch.slot, rows)
+    if ends is not None:
+        rows = _boundary_rows(spec, ends.reshape(-1), ends.reshape(-1) >= 0, jnp.repeat(swa_table, ends.shape[1], 0))
+        store, pools = save_recorded_boundaries(store, pools, rows.reshape(ends.shape))
     tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed,
                                       samp.sample_index, samp.token_index, spec.any_sampled, spec.top_logprobs)
     if drafter is not None:

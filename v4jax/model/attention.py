@@ -33,6 +33,22 @@ def pending_of(state_field: str) -> str:
     return state_field.replace("state", "pending")
 
 
+def boundary_of(state_field: str) -> str:
+    """The pool field holding a prefill step's compressor inputs before the chunk's inner page boundaries, for the
+    state `state_field` (v4jax.cache.pools; the engine saves them as those boundaries' states)."""
+    return state_field.replace("state", "boundary")
+
+
+def _before_ends(x, proj, meta, m: int):
+    """x [B, T, D] (and the caller's projections of it) at the m positions before each of meta.page_ends [B, NB]:
+    (x [B, NB*m, D], their positions [B, NB*m], proj or None). Ends of -1 give clamped rows (never saved)."""
+    b, nb = meta.page_ends.shape
+    pos = (meta.page_ends[:, :, None] - m + jnp.arange(m)[None, None, :]).reshape(b, nb * m)
+    at = jnp.clip(pos - meta.start[:, None], 0, x.shape[1] - 1)[..., None]
+    take = lambda v: jnp.take_along_axis(v, at, axis=1)  # noqa: E731
+    return take(x), pos, None if proj is None else tuple(take(v) for v in proj)
+
+
 F32 = jnp.float32
 
 
@@ -392,6 +408,12 @@ class Attention(nnx.Module):
             pend_sc = getattr(pool, pending_of(st_sc_name))
             states.update({pending_of(st_kv_name): pend_kv.at[li].set(a),
                            pending_of(st_sc_name): pend_sc.at[li].set(z)})
+        rec_kv = getattr(pool, boundary_of(st_kv_name))
+        if rec_kv is not None:  # a prefill step of the prefix cache: the previous window at each inner page boundary
+            a, z = comp.project(*_before_ends(x, proj, meta, comp.ratio))
+            rec_sc = getattr(pool, boundary_of(st_sc_name))
+            states.update({boundary_of(st_kv_name): rec_kv.at[li].set(a),
+                           boundary_of(st_sc_name): rec_sc.at[li].set(z)})
         s = rows.shape[1]
         row = jnp.take_along_axis(rows, jnp.clip(ent, 0, s - 1), axis=1)
         return jnp.where(ok & (ent >= 0) & (ent < s), row, -1), entries
