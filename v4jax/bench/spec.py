@@ -1,11 +1,12 @@
-"""`v4jax bench spec`: speculative decoding with the MTP block against plain decoding, through `LLM.generate`.
+"""`v4jax bench spec`: speculative decoding (the MTP block, or DSpark draft layers) against plain decoding, through
+`LLM.generate`.
 
 For the plain engine and each k of `--k`: an untimed pair of `generate` calls (they compile and put the prompts'
 full pages in the prefix cache), then a timed pair of the same prompts, greedy, 1 and `--new` + 1 tokens each at
 batch `--batch`; their difference is decode with the batch together. Reports ms per
 generated token, the speed against plain decoding, acceptance by draft position and the mean tokens a step
 (1 + accepted / steps); the drafter's outputs must equal plain decoding's in float32 (greedy speculation is
-lossless), else it fails. A forced acceptance rate keeps each draft of the MTP block with that probability,
+lossless), else it fails. A forced acceptance rate keeps each of the drafter's drafts with that probability,
 right or not (StepSpec.forced_acceptance): its outputs are not plain decoding's, its cost is that of a drafter
 that good. (Drafts forced from a table of plain decoding's tokens measured nothing on bf16 random weights:
 flash-1gpu's first verify chose otherwise than plain decoding, and every later draft was rejected.)
@@ -63,7 +64,7 @@ def _same_prefix(outs, plain) -> float:
 
 
 def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: int = 0,
-        accepts=(None,), profile: bool = False) -> list[dict]:
+        accepts=(None,), profile: bool = False, method: str = "mtp") -> list[dict]:
     """Rows for plain decoding and each (k, acceptance) pair at each batch; acceptance None is the drafter's own, a
     number forces it (each of the MTP block's drafts kept with that probability: what a drafter of that acceptance
     costs and gains). One engine of max(batches) slots per k; a batch of b runs the
@@ -79,7 +80,7 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
     short_sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows, plain = [], {}
     for k in [0] + list(ks):
-        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        spec = {"method": method, "num_speculative_tokens": k} if k else None
         # one engine per k, its rates run in turn: a rate recompiles the decode call only (flash-1gpu: its
         # prefill programs and 50 GB of weights once per k, not per rate)
         llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len,
@@ -141,7 +142,7 @@ def markdown(rows: list[dict]) -> str:
              "accepted by position | same as plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " / ".join(f"{100 * a:.0f} %" for a in r["accepted_by_position"]) or "-"
-        drafts = "-" if not r["k"] else ("MTP block" if r["accept"] == "drafter" else f"forced {r['accept']:g}")
+        drafts = "-" if not r["k"] else ("own drafts" if r["accept"] == "drafter" else f"forced {r['accept']:g}")
         lines.append(f"| {r['k'] or 'plain'} | {drafts} | {r['batch']} | {r['context'] or 'play openings'} | "
                      f"{r['ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {acc} | {100 * r['same_as_plain']:.0f} % |")
@@ -152,12 +153,15 @@ def spec_main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="v4jax bench spec", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory or preset (default: the embedded model)")
     p.add_argument("--k", default="1,2,3", help="comma list of num_speculative_tokens")
+    p.add_argument("--method", default="mtp", choices=("mtp", "dspark"), help="the drafter: the MTP block, or the "
+                   "DSpark draft layers of a checkpoint that has them (v4jax.training.dspark trains one for the "
+                   "default model)")
     p.add_argument("--new", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--batch", default="1", help="comma list: prompts at once (one engine of the largest)")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--context", type=int, default=0, help="prompts of this many random token ids (a preset has no "
                    "tokenizer); 0: the play openings")
-    p.add_argument("--accept", default="drafter", help="comma list: 'drafter' (the MTP block's own drafts) and "
+    p.add_argument("--accept", default="drafter", help="comma list: 'drafter' (the drafter's own drafts) and "
                    "forced acceptance rates in (0, 1] (each draft kept with that probability, right or not; the outputs "
                    "then differ from plain decoding's): what a drafter that good costs and gains")
     p.add_argument("--max-model-len", type=int, default=0, help="default: context + new + 16 (512 with the play openings)")
@@ -176,7 +180,7 @@ def spec_main(argv=None) -> int:
         p.error("--accept: rates in (0, 1]")
     max_len = a.max_model_len or (a.context + a.new + 16 if a.context else 512)
     rows = run(a.model, [int(x) for x in a.k.split(",") if x], a.new, batches, a.dtype, max_len, a.context, accepts,
-               a.profile)
+               a.profile, a.method)
     print(markdown(rows))
     for r in rows:
         if r.get("profile"):
