@@ -350,3 +350,30 @@ def test_recorded_boundaries_host_and_device_agree():
             assert row[row >= 0].tolist() == host, (t, s, n)
             if s % p == 0:  # a chunk from a boundary records every boundary strictly inside it
                 assert host == [b for b in range(s + 1, s + n) if b % p == 0]
+
+
+def test_a_burst_sharing_a_cached_prefix_starts_together():
+    """Requests that share with the ones prefilling only what is already cached are admitted together (their
+    rows prefill in one step); a request whose next full page one of them is still computing waits for it, then
+    maps it."""
+    t = _tables(n_pages=32, n_swa=64, slots=4, data=1)
+    sch = _scheduler(t, chunk=64)
+    system = list(range(2, 2 + 2 * P))  # two full pages
+    first = _add(sch, "first", system + [7, 7])
+    assert sch.admit() == [first]
+    _prefill(sch)  # the system prompt's pages are cached (resumable at 2P); its last two tokens still to come
+    burst = [_add(sch, f"u{i}", system + [8 + i] * 3) for i in range(3)]
+    assert sch.admit() == burst  # all at once: past the cached pages nobody shares a full page
+    assert [r.computed for r in burst] == [2 * P] * 3
+    assert len(sch.next_chunks()) == 4  # one prefill step: first's last chunk and the three
+    # a long prompt prefilling its third page holds back a request sharing that page, not one that does not
+    sch2 = _scheduler(_tables(n_pages=32, n_swa=64, slots=4, data=1), chunk=P)
+    doc = list(range(2, 2 + 3 * P))
+    reader = _add(sch2, "reader", doc + [5])
+    assert sch2.admit() == [reader]
+    _prefill(sch2)  # page 0 computed and cached; pages 1 and 2 to come
+    same_doc = _add(sch2, "same_doc", doc + [6])
+    assert sch2.admit() == [] and same_doc.status == "waiting"
+    for _ in range(3):
+        _prefill(sch2)
+    assert sch2.admit() == [same_doc] and same_doc.computed == 3 * P

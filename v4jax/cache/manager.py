@@ -98,6 +98,10 @@ class KVCacheManager:
         path = self._prefix.walk(tokens, (n_tokens - 1) // self.page_size, shard)
         return PrefixHit(shard, tuple(PrefixCache.resumable(path)), len(path))
 
+    def resumable_pages(self, tokens, n_tokens: int) -> int:
+        """The most full pages of a request's tokens that a prefix hit could map now, in any data shard."""
+        return max(self.find_prefix(tokens, n_tokens, d).n_pages for d in range(self.n_data))
+
     def admissible(self, hit: PrefixHit, upto: int, swa_tokens: int, pending: Iterable[tuple[int, int]] = ()) -> bool:
         """Whether a new sequence of `hit.shard`, mapping `hit` and growing to `upto` positions, fits with
         `swa_tokens` positions of window beyond its window size, while the slots of `pending` ((slot, upto)) still

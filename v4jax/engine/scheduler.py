@@ -319,13 +319,17 @@ class Scheduler:
         return None
 
     def _may_share(self, req: Request) -> bool:
-        """Whether `req` could match full pages that a request still prefilling will cache: their first pages
-        are equal (every prefix match starts at page 0)."""
+        """Whether `req` could match more full pages than are cached now once a request still prefilling has
+        cached its own: the first page past req's cached prefix is a full page of both, equal, and not yet
+        written by the other. (Comparing only page 0 held back every request behind one sharing a cached system
+        prompt: a burst of them started one per step, each prefilled alone.)"""
         p = self.page_size
-        if req.n_tokens <= p:
-            return False  # the last position is always computed: no full page of it can be reused
-        head = req.token_slice(0, p)
-        return any(r.token_slice(0, p) == head for r in self.prefilling())
+        h = self.kv.resumable_pages(req.tokens, req.n_tokens)
+        lo, hi = h * p, (h + 1) * p
+        if hi > req.n_tokens - 1:
+            return False  # the last position is always computed: no further full page of it can be reused
+        page = req.token_slice(lo, hi)
+        return any(r.computed < hi <= r.n_tokens and r.token_slice(lo, hi) == page for r in self.prefilling())
 
     # ---- prefill chunks ----
     def next_chunks(self) -> list[tuple[Request, int, int]]:
