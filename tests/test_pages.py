@@ -377,3 +377,49 @@ def test_a_burst_sharing_a_cached_prefix_starts_together():
     for _ in range(3):
         _prefill(sch2)
     assert sch2.admit() == [same_doc] and same_doc.computed == 3 * P
+
+
+def test_evictable_counts_and_its_early_stop_agree_with_a_brute_force_count():
+    """Random trees (pages mapped by "slots" or not, tails, a kept path): the full count is the brute-force one
+    (a node's page is freeable when no page of its subtree is mapped and it is not kept; a tail when its pages
+    are unmapped and it is not the kept path's last), and a count asked to stop at a target reaches it exactly
+    when the full count does, never exceeding the full count."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        full, swa = PageAllocator(200, 2), PageAllocator(200, 2)
+        cache = PrefixCache(full, swa, 1)
+        nodes = []
+        for i in range(int(rng.integers(1, 60))):
+            parent = cache.root if not nodes or rng.random() < 0.2 else nodes[int(rng.integers(len(nodes)))]
+            tail = dict(enumerate(swa.alloc(2, int(rng.integers(2))))) if rng.random() < 0.5 else None
+            nodes.append(cache.insert(parent, (i,), full.alloc(1, int(rng.integers(2)))[0], tail))
+            if tail and rng.random() < 0.6:
+                swa.decref(tail.values())  # the slot let go of the tail; else it still maps it
+        for n in nodes:
+            if rng.random() < 0.7:
+                full.decref([n.page])  # the slot let go; else it still maps the page
+        keep = []
+        if nodes and rng.random() < 0.5:
+            n = nodes[int(rng.integers(len(nodes)))]
+            while n.page >= 0:
+                keep.insert(0, n)
+                n = n.parent
+
+        def subtree_mapped(n):
+            return full.refs[n.page] > 1 or any(subtree_mapped(c) for c in n.children.values())
+
+        want_full, want_swa = np.zeros(2, np.int64), np.zeros(2, np.int64)
+        for n in nodes:
+            if n not in keep and not subtree_mapped(n):
+                want_full[full.block_of(n.page)] += 1
+            if n.tail is not None and (not keep or n is not keep[-1]) and all(swa.refs[p] == 1 for p in n.tail.values()):
+                for p in n.tail.values():
+                    want_swa[swa.block_of(p)] += 1
+        got = cache.evictable(keep=keep)
+        assert got[0].tolist() == want_full.tolist() and got[1].tolist() == want_swa.tolist(), trial
+        for target in ((want_full, want_swa), (want_full + 1, want_swa), (want_full // 2, want_swa // 2),
+                       (np.zeros(2, np.int64), want_swa + 1)):
+            f, s = cache.evictable(target, keep)
+            reachable = (want_full >= target[0]).all() and (want_swa >= target[1]).all()
+            assert ((f >= target[0]).all() and (s >= target[1]).all()) == reachable, (trial, target)
+            assert (f <= want_full).all() and (s <= want_swa).all()

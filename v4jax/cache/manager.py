@@ -127,15 +127,8 @@ class KVCacheManager:
             return True
         if self._prefix is None:
             return False
-        ev_full, ev_swa = self._prefix.evictable()
-        # the matched path stays (it is about to be mapped): do not count it as evictable
-        for n in keep:
-            if t.full_alloc.refs[n.page] == 1:
-                ev_full[t.full_alloc.block_of(n.page)] -= 1
-        for n in keep[-1:]:
-            if all(t.swa_alloc.refs[pg] == 1 for pg in n.tail.values()):
-                for pg in n.tail.values():
-                    ev_swa[t.swa_alloc.block_of(pg)] -= 1
+        # the matched path stays (it is about to be mapped): not counted as evictable
+        ev_full, ev_swa = self._prefix.evictable((n_full - free_full, n_swa - free_swa), keep)
         return (free_full + ev_full >= n_full).all() and (free_swa + ev_swa >= n_swa).all()
 
     def map_prefix(self, slot: int, hit: PrefixHit, n_tokens: int) -> int | None:

@@ -131,22 +131,43 @@ class PrefixCache:
     def _tail_unmapped(self, n: Node) -> bool:
         return all(self.swa_alloc.refs[pg] == 1 for pg in n.tail.values())
 
-    def evictable(self) -> tuple[np.ndarray, np.ndarray]:
-        """([full-page blocks], [SWA blocks]) pages per block that eviction could free now (pages no slot maps)."""
+    def evictable(self, enough: tuple | None = None, keep: list[Node] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """([full-page blocks], [SWA blocks]) pages per block that eviction could free now (pages no slot maps),
+        not counting the nodes of `keep` (a matched path about to be mapped) nor the tail of its last node. With
+        `enough` = (full, SWA) pages per block, the walk stops once both counts reach them: they are then lower
+        bounds. (A full walk of a 32,000-node tree took 40 ms of host time, at every admission once the cache
+        had filled the pools; a request needs a few pages, and leaves come first in the walk below.)"""
         full = np.zeros(self.full_alloc.n_blocks, np.int64)
         swa = np.zeros(self.swa_alloc.n_blocks, np.int64)
-        for n in self._nodes():
-            if n.tail is not None and self._tail_unmapped(n):
-                for pg in n.tail.values():
-                    swa[self.swa_alloc.block_of(pg)] += 1
-
-        # A node's page is freeable once its whole subtree is: count nodes whose subtree no slot maps. Children
-        # before parents (reversed pre-order), without recursion: a 128K-token prefix is a chain of 2048 nodes.
-        free = {}
-        for n in reversed(list(self._nodes())):
-            free[n] = self.full_alloc.refs[n.page] == 1 and all(free[c] for c in n.children.values())
+        kept = set(map(id, keep))
+        resumed = keep[-1] if keep else None
+        want_full, want_swa = enough if enough is not None else (None, None)
+        if want_swa is None or not (swa >= want_swa).all():
+            for n in self._nodes():
+                if n.tail is not None and n is not resumed and self._tail_unmapped(n):
+                    for pg in n.tail.values():
+                        swa[self.swa_alloc.block_of(pg)] += 1
+                    if want_swa is not None and (swa >= want_swa).all():
+                        break
+        if want_swa is not None and not (swa >= want_swa).all():
+            return full, swa  # not enough SWA pages whatever the full pages say
+        # A node's page is freeable once its whole subtree is: children before parents (post-order, without
+        # recursion: a 128K-token prefix is a chain of 2048 nodes).
+        refs = self.full_alloc.refs
+        free: dict = {}
+        met = want_full is not None and (full >= want_full).all()
+        stack = [] if met else [(c, False) for r in self.roots for c in r.children.values()]
+        while stack:
+            n, expanded = stack.pop()
+            if not expanded:
+                stack.append((n, True))
+                stack.extend((c, False) for c in n.children.values())
+                continue
+            free[n] = refs[n.page] == 1 and id(n) not in kept and all(free[c] for c in n.children.values())
             if free[n]:
                 full[self.full_alloc.block_of(n.page)] += 1
+                if want_full is not None and (full >= want_full).all():
+                    break
         return full, swa
 
     def drop_tail(self, n: Node) -> None:
