@@ -223,6 +223,7 @@ def test_a_long_cached_prefix_is_counted_evicted_and_cleared():
     full.decref(pages[-1:])
     assert cache.evictable()[0].tolist() == [n + 1]
     assert cache.evict_full(full.n_free + 5) == 5 and cache.n_nodes() == n - 4  # least recently used first
+    cache.check()
     assert len(cache.lookup(list(range(n - 5)), n - 5)) == 0  # (no node keeps a tail: nothing resumable)
     cache.clear()
     assert cache.n_nodes() == 0 and full.n_free == n + 10
@@ -423,3 +424,12 @@ def test_evictable_counts_and_its_early_stop_agree_with_a_brute_force_count():
             reachable = (want_full >= target[0]).all() and (want_swa >= target[1]).all()
             assert ((f >= target[0]).all() and (s >= target[1]).all()) == reachable, (trial, target)
             assert (f <= want_full).all() and (s <= want_swa).all()
+        # evictions keep the tail and leaf indexes true to the tree (and the tails in LRU order)
+        cache.touch(keep)
+        cache.check()
+        cache.evict_swa(swa.free_per_block + rng.integers(0, 3, 2))
+        cache.check()
+        cache.evict_full(full.free_per_block + rng.integers(0, 4, 2))
+        cache.check()
+        cache.clear()
+        cache.check()

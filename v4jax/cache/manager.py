@@ -302,6 +302,7 @@ class KVCacheManager:
             for pg in held.swa.values():
                 want_swa[pg] += 1
         if self._prefix is not None:
+            self._prefix.check()
             for n in self._prefix._nodes():
                 want_full[n.page] += 1
                 for pg in (n.tail or {}).values():
