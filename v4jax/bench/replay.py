@@ -552,7 +552,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=8, help="decode slots")
     ap.add_argument("--max-model-len", type=int, default=None, help="context limit; default: the longest trace "
                     "context rounded up to a full page")
-    ap.add_argument("--prefill-chunk", type=int, default=256, help="largest prefill chunk")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="largest prefill chunk (default: the engine's, "
+                    "2048)")
     ap.add_argument("--page-size", type=int, default=None, help="tokens per full page (default: the engine's, 256 "
                     "rounded up to the lcm of the compression ratios)")
     ap.add_argument("--decode-steps", type=int, default=8, help="tokens per jitted decode call (k)")
@@ -628,9 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_len = a.max_model_len or -(-max(t.max_context() for t in traces) // page) * page
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "random weights" for a preset: said in the report instead
-        llm = LLM(a.model, dtype=dtype, max_num_seqs=a.max_num_seqs, max_model_len=max_len,
-                  prefill_chunk=a.prefill_chunk, page_size=a.page_size, decode_steps=a.decode_steps,
-                  attention_impl=a.attention_impl)
+        chunk = {} if a.prefill_chunk is None else {"prefill_chunk": a.prefill_chunk}
+        llm = LLM(a.model, dtype=dtype, max_num_seqs=a.max_num_seqs, max_model_len=max_len, page_size=a.page_size,
+                  decode_steps=a.decode_steps, attention_impl=a.attention_impl, **chunk)
     dev = jax.devices()[0]
     log = lambda msg: print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
     log(f"{dev.platform} ({getattr(dev, 'device_kind', '')}), jax {jax.__version__}; model {llm.source}, {dtype}, "
@@ -641,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python -m v4jax.bench.replay " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
         "python": platform.python_version(), "model": llm.source, "dtype": dtype, "page_size": page,
-        "max_model_len": llm.max_model_len, "max_num_seqs": a.max_num_seqs, "prefill_chunk": a.prefill_chunk,
+        "max_model_len": llm.max_model_len, "max_num_seqs": a.max_num_seqs, "prefill_chunk": llm.options.prefill_chunk,
         "decode_steps": a.decode_steps, "warmup": a.warmup, "budget_ws": a.budget_ws, "seed": a.seed,
         "scale": a.scale, "granule": a.granule, "arrivals": "closed loop by engine step count",
         "decoding": "greedy, ignore_eos"}
