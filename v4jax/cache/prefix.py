@@ -149,7 +149,7 @@ class PrefixCache:
         had filled the pools; a request needs a few pages, and leaves come first in the walk below.)"""
         full = np.zeros(self.full_alloc.n_blocks, np.int64)
         swa = np.zeros(self.swa_alloc.n_blocks, np.int64)
-        kept = set(map(id, keep))
+        kept = set(keep)
         resumed = keep[-1] if keep else None
         want_full, want_swa = enough if enough is not None else (None, None)
         if want_swa is None or not (swa >= want_swa).all():
@@ -173,7 +173,7 @@ class PrefixCache:
                 stack.append((n, True))
                 stack.extend((c, False) for c in n.children.values())
                 continue
-            free[n] = refs[n.page] == 1 and id(n) not in kept and all(free[c] for c in n.children.values())
+            free[n] = refs[n.page] == 1 and n not in kept and all(free[c] for c in n.children.values())
             if free[n]:
                 full[self.full_alloc.block_of(n.page)] += 1
                 if want_full is not None and (full >= want_full).all():
