@@ -1,7 +1,7 @@
 """`v4jax bench spec`: speculative decoding (the MTP block, or DSpark draft layers) against plain decoding, through
 `LLM.generate`.
 
-For the plain engine and each k of `--k`: an untimed pair of `generate` calls (they compile and put the prompts'
+For the plain engine and each k of `--k`: two untimed pairs of `generate` calls (they compile and put the prompts'
 full pages in the prefix cache), then a timed pair of the same prompts, greedy, 1 and `--new` + 1 tokens each at
 batch `--batch`; their difference is decode with the batch together. Reports ms per
 generated token, the speed against plain decoding, acceptance by draft position and the mean tokens a step
@@ -69,7 +69,7 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
     number forces it (each of the MTP block's drafts kept with that probability: what a drafter of that acceptance
     costs and gains). One engine of max(batches) slots per k; a batch of b runs the
     first b prompts. Decode time per token = (time of new + 1 tokens - time of 1 token) / new, the same prompts
-    each time, after an untimed pair that compiles and puts the prompts' full pages in the prefix cache: in the
+    each time, after two untimed pairs that compile and put the prompts' full pages in the prefix cache: in the
     timed pair both calls prefill only each prompt's last page, so the difference is decode with the whole batch
     decoding together (with the cache off, the first requests of a large batch decoded alone between the others'
     prefill chunks: plain flash-slice at batch 32 took 20.9 ms a token position on the H200, its decode step 2.5).
@@ -89,15 +89,19 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
         drafter = llm.engine.greedy_spec
         for accept, b in [(a, b) for a in (accepts if k else [None]) for b in batches]:
             llm.engine.greedy_spec = dataclasses.replace(drafter, forced_acceptance=accept)
-            for _ in range(2):  # the first pair compiles
+            # two untimed pairs: the first compiles and caches the prompts' pages, but its long call can resume some
+            # prompts at an earlier boundary than later calls do (the window tails its own prefill saved were over
+            # the prefix cache's tail budget), so the second pair's short call prefilled a shape never compiled
+            # (flash-slice, batch 32 on the H200: 17 s inside the timed call)
+            for _ in range(3):
                 t0 = time.perf_counter()
                 llm.generate(prompts[:b], short_sp)
                 t_short = time.perf_counter() - t0
-                before = llm.stats()["spec_decode"]
+                before, hits = llm.stats()["spec_decode"], llm.stats()["prefix_cache"]
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts[:b], long_sp)
                 t_long = time.perf_counter() - t0
-            after = llm.stats()["spec_decode"]
+            after, hits_after = llm.stats()["spec_decode"], llm.stats()["prefix_cache"]
             if not k:
                 plain[b] = outs
             same = _same_prefix(outs, plain[b])
@@ -110,7 +114,11 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
                    "context": context, "seconds": t_long, "prefill_seconds": t_short, "ms_per_token": ms,
                    "tokens_per_s": 1e3 * b / ms, "steps": steps,
                    "accepted_by_position": [x / steps for x in acc] if steps else [],
-                   "tokens_per_step": 1 + sum(acc) / steps if steps else 1.0, "same_as_plain": same}
+                   "tokens_per_step": 1 + sum(acc) / steps if steps else 1.0, "same_as_plain": same,
+                   # the share of the timed long call's prompt tokens the prefix cache held (each prompt's last
+                   # page is always computed: a prompt of n full pages resumes at n - 1)
+                   "hit_share": (hits_after["hit_tokens"] - hits["hit_tokens"])
+                   / max(1, hits_after["queried_tokens"] - hits["queried_tokens"])}
             row["speedup"] = row["tokens_per_s"] / next(
                 r["tokens_per_s"] for r in rows + [row] if r["k"] == 0 and r["batch"] == b)
             if profile:
@@ -139,13 +147,14 @@ def decode_profile(generate, short_sp, long_sp, new: int, top: int = 25) -> list
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| k | drafts | batch | context | decode ms / token | tokens/s | vs plain | tokens / step | "
-             "accepted by position | same as plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "accepted by position | same as plain | prompt hits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " / ".join(f"{100 * a:.0f} %" for a in r["accepted_by_position"]) or "-"
         drafts = "-" if not r["k"] else ("own drafts" if r["accept"] == "drafter" else f"forced {r['accept']:g}")
         lines.append(f"| {r['k'] or 'plain'} | {drafts} | {r['batch']} | {r['context'] or 'play openings'} | "
                      f"{r['ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {acc} | {100 * r['same_as_plain']:.0f} % |")
+                     f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {acc} | {100 * r['same_as_plain']:.0f} % | "
+                     f"{100 * r.get('hit_share', 0):.0f} % |")
     return "\n".join(lines)
 
 
