@@ -433,3 +433,37 @@ def test_evictable_counts_and_its_early_stop_agree_with_a_brute_force_count():
         cache.check()
         cache.clear()
         cache.check()
+
+
+def test_tail_eviction_keeps_each_prompts_two_deepest_tails_and_the_ones_resumed_from():
+    # a prefill saves a window tail at every page boundary, many more than the SWA pool keeps: the shallow tails a
+    # prompt passed go first, so an identical prompt (resuming one page before its end) or a longer one (at its
+    # end) still resumes deep. Plain LRU dropped the first prompt's tails, its two deepest included.
+    kv = _manager(n_pages=24, n_swa=19, slots=2)
+    prompts = [[100 * (i + 1) + j for j in range(5 * P)] for i in range(3)]
+    for toks in prompts:  # each prompt's prefill saves its state at all 5 boundaries: 5 tails of 1 SWA page
+        assert kv.allocate(0, 0, 5 * P)
+        kv.commit(0, lambda a, b, toks=toks: toks[a:b], 5 * P, saved=range(P, 5 * P + 1, P))
+        kv.free(0)
+    kv.check()
+    assert kv._tables.swa_alloc.n_free == 4 and kv.prefix_stats()["tombstoned_tails"] == 0
+
+    def resumes(toks):
+        return kv.find_prefix(toks, len(toks), 0).n_pages
+
+    assert [resumes(t) for t in prompts] == [4, 4, 4] and [resumes(t + [7]) for t in prompts] == [5, 5, 5]
+    # a prompt sharing the second prompt's first two pages resumes from its shadowed tail there: no longer shadowed
+    other = prompts[1][:2 * P] + [9] * 3
+    hit = kv.find_prefix(other, len(other), 0)
+    assert hit.n_pages == 2
+    kv.map_prefix(1, hit, len(other))
+    kv.free(1)
+    assert kv.allocate(0, 0, 8 * P)  # 8 SWA pages: 4 free, 4 tails dropped, the least recently used shadowed ones
+    assert kv.prefix_stats()["tombstoned_tails"] == 4
+    assert [resumes(t) for t in prompts] == [4, 4, 4] and [resumes(t + [7]) for t in prompts] == [5, 5, 5]
+    assert resumes(other) == 2
+    # dropped: the first prompt's three shadowed tails and the second's first one
+    assert [resumes(t[:3 * P + 1]) for t in prompts] == [0, 3, 3]
+    assert [resumes(t[:P + 1]) for t in prompts] == [0, 0, 1]
+    kv.check()
+    kv.free(0)

@@ -56,6 +56,10 @@ class PrefixHit:
 class _SlotState:
     nodes: list = dataclasses.field(default_factory=list)  # prefix-tree path of the slot's full pages
     saved: set = dataclasses.field(default_factory=set)  # full-page boundaries whose compressor state was saved
+    # the two deepest nodes of `nodes` the slot inserted that keep a tail: both stay unshadowed, since a prompt
+    # of whole pages repeated resumes one page before its end (its last token must be computed), any other
+    # prompt or its next turn at its deepest boundary
+    tailed: list = dataclasses.field(default_factory=list)
 
 
 class KVCacheManager:
@@ -168,7 +172,11 @@ class KVCacheManager:
                 if all(j in held.swa for j in js):
                     tail = {j: held.swa[j] for j in js}
             parent = st.nodes[-1] if st.nodes else self._prefix.roots[self.shard_of(slot)]
-            st.nodes.append(self._prefix.insert(parent, token_slice(i * p, b), held.full[i], tail))
+            node = self._prefix.insert(parent, token_slice(i * p, b), held.full[i], tail,
+                                       shadows=st.tailed[-2] if len(st.tailed) == 2 else None)
+            st.nodes.append(node)
+            if node.tail is not None:
+                st.tailed = [*st.tailed[-1:], node]
 
     def prefill_boundaries(self, start: int, end: int) -> list[int]:
         """The full-page boundaries at which a prefill step over positions [start, end) of a slot saves its
