@@ -380,11 +380,10 @@ def test_a_burst_sharing_a_cached_prefix_starts_together():
     assert sch2.admit() == [same_doc] and same_doc.computed == 3 * P
 
 
-def test_evictable_counts_and_its_early_stop_agree_with_a_brute_force_count():
-    """Random trees (pages mapped by "slots" or not, tails, a kept path): the full count is the brute-force one
-    (a node's page is freeable when no page of its subtree is mapped and it is not kept; a tail when its pages
-    are unmapped and it is not the kept path's last), and a count asked to stop at a target reaches it exactly
-    when the full count does, never exceeding the full count."""
+def test_evictable_counts_agree_with_a_brute_force_count():
+    """Random trees (pages mapped by "slots" or not, tails, a kept path): the counts are the brute-force ones (a
+    node's page is freeable when no page of its subtree is mapped and it is not kept; a tail when its pages are
+    unmapped and it is not the kept path's last)."""
     rng = np.random.default_rng(0)
     for trial in range(40):
         full, swa = PageAllocator(200, 2), PageAllocator(200, 2)
@@ -418,12 +417,6 @@ def test_evictable_counts_and_its_early_stop_agree_with_a_brute_force_count():
                     want_swa[swa.block_of(p)] += 1
         got = cache.evictable(keep=keep)
         assert got[0].tolist() == want_full.tolist() and got[1].tolist() == want_swa.tolist(), trial
-        for target in ((want_full, want_swa), (want_full + 1, want_swa), (want_full // 2, want_swa // 2),
-                       (np.zeros(2, np.int64), want_swa + 1)):
-            f, s = cache.evictable(target, keep)
-            reachable = (want_full >= target[0]).all() and (want_swa >= target[1]).all()
-            assert ((f >= target[0]).all() and (s >= target[1]).all()) == reachable, (trial, target)
-            assert (f <= want_full).all() and (s <= want_swa).all()
         # evictions keep the tail and leaf indexes true to the tree (and the tails in LRU order)
         cache.touch(keep)
         cache.check()

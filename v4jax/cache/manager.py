@@ -132,7 +132,7 @@ class KVCacheManager:
         if self._prefix is None:
             return False
         # the matched path stays (it is about to be mapped): not counted as evictable
-        ev_full, ev_swa = self._prefix.evictable((n_full - free_full, n_swa - free_swa), keep)
+        ev_full, ev_swa = self._prefix.evictable(keep)
         return (free_full + ev_full >= n_full).all() and (free_swa + ev_swa >= n_swa).all()
 
     def map_prefix(self, slot: int, hit: PrefixHit, n_tokens: int) -> int | None:

@@ -63,6 +63,8 @@ class PrefixCache:
         self._tails: dict[Node, None] = {}
         self._shadowed: dict[Node, None] = {}
         self._leaves: set[Node] = set()  # the nodes without children: what full-page eviction removes first
+        self._by_page: dict[int, Node] = {}  # full page id -> its node
+        self._pages_per_block = np.zeros(full_alloc.n_blocks, np.int64)  # the tree's full pages in each block
 
     @property
     def root(self) -> Node:
@@ -133,6 +135,8 @@ class PrefixCache:
             self._leaves.discard(parent)
             self._leaves.add(node)
             self.full_alloc.incref([page])
+            self._by_page[page] = node
+            self._pages_per_block[self.full_alloc.block_of(page)] += 1
         if node.tail is None and tail is not None:
             node.tail = dict(tail)
             self.swa_alloc.incref(node.tail.values())
@@ -159,43 +163,33 @@ class PrefixCache:
     def _tail_unmapped(self, n: Node) -> bool:
         return all(self.swa_alloc.refs[pg] == 1 for pg in n.tail.values())
 
-    def evictable(self, enough: tuple | None = None, keep: list[Node] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def evictable(self, keep: list[Node] = ()) -> tuple[np.ndarray, np.ndarray]:
         """([full-page blocks], [SWA blocks]) pages per block that eviction could free now (pages no slot maps),
-        not counting the nodes of `keep` (a matched path about to be mapped) nor the tail of its last node. With
-        `enough` = (full, SWA) pages per block, the walk stops once both counts reach them: they are then lower
-        bounds. (A full walk of a 32,000-node tree took 40 ms of host time, at every admission once the cache
-        had filled the pools; a request needs a few pages, and leaves come first in the walk below.)"""
-        full = np.zeros(self.full_alloc.n_blocks, np.int64)
+        not counting the nodes of `keep` (a matched path about to be mapped) nor the tail of its last node.
+
+        A node's page is freeable once no slot maps it nor any node below it: the tree's pages less the nodes on
+        the paths to the pages slots map (shared pages: more than the tree's reference), found from those pages
+        upwards. The work grows with the pages slots map, not with the tree (a walk of a 32,000-node tree took
+        40 ms of host time, at every admission a waiting request tried once the cache had filled the pools)."""
+        full = self._pages_per_block.copy()
+        pinned: set[Node] = set()
+
+        def pin(n: Node | None) -> None:
+            while n is not None and n.page >= 0 and n not in pinned:
+                pinned.add(n)
+                full[self.full_alloc.block_of(n.page)] -= 1
+                n = n.parent
+
+        for pg in np.flatnonzero(self.full_alloc.refs > 1).tolist():
+            pin(self._by_page.get(pg))  # (a shared page outside the tree: none today)
+        if keep:
+            pin(keep[-1])  # a path from the root: its last node pins the rest
         swa = np.zeros(self.swa_alloc.n_blocks, np.int64)
-        kept = set(keep)
         resumed = keep[-1] if keep else None
-        want_full, want_swa = enough if enough is not None else (None, None)
-        if want_swa is None or not (swa >= want_swa).all():
-            for n in itertools.chain(self._shadowed, self._tails):
-                if n is not resumed and self._tail_unmapped(n):
-                    for pg in n.tail.values():
-                        swa[self.swa_alloc.block_of(pg)] += 1
-                    if want_swa is not None and (swa >= want_swa).all():
-                        break
-        if want_swa is not None and not (swa >= want_swa).all():
-            return full, swa  # not enough SWA pages whatever the full pages say
-        # A node's page is freeable once its whole subtree is: children before parents (post-order, without
-        # recursion: a 128K-token prefix is a chain of 2048 nodes).
-        refs = self.full_alloc.refs
-        free: dict = {}
-        met = want_full is not None and (full >= want_full).all()
-        stack = [] if met else [(c, False) for r in self.roots for c in r.children.values()]
-        while stack:
-            n, expanded = stack.pop()
-            if not expanded:
-                stack.append((n, True))
-                stack.extend((c, False) for c in n.children.values())
-                continue
-            free[n] = refs[n.page] == 1 and n not in kept and all(free[c] for c in n.children.values())
-            if free[n]:
-                full[self.full_alloc.block_of(n.page)] += 1
-                if want_full is not None and (full >= want_full).all():
-                    break
+        for n in itertools.chain(self._shadowed, self._tails):
+            if n is not resumed and self._tail_unmapped(n):
+                for pg in n.tail.values():
+                    swa[self.swa_alloc.block_of(pg)] += 1
         return full, swa
 
     def drop_tail(self, n: Node) -> None:
@@ -256,6 +250,8 @@ class PrefixCache:
             n.tail = None
             del self._index(n)[n]
         self.full_alloc.decref([n.page])
+        del self._by_page[n.page]
+        self._pages_per_block[self.full_alloc.block_of(n.page)] -= 1
         del n.parent.children[n.tokens]
         self._leaves.discard(n)
         if n.parent.page >= 0 and not n.parent.children:
@@ -278,6 +274,9 @@ class PrefixCache:
             stamps = [n.tail_stamp for n in index]
             assert stamps == sorted(stamps), "a tail index is out of LRU order"
         assert self._leaves == {n for n in nodes if not n.children}
+        assert self._by_page == {n.page: n for n in nodes}
+        assert self._pages_per_block.tolist() == np.bincount(
+            [self.full_alloc.block_of(n.page) for n in nodes], minlength=self.full_alloc.n_blocks).tolist()
 
     def n_nodes(self) -> int:
         return sum(1 for _ in self._nodes())
