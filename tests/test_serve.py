@@ -284,12 +284,35 @@ def test_jetstream_generate_streams_text_and_ids(served):
     assert all(len(s) == 1 for s in samples)
     assert "".join(s[0].get("text", "") for s in samples) == ref.text
     assert sum((s[0].get("tokenIds", []) for s in samples), []) == ref.token_ids
-    body = {"max_tokens": MAX_TOKENS, "token_content": {"token_ids": ref.prompt_token_ids}, "num_samples": 2}
+    eos = served.llm.engine.cfg.eos_token_id
+    ids = _jetstream_samples(served, ref.prompt_token_ids, 2)
+    assert all(_whole_sample(x, eos) for x in ids), ids
+
+
+def _jetstream_samples(served, prompt_ids, n) -> list[list[int]]:
+    """Each sample's token ids from /v1/generate with a token prompt (ids only, no text)."""
+    body = {"max_tokens": MAX_TOKENS, "token_content": {"token_ids": prompt_ids}, "num_samples": n}
     with served.http.stream("POST", "/v1/generate", json=body) as r:
         msgs = [json.loads(line) for line in r.iter_lines() if line]
     samples = [m["streamContent"]["samples"] for m in msgs]
-    assert all(len(s) == 2 and all(set(x) <= {"tokenIds"} for x in s) for s in samples)  # ids only
-    assert [sum(len(s[j].get("tokenIds", [])) for s in samples) for j in (0, 1)] == [MAX_TOKENS, MAX_TOKENS]
+    assert all(len(s) == n and all(set(x) <= {"tokenIds"} for x in s) for s in samples)  # ids only
+    return [sum((s[j].get("tokenIds", []) for s in samples), []) for j in range(n)]
+
+
+def _whole_sample(ids, eos) -> bool:
+    """MAX_TOKENS tokens, or fewer ending on EOS (the EOS is sent): num_samples > 1 samples at temperature 1, so any
+    token, the first included, may be EOS."""
+    return eos not in ids[:-1] and (len(ids) == MAX_TOKENS or (0 < len(ids) < MAX_TOKENS and ids[-1] == eos))
+
+
+def test_jetstream_sample_ending_on_eos_is_whole(served, monkeypatch):
+    """Unseeded samples get fresh seeds; pinned here to one that, with the default model, draws EOS as the first
+    token of sample 1 of PROMPTS[0] (about 1 sample in 10,000 does): that sample is the single EOS."""
+    eos = served.llm.engine.cfg.eos_token_id
+    monkeypatch.setattr(SamplingParams, "resolved_seed", lambda self: 4007 if self.seed is None else self.seed)
+    ids = _jetstream_samples(served, served.refs[0].prompt_token_ids, 2)
+    assert ids[1] == [eos], f"seed 4007 no longer draws EOS first for sample 1 (model or sampler changed): {ids}"
+    assert all(_whole_sample(x, eos) for x in ids), ids
 
 
 def test_health_endpoints(served):
