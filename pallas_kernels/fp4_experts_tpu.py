@@ -21,7 +21,9 @@ the order of the f32 sums differs.
   prefetched scalars, so the tile is DMA'd from the stack where it lies; the next tile of the same expert finds it
   in VMEM) and the tile's scales, and over chunks of KC bytes
       s  = scales [BO, K/32] @ expand[:, chunk]        [BO, KC] f32 (expand: 0/1, column j of chunk <- scale j // 16;
-                                                        exact: one power of two per sum)
+                                                        exact: one power of two per sum; scales of fewer than
+                                                        128 columns come as [K/32, BO] blocks, contracted on
+                                                        their rows: see tile_matmul)
       out[t, j-tile] += a_even[chunk] @ (e2m1(low nibbles) * s).T + a_odd[chunk] @ (e2m1(high nibbles) * s).T
   The scale expansion runs on the MXU: spreading a lane across 16 lanes has no cheap vector form. Each tile widens
   its codes tile again (an expert with more pairs than TM widens once per tile). Not yet timed on a TPU.
@@ -76,14 +78,16 @@ def _e2m1(c):
     return jnp.where((c & 8) != 0, -mag, mag)
 
 
-def _kernel(layer_ref, expert_ref, ae_ref, ao_ref, c_ref, s_ref, ex_ref, o_ref, *, half: int, kc: int):
+def _kernel(layer_ref, expert_ref, ae_ref, ao_ref, c_ref, s_ref, ex_ref, o_ref, *, half: int, kc: int,
+            scales_t: bool):
     del layer_ref, expert_ref  # used by the index maps
     dt = ae_ref.dtype
-    s = ue8m0_to_f32(s_ref[...]).astype(jnp.bfloat16)  # a power of two: exact
+    s = ue8m0_to_f32(s_ref[...]).astype(jnp.bfloat16)  # a power of two: exact; [BO, K/32] or (scales_t) [K/32, BO]
+    s_dim = 0 if scales_t else 1
 
     def chunk(q, acc):
         col = pl.multiple_of(q * kc, kc)
-        sx = lax.dot_general(s, ex_ref[:, pl.ds(col, kc)], (((1,), (0,)), ((), ())),
+        sx = lax.dot_general(s, ex_ref[:, pl.ds(col, kc)], (((s_dim,), (0,)), ((), ())),
                              preferred_element_type=F32)                                    # [BO, KC]
         c = c_ref[:, pl.ds(col, kc)].astype(jnp.int32)
         lo = (_e2m1(c & 15) * sx).astype(dt)
@@ -112,9 +116,19 @@ def tile_matmul(a, codes, scales, layer, tile_expert, tm: int, *, interpret=None
     ae, ao = a[:, 0::2], a[:, 1::2]
     kb = scales.shape[-1]
     bo = _block_out(o)
+    # Scales of fewer than 128 columns a row (w2's K/32 under tensor=8: 8) are lane-sparse: a TPU lays such a stack
+    # out with its rows minor, and the kernel's row-major operand was a padded copy of the whole stack every call
+    # (libtpu AOT, v6e, Flash's 21-layer stack: 2.8 GB of temporaries). Read transposed, [K/32, O] blocks, they
+    # are a view of that layout.
+    scales_t = kb % 128 != 0
+    if scales_t:
+        scales = jnp.swapaxes(scales, -1, -2)
+        s_spec = pl.BlockSpec((None, None, kb, bo), lambda j, i, lr, er: (lr[0], er[i], 0, j))
+    else:
+        s_spec = pl.BlockSpec((None, None, bo, kb), lambda j, i, lr, er: (lr[0], er[i], j, 0))
     lay = jnp.asarray(layer, jnp.int32).reshape(1)
     return pl.pallas_call(
-        functools.partial(_kernel, half=half, kc=_chunk(half)),
+        functools.partial(_kernel, half=half, kc=_chunk(half), scales_t=scales_t),
         out_shape=jax.ShapeDtypeStruct((t * tm, o), F32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -124,7 +138,7 @@ def tile_matmul(a, codes, scales, layer, tile_expert, tm: int, *, interpret=None
             in_specs=[pl.BlockSpec((tm, half), lambda j, i, lr, er: (i, 0)),
                       pl.BlockSpec((tm, half), lambda j, i, lr, er: (i, 0)),
                       pl.BlockSpec((None, None, bo, half), lambda j, i, lr, er: (lr[0], er[i], j, 0)),
-                      pl.BlockSpec((None, None, bo, kb), lambda j, i, lr, er: (lr[0], er[i], j, 0)),
+                      s_spec,
                       pl.BlockSpec((kb, half), lambda j, i, lr, er: (0, 0))],
             out_specs=pl.BlockSpec((tm, bo), lambda j, i, lr, er: (i, j))),
         compiler_params=_compat.TPUCompilerParams(dimension_semantics=("parallel", "parallel")),

@@ -24,12 +24,14 @@ def _w2_input(dt):
 
 
 # 1 x 2 pairs: a decode step's tiles; 24 x 3 past DECODE_PAIRS (lowered here to 16): a prefill chunk's tiles (of 8
-# rows here), 12 pairs an expert on average, so an expert spans several tiles
-@pytest.mark.parametrize("m,k,dtype", [(1, 2, jnp.float32), (24, 3, jnp.bfloat16)])
-def test_matches_reference(m, k, dtype, monkeypatch):
+# rows here), 12 pairs an expert on average, so an expert spans several tiles. D 1024: every stack's scales have
+# fewer than 128 columns (read transposed); D 4096: w1's and w3's have 128 (read as stored)
+@pytest.mark.parametrize("m,k,dtype,d", [(1, 2, jnp.float32, 1024), (24, 3, jnp.bfloat16, 1024),
+                                         (1, 2, jnp.float32, 4096)])
+def test_matches_reference(m, k, dtype, d, monkeypatch):
     monkeypatch.setattr(K, "DECODE_PAIRS", 16)
     monkeypatch.setattr(K, "PREFILL_TILE", 8)
-    n, e, i, d = 2, 6, 256, 1024  # w2: two programs of 256 outputs, two chunks of w1's 512 code bytes
+    n, e, i = 2, 6, 256  # w2: two programs of 256 outputs (D 1024), two chunks of w1's 512 code bytes
     st = _stacks(n, e, i, d)
     rng = np.random.default_rng(1)
     x = quant.fp8_roundtrip(jnp.asarray(rng.standard_normal((m, d)), dtype), 128)
@@ -63,11 +65,12 @@ def test_supported():
     assert not K.supported(x, A((2, 8, 384, 512), jnp.uint8), w2)       # 384 outputs: not whole blocks of 256
 
 
-@pytest.mark.parametrize("m", [1, 32])
-def test_lowers_for_tpu(m):
-    """Mosaic lowering at Flash's expert sizes (compiled for v5e / v6e / v5p by libtpu: v4jax bench tpu-aot)."""
+@pytest.mark.parametrize("m,i", [(1, 2048), (32, 2048), (1, 256)])
+def test_lowers_for_tpu(m, i):
+    """Mosaic lowering at Flash's expert sizes, whole (I 2048) and one device's shard under tensor=8 (I 256: w2's
+    scales read transposed); compiled for v5e / v6e / v5p by libtpu: v4jax bench tpu-aot."""
     A = jax.ShapeDtypeStruct
-    n, e, k, i, d = 2, 16, 6, 2048, 4096
+    n, e, k, d = 2, 16, 6, 4096
     args = (A((m, d), jnp.bfloat16), A((m, k), jnp.float32), A((m, k), jnp.int32),
             A((n, e, i, d // 2), jnp.uint8), A((n, e, i, d // 32), quant.SCALE_DTYPE),
             A((n, e, d, i // 2), jnp.uint8), A((n, e, d, i // 32), quant.SCALE_DTYPE),

@@ -100,6 +100,19 @@ def cases():
             lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: ops._experts_xla(
                 x, wt, ex, *(quant.Quantized(c, s, "fp4") for c, s in ((c1, s1), (c2, s2), (c3, s3))), 10.0, layer,
                 act_quant=True), args)
+    # one device's shard of them under tensor=8 (I 2048 / 8): w2's scales [.., D, I/32] keep 8 columns a row, the
+    # lane-sparse stack a whole-model plan showed copied and padded every decode call
+    # (a stack of 21 layers of 256 experts, as Flash's CSA layers: a small one is moved into VMEM whole and its
+    # relayout does not show)
+    for m in (1, 32):
+        args = (A((m, Dm), BF16), A((m, 6), F32), A((m, 6), I32),
+                A((21, 256, 256, Dm // 2), jnp.uint8), A((21, 256, 256, Dm // 32), e8),
+                A((21, 256, Dm, 128), jnp.uint8), A((21, 256, Dm, 8), e8),
+                A((21, 256, 256, Dm // 2), jnp.uint8), A((21, 256, 256, Dm // 32), e8), A((), I32))
+        out[f"fp4_experts tensor-8 shard (M={m})"] = (
+            lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: FX.routed_experts_fp4(
+                x, wt, ex, (c1, s1), (c2, s2), (c3, s3), 10.0, lambda h, w: (h * w).astype(BF16), layer=layer,
+                interpret=False), args)
     out.update(engine_cases())
     return out
 
