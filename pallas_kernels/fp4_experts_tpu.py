@@ -40,16 +40,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import _compat
 from ._common import ue8m0_to_f32
+from .experts_tpu import tile_rows, tiles
 
 F32 = jnp.float32
 SCALE_COLS = 32  # logical columns per ue8m0 scale
 BLOCK_OUT = 256  # outputs per program
 CHUNK = 512  # code bytes (1024 columns) widened at a time: [BO, CHUNK] f32 values in VMEM
-# Rows per tile (each tile one expert's pairs, padded): a decode step's pairs are mostly one to an expert; a
-# prefill chunk's (2048 tokens x 6 of 256 experts: ~48 to an expert) fill tiles of 32. A tile widens its codes
-# tile again, so fewer, fuller tiles widen less.
-DECODE_TILE, PREFILL_TILE = 8, 32
-DECODE_PAIRS = 512  # pairs of a call up to which it takes DECODE_TILE
+# Rows per tile: experts_tpu.tile_rows (a tile widens its codes tile again, so fewer, fuller tiles widen less)
 
 
 def supported(x, w1_codes, w2_codes) -> bool:
@@ -147,32 +144,6 @@ def tile_matmul(a, codes, scales, layer, tile_expert, tm: int, *, interpret=None
     )(lay, tile_expert.astype(jnp.int32), ae, ao, codes, scales, _expand_matrix(half))
 
 
-def _tiles(experts, n_exp: int, tm: int):
-    """Pairs (token, expert) laid out in row tiles of TM rows of one expert each: (row [P] of each pair in the
-    tiled layout (pairs of no expert: row T * TM, dropped), tile_expert [T] (the tiles past the last used one
-    repeat its expert: their blocks are not fetched again), T). T is static: enough for any routing of P pairs."""
-    m, k = experts.shape
-    p = m * k
-    flat = experts.reshape(p)
-    real = flat >= 0
-    e = jnp.where(real, flat, 0)
-    counts = jnp.zeros((n_exp,), jnp.int32).at[e].add(real.astype(jnp.int32))
-    padded = (counts + tm - 1) // tm * tm
-    start = jnp.cumsum(padded) - padded                                   # each expert's first row
-    order = jnp.argsort(jnp.where(real, flat, n_exp), stable=True)
-    sorted_e = e[order]
-    rank = jnp.arange(p) - (jnp.cumsum(counts) - counts)[sorted_e]       # place among its expert's pairs
-    t = -(-(p + min(n_exp, p) * (tm - 1)) // tm)
-    row_sorted = jnp.where(real[order], start[sorted_e] + rank, t * tm)
-    row = jnp.zeros((p,), jnp.int32).at[order].set(row_sorted.astype(jnp.int32))
-    used = jnp.sum(padded) // tm
-    # tile i's expert: the first whose rows end past the tile's first row (the unused tiles: the last used one's)
-    first_row = jnp.minimum(jnp.arange(t), jnp.maximum(used - 1, 0)) * tm
-    owner = jnp.searchsorted(start + padded, first_row, side="right").astype(jnp.int32)
-    tile_expert = jnp.minimum(owner, n_exp - 1)
-    return row, tile_expert, t
-
-
 def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer=None, interpret=None):
     """The routed experts' sum for any number of tokens, weights as stored: x [M, D] (rounded to FP8 as the
     release does), weights / experts [M, k] (-1: none, weight 0); w1, w2, w3 (codes, scales) pairs of stacks
@@ -187,8 +158,8 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     if not supported(x, w1[0], w2[0]):
         raise ValueError(f"x {x.shape} {x.dtype}, {m} tokens x {k} experts, codes {w1[0].shape} / {w2[0].shape}: "
                          f"see supported")
-    tm = DECODE_TILE if m * k <= DECODE_PAIRS else PREFILL_TILE
-    row, tile_expert, t = _tiles(experts, n_exp, tm)
+    tm = tile_rows(m * k)
+    row, tile_expert, t = tiles(experts, n_exp, tm)
     rows = t * tm
     # x's rows and the routing weights in the tiled layout (pairs of no expert dropped; padding rows are 0)
     token = jnp.arange(m * k, dtype=jnp.int32) // k

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _compat
+from pallas_kernels import experts_tpu
 from pallas_kernels import fp4_experts_tpu as K
 from v4jax.model import ops, quant
 
@@ -29,8 +30,8 @@ def _w2_input(dt):
 @pytest.mark.parametrize("m,k,dtype,d", [(1, 2, jnp.float32, 1024), (24, 3, jnp.bfloat16, 1024),
                                          (1, 2, jnp.float32, 4096)])
 def test_matches_reference(m, k, dtype, d, monkeypatch):
-    monkeypatch.setattr(K, "DECODE_PAIRS", 16)
-    monkeypatch.setattr(K, "PREFILL_TILE", 8)
+    monkeypatch.setattr(experts_tpu, "DECODE_PAIRS", 16)
+    monkeypatch.setattr(experts_tpu, "PREFILL_TILE", 8)
     n, e, i = 2, 6, 256  # w2: two programs of 256 outputs (D 1024), two chunks of w1's 512 code bytes
     st = _stacks(n, e, i, d)
     rng = np.random.default_rng(1)

@@ -52,9 +52,9 @@ Which table runs where (`ops_for`, resolved once per forward pass from RunOption
       takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes.
       On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
       not fit VMEM): the table takes the XLA table's project and hc_post, named in `Ops.from_xla`, and its own
-      `experts` and `linear` (TPU_OWN): FP4 experts as stored through
-      pallas_kernels.fp4_experts_tpu and FP8 weights as stored through pallas_kernels.fp8_linear_tpu, XLA's forms
-      for the rest.
+      `experts` and `linear` (TPU_OWN): FP4 experts as stored through pallas_kernels.fp4_experts_tpu, bf16
+      experts through pallas_kernels.experts_tpu and FP8 weights as stored through pallas_kernels.fp8_linear_tpu,
+      XLA's forms for the rest.
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ from pallas_kernels import compressor as pallas_compressor
 from pallas_kernels import compressor_gpu as pallas_compressor_gpu
 from pallas_kernels import experts as pallas_experts
 from pallas_kernels import experts_grouped as pallas_experts_grouped
+from pallas_kernels import experts_tpu as pallas_experts_tpu
 from pallas_kernels import fp4_experts_tpu as pallas_fp4_experts_tpu
 from pallas_kernels import fp8_linear_tpu as pallas_fp8_linear_tpu
 from pallas_kernels import hc_post as pallas_hc_post
@@ -295,9 +296,11 @@ def _experts_pallas(x, weights, experts, w1, w2, w3, limit, layer=None, form=Non
 
 
 def _experts_tpu(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False):
-    """On a TPU: FP4 experts as stored through pallas_kernels.fp4_experts_tpu, decode steps and prefill chunks
-    (XLA-TPU widens the experts in HBM first: libtpu AOT, v5e, 64 Flash-sized experts a layer: 1.0 GB of
-    temporaries at one token, 5.4 GB at 32); XLA's forms for the rest."""
+    """On a TPU: FP4 experts as stored through pallas_kernels.fp4_experts_tpu and bf16 / f32 experts through
+    pallas_kernels.experts_tpu, decode steps and prefill chunks, each chosen expert read from the layer stack in
+    place (XLA-TPU widens FP4 experts in HBM first: libtpu AOT, v5e, 64 Flash-sized experts a layer: 1.0 GB of
+    temporaries at one token, 5.4 GB at 32; it copies a bf16 layer's experts out of the stack: 512 MB slices on a
+    v5p device under tensor=8); XLA's forms for the rest (FP8 experts, bf16 with the release's rounding)."""
     if (isinstance(w1, quant.Quantized) and w1.storage == "fp4" and act_quant
             and pallas_fp4_experts_tpu.supported(x, w1.values, w2.values)):
         dt = x.dtype
@@ -305,6 +308,9 @@ def _experts_tpu(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, 
         return pallas_fp4_experts_tpu.routed_experts_fp4(
             x, weights, experts, (w1.values, w1.scale), (w2.values, w2.scale), (w3.values, w3.scale), limit,
             w2_input, layer=layer)
+    # (`form` picks among XLA's forms, per shard on a mesh: the kernels take any number of pairs)
+    if not act_quant and not isinstance(w1, quant.Quantized) and pallas_experts_tpu.supported(x, w1, w2):
+        return pallas_experts_tpu.routed_experts(x, weights, experts, w1, w2, w3, limit, layer=layer)
     return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form, act_quant)
 
 
