@@ -97,11 +97,13 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
                 t0 = time.perf_counter()
                 llm.generate(prompts[:b], short_sp)
                 t_short = time.perf_counter() - t0
-                before, hits = llm.stats()["spec_decode"], llm.stats()["prefix_cache"]
+                st = llm.stats()
+                before, hits = st["spec_decode"], st["prefix_cache"]
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts[:b], long_sp)
                 t_long = time.perf_counter() - t0
-            after, hits_after = llm.stats()["spec_decode"], llm.stats()["prefix_cache"]
+            st = llm.stats()
+            after, hits_after = st["spec_decode"], st["prefix_cache"]
             if not k:
                 plain[b] = outs
             same = _same_prefix(outs, plain[b])

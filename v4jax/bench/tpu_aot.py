@@ -84,35 +84,28 @@ def cases():
                 lambda x, w, s, layer, g=g: FL.fp8_linear(x, w, layer, g, scale=s[layer], interpret=False), args)
             out[f"fp8_linear {proj} (M={m}) XLA"] = (
                 lambda x, w, s, layer, g=g: L.linear(x, quant.Quantized(w[layer], s[layer], "fp8"), g), args)
-    # FP4 experts as stored (2-layer stack of 16 Flash-sized experts, 6 active): decode steps of 1 and 32 tokens, a
-    # 256-token prefill chunk
+    # FP4 experts as stored, 6 active: a 2-layer stack of 16 Flash-sized experts (I 2048; decode steps of 1 and 32
+    # tokens, a 256-token prefill chunk, each against XLA's form), and one device's shard of them under tensor=8
+    # (I 256): w2's scales [.., D, I/32] keep 8 columns a row, the lane-sparse stack a whole-model plan showed
+    # copied and padded every decode call (a stack of 21 layers of 256 experts, as Flash's CSA layers: a small one
+    # is moved into VMEM whole and its relayout does not show)
     e8 = jnp.float8_e8m0fnu
-    for m in (1, 32, 256):
-        args = (A((m, Dm), BF16), A((m, 6), F32), A((m, 6), I32),
-                A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8),
-                A((2, 16, Dm, 1024), jnp.uint8), A((2, 16, Dm, 64), e8),
-                A((2, 16, 2048, Dm // 2), jnp.uint8), A((2, 16, 2048, Dm // 32), e8), A((), I32))
-        out[f"fp4_experts (M={m})"] = (
-            lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: FX.routed_experts_fp4(
-                x, wt, ex, (c1, s1), (c2, s2), (c3, s3), 10.0, lambda h, w: (h * w).astype(BF16), layer=layer,
-                interpret=False), args)
-        out[f"fp4_experts (M={m}) XLA"] = (
-            lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: ops._experts_xla(
-                x, wt, ex, *(quant.Quantized(c, s, "fp4") for c, s in ((c1, s1), (c2, s2), (c3, s3))), 10.0, layer,
-                act_quant=True), args)
-    # one device's shard of them under tensor=8 (I 2048 / 8): w2's scales [.., D, I/32] keep 8 columns a row, the
-    # lane-sparse stack a whole-model plan showed copied and padded every decode call
-    # (a stack of 21 layers of 256 experts, as Flash's CSA layers: a small one is moved into VMEM whole and its
-    # relayout does not show)
-    for m in (1, 32):
-        args = (A((m, Dm), BF16), A((m, 6), F32), A((m, 6), I32),
-                A((21, 256, 256, Dm // 2), jnp.uint8), A((21, 256, 256, Dm // 32), e8),
-                A((21, 256, Dm, 128), jnp.uint8), A((21, 256, Dm, 8), e8),
-                A((21, 256, 256, Dm // 2), jnp.uint8), A((21, 256, 256, Dm // 32), e8), A((), I32))
-        out[f"fp4_experts tensor-8 shard (M={m})"] = (
-            lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: FX.routed_experts_fp4(
-                x, wt, ex, (c1, s1), (c2, s2), (c3, s3), 10.0, lambda h, w: (h * w).astype(BF16), layer=layer,
-                interpret=False), args)
+    for name, (n, e, i), ms, xla in (("fp4_experts", (2, 16, 2048), (1, 32, 256), True),
+                                     ("fp4_experts tensor-8 shard", (21, 256, 256), (1, 32), False)):
+        for m in ms:
+            args = (A((m, Dm), BF16), A((m, 6), F32), A((m, 6), I32),
+                    A((n, e, i, Dm // 2), jnp.uint8), A((n, e, i, Dm // 32), e8),
+                    A((n, e, Dm, i // 2), jnp.uint8), A((n, e, Dm, i // 32), e8),
+                    A((n, e, i, Dm // 2), jnp.uint8), A((n, e, i, Dm // 32), e8), A((), I32))
+            out[f"{name} (M={m})"] = (
+                lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: FX.routed_experts_fp4(
+                    x, wt, ex, (c1, s1), (c2, s2), (c3, s3), 10.0, lambda h, w: (h * w).astype(BF16), layer=layer,
+                    interpret=False), args)
+            if xla:
+                out[f"{name} (M={m}) XLA"] = (
+                    lambda x, wt, ex, c1, s1, c2, s2, c3, s3, layer: ops._experts_xla(
+                        x, wt, ex, *(quant.Quantized(c, s, "fp4") for c, s in ((c1, s1), (c2, s2), (c3, s3))), 10.0,
+                        layer, act_quant=True), args)
     # bf16 experts, one device's shard under tensor=8 of a 4-layer stack of 256 (XLA copies the layer's experts out
     # of the stack: 512 MB a weight; 4 layers, not Flash's 21: 6 GB of weights that fit a v5e's 15.75 GB)
     EX = importlib.import_module("pallas_kernels.experts_tpu")
