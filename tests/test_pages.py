@@ -432,6 +432,61 @@ def test_evictable_counts_agree_with_a_brute_force_count():
         cache.check()
 
 
+def _evict_full_reference(cache: PrefixCache, n_pages) -> list[int]:
+    """Full-page eviction as a scan over every leaf at each removal: the least recently used removable leaf (no slot
+    maps it) of the shards that are short, the short blocks' leaves first, ties by page. Returns the pages removed."""
+    alloc, removed = cache.full_alloc, []
+    per_shard = alloc.n_blocks // len(cache.roots)
+    while (need := alloc.free_per_block < n_pages).any():
+        shards = set((np.flatnonzero(need) // per_shard).tolist())
+        leaves = [n for n in cache._nodes() if not n.children and alloc.refs[n.page] == 1
+                  and alloc.block_of(n.page) // per_shard in shards]
+        if not leaves:
+            break
+        n = min(leaves, key=lambda n: (not need[alloc.block_of(n.page)], n.stamp, n.page))
+        removed.append(n.page)
+        cache._remove(n)
+    return removed
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_full_page_eviction_removes_the_least_recently_used_leaves(shards):
+    """Random trees, paths touched in random order, pages mapped or not, over two blocks (one shard or two):
+    evict_full removes the pages a scan of every leaf at each removal would, in that order."""
+    import copy
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        full, swa = PageAllocator(120, 2), PageAllocator(120, 2)
+        cache = PrefixCache(full, swa, 1, n_shards=shards)
+        nodes = []
+        for i in range(int(rng.integers(1, 50))):
+            shard = int(rng.integers(shards))
+            mine = [n for n in nodes if full.block_of(n.page) // (2 // shards) == shard]
+            parent = cache.roots[shard] if not mine or rng.random() < 0.2 else mine[int(rng.integers(len(mine)))]
+            block = shard if shards == 2 else int(rng.integers(2))
+            nodes.append(cache.insert(parent, (i,), full.alloc(1, block)[0], None))
+            if rng.random() < 0.3:  # a request resumes somewhere: its path is touched
+                n = nodes[int(rng.integers(len(nodes)))]
+                path = []
+                while n.page >= 0:
+                    path.insert(0, n)
+                    n = n.parent
+                cache.touch(path)
+        for n in nodes:
+            if rng.random() < 0.8:
+                full.decref([n.page])
+        for _ in range(3):  # several evictions in a row: the heaps carry over
+            want = full.free_per_block + rng.integers(0, 6, 2)
+            ref = copy.deepcopy(cache)
+            expected = _evict_full_reference(ref, want)
+            before = {n.page for n in cache._nodes()}
+            freed = cache.evict_full(want)
+            removed = before - {n.page for n in cache._nodes()}
+            assert freed == len(expected) and removed == set(expected), trial
+            assert cache.evicted_pages == ref.evicted_pages
+            cache.check()
+
+
 def test_tail_eviction_keeps_each_prompts_two_deepest_tails_and_the_ones_resumed_from():
     # a prefill saves a window tail at every page boundary, many more than the SWA pool keeps: the shallow tails a
     # prompt passed go first, so an identical prompt (resuming one page before its end) or a longer one (at its
