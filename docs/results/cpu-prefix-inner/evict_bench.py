@@ -25,4 +25,3 @@ t0 = time.perf_counter(); pc.evict_full(np.array([5])); print("evict_full 5", f"
 t0 = time.perf_counter(); pc.evict_swa(np.array([sa.n_free + 4])); print("evict_swa", f"{1e3*(time.perf_counter()-t0):.1f} ms")
 t0 = time.perf_counter(); pc.evict_full(np.array([fa.n_free + 16])); print("evict_full +16", f"{1e3*(time.perf_counter()-t0):.1f} ms")
 t0 = time.perf_counter(); pc.evictable(); print("evictable again", f"{1e3*(time.perf_counter()-t0):.1f} ms")
-t0 = time.perf_counter(); r = pc.evictable((np.array([16]), np.array([3]))); print("evictable enough(16, 3)", f"{1e3*(time.perf_counter()-t0):.2f} ms", r)
