@@ -166,3 +166,13 @@ def ue8m0_to_f32(scale):
         scale = lax.bitcast_convert_type(scale, jnp.uint8)
     b = scale.astype(jnp.int32)
     return jnp.where(b == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(b << 23, F32))
+
+
+def e2m1_to_f32(code):
+    """e2m1 codes 0..15 (bit 3: sign, bits 2..1: exponent e with bias 1, bit 0: mantissa m; any integer dtype) ->
+    f32, built as f32 bits (e = 0: 0 or 0.5) in a few integer operations: the GPU kernels decode codes with it in
+    registers."""
+    c = code.astype(jnp.uint32)
+    e, m = (c >> 1) & 3, c & 1
+    bits = jnp.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((c & 8) << 28)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint32), F32)

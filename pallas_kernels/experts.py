@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import mm_nt, next_pow2, pow2_block as _pow2_block
+from ._common import e2m1_to_f32, mm_nt, next_pow2, pow2_block as _pow2_block, ue8m0_to_f32
 from . import _compat
 from ._compat import TritonCompilerParams, pltriton
 
@@ -206,15 +206,6 @@ def fp4_supported(x, w1_codes) -> bool:
                                 _pow2_block(2 * half_d, down[0]), _pow2_block(i // 2, down[1] // 2)))
 
 
-def _e2m1(codes):
-    """e2m1 codes (int32, 0..15) -> their values in f32, built from bits: sign, exponent e (2 bits, bias 1), mantissa
-    m (1 bit); e = 0 is 0 or 0.5."""
-    e, m = (codes >> 1) & 3, codes & 1
-    normal = ((e + 126) << 23) | (m << 22)
-    bits = jnp.where(e == 0, m * (126 << 23), normal) | ((codes & 8) << 28)
-    return lax.bitcast_convert_type(bits, F32)
-
-
 def _fp4_tile(w_ref, s_ref, row0, col0, rows, cb, cdt):
     """Rows row0 .. row0 + rows, bytes col0 .. col0 + cb of an FP4 stack [R, C / 2] with scales [R, C / 32]: the
     even and odd columns' values [rows, cb] in cdt (exact: e2m1 times a power of two)."""
@@ -222,8 +213,8 @@ def _fp4_tile(w_ref, s_ref, row0, col0, rows, cb, cdt):
     r = row0 + lax.broadcasted_iota(jnp.int32, (rows, cb), 0)
     c = (col0 + lax.broadcasted_iota(jnp.int32, (rows, cb), 1)) // (FP4_BLOCK // 2)
     sb = pltriton.load(s_ref.at[r, c]).astype(jnp.int32)  # each byte's block scale (gathered: cached reads)
-    s = jnp.where(sb == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(sb << 23, F32))
-    return (_e2m1(b & 15) * s).astype(cdt), (_e2m1(b >> 4) * s).astype(cdt)
+    s = ue8m0_to_f32(sb)
+    return (e2m1_to_f32(b & 15) * s).astype(cdt), (e2m1_to_f32(b >> 4) * s).astype(cdt)
 
 
 def _fp4_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *, n_exp,

@@ -25,6 +25,8 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from ._common import e2m1_to_f32
+
 # values per ue8m0 scale: FP8 entry NoPE dims, FP4 indexer key dims. v4jax.config sizes the entries with the same
 # two numbers (the kernels import nothing from v4jax; tests/test_kv_fp8.py checks the sizes agree)
 FP8_BLOCK, FP4_BLOCK = 64, 32
@@ -69,15 +71,6 @@ def e2m1_code(y):
     for t, tie_up in up:
         code = code + ((a >= t) if tie_up else (a > t)).astype(jnp.int32)
     return code
-
-
-def e2m1_value(code):
-    """e2m1 codes 0..15 (bit 3: sign, bits 2..1: exponent e with bias 1, bit 0: mantissa m) -> f32, built as f32 bits
-    (e = 0: 0 or 0.5), in a few integer operations: the GPU kernels decode keys with it in registers."""
-    c = code.astype(U32)
-    e, m = (c >> 1) & 3, c & 1
-    bits = jnp.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((c & 8) << 28)
-    return lax.bitcast_convert_type(bits.astype(U32), F32)
 
 
 def _e4m3_value(c):
@@ -204,7 +197,7 @@ class Fp4Key:
         nw, half = self.dim // 8, self.dim // 2
         s = _per_plane([_ue8m0(_byte_of(w, half + j)) for j in range(self.dim // FP4_BLOCK)], FP4_BLOCK // 8, nw)
         codes = w[..., :nw]
-        return jnp.concatenate([e2m1_value((codes >> (4 * j)) & 15) * s for j in range(8)], axis=-1).astype(dtype)
+        return jnp.concatenate([e2m1_to_f32((codes >> (4 * j)) & 15) * s for j in range(8)], axis=-1).astype(dtype)
 
     def decode(self, b, dtype=F32):
         """uint8 [..., nbytes] -> [..., dim] in dtype."""
@@ -212,7 +205,7 @@ class Fp4Key:
         p = b[..., :half].astype(jnp.int32)
         code = jnp.stack([p & 15, p >> 4], axis=-1).reshape(*b.shape[:-1], self.dim)
         s = _ue8m0(b[..., half:half + self.dim // FP4_BLOCK])
-        return (e2m1_value(code) * _expand(s, FP4_BLOCK, self.dim)).astype(dtype)
+        return (e2m1_to_f32(code) * _expand(s, FP4_BLOCK, self.dim)).astype(dtype)
 
 
 def as_words(pool):

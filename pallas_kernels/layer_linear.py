@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import mm_nt, next_pow2, pow2_block as _pow2_block
+from ._common import mm_nt, next_pow2, pow2_block as _pow2_block, ue8m0_to_f32
 from ._compat import TritonCompilerParams, backend
 
 F32 = jnp.float32
@@ -62,13 +62,6 @@ def supported(x, w, groups: int = 1, scaled: bool = False) -> bool:
             and _pow2_block(d, COLS) is not None)
 
 
-def _scale_value(byte):
-    """A ue8m0 scale byte -> 2^(byte - 127) in f32, exactly (the exponent field; byte 0 is 2^-127, a subnormal)."""
-    b = byte.astype(jnp.int32)
-    normal = lax.bitcast_convert_type(b << 23, F32)
-    return jnp.where(b == 0, jnp.float32(2.0 ** -127), normal)
-
-
 def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks, scaled):
     if scaled:  # one weight, its layer's scale bytes [O/128, D/128]
         scale_ref, *w_refs, y_ref = refs
@@ -87,7 +80,7 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
             else:
                 part = mm_nt(x_ref[grp, :, pl.ds(col, cols)], w.astype(cdt))
             if scaled:  # rows j*rows .. lie in one 128-row block (rows <= 128), cols in one 128-column block
-                part = part * _scale_value(scale_ref[j * rows // SCALE_BLOCK, col // SCALE_BLOCK])
+                part = part * ue8m0_to_f32(scale_ref[j * rows // SCALE_BLOCK, col // SCALE_BLOCK])
             return acc + part
 
         y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))

@@ -13,6 +13,7 @@ import numpy as np
 from scipy.linalg import hadamard
 
 from pallas_kernels import kv_format
+from pallas_kernels._common import ue8m0_to_f32
 
 F32 = jnp.float32
 FP8_MAX = 448.0
@@ -43,7 +44,7 @@ def fp8_roundtrip(x, block: int):
 
 def _round_e2m1(y):
     """Round |y| <= 6 to the nearest e2m1 value, ties to the even mantissa (hardware RNE), as FP4 keys store it."""
-    return kv_format.e2m1_value(kv_format.e2m1_code(y) | jnp.where(y < 0, 8, 0))
+    return kv_format.e2m1_to_f32(kv_format.e2m1_code(y) | jnp.where(y < 0, 8, 0))
 
 
 def fp4_roundtrip(x, block: int = 32):
@@ -110,9 +111,7 @@ SCALE_DTYPE = jnp.float8_e8m0fnu
 def scale_to_f32(scale):
     """ue8m0 scales -> their float32 values 2^(byte - 127), exactly (a bit pattern: no conversion the backend may
     lack)."""
-    b = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.uint32)
-    normal = jax.lax.bitcast_convert_type(b << 23, F32)
-    return jnp.where(b == 0, jnp.float32(2.0 ** -127), normal)
+    return ue8m0_to_f32(scale)
 
 
 _FP4_LUT = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
