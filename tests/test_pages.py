@@ -374,7 +374,8 @@ def test_a_burst_sharing_a_cached_prefix_starts_together():
     assert sch2.admit() == [reader]
     _prefill(sch2)  # page 0 computed and cached; pages 1 and 2 to come
     same_doc = _add(sch2, "same_doc", doc + [6])
-    assert sch2.admit() == [] and same_doc.status == "waiting"
+    other = _add(sch2, "other", list(range(5000, 5000 + P + 3)))  # behind it, sharing nothing: not held back
+    assert sch2.admit() == [other] and same_doc.status == "waiting" and other.computed == 0
     for _ in range(3):
         _prefill(sch2)
     assert sch2.admit() == [same_doc] and same_doc.computed == 3 * P

@@ -271,15 +271,19 @@ class Scheduler:
         cached prefix was mapped, (request, boundary row) is appended to `restores`: the engine restores that
         boundary's compressor state into the slot."""
         admitted = []
-        while self.waiting:
-            if self.kv.caching and self._may_share(self.waiting[0]):
-                break  # it may reuse pages a prefilling request has yet to cache: match it once they are cached
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting):
+            req = self.waiting[i]
+            if self.kv.caching and self._may_share(req):
+                # it may reuse pages a prefilling request has yet to cache: matched once they are; the requests
+                # behind it go on (it held back every later request, sharing or not, for a chunk step or more)
+                i += 1
+                continue
             placed = self._place(req)
             if placed is None:
-                break
+                break  # first come, first served for room (as vLLM): the requests behind it wait too
             slot, hit = placed
-            self.waiting.popleft()
+            del self.waiting[i]
             req.slot, req.status = slot, PREFILLING
             self.slots[slot] = req
             row = self.kv.map_prefix(slot, hit, req.n_tokens)
