@@ -3,6 +3,7 @@ highest running slot, so a few requests in a many-slot engine do not pay for eve
 float32) are those each request gets alone, across calls whose B grows and shrinks while the device-side state
 carries from one call to the next; warm-up compiles every bucket; the call's pools stay donated in place."""
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -195,3 +196,32 @@ def test_cover_warmup_no_step_waits(monkeypatch):
             np.testing.assert_allclose([[v for _, v in t] for t in g.top_logprobs],
                                        [[v for _, v in t] for t in w.top_logprobs], atol=1e-5)
     assert len(got[2].top_logprobs) == 6 and all(len(t) == 3 for t in got[2].top_logprobs)
+
+
+def test_warmup_checks_each_steps_memory_and_a_step_out_of_memory_says_what_to_lower(monkeypatch):
+    """LLM.warmup reads XLA's memory analysis of every program it compiles and refuses an engine whose largest step
+    needs more temporaries than the device has left after the weights and pools (DeviceMemoryError, naming the
+    option to lower), where serving would fail at the first step of that shape; a step that does run out of device
+    memory raises StepMemoryError with the same advice, not XLA's bare error."""
+    from v4jax import memory as M
+    from v4jax.engine import StepMemoryError
+    llm = LLM("tiny", max_num_seqs=2, **{**OPTIONS, "prefill_chunk": 32, "max_model_len": 512})
+    assert llm.warmup() == 3  # the device (host RAM here) has room: no error
+    temps = {str(p): b for p, b in llm.engine.step_temporaries.items()}
+    assert len(temps) == 3 and all(b > 0 for b in temps.values()), temps
+    name, need = max(temps.items(), key=lambda kv: kv[1])
+    monkeypatch.setattr(M, "device_free_bytes", lambda device=None, in_use=0: (need - 1, "a test limit"))
+    option = "prefill_chunk" if name.startswith("prefill") else "max_num_seqs"
+    want = rf"the step program \({re.escape(name)}\) needs .*a test limit.*lower {option}"
+    with pytest.raises(M.DeviceMemoryError, match=want):
+        llm.warmup()
+    monkeypatch.setattr(M, "device_free_bytes", lambda device=None, in_use=0: (need, "a test limit"))
+    assert llm.warmup() == 3
+
+    def out_of_memory(plans):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 5.25GiB with "
+                                         "allocator GPU_0_bfc on device 0. [executable_name='jit__prefill']")
+
+    monkeypatch.setattr(llm.engine, "_dispatch_prefill", out_of_memory)
+    with pytest.raises(StepMemoryError, match="ran out of device memory .*5.25GiB.*lower prefill_chunk"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))

@@ -522,6 +522,21 @@ class LLM:
                     self._engine = engine
         return self._engine
 
+    def warmup(self, progress=None, *, cover_only: bool = True) -> int:
+        """Compile the engine's step programs now rather than at the first requests of each shape (`cover_only`: the
+        few that cover every step, the rest compiling in the background when first needed; False: all of them;
+        EngineCore.warmup), then check that the largest one's temporaries fit the device memory left after the
+        weights and pools: a DeviceMemoryError naming what to lower, where serving would run out of memory at the
+        first step of that shape. `progress(done, total)` after each program. Returns the programs compiled."""
+        from v4jax import memory as M
+        engine = self.engine
+        n = engine.warmup(progress, cover_only=cover_only)
+        pools = M.engine_pools(self.config, self.options, self.max_model_len, self.dtype)
+        free, source = M.device_free_bytes(in_use=M.model_weight_bytes(self.model) + pools.per_device)
+        M.check_step_temporaries({str(p): b for p, b in engine.step_temporaries.items()}, free=free, source=source,
+                                 pools=pools)
+        return n
+
     def _first_compile(self):
         """The one-line notice before the engine is built and its first steps compile what the cache does not hold
         yet, keyed on everything its programs depend on."""

@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     args.extra = [a for a in extra if a != "--debug"]
     debug = getattr(args, "debug", False) or "--debug" in extra
     from v4jax.config import ConfigError
-    user_errors = (ValueError, OSError, ConfigError, KeyError)
+    user_errors = (ValueError, OSError, ConfigError, KeyError, MemoryError)  # MemoryError: a step out of device memory
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*random weights.*")

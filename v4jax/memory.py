@@ -691,6 +691,29 @@ def check_pools_fit(pool_bytes: int, *, free: int | None = None, source: str = "
         "budget; requests queue for pages), a lower max_model_len or max_num_seqs, or a mesh with a `data` axis")
 
 
+def check_step_temporaries(temporaries: dict[str, int], *, free: int | None, source: str,
+                           pools: "EnginePools | None" = None) -> None:
+    """Raise DeviceMemoryError if the largest compiled step program's temporaries (`temporaries`: bytes by the
+    program's description, from XLA's memory analysis) exceed the device memory still free after the weights and
+    pools: what would otherwise be an out-of-memory error in the middle of serving, at the first step of that
+    shape (flash-1gpu, 32 slots, on an H100: a 32-row prefill asked for 5.25 GiB more than was free)."""
+    if free is None or not temporaries:
+        return
+    name, need = max(temporaries.items(), key=lambda kv: kv[1])
+    if need <= free:
+        return
+    short = need - free
+    lower = ("prefill_chunk (the tokens of one prefill step)" if name.startswith("prefill")
+             else "max_num_seqs (the decode call's slots)")
+    hint = ""
+    if pools is not None and pools.per_device > 1.25 * short:
+        budget = int(pools.total * (pools.per_device - 1.25 * short) / pools.per_device)
+        hint = f", or set memory_budget_bytes={budget} (smaller pools: requests queue for pages)"
+    raise DeviceMemoryError(
+        f"the step program ({name}) needs {_human(need)} of device memory for its temporaries, but {_human(free)} "
+        f"is free after the weights and pools ({source}): lower {lower}{hint}")
+
+
 def check_host_pools_fit(cfg: ModelConfig, options, pools: EnginePools, dtype="bfloat16") -> None:
     """enable_hisparse: the C4 KV rows the engine keeps in host memory (pinned on a GPU) against the host's available
     memory (_host_available_bytes, read when called), with the headroom of the device check (90 %). The pages and

@@ -53,11 +53,13 @@ SLOW_STEP_S = 2.0
 log = logging.getLogger("v4jax.engine")
 
 
+class StepMemoryError(MemoryError):
+    """A step's program needed more device memory than was free (XLA's RESOURCE_EXHAUSTED)."""
+
+
 def _described(program: Program, covering: bool, first: bool) -> str:
     """A dispatched program as the slow-step log names it."""
-    return (f"{program.kind} rows {program.rows}" + (f" x {program.chunk}" if program.chunk else "")
-            + f", {program.pages} pages" + (" on a covering program" if covering else "")
-            + (", its first run" if first else ""))
+    return f"{program}" + (" on a covering program" if covering else "") + (", its first run" if first else "")
 
 
 def _pow2(n: int) -> int:
@@ -119,6 +121,9 @@ class EngineCore:
             self.greedy_spec: (self.greedy_spec, self.spec, self.top_specs[False], top),
             self.spec: (self.spec, top),
             self.top_specs[False]: (self.top_specs[False], top)})
+        # device bytes of temporaries of each program compiled ahead of time (XLA's memory analysis): what a step
+        # needs beside the weights and pools, which the caller checks against what is free (v4jax.memory)
+        self.step_temporaries: dict[Program, int] = {}
         self._flight: _InFlight | None = None
         self._step_programs: list[tuple] = []  # (program, covering, first run) of this step's dispatches
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
@@ -301,7 +306,20 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """Plan (admit, reserve pages, pick prefill rows), dispatch a decode call for every running slot and one
         prefill step, then read the previous decode call and the prefill's first tokens. Returns what each request
-        gained since the last step."""
+        gained since the last step. A step the device has no memory for raises StepMemoryError."""
+        try:
+            return self._step()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            ran = ", ".join(str(p) for p, _, _ in self._step_programs) or "its programs"
+            raise StepMemoryError(
+                f"an engine step ran out of device memory ({ran}): {str(e).splitlines()[0][:300]}. The engine cannot "
+                "go on (its pools were donated to the step). Build it again with a lower prefill_chunk (prefill "
+                "steps) or max_num_seqs (decode calls), or a memory_budget_bytes; LLM.warmup() (the server's "
+                "warm-up) checks every step's memory before serving.") from e
+
+    def _step(self) -> list[RequestDelta]:
         S.pin_trace_context()
         if self.compile_hooks is not None:
             self.compile_hooks[0]()
@@ -521,11 +539,14 @@ class EngineCore:
             samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z())
             batch = S.PrefillBatch(np.zeros((rb, program.chunk), np.int32), z(), z(), z(bool),
                                    np.full(rb, s, np.int32))
-            self.steps.prefill.lower(program.spec, self._leaves, self.pools, self.store, batch, pt, swa,
-                                     samp).compile()
+            compiled = self.steps.prefill.lower(program.spec, self._leaves, self.pools, self.store, batch, pt, swa,
+                                                samp).compile()
         else:
-            self.steps.decode.lower(program.spec, self._leaves, self.pools, self.store, self._decode_state_merge(),
-                                    pt, swa).compile()
+            compiled = self.steps.decode.lower(program.spec, self._leaves, self.pools, self.store,
+                                               self._decode_state_merge(), pt, swa).compile()
+        stats = compiled.memory_analysis()
+        if stats is not None:
+            self.step_temporaries[program] = int(stats.temp_size_in_bytes)
 
     def _decode_state_merge(self):
         """A decode state as the decode call sees it: the merge's device arrays (a signature of their own; the

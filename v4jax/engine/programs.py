@@ -44,6 +44,9 @@ class Program:
     chunk: int  # a prefill row's compiled length (decode: 0)
     pages: int  # page-table width
 
+    def __str__(self) -> str:
+        return f"{self.kind} rows {self.rows}" + (f" x {self.chunk}" if self.chunk else "") + f", {self.pages} pages"
+
     def covers(self, other: "Program", wider_specs: dict) -> bool:
         return (self.kind == other.kind and self.spec in wider_specs.get(other.spec, (other.spec,))
                 and self.rows >= other.rows and self.chunk >= other.chunk and self.pages >= other.pages)

@@ -221,7 +221,7 @@ def serve(llm, options: ServerOptions, *, warmup: str = "none") -> int:
             def progress(done: int, total: int) -> None:
                 bar.total = total
                 bar.update(done - bar.n)
-            n = llm.engine.warmup(progress, cover_only=warmup == "cover")
+            n = llm.warmup(progress, cover_only=warmup == "cover")  # DeviceMemoryError: a step would not fit
         log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t)
     leader = None
     if jax.process_count() > 1:
