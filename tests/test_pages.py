@@ -379,6 +379,15 @@ def test_a_burst_sharing_a_cached_prefix_starts_together():
     for _ in range(3):
         _prefill(sch2)
     assert sch2.admit() == [same_doc] and same_doc.computed == 3 * P
+    # admission looks past at most MAX_SHARING_SKIPPED of them (each look walks the tree)
+    from v4jax.engine import scheduler as scheduler_module
+    sch3 = _scheduler(_tables(n_pages=32, n_swa=64, slots=4, data=1), chunk=P)
+    reader = _add(sch3, "reader", doc + [5])
+    assert sch3.admit() == [reader]
+    _prefill(sch3)
+    sharers = [_add(sch3, f"s{i}", doc + [6 + i]) for i in range(scheduler_module.MAX_SHARING_SKIPPED)]
+    late = _add(sch3, "late", list(range(7000, 7000 + P + 3)))
+    assert sch3.admit() == [] and late.status == "waiting" and all(r.status == "waiting" for r in sharers)
 
 
 def test_evictable_counts_agree_with_a_brute_force_count():
