@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import logging
 import time
 
 import numpy as np
@@ -190,6 +191,10 @@ def spec_main(argv=None) -> int:
     if any(x is not None and not 0 < x <= 1 for x in accepts):
         p.error("--accept: rates in (0, 1]")
     max_len = a.max_model_len or (a.context + a.new + 16 if a.context else 512)
+    # the engine's slow steps (over 2 s: a compile inside a step) named on stderr with the time since the start, so a
+    # device call cut short says which program it was compiling
+    logging.basicConfig(format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+    logging.getLogger("v4jax.engine").setLevel(logging.INFO)
     rows = run(a.model, [int(x) for x in a.k.split(",") if x], a.new, batches, a.dtype, max_len, a.context, accepts,
                a.profile, a.method)
     print(markdown(rows))
