@@ -23,8 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _compat, kv_format
-from ._common import (F32, common_compute_dtype, gather_groups, mm_nn, mm_nt, next_pow2, pad_last, round_up, tile_rows,
-                      tiled_view, tpu_gather_finish, tpu_gather_start)
+from ._common import (F32, common_compute_dtype, e2m1_to_f32, gather_groups, mm_nn, mm_nt, next_pow2, pad_last,
+                      round_up, tile_rows, tiled_view, tpu_gather_finish, tpu_gather_start)
 from .topk import topk, topk_ref
 
 # --------------------------------------------------------------------------------------------------------------
@@ -176,8 +176,8 @@ def _gpu_gather_keys(pool_ref, ids, valid, fmt, dtype):
     for j in range(fmt.dim // kv_format.FP4_BLOCK):
         sj = lax.bitcast_convert_type(load(half + j, 1).astype(jnp.uint32) << 23, F32)   # [n, 1]; 0 masked
         scale = jnp.broadcast_to(sj, codes.shape) if scale is None else jnp.where(block == j, sj, scale)
-    return [(kv_format.e2m1_to_f32(codes & 15) * scale).astype(dtype),
-            (kv_format.e2m1_to_f32(codes >> 4) * scale).astype(dtype)]
+    return [(e2m1_to_f32(codes & 15) * scale).astype(dtype),
+            (e2m1_to_f32(codes >> 4) * scale).astype(dtype)]
 
 
 def _gpu_scores_kernel(q_ref, w_ref, nv_ref, rows_ref, pool_ref, o_ref, *, sb, tq, n_inner, fmt):

@@ -63,9 +63,9 @@ class PrefixCache:
         self._tails: dict[Node, None] = {}
         self._shadowed: dict[Node, None] = {}
         self._leaves: set[Node] = set()  # the nodes without children: what full-page eviction removes first
-        # per full-page block, a heap of (stamp, page, push count, node) over its leaves, least recently used on top; an entry
-        # is stale once its node is no leaf or has a newer stamp (skipped when popped, the heap rebuilt when mostly
-        # stale): an eviction pops the leaves it removes, where heaping every leaf took 2.6 ms at 2,000 leaves
+        # per full-page block, a heap of (stamp, page, push count, node) over its leaves, least recently used on
+        # top; an entry is stale once its node is no leaf or has a newer stamp (skipped when popped, the heap rebuilt
+        # when mostly stale): an eviction pops the leaves it removes (heaping every leaf took 1.05 ms at 2,000)
         self._leaf_heaps: list[list] = [[] for _ in range(full_alloc.n_blocks)]
         self._pushes = itertools.count()  # (a node can be pushed twice with one stamp: never compare nodes)
         self._by_page: dict[int, Node] = {}  # full page id -> its node

@@ -13,7 +13,7 @@ import numpy as np
 from scipy.linalg import hadamard
 
 from pallas_kernels import kv_format
-from pallas_kernels._common import ue8m0_to_f32
+from pallas_kernels._common import e2m1_to_f32, ue8m0_to_f32
 
 F32 = jnp.float32
 FP8_MAX = 448.0
@@ -44,7 +44,7 @@ def fp8_roundtrip(x, block: int):
 
 def _round_e2m1(y):
     """Round |y| <= 6 to the nearest e2m1 value, ties to the even mantissa (hardware RNE), as FP4 keys store it."""
-    return kv_format.e2m1_to_f32(kv_format.e2m1_code(y) | jnp.where(y < 0, 8, 0))
+    return e2m1_to_f32(kv_format.e2m1_code(y) | jnp.where(y < 0, 8, 0))
 
 
 def fp4_roundtrip(x, block: int = 32):
@@ -108,12 +108,6 @@ STORED_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp4": jnp.uint8}
 SCALE_DTYPE = jnp.float8_e8m0fnu
 
 
-def scale_to_f32(scale):
-    """ue8m0 scales -> their float32 values 2^(byte - 127), exactly (a bit pattern: no conversion the backend may
-    lack)."""
-    return ue8m0_to_f32(scale)
-
-
 _FP4_LUT = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                     np.float32)
 
@@ -126,7 +120,7 @@ def dequantize(values, scale, storage: str, dtype, shape):
     """The weight [..., O, I] in `dtype` from its stored values and scales (exact: an e4m3 or e2m1 value times a
     power of two is a bf16 number)."""
     *_, o, i = shape
-    s = scale_to_f32(scale)
+    s = ue8m0_to_f32(scale)
     if storage == "fp8":
         w = values.astype(F32) * _expand(_expand(s, -2, FP8_BLOCK, o), -1, FP8_BLOCK, i)
     else:
