@@ -39,7 +39,9 @@ def _all_pages_free(core) -> bool:
 def _start(state: ServerState):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = Server(state)
+    # uvicorn closes a connection idle for 5 s (timeout_keep_alive); a client sending on it at that moment gets "Server
+    # disconnected without sending a response" (seen once in a loaded CI run, the clients here do not retry)
+    server = Server(state, timeout_keep_alive=600)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
