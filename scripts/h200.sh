@@ -208,6 +208,8 @@ precision)
   # 32-slot engine at 4K: weights as bf16 / FP8 linears + FP4 experts, cache entries bf16 / FP8 + FP4 indexer
   # keys, each against the roofline of the bytes it stores; CONFIGS picks "QUANT:KV ..."
   MODEL=${MODEL:-flash-slice}
+  # flash-h200's 113.6 GiB of weights need more than XLA's default 75 % of the card
+  [ "$MODEL" = flash-h200 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
   for cfgs in ${CONFIGS:-none:auto fp8:auto none:fp8 fp8:fp8}; do
     q=${cfgs%%:*}; kv=${cfgs##*:}
     stamp "$MODEL: quantization $q, kv_cache_dtype $kv"

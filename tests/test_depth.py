@@ -209,3 +209,50 @@ def test_pro_decode_step_compiles_from_abstract_weights():
     assert "while" in text  # the periodic run is a loop, not 61 unrolled layers
     compiled = lowered.compile()
     assert compiled is not None
+
+
+@pytest.mark.parametrize("weights", ["dequantized", "release"])
+def test_random_init_holds_the_stacks_and_one_layer(monkeypatch, weights):
+    """A random init copies each layer into its stack as it is made: the arrays alive while building never exceed
+    the finished stacks plus one layer (stacking at the end held every layer beside the stacks: flash-h200's 113.6
+    GiB ran an H200 out of memory), and stack g's index j holds exactly the layer the plan puts there (the same
+    draws, in layer order, as building each layer alone)."""
+    from v4jax.model import quant
+    from v4jax.model import transformer as T
+
+    fmt = quant.DEQUANTIZED if weights == "dequantized" else quant.RELEASE
+    cfg = hash_heavy_tiny(12)
+    live = []
+    add = T._StackBuilder.add
+
+    def watched(self, j, block):
+        add(self, j, block)
+        live.append(sum(a.nbytes for a in jax.live_arrays()))
+
+    base = sum(a.nbytes for a in jax.live_arrays())
+    monkeypatch.setattr(T._StackBuilder, "add", watched)
+    model = Transformer(cfg, rngs=nnx.Rngs(5), dtype=jnp.float32, mtp=False, weights=fmt)
+    stacks = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model.stacks)))
+    # each layer alone, from the same draws in the same order (the embedding's first)
+    draws = T._Draws(nnx.Rngs(5))
+    T.Table(cfg.vocab_size, cfg.dim, 1.0, rngs=draws, dtype=jnp.float32)
+    layers = [T._store(Block(cfg, i, rngs=draws, dtype=jnp.float32), fmt) for i in range(cfg.n_layers)]
+    largest = max(sum(a.nbytes for a in jax.tree.leaves(nnx.state(b))) for b in layers)
+    embed = model.embed.weight[...].nbytes
+    assert len(live) == cfg.n_layers
+    assert max(live) - base <= embed + stacks + largest, (max(live) - base, embed, stacks, largest)
+    plan = layer_stacks(cfg)
+    for i, b in enumerate(layers):
+        g, j = plan.where[i]
+        stack, gate = model.stacks[g], b.ffn.gate
+        n_hashed = stack.ffn.gate.n_hashed
+        if j < n_hashed:  # a hash layer: its token -> experts table
+            assert gate.bias is None and jnp.array_equal(stack.ffn.gate.tid2eid[j], gate.tid2eid), i
+        else:
+            assert gate.tid2eid is None and jnp.array_equal(stack.ffn.gate.bias[j - n_hashed], gate.bias), i
+        gate.tid2eid = gate.bias = None
+        want = dict(nnx.to_flat_state(nnx.state(b)))
+        got = {k: v for k, v in nnx.to_flat_state(nnx.state(stack)) if k[-1] not in ("tid2eid", "bias")}
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert jnp.array_equal(got[k][...][j], v[...]), (i, k)

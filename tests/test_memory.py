@@ -346,3 +346,23 @@ def test_flash_h200_is_the_most_experts_one_h200_holds():
         M.check_weights_fit(preset("flash"), stored(preset("flash")), "bfloat16", limit=h200, weights=fmt)
     with pytest.raises(M.DeviceMemoryError):  # in bf16: several times the device
         M.check_weights_fit(cfg, M.param_bytes(cfg, 2)["total"], "bfloat16", limit=h200)
+
+
+def test_gpu_fit_check_names_xla_memory_fraction(monkeypatch):
+    """On a GPU the detected memory is XLA's share of the card (0.75 unless $XLA_PYTHON_CLIENT_MEM_FRACTION says
+    otherwise): flash-h200 fails the check at JAX's default share of an H200 (104.8 GiB), and the error names the
+    setting that makes it fit; where no share would do (whole Flash), the error does not offer it."""
+    fmt = M.report_weight_format(preset("flash"), None, "fp8")
+    stored = lambda cfg: M.param_bytes(cfg, 2, weights=fmt)["total"]
+    monkeypatch.delenv(M.FRACTION_ENV, raising=False)
+    card = int(139.7 * GiB)
+    monkeypatch.setattr(M, "device_memory_bytes", lambda device=None: (
+        int(M.gpu_memory_fraction() * card),
+        f"gpu bytes_limit of cuda:0, {M.FRACTION_ENV}={M.gpu_memory_fraction()} of the card"))
+    with pytest.raises(M.DeviceMemoryError, match=f"{M.FRACTION_ENV}=0.95 in the environment"):
+        M.check_weights_fit(preset("flash-h200"), stored(preset("flash-h200")), "bfloat16", weights=fmt)
+    with pytest.raises(M.DeviceMemoryError) as err:
+        M.check_weights_fit(preset("flash"), stored(preset("flash")), "bfloat16", weights=fmt)
+    assert M.FRACTION_ENV not in str(err.value).split("would fit")[1]
+    monkeypatch.setenv(M.FRACTION_ENV, "0.95")
+    M.check_weights_fit(preset("flash-h200"), stored(preset("flash-h200")), "bfloat16", weights=fmt)

@@ -357,6 +357,27 @@ def decode_weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int = 2, weig
 
 # ---- what fits on a device ---------------------------------------------------------------------------
 MEMORY_ENV = "V4JAX_DEVICE_MEMORY_BYTES"  # overrides the detected memory of one device (bytes)
+FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # the share of a GPU's memory JAX's allocator may use
+DEFAULT_GPU_FRACTION = 0.75  # JAX's own default
+
+
+def gpu_memory_fraction() -> float:
+    """The share of each GPU's memory XLA's allocator may use: $XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's 0.75."""
+    try:
+        return float(os.environ.get(FRACTION_ENV, DEFAULT_GPU_FRACTION))
+    except ValueError:
+        return DEFAULT_GPU_FRACTION
+
+
+def _fraction_hint(need: int, limit: int, source: str, headroom: float) -> str:
+    """Where a GPU's bytes_limit is XLA's share of the card and a larger share would hold `need`: the setting."""
+    if FRACTION_ENV not in source:
+        return ""
+    card, want = limit / gpu_memory_fraction(), 0.95
+    if need > headroom * want * card:
+        return ""
+    return (f"; or give XLA more of the card: {FRACTION_ENV}={want} in the environment before JAX starts "
+            f"({_human(int(want * card))} of {_human(int(card))})")
 
 
 class DeviceMemoryError(ValueError):
@@ -399,7 +420,10 @@ def device_memory_bytes(device=None) -> tuple[int | None, str]:
     except Exception:  # noqa: BLE001 - backends without memory stats
         stats = {}
     if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{dev.platform} bytes_limit of {dev}"
+        source = f"{dev.platform} bytes_limit of {dev}"
+        if dev.platform == "gpu":  # XLA's allocator takes this share of the card, whatever the card holds
+            source += f", {FRACTION_ENV}={gpu_memory_fraction()} of the card"
+        return int(stats["bytes_limit"]), source
     if dev.platform == "cpu":
         avail = _host_available_bytes()
         if avail:
@@ -673,8 +697,8 @@ def check_weights_fit(cfg: ModelConfig, weight_bytes: int, dtype=None, *, what: 
         held = f"FP8 / FP4 as the release stores them, the rest {held}"
     raise DeviceMemoryError(
         f"{what}: the weights need {_human(weight_bytes)} ({held}) but one device "
-        f"holds {_human(limit)} ({source}); would fit: {_fits_hint(cfg, weight_bytes, limit, db, weights)}. "
-        f"Set ${MEMORY_ENV} to override the detected memory")
+        f"holds {_human(limit)} ({source}); would fit: {_fits_hint(cfg, weight_bytes, limit, db, weights)}"
+        f"{_fraction_hint(weight_bytes, limit, source, headroom)}. Set ${MEMORY_ENV} to override the detected memory")
 
 
 def check_pools_fit(pool_bytes: int, *, free: int | None = None, source: str = "the given limit",

@@ -185,28 +185,53 @@ class Block(nnx.Module):
 def _stacked(trees):
     """Like trees (Variables, or states of them) with every array stacked on a new leading axis (logical axis
     "layers")."""
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *trees)
+    return _with_layers_axis(jax.tree.map(lambda *a: jnp.stack(a), *trees))
+
+
+def _with_layers_axis(tree):
     return jax.tree.map(lambda v: v.replace(logical_axes=("layers",) + tuple(v.get_metadata()["logical_axes"])),
-                        stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+                        tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _stack(blocks: list) -> "Block":
-    """Blocks of one shape, in layer order -> one Block whose every array is stacked on a new leading axis. The
-    router kind may differ (the hash layers come first): the gate's hash tables are those of the hash layers and
-    its selection biases those of the others (moe.Gate)."""
-    gates = [b.ffn.gate for b in blocks]
-    tables = [g.tid2eid for g in gates if g.tid2eid is not None]
-    biases = [g.bias for g in gates if g.bias is not None]
-    assert all(g.tid2eid is not None for g in gates[:len(tables)]), "hash layers come first in a stack"
-    for g in gates:
-        g.tid2eid = g.bias = None
-    graphdef, first = nnx.split(blocks[0])
-    out = nnx.merge(graphdef, _stacked([first] + [nnx.split(b)[1] for b in blocks[1:]]))
-    gate = out.ffn.gate
-    gate.tid2eid = nnx.data(_stacked(tables)) if tables else None
-    gate.bias = nnx.data(_stacked(biases)) if biases else None
-    gate.n_hashed = len(tables)
-    return out
+# Writes one layer into its stack in place (the stack's buffer donated); one program per (shape, dtype), the index
+# traced. Inside a trace (eval_shape, a jitted sharded init) it is an ordinary update.
+_put_layer = jax.jit(lambda stack, layer, j: jax.lax.dynamic_update_index_in_dim(stack, layer, j, 0),
+                     donate_argnums=0)
+
+
+class _StackBuilder:
+    """Blocks of one shape arriving one at a time, in any order of their stack indices -> one Block whose every
+    array is stacked on a new leading axis. Each block is copied into the stack's buffers as it arrives and can be
+    dropped at once, so building n layers holds the stack and one layer, not the stack beside n layers (stacking
+    at the end ran `flash-h200`'s 113.6 GiB of random weights out of an H200's memory). The router kind may differ
+    (the hash layers come first): the gate's hash tables are those of the hash layers and its selection biases
+    those of the others (moe.Gate)."""
+
+    def __init__(self, n: int):
+        self.n, self.graphdef, self.state = n, None, None
+        self.tables, self.biases = {}, {}
+
+    def add(self, j: int, block: "Block") -> None:
+        gate = block.ffn.gate
+        if gate.tid2eid is not None:
+            self.tables[j] = gate.tid2eid
+        if gate.bias is not None:
+            self.biases[j] = gate.bias
+        gate.tid2eid = gate.bias = None
+        graphdef, state = nnx.split(block)
+        if self.state is None:
+            self.graphdef = graphdef
+            self.state = jax.tree.map(lambda a: jnp.zeros((self.n,) + a.shape, a.dtype), state)
+        self.state = jax.tree.map(lambda stack, a: _put_layer(stack, a, j), self.state, state)
+
+    def finish(self) -> "Block":
+        assert sorted(self.tables) == list(range(len(self.tables))), "hash layers come first in a stack"
+        out = nnx.merge(self.graphdef, _with_layers_axis(self.state))
+        gate = out.ffn.gate
+        gate.tid2eid = nnx.data(_stacked([self.tables[j] for j in sorted(self.tables)])) if self.tables else None
+        gate.bias = nnx.data(_stacked([self.biases[j] for j in sorted(self.biases)])) if self.biases else None
+        gate.n_hashed = len(self.tables)
+        return out
 
 
 def last_valid(x, n_valid):
@@ -346,15 +371,15 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
         self.embed = Table(cfg.vocab_size, d, 1.0, rngs=rngs, dtype=dtype)
-        # Layers are built one by one in layer order (the random init does not depend on the grouping), then
-        # stacked; each layer's own arrays are dropped as soon as its stack exists.
-        blocks = [_store(Block(cfg, i, rngs=rngs, dtype=dtype), weights) for i in range(cfg.n_layers)]
-        stacks = []
-        for st in layer_stacks(cfg).stacks:
-            stacks.append(_stack([blocks[i] for i in st.layers]))
-            for i in st.layers:
-                blocks[i] = None
-        self.stacks = nnx.List(stacks)
+        # Layers are built one by one in layer order (the random init does not depend on the grouping), each
+        # copied into its stack as it is made.
+        groups = layer_stacks(cfg).stacks
+        builders = [_StackBuilder(len(st.layers)) for st in groups]
+        where = {i: (g, j) for g, st in enumerate(groups) for j, i in enumerate(st.layers)}
+        for i in range(cfg.n_layers):
+            g, j = where[i]
+            builders[g].add(j, _store(Block(cfg, i, rngs=rngs, dtype=dtype), weights))
+        self.stacks = nnx.List([b.finish() for b in builders])
         self.norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
         self.hc_head_fn = nnx.Param(init_normal(rngs, (n, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
         self.hc_head_base = nnx.Param(init_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
