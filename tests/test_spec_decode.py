@@ -329,3 +329,15 @@ def test_decode_profile_takes_the_prefill_from_the_long_run(monkeypatch):
     monkeypatch.setattr(P, "summarize", lambda call, repeats, top: {"top": tops[call()]})
     got = decode_profile(lambda sp: sp.max_tokens, SamplingParams(max_tokens=1), SamplingParams(max_tokens=65), 64)
     assert got == [("attention", 2.0, 0.125), ("mtp_head", 1.0, 0.05), ("prefill_gemm", 0.0, 0.0)]
+
+
+@pytest.mark.slow  # a minute on CPU
+def test_forced_acceptance_coins_differ_between_slots():
+    """The benchmark's coin is drawn per slot and position: equal prompts decoding side by side keep different drafts
+    (drawn per position alone, every slot kept the same ones and a batch measured a few dozen coins)."""
+    llm = _spec_llm(2)
+    prompt = _prompts(LENS[:1], llm.config.vocab_size, seed=4)[0]
+    core = llm.engine
+    core.greedy_spec = dataclasses.replace(core.greedy_spec, forced_acceptance=0.5)
+    outs = llm.generate([prompt] * 4, dataclasses.replace(GREEDY, max_tokens=12))
+    assert len({tuple(o.token_ids) for o in outs}) > 1
