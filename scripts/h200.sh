@@ -62,6 +62,8 @@
 #              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...")
 #   spec       speculative decoding (MTP) against plain decoding, drafts kept at forced ACCEPT rates, batches
 #              BATCHES, k KS (v4jax bench spec); PROFILE=1: each row's device kernels per token position (TAIL=200)
+#   compile    one engine's prefill and decode programs compiled with XLA's options and with GPU autotuning off,
+#              each timed (scripts/compile_probe.py -> $OUT/compile.json; MODEL (flash-1gpu), CHUNK, PAGES, COMPILE_S)
 #   width      the page-table width buckets against one width (scripts/width_probe.py): ms/step and prefill per row,
 #              programs compiled, programs a warm-up would compile -> $OUT/width.jsonl (MODEL, ROWS_W, NEW, WIDTH_S)
 #   startup    `v4jax serve` per --warmup mode (carry [".whl"]; v4jax bench startup, compilation cache off): seconds to
@@ -235,6 +237,14 @@ width)
   stamp "${MODEL:-flash-slice}: power-of-two width buckets against one width"
   timeout ${WIDTH_S:-560} python3 -W ignore scripts/width_probe.py --model "${MODEL:-flash-slice}" \
     --rows ${ROWS_W:-1x4096 32x4096 1x131072} --new ${NEW:-32} --out "$out/width.jsonl" 2>&1 | quiet | tail -20
+  ;;
+compile)
+  imports
+  # where a program's compile time goes (flash-1gpu: 30-47 s a prefill program): autotuning off first, so the
+  # default compile after it autotunes from nothing
+  stamp "${MODEL:-flash-1gpu}: prefill rows 1 x ${CHUNK:-2048}, ${PAGES:-8} pages, and decode: compile times"
+  timeout ${COMPILE_S:-500} python3 -W ignore scripts/compile_probe.py --model "${MODEL:-flash-1gpu}" \
+    --chunk ${CHUNK:-2048} --pages ${PAGES:-8} --max-model-len ${MAX_LEN:-4352} --options autotune0,default --out "$out/compile.json" 2>&1 | quiet | tail -8
   ;;
 startup)
   imports
