@@ -288,3 +288,24 @@ def test_tpu_kernels_in_the_model(tmp_path, monkeypatch):
     assert 1 in calls["experts"] and max(calls["experts"]) > 1  # a decode step's routed experts and the prompt's
     assert out.token_ids == ref_out.token_ids
     np.testing.assert_allclose(out.logprobs, ref_out.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("storage", [None, "fp4", "fp8"])
+def test_random_experts_drawn_a_few_at_a_time(storage):
+    """An eager random init draws (and quantizes) the routed experts a few at a time: the program's temporaries do
+    not grow with the number of experts (a whole layer's f32 draw beside its bf16 copy ran flash-h200's init out of
+    an H200's memory), and a traced init (the sharded one) draws the same values all at once."""
+    from v4jax.model import moe
+
+    key = jax.random.key(7)
+    temps = [moe._draw_experts_in_chunks.lower(key, n, (256, 512), 0.1, jnp.dtype(jnp.bfloat16), storage).compile()
+             .memory_analysis().temp_size_in_bytes for n in (64, 256)]
+    assert temps[1] <= temps[0] * 1.01 and temps[1] < 256 * 256 * 512 * 4 / 4, temps  # a quarter of the f32 draw
+    eager = moe.draw_experts(key, 20, (64, 128), 0.1, jnp.bfloat16, storage)
+    traced = jax.jit(lambda k: moe.draw_experts(k, 20, (64, 128), 0.1, jnp.bfloat16, storage))(key)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(traced), strict=True):
+        assert a.shape[0] == 20 and jnp.array_equal(a, b)
+    if storage is not None:  # as the release's converter quantizes the drawn weights
+        w = moe.draw_experts(key, 20, (64, 128), 0.1, jnp.bfloat16, None)
+        for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(quant.quantize(w, storage)), strict=True):
+            assert jnp.array_equal(a, b)

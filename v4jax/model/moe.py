@@ -65,22 +65,59 @@ class Gate(nnx.Module):
                 layer < nh)
 
 
+EXPERTS_PER_DRAW = 8  # experts drawn (and quantized) at once by an eager random init
+
+
+def _expert_draw(key, shape, std, dtype, storage):
+    """One expert's random weight: N(0, std^2) from its own key, drawn in f32, cast to dtype and, with a storage
+    format, quantized as the release's converter would."""
+    def one(k):
+        w = (jax.random.normal(k, shape, F32) * std).astype(dtype)
+        return w if storage is None else quant.quantize(w, storage)
+    return one
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _draw_experts_in_chunks(key, n, shape, std, dtype, storage):
+    one = _expert_draw(key, shape, std, dtype, storage)
+    return jax.lax.map(lambda e: one(jax.random.fold_in(key, e)), jnp.arange(n), batch_size=min(n, EXPERTS_PER_DRAW))
+
+
+def draw_experts(key, n: int, shape: tuple, std: float, dtype, storage: str | None):
+    """n experts' random weights [n, *shape] (expert e from fold_in(key, e)), or (values, scales) as `storage`
+    stores them. Eagerly a few experts at a time: a layer's f32 draw and its bf16 copy never exist whole (flash-h200
+    holds 113.6 GiB of stored weights, and a layer of its experts is 10.5 GiB in bf16, 21 in f32). Under a trace
+    (a sharded init, eval_shape) all at once (vmap: the same values), so the mesh splits the work by expert."""
+    if isinstance(key, jax.core.Tracer):
+        one = _expert_draw(key, shape, std, dtype, storage)
+        return jax.vmap(lambda e: one(jax.random.fold_in(key, e)))(jnp.arange(n))
+    return _draw_experts_in_chunks(key, n, tuple(shape), float(std), jnp.dtype(dtype), storage)
+
+
 class Experts(nnx.Module):
     """Routed experts stacked on a leading axis: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down); as the release
-    stores them (`store`): the stored values and w1_scale / w2_scale / w3_scale their ue8m0 block scales."""
+    stores them (`storage`, or `store` later): the stored values and w1_scale / w2_scale / w3_scale their ue8m0
+    block scales."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs, dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs, dtype, storage: str | None = None):
         e, i, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
-        self.w1 = nnx.Param(init_normal(rngs, (e, i, d), d ** -0.5, dtype), logical_axes=EXPERT_UP_AXES)
-        self.w2 = nnx.Param(init_normal(rngs, (e, d, i), i ** -0.5, dtype), logical_axes=EXPERT_DOWN_AXES)
-        self.w3 = nnx.Param(init_normal(rngs, (e, i, d), d ** -0.5, dtype), logical_axes=EXPERT_UP_AXES)
+        self.storage = storage  # "fp4" | "fp8" as stored, None in dtype
         self.w1_scale = self.w2_scale = self.w3_scale = None
-        self.storage = None  # "fp4" | "fp8" once stored
+        for name, shape, std, axes in (("w1", (i, d), d ** -0.5, EXPERT_UP_AXES),
+                                       ("w2", (d, i), i ** -0.5, EXPERT_DOWN_AXES),
+                                       ("w3", (i, d), d ** -0.5, EXPERT_UP_AXES)):
+            drawn = draw_experts(rngs.params(), e, shape, std, dtype, storage)
+            if storage is None:
+                setattr(self, name, nnx.Param(drawn, logical_axes=axes))
+            else:
+                setattr(self, name, nnx.Param(drawn[0], logical_axes=axes))
+                setattr(self, name + "_scale", nnx.data(nnx.Param(drawn[1], logical_axes=axes)))
 
     def store(self, storage: str | None):
         """Hold the weights as the release does ("fp4", or "fp8" as its first Flash release; None: leave them)."""
-        if storage is None:
+        if storage is None or storage == self.storage:
             return
+        assert self.storage is None, f"experts stored as {self.storage}, asked for {storage}"
         for name in ("w1", "w2", "w3"):
             var = getattr(self, name)
             axes = var.get_metadata()["logical_axes"]
@@ -161,10 +198,10 @@ class SharedExpert(nnx.Module):
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, *, rngs, dtype):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, rngs, dtype, experts_storage: str | None = None):
         self.cfg = cfg
         self.gate = Gate(cfg, cfg.is_hash_layer(layer_id), rngs=rngs, dtype=dtype)
-        self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+        self.experts = Experts(cfg, rngs=rngs, dtype=dtype, storage=experts_storage)
         self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype) if cfg.n_shared_experts else None
 
     @property

@@ -129,7 +129,7 @@ def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
 class Block(nnx.Module):
     """One decoder layer: mHC around attention, mHC around the MoE."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, *, rngs, dtype):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, rngs, dtype, experts_storage: str | None = None):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
         mix = (2 + n) * n
@@ -142,7 +142,7 @@ class Block(nnx.Module):
         self.hc_ffn_base = nnx.Param(init_normal(rngs, (mix,), 0.1, F32), logical_axes=("hc_mix",))
         self.hc_ffn_scale = nnx.Param(jnp.ones((3,), F32), logical_axes=("hc_scale",))
         self.attn = Attention(cfg, layer_id, rngs=rngs, dtype=dtype)
-        self.ffn = MoE(cfg, layer_id, rngs=rngs, dtype=dtype)
+        self.ffn = MoE(cfg, layer_id, rngs=rngs, dtype=dtype, experts_storage=experts_storage)
 
     def hc_attn(self, x, sinkhorn=None):
         return L.hc_pre(x, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...], self.cfg, sinkhorn)
@@ -243,7 +243,7 @@ def last_valid(x, n_valid):
 class MTPBlock(nnx.Module):
     """Multi-token prediction (reference §7): predicts token i+2 from the main streams at i and token i+1."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs, dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs, dtype, experts_storage: str | None = None):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
         self.e_proj = Linear(d, d, ("embed", "embed"), rngs=rngs, dtype=dtype, fp8=True)
@@ -254,7 +254,7 @@ class MTPBlock(nnx.Module):
         self.hc_head_fn = nnx.Param(init_normal(rngs, (n, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
         self.hc_head_base = nnx.Param(init_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
         self.hc_head_scale = nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",))
-        self.block = Block(cfg, cfg.n_layers, rngs=rngs, dtype=dtype)
+        self.block = Block(cfg, cfg.n_layers, rngs=rngs, dtype=dtype, experts_storage=experts_storage)
 
     def streams_in(self, embedded_next, h_main, opts):
         """embedded_next [B, T, D] (embedding of token i+1), h_main [B, T, N, D] -> MTP input streams."""
@@ -303,10 +303,10 @@ class DSparkStage(nnx.Module):
     first stage also holds `main_proj` / `main_norm` (the target layers' mean streams, concatenated, -> D), the
     last the head's `norm` and `hc_head_*`, the Markov head and the confidence head."""
 
-    def __init__(self, cfg: ModelConfig, stage: int, *, rngs, dtype):
+    def __init__(self, cfg: ModelConfig, stage: int, *, rngs, dtype, experts_storage: str | None = None):
         self.cfg = cfg
         n, d = cfg.hc_mult, cfg.dim
-        self.block = Block(cfg, cfg.n_layers + stage, rngs=rngs, dtype=dtype)
+        self.block = Block(cfg, cfg.n_layers + stage, rngs=rngs, dtype=dtype, experts_storage=experts_storage)
         first, last = stage == 0, stage == cfg.n_mtp_layers - 1
         self.main_proj = nnx.data(Linear(d * len(cfg.dspark_target_layer_ids), d, ("embed", "embed"), rngs=rngs,
                                          dtype=dtype, fp8=True) if first else None)
@@ -349,7 +349,8 @@ class _Draws:
 
 
 def _store(module, weights: quant.WeightFormat):
-    """Hold the module's FP8 linears and routed experts as `weights` says (the release's storage, or the dtype)."""
+    """Hold the module's FP8 linears and routed experts as `weights` says (the release's storage, or the dtype;
+    experts drawn in their storage already stay as they are)."""
     for _, m in list(nnx.iter_modules(module)):
         if isinstance(m, Linear):
             m.store(weights.linear)
@@ -378,7 +379,7 @@ class Transformer(nnx.Module):
         where = {i: (g, j) for g, st in enumerate(groups) for j, i in enumerate(st.layers)}
         for i in range(cfg.n_layers):
             g, j = where[i]
-            builders[g].add(j, _store(Block(cfg, i, rngs=rngs, dtype=dtype), weights))
+            builders[g].add(j, _store(Block(cfg, i, rngs=rngs, dtype=dtype, experts_storage=weights.experts), weights))
         self.stacks = nnx.List([b.finish() for b in builders])
         self.norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
         self.hc_head_fn = nnx.Param(init_normal(rngs, (n, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
@@ -388,9 +389,9 @@ class Transformer(nnx.Module):
         # the drafter: the MTP block, or the DSpark draft layers of a config with dspark_* keys (both `mtp.N.*`)
         n_draft = cfg.n_mtp_layers if mtp else 0
         if cfg.dspark_block_size:
-            self.mtp = nnx.List([_store(DSparkStage(cfg, i, rngs=rngs, dtype=dtype), weights) for i in range(n_draft)])
+            self.mtp = nnx.List([_store(DSparkStage(cfg, i, rngs=rngs, dtype=dtype, experts_storage=weights.experts), weights) for i in range(n_draft)])
         else:
-            self.mtp = nnx.List([_store(MTPBlock(cfg, rngs=rngs, dtype=dtype), weights) for _ in range(n_draft)])
+            self.mtp = nnx.List([_store(MTPBlock(cfg, rngs=rngs, dtype=dtype, experts_storage=weights.experts), weights) for _ in range(n_draft)])
 
     @property
     def drafter(self) -> str | None:
