@@ -203,8 +203,14 @@ def test_pipelined_scheduler_equals_synchronous_steps(tiny_llm, monkeypatch):
     eng = tiny_llm.engine
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 500, int(rng.integers(1, 90))).tolist() for _ in range(11)]
-    params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.8])),
-                             seed=i, stop_token_ids=[int(t) for t in rng.integers(2, 500, 7)]) for i in range(11)]
+    params = [SamplingParams(max_tokens=int(rng.integers(2, 30)), temperature=float(rng.choice([0.0, 0.8])),
+                             seed=i) for i in range(11)]
+    # stop tokens that occur: every other request stops at a token its unstopped run makes halfway (seeded, so the
+    # stopped run makes the same tokens up to there)
+    free = _synchronous_generate(tiny_llm, prompts, params)
+    params = [dataclasses.replace(sp, stop_token_ids=[toks[len(toks) // 2]] if i % 2 else
+                                  [int(t) for t in rng.integers(2, 500, 7)])
+              for i, (sp, (toks, _)) in enumerate(zip(params, free))]
     want = _synchronous_generate(tiny_llm, prompts, params)
     assert _all_pages_free(eng)
     carried = []
