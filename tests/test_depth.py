@@ -236,7 +236,8 @@ def test_random_init_holds_the_stacks_and_one_layer(monkeypatch, weights):
     # each layer alone, from the same draws in the same order (the embedding's first)
     draws = T._Draws(nnx.Rngs(5))
     T.Table(cfg.vocab_size, cfg.dim, 1.0, rngs=draws, dtype=jnp.float32)
-    layers = [T._store(Block(cfg, i, rngs=draws, dtype=jnp.float32), fmt) for i in range(cfg.n_layers)]
+    layers = [T._store(Block(cfg, i, rngs=draws, dtype=jnp.float32, experts_storage=fmt.experts), fmt)
+              for i in range(cfg.n_layers)]
     largest = max(sum(a.nbytes for a in jax.tree.leaves(nnx.state(b))) for b in layers)
     embed = model.embed.weight[...].nbytes
     assert len(live) == cfg.n_layers

@@ -68,19 +68,17 @@ class Gate(nnx.Module):
 EXPERTS_PER_DRAW = 8  # experts drawn (and quantized) at once by an eager random init
 
 
-def _expert_draw(key, shape, std, dtype, storage):
-    """One expert's random weight: N(0, std^2) from its own key, drawn in f32, cast to dtype and, with a storage
+def _draw_expert(key, e, shape, std, dtype, storage):
+    """Expert e's random weight: N(0, std^2) from fold_in(key, e), drawn in f32, cast to dtype and, with a storage
     format, quantized as the release's converter would."""
-    def one(k):
-        w = (jax.random.normal(k, shape, F32) * std).astype(dtype)
-        return w if storage is None else quant.quantize(w, storage)
-    return one
+    w = (jax.random.normal(jax.random.fold_in(key, e), shape, F32) * std).astype(dtype)
+    return w if storage is None else quant.quantize(w, storage)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
 def _draw_experts_in_chunks(key, n, shape, std, dtype, storage):
-    one = _expert_draw(key, shape, std, dtype, storage)
-    return jax.lax.map(lambda e: one(jax.random.fold_in(key, e)), jnp.arange(n), batch_size=min(n, EXPERTS_PER_DRAW))
+    return jax.lax.map(lambda e: _draw_expert(key, e, shape, std, dtype, storage), jnp.arange(n),
+                       batch_size=min(n, EXPERTS_PER_DRAW))
 
 
 def draw_experts(key, n: int, shape: tuple, std: float, dtype, storage: str | None):
@@ -89,15 +87,14 @@ def draw_experts(key, n: int, shape: tuple, std: float, dtype, storage: str | No
     holds 113.6 GiB of stored weights, and a layer of its experts is 10.5 GiB in bf16, 21 in f32). Under a trace
     (a sharded init, eval_shape) all at once (vmap: the same values), so the mesh splits the work by expert."""
     if isinstance(key, jax.core.Tracer):
-        one = _expert_draw(key, shape, std, dtype, storage)
-        return jax.vmap(lambda e: one(jax.random.fold_in(key, e)))(jnp.arange(n))
+        return jax.vmap(lambda e: _draw_expert(key, e, shape, std, dtype, storage))(jnp.arange(n))
     return _draw_experts_in_chunks(key, n, tuple(shape), float(std), jnp.dtype(dtype), storage)
 
 
 class Experts(nnx.Module):
     """Routed experts stacked on a leading axis: w1/w3 [E, I, D] (gate/up), w2 [E, D, I] (down); as the release
-    stores them (`storage`, or `store` later): the stored values and w1_scale / w2_scale / w3_scale their ue8m0
-    block scales."""
+    stores them (`storage`: "fp4", or "fp8" as its first Flash release): the stored values and w1_scale / w2_scale /
+    w3_scale their ue8m0 block scales."""
 
     def __init__(self, cfg: ModelConfig, *, rngs, dtype, storage: str | None = None):
         e, i, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
@@ -112,19 +109,6 @@ class Experts(nnx.Module):
             else:
                 setattr(self, name, nnx.Param(drawn[0], logical_axes=axes))
                 setattr(self, name + "_scale", nnx.data(nnx.Param(drawn[1], logical_axes=axes)))
-
-    def store(self, storage: str | None):
-        """Hold the weights as the release does ("fp4", or "fp8" as its first Flash release; None: leave them)."""
-        if storage is None or storage == self.storage:
-            return
-        assert self.storage is None, f"experts stored as {self.storage}, asked for {storage}"
-        for name in ("w1", "w2", "w3"):
-            var = getattr(self, name)
-            axes = var.get_metadata()["logical_axes"]
-            values, scale = quant.quantize(var[...], storage)
-            setattr(self, name, nnx.Param(values, logical_axes=axes))
-            setattr(self, name + "_scale", nnx.data(nnx.Param(scale, logical_axes=axes)))
-        self.storage = storage
 
     def weights(self):
         """(w1, w2, w3): arrays, or quant.Quantized as stored."""

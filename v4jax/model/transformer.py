@@ -349,13 +349,11 @@ class _Draws:
 
 
 def _store(module, weights: quant.WeightFormat):
-    """Hold the module's FP8 linears and routed experts as `weights` says (the release's storage, or the dtype;
-    experts drawn in their storage already stay as they are)."""
+    """Hold the module's FP8 linears as `weights` says (the release's storage, or the dtype; its routed experts are
+    drawn in their storage: moe.Experts)."""
     for _, m in list(nnx.iter_modules(module)):
         if isinstance(m, Linear):
             m.store(weights.linear)
-        elif isinstance(m, Experts):
-            m.store(weights.experts)
     return module
 
 
@@ -377,9 +375,10 @@ class Transformer(nnx.Module):
         groups = layer_stacks(cfg).stacks
         builders = [_StackBuilder(len(st.layers)) for st in groups]
         where = {i: (g, j) for g, st in enumerate(groups) for j, i in enumerate(st.layers)}
+        experts = weights.experts
         for i in range(cfg.n_layers):
             g, j = where[i]
-            builders[g].add(j, _store(Block(cfg, i, rngs=rngs, dtype=dtype, experts_storage=weights.experts), weights))
+            builders[g].add(j, _store(Block(cfg, i, rngs=rngs, dtype=dtype, experts_storage=experts), weights))
         self.stacks = nnx.List([b.finish() for b in builders])
         self.norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
         self.hc_head_fn = nnx.Param(init_normal(rngs, (n, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
@@ -389,9 +388,11 @@ class Transformer(nnx.Module):
         # the drafter: the MTP block, or the DSpark draft layers of a config with dspark_* keys (both `mtp.N.*`)
         n_draft = cfg.n_mtp_layers if mtp else 0
         if cfg.dspark_block_size:
-            self.mtp = nnx.List([_store(DSparkStage(cfg, i, rngs=rngs, dtype=dtype, experts_storage=weights.experts), weights) for i in range(n_draft)])
+            self.mtp = nnx.List([_store(DSparkStage(cfg, i, rngs=rngs, dtype=dtype, experts_storage=experts), weights)
+                                 for i in range(n_draft)])
         else:
-            self.mtp = nnx.List([_store(MTPBlock(cfg, rngs=rngs, dtype=dtype, experts_storage=weights.experts), weights) for _ in range(n_draft)])
+            self.mtp = nnx.List([_store(MTPBlock(cfg, rngs=rngs, dtype=dtype, experts_storage=experts), weights)
+                                 for _ in range(n_draft)])
 
     @property
     def drafter(self) -> str | None:
