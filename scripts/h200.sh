@@ -267,7 +267,7 @@ hisparse)
   # buffer of DEVICE_PAGES pages' entries per CSA layer) or on the device. Each row: the requests of that context the
   # device's free memory (and with offload the host's) would hold, C4 bytes on the device and the host, decode
   # ms/step and tokens/s, hit rate and bytes fetched per step (v4jax bench hisparse). ROWS="MODEL:CONTEXT:
-  # CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair: half each); flash-1gpu comes last (43 layers: its
+  # CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair: half each); MODES="host" or "device" runs one; flash-1gpu comes last (43 layers: its
   # 128K prefill takes ~15 s a request). TESTS=0 skips the offload's tests run first
   ROWS=${ROWS:-flash-slice:131072:2:540}   # the others: flash-slice:524288:2:540, flash-slice:1048576:1:540, flash-1gpu:131072:1:540
   rm -f "$out/hisparse.jsonl"
@@ -278,11 +278,11 @@ hisparse)
   fi
   for row in $ROWS; do
     IFS=: read -r model ctx conc limit <<< "$row"
-    for mode in host device; do
+    for mode in ${MODES:-host device}; do
       flag=$([ $mode = device ] && echo --no-offload || echo "--device-pages ${DEVICE_PAGES:-512}")
       stamp "$model, $ctx tokens x $conc, C4 KV on the $mode"
-      XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout $(( limit / 2 )) python3 -W ignore -m v4jax.bench \
-        hisparse --model "$model" --dtype bfloat16 --context "$ctx" --concurrency "$conc" --new-tokens 64 \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout $(( limit / $(wc -w <<< "${MODES:-host device}") )) \
+        python3 -W ignore -m v4jax.bench hisparse --model "$model" --dtype bfloat16 --context "$ctx" --concurrency "$conc" --new-tokens 64 \
         --prefill-chunk 8192 $flag --json 2> "$out/hisparse_${model}_${ctx}_$mode.err" | grep "^{" \
         >> "$out/hisparse.jsonl" || { echo "  no row (failed or timed out):"; quiet < "$out/hisparse_${model}_${ctx}_$mode.err" | tail -3; }
     done

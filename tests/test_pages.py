@@ -529,3 +529,43 @@ def test_tail_eviction_keeps_each_prompts_two_deepest_tails_and_the_ones_resumed
     assert [resumes(t[:P + 1]) for t in prompts] == [0, 0, 1]
     kv.check()
     kv.free(0)
+
+
+def test_a_chunked_prefill_drops_its_own_passed_tails_before_another_prompts_deepest():
+    # A long prompt's chunks pass boundaries whose tails share the slot's SWA pages until the next chunk moves the
+    # window on. Those pages are released before the prefix cache evicts for the next chunk, so the tails this
+    # prompt passed (shadowed) go first. Evicting while the slot still mapped them dropped an earlier prompt's
+    # every tail instead: two requests of 128K then never resumed side by side.
+    kv = _manager(n_pages=24, n_swa=6, slots=2)
+    a = [500 + j for j in range(2 * P)]
+    assert kv.allocate(0, 0, 2 * P)
+    kv.commit(0, lambda i, j: a[i:j], 2 * P, saved=(P, 2 * P))
+    kv.free(0)
+    b = [900 + j for j in range(6 * P)]
+    for lo, hi in ((0, 3 * P), (3 * P, 6 * P)):  # two chunks of three pages, a tail saved at every boundary
+        assert kv.allocate(0, lo, hi)
+        kv.commit(0, lambda i, j: b[i:j], hi, saved=range(lo + P, hi + 1, P))
+        kv.check()
+    kv.free(0)
+
+    def resumes(toks):
+        return kv.find_prefix(toks, len(toks), 0).n_pages
+
+    assert resumes(a + [7]) == 2 and resumes(b + [7]) == 6
+    kv.check()
+
+
+def test_shadowed_tails_stay_in_the_order_of_their_last_use():
+    # a prompt prefilled over another's cached pages (not resumed: computed again) passes that prompt's tails and
+    # shadows them anew, after tails shadowed since: the index keeps them least recently used first
+    kv = _manager(n_pages=24, n_swa=16, slots=2)
+    a, c = [500 + j for j in range(3 * P)], [700 + j for j in range(3 * P)]
+    for toks in (a, c):
+        assert kv.allocate(0, 0, 3 * P)
+        kv.commit(0, lambda i, j, toks=toks: toks[i:j], 3 * P, saved=(P, 2 * P, 3 * P))
+        kv.free(0)
+    b = a + [900 + j for j in range(P)]
+    assert kv.allocate(0, 0, 4 * P)
+    kv.commit(0, lambda i, j: b[i:j], 4 * P, saved=(P, 2 * P, 3 * P, 4 * P))
+    kv.check()
+    kv.free(0)

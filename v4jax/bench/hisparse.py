@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 import time
+
+log = logging.getLogger("v4jax.bench.hisparse")
 
 
 def fit_requests(cfg, options, max_model_len: int, dtype: str, device_free: int | None,
@@ -43,18 +47,32 @@ def fit_requests(cfg, options, max_model_len: int, dtype: str, device_free: int 
     return lo
 
 
+def _budget_for_both_passes(llm) -> int:
+    """Device bytes for pools of twice the pages the requests need: the prompts cached by the first pass and the
+    timed requests' own pages side by side. With pages for the requests alone, the first timed request's new pages
+    evict the next one's cached prompt, which then prefills again while the first decodes alone."""
+    from v4jax.cache.layout import pool_cost, pool_layout
+    layout = pool_layout(llm.config, llm.options, llm.dtype, llm.max_model_len)
+    fixed, per_page = pool_cost(llm.config, layout, llm.dtype, llm.options.enable_prefix_caching)
+    return fixed + 2 * layout.n_pages * per_page
+
+
 def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int, offload: bool,
         device_pages: int | None, budget: int | None, prefill_chunk: int, seed: int = 0) -> dict:
+    import dataclasses
+
     import numpy as np
 
     from v4jax import LLM, SamplingParams
     from v4jax.memory import _host_available_bytes, device_free_bytes, model_weight_bytes
     # a request is `context` tokens in all, prompt and output (a 1M request fits a 1M model)
-    opts = dict(dtype=dtype, max_num_seqs=concurrency, max_model_len=context,
-                prefill_chunk=prefill_chunk, memory_budget_bytes=budget)
+    opts = dict(dtype=dtype, max_num_seqs=concurrency, max_model_len=context, prefill_chunk=prefill_chunk)
     if offload:
         opts.update(enable_hisparse=True, hisparse_device_pages=device_pages)
-    llm = LLM(model, **opts)
+    llm = LLM(model, memory_budget_bytes=budget, **opts)
+    if budget is None:  # the engine is built at first use: its pools can still be sized
+        llm.options = dataclasses.replace(llm.options, memory_budget_bytes=_budget_for_both_passes(llm))
+    log.info("engine built")
     # what the device has left once the weights are placed, before the engine's pools exist
     free, _ = device_free_bytes(in_use=model_weight_bytes(llm.model))
     fit = fit_requests(llm.config, llm.options, llm.max_model_len, dtype, free, _host_available_bytes())
@@ -67,6 +85,7 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
     # requests' prefills are hits and they decode side by side: without it the first request decodes alone while
     # the others prefill, and a window of all of them decoding may never come.
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    log.info("prompts prefilled into the prefix cache")
     # The timed window: from the moment every request has its first decode call's tokens (that call compiled the
     # decode program of the context's page bucket) to the first request's last token, while all of them decode.
     k = llm.options.decode_steps
@@ -79,10 +98,12 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
         got[i] += len(ids)
         if t0 is None and min(got) > k:
             st0, t0, got0 = llm.stats()["pools"]["c4_kv"], time.perf_counter(), list(got)
+            log.info("timed window starts at tokens %s", got0)
         if t0 is not None and t1 is None and max(got) >= new_tokens:
             st1, t1, got1 = llm.stats()["pools"]["c4_kv"], time.perf_counter(), list(got)
-    if t1 is None or t1 <= t0:
-        raise RuntimeError("no window with every request decoding: give more --new-tokens")
+    if t1 is None or t1 <= t0 or min(b - a for a, b in zip(got0, got1)) <= 0:
+        raise RuntimeError(f"no window with every request decoding (tokens at its start {got0}, at its end "
+                           f"{got1}): give more --new-tokens")
     wall = t1 - t0
     steps = max(max(b - a for a, b in zip(got0, got1)), 1)
     row = {"model": model, "context": context, "concurrency": concurrency, "offload": offload,
@@ -112,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-offload", dest="offload", action="store_false", help="the C4 KV pool on the device")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    # the engine's slow steps (compiles) and the phases, with times, on stderr
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     row = run(a.model, a.dtype, a.context, a.concurrency, a.new_tokens, a.offload, a.device_pages,
               a.memory_budget_bytes, a.prefill_chunk)
     if a.json:

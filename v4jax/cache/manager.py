@@ -197,10 +197,11 @@ class KVCacheManager:
         """Pages for positions [lo, upto) of the slot, evicting from the prefix cache if a pool is short; the SWA
         pages no query at or after `lo` can see are dropped. False (nothing allocated) if they do not fit."""
         t = self._tables
+        # the pages the slot no longer sees go first: the tails that shared them (a prefill's shadowed tails) are
+        # then the prefix cache's alone, and evicted before the tails other requests saved (dropped while the
+        # slot still mapped them, a long prompt's chunks evicted every earlier prompt's deepest tail)
+        t.drop_unseen(slot, lo)
         n_full, n_swa = t.needs(slot, lo, upto)
-        refs = t.swa_alloc.refs
-        dead = sum(1 for pg in t.dead_swa(slot, lo) if refs[pg] == 1)  # reserve frees them
-        n_swa = np.maximum(0, n_swa - t.swa_need(t.shard_of(slot), dead))
         if self._prefix is not None:
             if (t.full_alloc.free_per_block < n_full).any():
                 self._prefix.evict_full(n_full)

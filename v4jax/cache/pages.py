@@ -166,9 +166,7 @@ class PageTables:
         if -(-upto // lay.page_size) > lay.max_pages_per_seq:
             raise MemoryError(f"slot {slot}: {upto} tokens exceed the per-request page table")
         first = self._first_swa_needed(lo)
-        gone = [j for j in held.swa if j < first]
-        self.swa_alloc.decref([held.swa.pop(j) for j in gone])
-        self.swa[slot, gone] = -1
+        self.drop_unseen(slot, lo)
         n_full, n_swa = self.needs(slot, lo, upto)
         if (n_full > self.full_alloc.free_per_block).any() or (n_swa > self.swa_alloc.free_per_block).any():
             raise MemoryError(f"slot {slot} (data shard {self.shard_of(slot)}): need {n_full.sum()} full and "
@@ -186,12 +184,14 @@ class PageTables:
                 held.swa[j] = pg
                 self.swa[slot, j] = pg
 
-    def dead_swa(self, slot: int, lo: int) -> list[int]:
-        """The SWA pages of the slot that no query at or after `lo` can see (reserve drops them)."""
+    def drop_unseen(self, slot: int, lo: int) -> None:
+        """Drop the slot's SWA pages that no query at or after `lo` can see (reserve does this first)."""
         if self.dense:
-            return []
-        first = self._first_swa_needed(lo)
-        return [pg for j, pg in self.held[slot].swa.items() if j < first]
+            return
+        held, first = self.held[slot], self._first_swa_needed(lo)
+        gone = [j for j in held.swa if j < first]
+        self.swa_alloc.decref([held.swa.pop(j) for j in gone])
+        self.swa[slot, gone] = -1
 
     def adopt(self, slot: int, full_pages: list[int], swa_pages: dict[int, int]) -> None:
         """Map shared pages (a prefix hit) into an empty slot: one more reference to each. The pages must be

@@ -152,9 +152,17 @@ class PrefixCache:
             self._tails[node] = None
         if node.tail is not None and shadows is not None and shadows.tail is not None and not shadows.resumed:
             self._index(shadows).pop(shadows)
-            self._shadowed[shadows] = None  # its insertion order among the shadowed: still least recent first
+            self._shadow(shadows)
         self._stamp(node, next(self._clock))
         return node
+
+    def _shadow(self, n: Node) -> None:
+        """Add n to the shadowed tails, kept in the order of their last use: a request extending another's path
+        shadows tails older than some already shadowed (then the index is rebuilt in order)."""
+        last = next(reversed(self._shadowed), None)
+        self._shadowed[n] = None
+        if last is not None and last.tail_stamp > n.tail_stamp:
+            self._shadowed = dict.fromkeys(sorted(self._shadowed, key=lambda m: m.tail_stamp))
 
     def _stamp(self, n: Node, stamp: int) -> None:
         n.stamp = stamp

@@ -1,0 +1,139 @@
+"""What the host pool's write and fetch cost per decode step, by the pool's size: a jitted call of 8 steps over a
+host pool [2, R, 512] (two CSA layers of R rows, bf16, donated), each step writing one row per layer or gathering
+512 rows per layer to the device, in several forms: a scatter and a gather as host computations (compute_on), one
+dynamic update a row (v4jax.model.offload's write), a row-at-a-time dynamic slice, and a raw gather with host
+operands (offload's fetch). A time that grows with R means the step copies the pool rather than updating it in
+place.
+
+    python scripts/offload_probe.py --rows 16384 65536 262144
+"""
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from jax.experimental.compute_on import compute_on
+
+    from v4jax.model import offload
+
+    n, k = 2, 512
+    scatter_dims = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                               scatter_dims_to_operand_dims=(0,))
+    gather_dims = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+
+    def on_host(fn):  # JAX 0.11 names the result's memory space; 0.10 takes the kind alone
+        try:
+            return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(jax.jit(fn))
+        except TypeError:
+            return compute_on("device_host")(jax.jit(fn))
+
+    def raw_scatter(pool, rows, values):
+        flat = pool.reshape(-1, pool.shape[-1])
+        out = lax.scatter(flat, rows[:, None], values, scatter_dims, mode=lax.GatherScatterMode.FILL_OR_DROP)
+        return out.reshape(pool.shape)
+
+    def raw_gather(pool, rows):
+        flat = pool.reshape(-1, pool.shape[-1])
+        return lax.gather(flat, rows[:, None], gather_dims, (1, flat.shape[1]), mode=lax.GatherScatterMode.CLIP)
+
+    host_scatter, host_gather = on_host(raw_scatter), on_host(raw_gather)
+
+    def write_call(host, rows):
+        def body(i, host):
+            for li in range(n):
+                vals = jnp.full((1, k), i, host.dtype)
+                flat = offload.to_host(lax.dynamic_slice(rows, (i,), (1,)) + li * host.shape[1])
+                host = host_scatter(host, flat, offload.to_host(vals))
+            return host
+        return lax.fori_loop(0, a.steps, body, host)
+
+    def dus_call(host, rows):
+        def body(i, host):
+            for li in range(n):
+                vals = jnp.full((1, k), i, host.dtype)
+                host = offload._write_rows(host, jnp.int32(li), lax.dynamic_slice(rows, (i,), (1,)), vals)
+            return host
+        return lax.fori_loop(0, a.steps, body, host)
+
+    def gather_call(host, sel):
+        def body(i, acc):
+            for li in range(n):
+                got = offload.to_device(host_gather(host, offload.to_host(sel[i] + li * host.shape[1])))
+                acc = acc + got.astype(jnp.float32).sum()
+            return acc
+        return host, lax.fori_loop(0, a.steps, body, jnp.float32(0))
+
+    def gather_ds_call(host, sel):
+        # rows one at a time: a host dynamic-slice moved to the device (XLA's offloading form), 512 per layer
+        def body(i, acc):
+            for li in range(n):
+                def row(j, acc):
+                    got = offload.to_device(lax.dynamic_slice(host, (jnp.int32(li), sel[i, j], jnp.int32(0)),
+                                                              (1, 1, k)))
+                    return acc + got.astype(jnp.float32).sum()
+                acc = lax.fori_loop(0, sel.shape[1], row, acc)
+            return acc
+        return host, lax.fori_loop(0, a.steps, body, jnp.float32(0))
+
+    def passthrough_call(host, rows):
+        # the donated pool carried through the call untouched: what the call costs beside the pool's work
+        def body(i, host):
+            return host
+        return lax.fori_loop(0, a.steps, body, host)
+
+    def gather_take_call(host, sel):
+        # a device gather with the host pool as its operand (no host computation)
+        def body(i, acc):
+            for li in range(n):
+                got = offload._gather_rows(host, sel[i] + li * host.shape[1])
+                acc = acc + got.astype(jnp.float32).sum()
+            return acc
+        return host, lax.fori_loop(0, a.steps, body, jnp.float32(0))
+
+    results = []
+    for r in a.rows:
+        key = jax.random.key(0)
+        rows = jax.random.randint(key, (a.steps,), 0, r, jnp.int32)
+        sel = jax.random.randint(key, (a.steps, 512), 0, r, jnp.int32)
+        for name, fn in (("passthrough", passthrough_call), ("write_scatter", write_call), ("write_dus", dus_call),
+                         ("gather_512", gather_call),
+                         ("gather_ds_512", gather_ds_call),
+                         ("gather_take_512", gather_take_call)):
+            host = offload.to_host(jnp.zeros((n, r, k), jnp.bfloat16))
+            f = jax.jit(fn, donate_argnums=0)
+            try:
+                out = f(host, rows if not name.startswith("gather") else sel)
+                jax.block_until_ready(out)
+                host = out[0] if name.startswith("gather") else out
+                times = []
+                for _ in range(a.iters):
+                    t0 = time.perf_counter()
+                    out = f(host, rows if not name.startswith("gather") else sel)
+                    jax.block_until_ready(out)
+                    host = out[0] if name.startswith("gather") else out
+                    times.append(time.perf_counter() - t0)
+                row = {"what": name, "rows": r, "pool_mib": n * r * k * 2 / 2**20,
+                       "ms_per_step": 1e3 * min(times) / a.steps}
+            except Exception as e:  # noqa: BLE001 - a form that does not compile here is a result too
+                row = {"what": name, "rows": r, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
