@@ -67,6 +67,15 @@ def main() -> None:
             return host
         return lax.fori_loop(0, a.steps, body, host)
 
+    def chunk_write_call(host, sel):
+        # a prefill chunk's writes: 2,048 consecutive rows a layer (8,192 tokens' C4 entries), a step each
+        def body(i, host):
+            for li in range(n):
+                rows = (sel[i, 0] // 4096) * 2048 + jnp.arange(2048, dtype=jnp.int32)
+                host = offload._write_rows(host, jnp.int32(li), rows, jnp.full((2048, k), i, host.dtype))
+            return host
+        return lax.fori_loop(0, a.steps, body, host)
+
     def gather_call(host, sel):
         def body(i, acc):
             for li in range(n):
@@ -108,19 +117,19 @@ def main() -> None:
         rows = jax.random.randint(key, (a.steps,), 0, r, jnp.int32)
         sel = jax.random.randint(key, (a.steps, 512), 0, r, jnp.int32)
         for name, fn in (("passthrough", passthrough_call), ("write_scatter", write_call), ("write_dus", dus_call),
-                         ("gather_512", gather_call),
+                         ("write_chunk_2048", chunk_write_call), ("gather_512", gather_call),
                          ("gather_ds_512", gather_ds_call),
                          ("gather_take_512", gather_take_call)):
             host = offload.to_host(jnp.zeros((n, r, k), jnp.bfloat16))
             f = jax.jit(fn, donate_argnums=0)
             try:
-                out = f(host, rows if not name.startswith("gather") else sel)
+                out = f(host, rows if name.startswith(("write_s", "write_d", "pass")) else sel)
                 jax.block_until_ready(out)
                 host = out[0] if name.startswith("gather") else out
                 times = []
                 for _ in range(a.iters):
                     t0 = time.perf_counter()
-                    out = f(host, rows if not name.startswith("gather") else sel)
+                    out = f(host, rows if name.startswith(("write_s", "write_d", "pass")) else sel)
                     jax.block_until_ready(out)
                     host = out[0] if name.startswith("gather") else out
                     times.append(time.perf_counter() - t0)
