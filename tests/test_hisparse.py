@@ -408,3 +408,23 @@ def test_offload_with_speculative_decoding():
     _check_forced(llm)
     c4 = llm.stats()["pools"]["c4_kv"]
     assert 0 < c4["hit_rate"] < 1 and c4["overflow"] == 0 and c4["fetched_rows"] > 0
+
+
+@pytest.mark.parametrize("n_rows", [5, 64, 96])
+def test_host_writes_land_on_their_rows(rng, n_rows):
+    """offload's host write: blocks of consecutive rows, single rows and -1 (none) land as a numpy scatter does."""
+    from v4jax.model import offload
+    n, r, k = 2, 256, 8
+    pool = rng.standard_normal((n, r, k)).astype(np.float32)
+    rows = np.concatenate([np.arange(64, 64 + n_rows // 2), rng.choice(np.r_[128:200, 232:r], n_rows - n_rows // 2,
+                                                                          replace=False)]).astype(np.int32)
+    rows[rng.random(n_rows) < 0.1] = -1
+    if n_rows >= 64:
+        rows[32:64] = np.arange(200, 232)  # a second whole block, apart from the first
+    values = rng.standard_normal((n_rows, k)).astype(np.float32)
+    host = jax.device_put(pool, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    got = jax.jit(offload._write_rows)(host, jnp.int32(1), jnp.asarray(rows), jnp.asarray(values))
+    want = pool.copy()
+    keep = rows >= 0
+    want[1, rows[keep]] = values[keep]
+    np.testing.assert_array_equal(np.asarray(got), want)
