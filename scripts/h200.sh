@@ -59,7 +59,8 @@
 #              WARMUP=4 BENCH_ARGS="--num-requests 16 --prompt-len 32 --output-len 16 --vocab 2048" \
 #              bash scripts/h200.sh serve
 #   precision  the release's formats (FP8/FP4 weights, FP8 cache entries) against bf16: LLM.generate at batch 1 / 32, 4K,
-#              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...")
+#              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...", BATCHES, CONTEXTS="4K,128K",
+#              PREFILL=128K for a 128K prefill row, NEW, ROW_S a configuration's limit)
 #   spec       speculative decoding (MTP) against plain decoding, drafts kept at forced ACCEPT rates, batches
 #              BATCHES, k KS (v4jax bench spec); PROFILE=1: each row's device kernels per token position (TAIL=200)
 #   compile    one engine's prefill and decode programs compiled with XLA's options and with GPU autotuning off,
@@ -215,9 +216,12 @@ precision)
   for cfgs in ${CONFIGS:-none:auto fp8:auto none:fp8 fp8:fp8}; do
     q=${cfgs%%:*}; kv=${cfgs##*:}
     stamp "$MODEL: quantization $q, kv_cache_dtype $kv"
+    # NEW 160: a batch of 32 4K prompts starts over 16 prefill steps, in which the first requests decode ~128
+    # tokens; with fewer no step has all 32 decoding (the batch-32 rows at 32 new tokens were not decode figures)
     timeout ${ROW_S:-150} python3 -W ignore -m v4jax.bench generate --model "$MODEL" --max-num-seqs 32 \
-      --max-model-len ${CTX_LEN:-4352} --quantization $q --kv-cache-dtype $kv --batches 1,32 --contexts 4K --new 32 \
-      --out "$out/p_${q}_${kv}" 2>&1 | quiet | tail -5
+      ${CTX_LEN:+--max-model-len $CTX_LEN} --quantization $q --kv-cache-dtype $kv --batches ${BATCHES:-1,32} \
+      --contexts ${CONTEXTS:-4K} ${PREFILL:+--prefill $PREFILL} --new ${NEW:-160} --out "$out/p_${q}_${kv}" 2>&1 \
+      | quiet | tail -5
   done
   ;;
 spec)
