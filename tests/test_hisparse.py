@@ -428,3 +428,19 @@ def test_host_writes_land_on_their_rows(rng, n_rows):
     keep = rows >= 0
     want[1, rows[keep]] = values[keep]
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_offload_steps_compile_once_per_program():
+    """With host offload every argument's placement is part of a step's signature: the pools and the decode state
+    are committed to the device from their creation, as the steps return them, so a second request of the same
+    shapes runs the programs the first compiled (an uncommitted first argument compiled each again at its second
+    call: seconds of a stall on the GPU)."""
+    from v4jax import LLM, SamplingParams
+    llm = LLM("tiny", dtype="float32", enable_hisparse=True, max_num_seqs=2, prefill_chunk=256, max_model_len=1024)
+    rng = np.random.default_rng(3)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm.generate([rng.integers(2, llm.config.vocab_size, 200).tolist()], sp)
+    steps = llm.engine.steps
+    sizes = steps.prefill._cache_size(), steps.decode._cache_size()
+    llm.generate([rng.integers(2, llm.config.vocab_size, 200).tolist()], sp)
+    assert (steps.prefill._cache_size(), steps.decode._cache_size()) == sizes

@@ -158,6 +158,8 @@ class EngineCore:
             return C.pool_shardings(abstract[0], mr.sharding), store_shardings(abstract[1], mr.sharding)
 
         pools, store = create_sharded(make, shardings, self.run_options.mesh_rules)
+        if self.run_options.mesh_rules is None:
+            pools, store = jax.device_put((pools, store), S.single_device())  # as the steps return them
         return (C.pin_host(pools) if self.layout.hot_rows else pools), store
 
     # ---- requests ----

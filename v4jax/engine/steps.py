@@ -413,6 +413,17 @@ def _carry(prev: DecodeState, fresh: DecodeState, carried):
     return jax.tree.map(pick, prev, fresh)
 
 
+
+
+def single_device() -> jax.sharding.SingleDeviceSharding:
+    """The placement of an engine's arrays without a mesh: committed to the default device's own memory. With host
+    offload the placement of every argument is part of a step's signature, and a step's outputs come back
+    committed: an argument first passed uncommitted (a fresh array) compiled the step again at its second call
+    (seconds of a stall, on the GPU 6-16 s a program)."""
+    dev = jax.devices()[0]
+    return jax.sharding.SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind)
+
+
 @dataclasses.dataclass(frozen=True)
 class JittedSteps:
     """The steps jitted for one engine: its compiled programs live and die with it (one process may build many
@@ -425,8 +436,9 @@ class JittedSteps:
     @staticmethod
     def make(mesh_rules=None) -> "JittedSteps":
         # On a mesh the decode state lives replicated on the mesh's devices from its first merge on (its inputs
-        # are host arrays then: without out_shardings it would land on one local device).
-        carry_out = None if mesh_rules is None else mesh_rules.replicated
+        # are host arrays then: without out_shardings it would land on one local device). On one device it is
+        # committed there from the first merge on, as the decode's own outputs are (single_device).
+        carry_out = single_device() if mesh_rules is None else mesh_rules.replicated
         return JittedSteps(prefill=jax.jit(_prefill, static_argnums=0, donate_argnums=(2, 3)),
                            decode=jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3)),
                            carry=jax.jit(_carry, out_shardings=carry_out),
