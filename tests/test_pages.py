@@ -569,3 +569,23 @@ def test_shadowed_tails_stay_in_the_order_of_their_last_use():
     kv.commit(0, lambda i, j: b[i:j], 4 * P, saved=(P, 2 * P, 3 * P, 4 * P))
     kv.check()
     kv.free(0)
+
+
+def test_a_prefix_hit_is_admitted_for_the_window_its_remainder_needs():
+    # beside a long prompt prefilling, the SWA pages left hold a hit's few remaining tokens and its window, not a
+    # whole chunk's: admission asks for what the first chunk after the hit needs (it asked for a whole chunk)
+    t = _tables(n_pages=32, n_swa=8, slots=2, data=1, max_pages=16)
+    sch = _scheduler(t, chunk=4 * P)
+    cached = list(range(2, 2 + 2 * P))
+    c = _add(sch, "c", cached + [5])
+    assert sch.admit() == [c]
+    _prefill(sch)
+    sch.abort("c")  # its pages stay cached
+    x = _add(sch, "x", list(range(1000, 1000 + 10 * P)))
+    assert sch.admit() == [x]
+    _prefill(sch)
+    h = _add(sch, "h", cached + [9, 9, 9])
+    assert sch.admit() == [h] and h.computed == 2 * P
+    for _ in range(2):  # x's next chunk, then its last with h's three tokens: both decode, nobody preempted
+        _prefill(sch)
+    assert h.status == x.status == RUNNING and sch.n_preempted == 0

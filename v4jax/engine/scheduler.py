@@ -319,8 +319,9 @@ class Scheduler:
                 candidates.append((-hit.n_pages, -len(free[d]), d, hit))
         # pages the shard's prefilling requests will still take, then this request's own
         pending = [(r.slot, self._upto(r)) for r in self.prefilling()]
-        swa_tokens = min(self.chunk, req.n_tokens) + 2 * self.k
         for _, _, d, hit in sorted(candidates, key=lambda c: c[:3]):
+            # the window of its first chunk: what the hit leaves of the prompt, at most a chunk
+            swa_tokens = min(self.chunk, req.n_tokens - hit.n_pages * self.page_size) + 2 * self.k
             if kv.admissible(hit, self._upto(req), swa_tokens, pending):
                 # the shard's lowest free slot: a decode call runs slots 0..B-1, B a power of two above the highest
                 # running slot (EngineCore._slot_bucket), so compact slots keep its rows few
