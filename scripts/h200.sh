@@ -76,7 +76,7 @@
 #   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
 #              (v4jax bench hisparse), one row a call: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
 #              without offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
-#              $OUT/hisparse.jsonl and a table (ROWS, DEVICE_PAGES, TESTS=0)
+#              $OUT/hisparse.jsonl and a table (ROWS, MODES, DEVICE_PAGES, TESTS=0)
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
 #              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
