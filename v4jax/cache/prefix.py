@@ -14,9 +14,10 @@ of SWA KV per layer plus 4 positions of f32 compressor state per CSA layer, and 
 
 Eviction: LRU per pool. SWA pressure tombstones the least recently used tails that no slot maps, *shadowed* ones
 first: a tail the request that saved it passed with two deeper tails on the same path, and that no request has
-resumed from. A prefill saves a tail at every page boundary (a 4K prompt: 16), where the pool keeps about four per slot; in
-plain LRU a batch of 32 such prompts kept every tail of the last few and none of the first ones' deepest (at which an
-identical prompt, or the next turn of a conversation, resumes): 75 % of the prompt tokens hit where 100 % could.
+resumed from. A prefill saves a tail at every page boundary (a 4K prompt: 16), where the pool keeps about four per
+slot; in plain LRU a batch of 32 such prompts kept every tail of the last few and none of the first ones' deepest
+(at which an identical prompt, or the next turn of a conversation, resumes): 75 % of the prompt tokens hit where
+100 % could.
 A shadowed tail serves only a later prompt that shares part of the path, and once one resumes from it, it is an
 ordinary tail. Full-page pressure removes the least recently used leaves that no slot maps (with their tails).
 

@@ -413,8 +413,6 @@ def _carry(prev: DecodeState, fresh: DecodeState, carried):
     return jax.tree.map(pick, prev, fresh)
 
 
-
-
 def single_device() -> jax.sharding.SingleDeviceSharding:
     """The placement of an engine's arrays without a mesh: committed to the default device's own memory. With host
     offload the placement of every argument is part of a step's signature, and a step's outputs come back
