@@ -28,7 +28,9 @@ BLOCK = 128  # tokens per program on TPU: one lane row
 GPU_BLOCK = 32
 
 
-def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float):
+def normalise(entries: list, n: int, iters: int, eps: float) -> list:
+    """The reference's loop on the N*N entries of comb (row-major, each a vector of tokens or a scalar): one
+    column normalisation, then iters - 1 (row, column) normalisations, sums left to right."""
     def cols(c):
         s = [functools.reduce(operator.add, [c[i][j] for i in range(n)]) for j in range(n)]
         return [[c[i][j] / (s[j] + eps) for j in range(n)] for i in range(n)]
@@ -39,8 +41,12 @@ def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float):
 
     flat = lambda c: tuple(v for r in c for v in r)
     grid = lambda f: [list(f[i * n:(i + 1) * n]) for i in range(n)]
-    c = cols(grid([x_ref[k, :] for k in range(n * n)]))
-    out = jax.lax.fori_loop(0, iters - 1, lambda _, f: flat(cols(rows(grid(f)))), flat(c))
+    c = cols(grid(list(entries)))
+    return list(jax.lax.fori_loop(0, iters - 1, lambda _, f: flat(cols(rows(grid(f)))), flat(c)))
+
+
+def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float):
+    out = normalise([x_ref[k, :] for k in range(n * n)], n, iters, eps)
     for k in range(n * n):
         o_ref[k, :] = out[k]
 

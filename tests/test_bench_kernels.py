@@ -30,6 +30,18 @@ def test_tune_and_sweep_small(tmp_path):
     assert row["max_abs_diff"] < 0.5 and {"separate", "fused", "multi"} <= set(row)
 
 
+def test_mhc_sweeps_small(tmp_path):
+    """--sweep hc_post and hc_pre end to end: every form runs and is timed; hc_pre's forms agree with the model's."""
+    assert kernels_main(["--sweep", "hc_post", "--small", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_hc_post.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 5] and all(r["xla"]["wall_us"] > 0 for r in rows)
+    assert kernels_main(["--sweep", "hc_pre", "--small", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_hc_pre.json").read_text())["rows"]
+    forms = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    assert len(forms) == 3 and any(f.startswith("pallas") for f in forms)
+    assert all(r[f]["max_err"] < 1e-2 and r[f]["wall_us"] > 0 for r in rows for f in forms)
+
+
 @pytest.mark.slow   # ~40 s: seven forms compiled in interpret mode
 def test_kv_formats_sweep_small(tmp_path):
     """--sweep kv_formats end to end: every form of every case runs, is checked against the reference and timed."""

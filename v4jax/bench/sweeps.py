@@ -12,6 +12,8 @@ is reported, not fatal.
   --sweep fused_projections   several projections of one input as one launch against one launch each
                                                                                  -> OUT/bench_fused_projections.json
   --sweep hc_post             mHC's expansion: XLA's form against the Pallas kernel -> OUT/bench_hc_post.json
+  --sweep hc_pre              mHC's collapse and the norm after it: the model's chain against two Pallas kernels
+                                                                                 -> OUT/bench_hc_pre.json
   --sweep experts             few-token routed experts: XLA's gather form against pallas_kernels.experts
                                                                                  -> OUT/experts.json
   --sweep prefill_experts     a prefill chunk's routed experts: XLA dense / grouped against the Hopper ragged
@@ -28,7 +30,8 @@ is reported, not fatal.
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill): tiny shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
+`--small` (tune, layer_linear, fused_projections, hc_post, hc_pre, kv_formats, attention_prefill): tiny shapes in
+interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
 The other sweeps run on a GPU only.
 Times are GPU kernel time from a profiler trace unless said otherwise.
 """
@@ -387,6 +390,7 @@ def hc_post(a, out_dir: str) -> int:
     call: at decode sizes they sit in the L2, as in the model; a prefill chunk's 600 MB do not."""
     from pallas_kernels import hc_post as HP
     from v4jax.bench.profile import said, time_call
+    from v4jax.model import layers as L
 
     d = 256 if a.small else 4096
     rows = []
@@ -397,7 +401,7 @@ def hc_post(a, out_dir: str) -> int:
                 jax.nn.softmax(jax.random.normal(k[3], (m, 4, 4)), axis=-1))
         mb = m * 9 * d * 2 / 1e6  # f and x read, the output written
         row = {"tokens": m, "D": d, "MB_per_call": mb}
-        variants = [("xla", HP.hc_post_ref)] + [
+        variants = [("xla", L.hc_post)] + [
             (f"pallas {bm}x{bd} w{w}", functools.partial(HP.hc_post, block_tokens=bm, block_d=bd, num_warps=w))
             for bm, bd, w in (HC_POST_BLOCKS[:1] if a.small else HC_POST_BLOCKS)]
         for name, fn in variants:
@@ -406,6 +410,54 @@ def hc_post(a, out_dir: str) -> int:
         rows.append(row)
         print(f"tokens {m}: " + "; ".join(said(n, row[n]) for n, _ in variants), flush=True)
         with open(os.path.join(out_dir, "bench_hc_post.json"), "w") as fh:
+            json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
+    return 0
+
+
+HC_PRE_BLOCKS = [(16, 128, 4, 8), (16, 64, 4, 8), (8, 256, 4, 8), (16, 128, 4, 4)]  # (tokens, D, warps) of the mix
+# kernel's programs, then the finish kernel's warps
+
+
+def hc_pre(a, out_dir: str) -> int:
+    """mHC's collapse and the norm after it: the model's chain as a GPU runs it today (XLA with the Sinkhorn
+    kernel, pallas_kernels.sinkhorn) and as XLA alone, against the two Pallas kernels (pallas_kernels/hc_pre.py)
+    over a few block shapes, at decode batches and on a prefill chunk of Flash's width (N = 4, D = 4096), x in bf16:
+    wall time per call and, on a GPU, kernel time and launches per call from a profiler trace, with the bandwidth
+    the bytes (x twice, fn once, y written) allow. -> OUT/bench_hc_pre.json"""
+    from pallas_kernels import hc_pre as HC
+    from pallas_kernels import sinkhorn as SK
+    from v4jax.bench.profile import said, time_call
+
+    n, d = 4, (256 if a.small else 4096)
+    mix = (2 + n) * n
+    eps = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    rows = []
+    for m in ((1, 5) if a.small else (1, 32, 8192)):
+        k = jax.random.split(jax.random.key(m), 5)
+        args = (jax.random.normal(k[0], (m, n, d), BF16),
+                jax.random.normal(k[1], (mix, n * d), jnp.float32) * (n * d) ** -0.5,
+                0.5 * jax.random.normal(k[2], (mix,), jnp.float32), 1.0 + 0.1 * jax.random.normal(k[3], (3,)),
+                1.0 + 0.1 * jax.random.normal(k[4], (d,)))
+        mb = (m * n * d * 2 * 2 + mix * n * d * 4 + m * d * 2) / 1e6
+        row = {"tokens": m, "D": d, "MB_per_call": mb}
+        variants = [("model (XLA, Sinkhorn kernel)",
+                     functools.partial(HC.hc_pre_norm_ref, sinkhorn=SK.sinkhorn, **eps)),
+                    ("xla", functools.partial(HC.hc_pre_norm_ref, **eps))] + [
+            (f"pallas {bm}x{bd} w{w}/{fw}", functools.partial(HC.hc_pre_norm, block_tokens=bm, block_d=bd,
+                                                               num_warps=w, finish_warps=fw, **eps))
+            for bm, bd, w, fw in (HC_PRE_BLOCKS[:1] if a.small else HC_PRE_BLOCKS)]
+        ref = None
+        for name, fn in variants:
+            run = jax.jit(fn)
+            out = run(*args)
+            if ref is None:
+                ref = out
+            err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32)))) for o, r in zip(out, ref))
+            row[name] = dict(time_call(lambda run=run: run(*args), 3 if a.small else 10, mb=mb), max_err=err)
+        rows.append(row)
+        print(f"tokens {m}: " + "; ".join(said(nm, row[nm]) + f" (err {row[nm]['max_err']:.1e})"
+                                          for nm, _ in variants), flush=True)
+        with open(os.path.join(out_dir, "bench_hc_pre.json"), "w") as fh:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
     return 0
 
@@ -920,12 +972,12 @@ def kv_formats(a, out_dir: str) -> int:
     return 0 if all("error" not in r and r["same_inf"] for r in rows_out) else 1
 
 
-SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
+SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post, "hc_pre": hc_pre,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
           "stored_weights": stored_weights, "kv_formats": kv_formats}
 # the sweeps with a --small form
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats", "attention_prefill")
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "hc_pre", "kv_formats", "attention_prefill")
 
 
 def sweep(a, out_dir: str) -> int:
