@@ -15,6 +15,12 @@ decode step at batch 1 spent ~0.12 ms in 72 reduce fusions alone (docs/results/h
   scalars (pallas_kernels.sinkhorn's arithmetic), collapses its N streams over all of D in registers (N x D = 16K
   values at Flash's sizes: 64 a thread with 8 warps) and writes norm(u) * w, post and comb.
 
+A form measured on the H200 and not kept (v4jax.model.ops._sinkhorn_pallas says how) fused the part after the mix's
+matmul, without the norm, four tokens a program, loading the streams after the Sinkhorn loop: 10 us a launch at
+batch 1 and 23 at 32 against ~16 for XLA's kernels, and no faster step. This one also takes the matmul (split over
+D, so fn's read is spread) and the norm, one token a program (batch 32 runs 32 programs side by side), and issues
+the streams' loads before the scalar work so they overlap it. It is a candidate until the sweep times it.
+
 Rounded as the model (v4jax.model.layers.hc_pre, then rms_norm): everything in f32, u cast to x's dtype before
 its norm, the norm's output cast to x's dtype. The sums run in another order than XLA's (f32 rounding apart).
 
@@ -66,6 +72,7 @@ def _sigmoid(v):
 def _finish_kernel(p_ref, x_ref, base_ref, scale_ref, w_ref, y_ref, post_ref, comb_ref, *, n: int, iters: int,
                    hc_eps: float, norm_eps: float):
     mix, d = (2 + n) * n, x_ref.shape[-1]
+    xs = [x_ref[0, k, :].astype(F32) for k in range(n)]  # issued first: the loads overlap the scalar work below
     tot = [jnp.sum(p_ref[0, :, j]) for j in range(mix + 1)]
     inv = jax.lax.rsqrt(tot[mix] / (n * d) + norm_eps)
     m = [t * inv for t in tot[:mix]]
@@ -80,9 +87,9 @@ def _finish_kernel(p_ref, x_ref, base_ref, scale_ref, w_ref, y_ref, post_ref, co
         s = functools.reduce(lambda a, b: a + b, e)
         comb += [v / s + hc_eps for v in e]
     comb = normalise(comb, n, iters, hc_eps)
-    u = pre[0] * x_ref[0, 0, :].astype(F32)
+    u = pre[0] * xs[0]
     for k in range(1, n):
-        u = u + pre[k] * x_ref[0, k, :].astype(F32)
+        u = u + pre[k] * xs[k]
     dt = y_ref.dtype
     u = u.astype(dt).astype(F32)
     r = jax.lax.rsqrt(jnp.sum(u * u) / d + norm_eps)
