@@ -233,6 +233,25 @@ def test_hc_post_gpu(M):
     np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
 
 
+@pytest.mark.parametrize("M", [1, 37, 8192])
+def test_hc_pre_gpu(M):
+    # mHC's collapse and the norm after it: decode batches and a prefill chunk at Flash's width, bf16 streams
+    HC = importlib.import_module("pallas_kernels.hc_pre")
+    k = jax.random.split(jax.random.key(3), 5)
+    args = (jax.random.normal(k[0], (M, 4, 4096), jnp.bfloat16),
+            jax.random.normal(k[1], (24, 4 * 4096), jnp.float32) * (4 * 4096) ** -0.5,
+            0.5 * jax.random.normal(k[2], (24,)), 1.0 + 0.3 * jax.random.normal(k[3], (3,)),
+            1.0 + 0.3 * jax.random.normal(k[4], (4096,)))
+    eps = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    y, post, comb = jax.jit(functools.partial(HC.hc_pre_norm, **eps))(*args)
+    ry, rpost, rcomb = jax.jit(functools.partial(HC.hc_pre_norm_ref, **eps))(*args)
+    np.testing.assert_allclose(np.asarray(post), np.asarray(rpost), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(comb), np.asarray(rcomb), rtol=1e-5, atol=1e-6)
+    out, ref = np.asarray(y, np.float32), np.asarray(ry, np.float32)
+    assert np.mean(out == ref) > 0.99  # sums in another order: one bf16 ulp at a rounding boundary
+    np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
+
+
 @pytest.mark.parametrize("M,k,E,I,D", [(1024, 6, 16, 512, 1024), (2000, 6, 16, 2048, 4096)])
 def test_grouped_experts_gpu(M, k, E, I, D):
     XG = importlib.import_module("pallas_kernels.experts_grouped")
