@@ -841,14 +841,19 @@ def kv_formats(a, out_dir: str) -> int:
     Cases: a CSA layer's sparse attention (64 heads x 512; its 128-entry window + 512 of 32,768 entries selected),
     an HCA layer's (the window + all 1,024 entries) and the indexer scores (64 heads x 128 over 32,768 keys in
     pages of 64). Forms: what the model runs on a GPU on each pool (the Triton kernels; on FP8 entries the
-    attention's XLA reference, see pallas_kernels.sparse_attention) and the indexer's XLA reference on FP4 keys. Each call runs over several layers one
-    after another (unrolled: no loop's kernels in the time), their rows apart in one flat pool as the model's are,
-    so that >= ~100 MB are read per call and the reads come from HBM, not from the 50 MB L2 (batch 1: 256
+    attention's XLA reference, see pallas_kernels.sparse_attention) and the indexer's XLA reference on FP4 keys;
+    on FP8 entries also the candidate Triton form reading them as 32-bit words
+    (pallas_kernels.sparse_attention_fp8_gpu: "Triton words", on the pools viewed as words once, outside the call),
+    two of its variants (64 rows on 8 warps; k built at its columns, no reshape) and the same kernel handed the uint8
+    pools (the word view made in the call: whatever XLA makes of it is in the time). Each call runs over several
+    layers one after another (unrolled: no loop's kernels in the time), their rows apart in one flat pool as the
+    model's are, so that >= ~100 MB are read per call and the reads come from HBM, not from the 50 MB L2 (batch 1: 256
     attention / 128 indexer layers); time = GPU kernel time per layer from a profiler trace; GB/s = the bytes a
     layer must read (rows or keys, their ids, q and o or the scores) / time. Every form is checked against the
     reference on the same pools (max |err| relative to max |ref|). --small: tiny shapes in interpret mode on a CPU.
     -> OUT/kv_formats.json"""
     from pallas_kernels import kv_format
+    from pallas_kernels import sparse_attention_fp8_gpu as SAW
     SA = importlib.import_module("pallas_kernels.sparse_attention")
     IX = importlib.import_module("pallas_kernels.indexer")
     interp = jax.default_backend() == "cpu"
@@ -902,11 +907,13 @@ def kv_formats(a, out_dir: str) -> int:
         sink = jax.random.normal(ks[1], (H,), F32)
         swa = jax.random.normal(ks[2], (L * B * W, D), BF16)
         swa8 = encode(ent, swa)
+        swa32 = kv_format.as_words(swa8)
         req = (jnp.arange(L)[:, None] * B + jnp.arange(B)[None, :])[:, :, None, None]     # [L, B, 1, 1]
         win = (req * W + jnp.arange(W)).astype(jnp.int32)
         for kind, n_cmp in (("csa", n_c4), ("hca", n_hca)):
             cmp = jax.random.normal(ks[3], (L * B * n_cmp, D), BF16)
             cmp8 = encode(ent, cmp)
+            cmp32 = kv_format.as_words(cmp8)
             sel = (jax.random.randint(ks[4], (L, B, 1, K), 0, n_cmp) if kind == "csa"
                    else jnp.broadcast_to(jnp.arange(n_cmp), (L, B, 1, n_cmp)))
             sel = (req * n_cmp + sel).astype(jnp.int32)
@@ -917,12 +924,19 @@ def kv_formats(a, out_dir: str) -> int:
             ref32 = jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale, return_lse=True))
             # as the model calls them (an HCA layer's rows end where its -1s begin: valid_prefix)
             gpu_kw = dict(scale=scale, interpret=interp, skip_tail=kind == "hca")
+            words = functools.partial(SAW.sparse_attention_gpu_words, **gpu_kw, entry_format=ent)
             forms = [
                 ("bf16 pool (Triton)", functools.partial(SA._sparse_attention_gpu, **gpu_kw),
                  swa, cmp, D * 2, ref32(q, swa, wins[0], cmp, sels[0], sink)[0]),
+                ("fp8 entries (Triton words)", words, swa32, cmp32, ent.nbytes, None),
                 ("fp8 entries (XLA reference)", functools.partial(SA.sparse_attention_ref, scale=scale,
                                                                   entry_format=ent),
                  swa8, cmp8, ent.nbytes, None),
+                ("fp8 entries (Triton words, 64 rows 8 warps)", functools.partial(words, block=64, num_warps=8),
+                 swa32, cmp32, ent.nbytes, None),
+                ("fp8 entries (Triton words, columns)", functools.partial(words, expand="columns"),
+                 swa32, cmp32, ent.nbytes, None),
+                ("fp8 entries (Triton words on uint8)", words, swa8, cmp8, ent.nbytes, None),
             ]
             ref8 = np.asarray(jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale, return_lse=True,
                                                         entry_format=ent))(q, swa8, wins[0], cmp8, sels[0], sink)[0])
@@ -933,8 +947,8 @@ def kv_formats(a, out_dir: str) -> int:
                 measure(case, B, L, name,
                         lambda q, sink, sp, cp, wins, sels, f=f: [f(q, sp, w, cp, c, sink) for w, c in zip(wins, sels)],
                         (q, sink, sp, cp, wins, sels), per_layer, ref)
-            del cmp, cmp8
-        del swa, swa8
+            del cmp, cmp8, cmp32
+        del swa, swa8, swa32
 
         L = max(1, reach_ix // B)
         iq = jax.random.normal(ks[5], (B, 1, Hi, Di), BF16)
@@ -962,12 +976,14 @@ def kv_formats(a, out_dir: str) -> int:
                     (iq, w, pool, krows, n_valid), per_layer, r)
         del keys, keys4
 
-    print("\nper layer: bf16 pool -> byte formats as a GPU reads them (and the indexer's XLA reference on bytes)")
+    print("\nper layer, us (the bf16 pool's time / the form's): the bf16 pool -> each form on the byte formats")
     for case, B in dict.fromkeys((r["case"], r["batch"]) for r in rows_out):
-        us = [r.get("us_per_layer") for r in rows_out if r["case"] == case and r["batch"] == B]
-        if len(us) >= 2 and None not in us:   # the forms in order: bf16 pool, bytes as dispatched, (XLA on bytes)
-            xla = f"; XLA on bytes {us[2]:8.1f} us" if len(us) == 3 else ""
-            print(f"  {case:18s} B={B:2d}: {us[0]:8.1f} -> {us[1]:8.1f} us ({us[0] / us[1]:.2f}x){xla}", flush=True)
+        done = [r for r in rows_out if r["case"] == case and r["batch"] == B and "us_per_layer" in r]
+        if len(done) >= 2 and done[0]["form"].startswith("bf16"):   # one line a case (the forms in order)
+            base = done[0]["us_per_layer"]
+            print(f"  {case:18s} B={B:2d}: {base:.1f} -> " + ", ".join(
+                f"{r['form'].split('(', 1)[-1].rstrip(')')} {r['us_per_layer']:.1f} ({base / r['us_per_layer']:.2f}x)"
+                for r in done[1:]), flush=True)
     print(f"wrote {out_dir}/kv_formats.json")
     return 0 if all("error" not in r and r["same_inf"] for r in rows_out) else 1
 
