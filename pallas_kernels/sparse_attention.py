@@ -319,6 +319,20 @@ def _gpu_supported(q, swa_pool, cmp_pool):
 def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret=False,
                           n_split=None, block=_GPU_BLOCK, heads=_GPU_HEADS, num_warps=4, num_stages=2,
                           return_lse=False, skip_tail=False):
+    if cmp_pool is not None and cmp_rows is not None and cmp_rows.shape[-1] > 0 and cmp_pool.dtype != swa_pool.dtype:
+        cmp_pool = cmp_pool.astype(swa_pool.dtype)
+    return run_rows_kernel_gpu(_gpu_kernel, "v4_sparse_attention_gpu", q, swa_pool, swa_rows, cmp_pool, cmp_rows,
+                               sink, scale=scale, interpret=interpret, n_split=n_split, block=block, heads=heads,
+                               num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
+                               skip_tail=skip_tail)
+
+
+def run_rows_kernel_gpu(kernel, name, q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret, n_split,
+                        block, heads, num_warps, num_stages, return_lse, skip_tail):
+    """The launch of a GPU kernel over each query's gathered rows (`_gpu_kernel`, and the FP8-entry candidate in
+    pallas_kernels.sparse_attention_fp8_gpu): heads padded to the head block, row lists padded to the row block,
+    grid (head blocks, queries, splits), the splits' partial states merged. `kernel` takes the refs and scale,
+    block, n_w_blocks, n_c_blocks, n_split, final and skip_tail; the pools as it reads them."""
     B, T, H, D = q.shape
     C = block
     hb = heads
@@ -331,8 +345,6 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     has_cmp = cmp_pool is not None and cmp_rows is not None and cmp_rows.shape[-1] > 0
     rw = pad_last(swa_rows.reshape(B * T, -1).astype(jnp.int32), round_up(max(swa_rows.shape[-1], 1), C), -1)
     if has_cmp:
-        if cmp_pool.dtype != swa_pool.dtype:
-            cmp_pool = cmp_pool.astype(swa_pool.dtype)
         rc = pad_last(cmp_rows.reshape(B * T, -1).astype(jnp.int32), round_up(cmp_rows.shape[-1], C), -1)
     else:
         cmp_pool, rc = swa_pool, jnp.full((B * T, C), -1, jnp.int32)
@@ -350,7 +362,7 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
         n_sm = getattr(jax.devices()[0], "core_count", None) or _GPU_SMS
         n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
     final = n_split == 1 and not return_lse  # the partial states carry what lse needs
-    kernel = functools.partial(_gpu_kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
+    kernel = functools.partial(kernel, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
                                n_split=n_split, final=final, skip_tail=skip_tail)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     in_specs = [
@@ -375,7 +387,7 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(n_hb, B * T, n_split), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=bool(interpret), name="v4_sparse_attention_gpu",
+        interpret=bool(interpret), name=name,
     )(qf, sinkp, rw, rc, used_c, swa_pool, cmp_pool)
     if final:
         o = out

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from . import _compat, kv_format
-from ._common import F32, MASK_FLOOR, mm_nt, pad_last, pv_matmul, round_up
+from . import _compat, kv_format, sparse_attention
+from ._common import F32, MASK_FLOOR, mm_nt, pv_matmul
 
 # Untimed defaults. Rows per step: half the bf16 pool kernel's 64, as a block's words, scales and k are in registers
 # at once beside acc (64 rows on 4 warps: ~350 32-bit values a thread by count, past the 255 registers);
@@ -45,7 +44,6 @@ from ._common import F32, MASK_FLOOR, mm_nt, pad_last, pv_matmul, round_up
 _BLOCK = 32
 _WARPS = 4
 _HEADS = 16        # heads per program (>= 16 for tensor-core dots)
-_SMS = 132         # H100/H200 SM count (used when the device does not say)
 EXPANDS = ("planes", "columns")
 U32 = jnp.uint32
 
@@ -195,70 +193,9 @@ def sparse_attention_gpu_words(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, 
     if not supported(q, swa_pool, cmp_pool, fmt) or expand not in EXPANDS:
         raise ValueError(f"sparse_attention_gpu_words: {fmt} with q {q.shape} {q.dtype}, pools "
                          f"{swa_pool.shape} {swa_pool.dtype}, expand={expand!r} not supported")
-    B, T, H, D = q.shape
-    C, hb = block, heads
-    Hp = round_up(H, hb)
-    qf = q.reshape(B * T, H, D)
-    sinkp = sink.astype(F32)
-    if Hp != H:
-        qf = jnp.pad(qf, ((0, 0), (0, Hp - H), (0, 0)))
-        sinkp = jnp.pad(sinkp, (0, Hp - H))
-    swa_pool = _words(swa_pool)
     has_cmp = cmp_pool is not None and cmp_rows is not None and cmp_rows.shape[-1] > 0
-    rw = pad_last(swa_rows.reshape(B * T, -1).astype(jnp.int32), round_up(max(swa_rows.shape[-1], 1), C), -1)
-    if has_cmp:
-        cmp_pool = _words(cmp_pool)
-        rc = pad_last(cmp_rows.reshape(B * T, -1).astype(jnp.int32), round_up(cmp_rows.shape[-1], C), -1)
-    else:
-        cmp_pool, rc = swa_pool, jnp.full((B * T, C), -1, jnp.int32)
-    n_w, n_c = rw.shape[-1] // C, (rc.shape[-1] // C if has_cmp else 0)
-    if skip_tail:   # per query, the compressed blocks up to its last valid row
-        last = jnp.max(jnp.where(rc >= 0, jnp.arange(1, rc.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
-        used_c = (last + C - 1) // C
-    else:
-        used_c = jnp.zeros((B * T,), jnp.int32)                               # (not read)
-    n_hb = Hp // hb
-    if n_split is None:   # split the rows only where the (head block, query) programs leave SMs idle
-        n_sm = getattr(jax.devices()[0], "core_count", None) or _SMS
-        n_split = max(1, min(int(n_sm / (B * T * n_hb) + 0.5), (n_w + n_c) // 2 or 1))
-    final = n_split == 1 and not return_lse
-    kernel = functools.partial(_kernel, fmt=fmt, scale=float(scale), block=C, n_w_blocks=n_w, n_c_blocks=n_c,
-                               n_split=n_split, final=final, skip_tail=skip_tail, expand=expand)
-    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    in_specs = [
-        pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0)),
-        pl.BlockSpec((hb,), lambda h, i, s: (h,)),
-        pl.BlockSpec((None, rw.shape[-1]), lambda h, i, s: (i, 0)),
-        pl.BlockSpec((None, rc.shape[-1]), lambda h, i, s: (i, 0)),
-        pl.BlockSpec((None,), lambda h, i, s: (i,)),
-        full(swa_pool),
-        full(cmp_pool),
-    ]
-    if final:
-        out_shape = jax.ShapeDtypeStruct((B * T, Hp, D), q.dtype)
-        out_specs = pl.BlockSpec((None, hb, D), lambda h, i, s: (i, h, 0))
-    else:
-        out_shape = (jax.ShapeDtypeStruct((B * T, n_split, Hp, D), F32),
-                     jax.ShapeDtypeStruct((B * T, n_split, Hp), F32),
-                     jax.ShapeDtypeStruct((B * T, n_split, Hp), F32))
-        out_specs = (pl.BlockSpec((None, None, hb, D), lambda h, i, s: (i, s, h, 0)),
-                     pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)),
-                     pl.BlockSpec((None, None, hb), lambda h, i, s: (i, s, h)))
-    out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(n_hb, B * T, n_split), in_specs=in_specs, out_specs=out_specs,
-        compiler_params=_compat.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=bool(interpret), name="v4_sparse_attention_gpu_words",
-    )(qf, sinkp, rw, rc, used_c, swa_pool, cmp_pool)
-    if final:
-        o, lse = out, None
-    else:   # the splits' partial states merged, as sparse_attention._sparse_attention_gpu
-        acc, m, l = out
-        sink_b = sinkp[None, :]
-        mx = jnp.maximum(jnp.max(m, axis=1), sink_b)
-        w = jnp.exp(m - mx[:, None, :])
-        den = jnp.sum(w * l, axis=1) + jnp.exp(sink_b - mx)
-        num = jnp.sum(w[..., None] * acc, axis=1)
-        o = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-        lse = (jnp.maximum(mx, MASK_FLOOR) + jnp.log(den))[:, :H].reshape(B, T, H)
-    o = o[:, :H].reshape(B, T, H, D)
-    return (o, lse) if return_lse else o.astype(q.dtype)
+    return sparse_attention.run_rows_kernel_gpu(
+        functools.partial(_kernel, fmt=fmt, expand=expand), "v4_sparse_attention_gpu_words", q, _words(swa_pool),
+        swa_rows, _words(cmp_pool) if has_cmp else None, cmp_rows, sink, scale=scale, interpret=interpret,
+        n_split=n_split, block=block, heads=heads, num_warps=num_warps, num_stages=num_stages,
+        return_lse=return_lse, skip_tail=skip_tail)

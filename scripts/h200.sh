@@ -497,14 +497,15 @@ kvformats)
   # indexer at 128K, batch 1 / 32, on bf16 pools against the byte formats (SWEEP=0 skips)
   if [ "${TESTS:-1}" = 1 ]; then
     stamp "GPU tests of the sparse attention on FP8 entries, the indexer on FP4 keys, the engine on both"
-    timeout 200 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py \
-      -k "sparse_attention_fp8 or indexer_scores_fp4 or fp8_cache" -p no:cacheprovider --tb=short 2>&1 \
+    timeout 240 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py \
+      tests/test_kernels_sparse_attention_words.py -k "sparse_attention_fp8 or indexer_scores_fp4 or fp8_cache or words" \
+      -p no:cacheprovider --tb=short 2>&1 \
       | grep -v "^  \|^$" | tail -15
   fi
   if [ "${SWEEP:-1}" = 1 ]; then
     for b in ${BATCHES:-1 32}; do   # one run a batch, each under its own limit, each writing what it measured
       stamp "batch $b: bf16 pools against the byte formats (v4jax bench kernels --sweep kv_formats --tokens $b)"
-      timeout ${SWEEP_S:-180} python3 -W ignore -m v4jax.bench kernels --sweep kv_formats --tokens $b \
+      timeout ${SWEEP_S:-240} python3 -W ignore -m v4jax.bench kernels --sweep kv_formats --tokens $b \
         --out "$out/kv_b$b" 2>&1 | quiet | tail -14
     done
   fi

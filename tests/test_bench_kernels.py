@@ -53,7 +53,9 @@ def test_kv_formats_sweep_small(tmp_path):
     assert all(r["same_inf"] and r["max_rel_err"] < 1e-2 and r["us_per_layer"] > 0 for r in rows)
 
 
-_ATTENTION_FORMS = ("bf16 pool (Triton)", "fp8 entries (XLA reference)")
+_ATTENTION_FORMS = ("bf16 pool (Triton)", "fp8 entries (Triton words)", "fp8 entries (XLA reference)",
+                    "fp8 entries (Triton words, 64 rows 8 warps)", "fp8 entries (Triton words, columns)",
+                    "fp8 entries (Triton words on uint8)")
 _INDEXER_FORMS = ("bf16 keys (Triton)", "fp4 keys (Triton)", "fp4 keys (XLA reference)")
 
 
