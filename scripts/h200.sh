@@ -31,7 +31,7 @@
 #   check      GPU tests (kernels, engine), the kernel table from profiler traces ($OUT/k/bench_kernels.{md,json}),
 #              engine decode with XLA and Pallas attention at batch 32 / 128K ($OUT/d{xla,pallas})
 #   candidates kernels checked on a CPU and not yet timed, against the forms they would replace: their GPU tests
-#              and sweeps (v4jax bench kernels --sweep hc_pre)
+#              and sweeps (v4jax bench kernels --sweep hc_pre, --sweep router)
 #   tune       the projection kernel's sweep (--sweep layer_linear; SWEEP=0 skips it), the Sinkhorn sweep (--tune
 #              --only sinkhorn), their and the top-k GPU tests, batch 1 / 32 at 4K of flash-slice with each
 #              kernel's time per line of the model
@@ -391,11 +391,14 @@ candidates)
   imports
   # kernels written and checked on a CPU, not yet timed: their GPU tests, then each against the form it would
   # replace. mHC's collapse with the norm after it (--sweep hc_pre: two launches against the model's ~10)
+  # and the top-k MoE router (--sweep router: two launches against route_by's ~6)
   stamp "GPU tests of the candidate kernels"
-  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "hc_pre" -p no:cacheprovider --tb=short \
-    2>&1 | tail -4
+  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "hc_pre or router" -p no:cacheprovider \
+    --tb=short 2>&1 | tail -4
   stamp "mHC collapse and norm"
   timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep hc_pre --out "$out/hc_pre" 2>&1 | quiet | tail -4
+  stamp "MoE router"
+  timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep router --out "$out/router" 2>&1 | quiet | tail -8
   ;;
 memory)
   imports

@@ -42,6 +42,17 @@ def test_mhc_sweeps_small(tmp_path):
     assert all(r[f]["max_err"] < 1e-2 and r[f]["wall_us"] > 0 for r in rows for f in forms)
 
 
+def test_router_sweep_small(tmp_path):
+    """--sweep router end to end: route_by and the Pallas kernels run, are timed and pick the same experts."""
+    assert kernels_main(["--sweep", "router", "--small", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_router.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 5]
+    forms = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    assert len(forms) == 2 and forms[0] == "model (XLA)" and forms[1].startswith("pallas")
+    assert all(r[f]["experts_differ"] == 0 and r[f]["max_err"] < 1e-5 and r[f]["wall_us"] > 0
+               for r in rows for f in forms)
+
+
 @pytest.mark.slow   # ~40 s: seven forms compiled in interpret mode
 def test_kv_formats_sweep_small(tmp_path):
     """--sweep kv_formats end to end: every form of every case runs, is checked against the reference and timed."""

@@ -14,6 +14,8 @@ is reported, not fatal.
   --sweep hc_post             mHC's expansion: XLA's form against the Pallas kernel -> OUT/bench_hc_post.json
   --sweep hc_pre              mHC's collapse and the norm after it: the model's chain against two Pallas kernels
                                                                                  -> OUT/bench_hc_pre.json
+  --sweep router              the top-k MoE router: route_by's XLA chain against two Pallas kernels
+                                                                                 -> OUT/bench_router.json
   --sweep experts             few-token routed experts: XLA's gather form against pallas_kernels.experts
                                                                                  -> OUT/experts.json
   --sweep prefill_experts     a prefill chunk's routed experts: XLA dense / grouped against the Hopper ragged
@@ -30,8 +32,8 @@ is reported, not fatal.
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post, hc_pre, kv_formats, attention_prefill): tiny shapes in
-interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
+`--small` (tune, layer_linear, fused_projections, hc_post, hc_pre, router, kv_formats, attention_prefill): tiny
+shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
 The other sweeps run on a GPU only.
 Times are GPU kernel time from a profiler trace unless said otherwise.
 """
@@ -458,6 +460,59 @@ def hc_pre(a, out_dir: str) -> int:
         print(f"tokens {m}: " + "; ".join(said(nm, row[nm]) + f" (err {row[nm]['max_err']:.1e})"
                                           for nm, _ in variants), flush=True)
         with open(os.path.join(out_dir, "bench_hc_pre.json"), "w") as fh:
+            json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
+    return 0
+
+
+ROUTER_BLOCKS = [(16, None, 256, 4, 8, True), (16, None, 256, 4, 8, False), (16, 2, 512, 4, 8, True),
+                 (32, 16, 128, 4, 8, True), (64, 64, 64, 8, 16, True)]
+# (tokens, experts, D, warps) of the scores kernel's programs (experts None: the module's default, 16 from 16 tokens
+# on, else 4), the select kernel's tokens a program, whether bf16 operands go to the dot as they are (False: f32)
+
+
+def router(a, out_dir: str) -> int:
+    """The top-k MoE router: route_by (v4jax.model.layers) jitted as the model runs it (XLA: the gate's matmul in
+    f32, sqrt(softplus), the bias, lax.top_k's sort, the gather and the normalisation) against the two Pallas kernels
+    (pallas_kernels/router.py) over a few block shapes, at decode batches and on a prefill chunk with Flash's router
+    (D = 7168, E = 256, k = 6; x and the gate in bf16): wall time per call and, on a GPU, kernel time and launches
+    per call from a profiler trace, with the bandwidth the bytes (gate and x read) allow; each form's experts that
+    differ from route_by's (a near-tie ordered otherwise by the f32 sums) and its largest weight error.
+    --small: D = 256, E = 16, interpret mode. -> OUT/bench_router.json"""
+    from pallas_kernels import router as RT
+    from v4jax.bench.profile import said, time_call
+
+    d, e, k, scale = (256, 16, 6, 1.5) if a.small else (7168, 256, 6, 1.5)
+    rows = []
+    for m in ((1, 5) if a.small else (1, 32, 8192)):
+        ks = jax.random.split(jax.random.key(m), 3)
+        args = (jax.random.normal(ks[0], (m, d), BF16), (jax.random.normal(ks[1], (e, d)) * d ** -0.5).astype(BF16),
+                0.1 * jax.random.normal(ks[2], (e,), F32))
+        mb = (e * d + m * d) * 2 / 1e6
+        row = {"tokens": m, "D": d, "E": e, "k": k, "MB_per_call": mb}
+        variants = [("model (XLA)", functools.partial(RT.route_ref, k=k, route_scale=scale))] + [
+            (f"pallas {bm}x{be or 'def'}x{bd} w{w}/s{bs}" + ("" if tc else " f32 dot"),
+             functools.partial(RT.route, k=k, route_scale=scale, block_tokens=bm, block_experts=be, block_d=bd,
+                               num_warps=w, select_tokens=bs, bf16_dot=tc))
+            for bm, be, bd, w, bs, tc in (ROUTER_BLOCKS[:1] if a.small else ROUTER_BLOCKS)]
+        ref, done = None, []
+        for name, fn in variants:
+            try:
+                run = jax.jit(fn)
+                wt, ex = run(*args)
+                if ref is None:
+                    ref = (wt, ex)
+                row[name] = dict(time_call(lambda run=run: run(*args), 3 if a.small else 10, mb=mb),
+                                 experts_differ=int(jnp.sum(jnp.any(ex != ref[1], axis=1))),
+                                 max_err=float(jnp.max(jnp.abs(wt - ref[0]))))
+                done.append(name)
+            except Exception as exc:  # noqa: BLE001 - a block shape Triton refuses (registers): say so, go on
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                print(f"tokens {m}: {name} failed {row[name]['error'][:200]}", flush=True)
+        rows.append(row)
+        print(f"tokens {m}: " + "; ".join(said(nm, row[nm]) + f" (err {row[nm]['max_err']:.1e}, "
+                                          f"{row[nm]['experts_differ']} tokens' experts differ)" for nm in done),
+              flush=True)
+        with open(os.path.join(out_dir, "bench_router.json"), "w") as fh:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
     return 0
 
@@ -989,11 +1044,12 @@ def kv_formats(a, out_dir: str) -> int:
 
 
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post, "hc_pre": hc_pre,
-          "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
+          "router": router, "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
           "stored_weights": stored_weights, "kv_formats": kv_formats}
 # the sweeps with a --small form
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "hc_pre", "kv_formats", "attention_prefill")
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "hc_pre", "router", "kv_formats",
+                "attention_prefill")
 
 
 def sweep(a, out_dir: str) -> int:
