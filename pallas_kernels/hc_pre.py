@@ -49,19 +49,20 @@ FINISH_WARPS = 8
 
 def supported(x, fn) -> bool:
     """x [M, N, D] with N a power of two, D a power of two (the finish kernel holds a token's whole row), the mix
-    rows and a sum of squares within a partial row."""
+    rows and a sum of squares within a partial row; fn [..., MIX, N * D] (a layer's, or a stack)."""
     if x.ndim != 3:
         return False
     _, n, d = x.shape
-    mix = fn.shape[0]
+    mix = fn.shape[-2]
     return (n & (n - 1) == 0 and d >= 16 and d & (d - 1) == 0 and mix == (2 + n) * n and mix < PARTIAL
-            and fn.shape[1] == n * d)
+            and fn.shape[-1] == n * d)
 
 
-def _mix_kernel(x_ref, fn_ref, o_ref, *, mix: int):
+def _mix_kernel(layer_ref, x_ref, fn_ref, o_ref, *, mix: int, bd: int):
     x = x_ref[...].astype(F32)  # [BM, N, BD]
+    li, cols = layer_ref[0], pl.ds(pl.program_id(1) * bd, bd)
     for o in range(mix):
-        o_ref[:, 0, o] = jnp.sum(jnp.sum(x * fn_ref[o][None], axis=2), axis=1)
+        o_ref[:, 0, o] = jnp.sum(jnp.sum(x * fn_ref[li, o, :, cols][None], axis=2), axis=1)
     o_ref[:, 0, mix] = jnp.sum(jnp.sum(x * x, axis=2), axis=1)
 
 
@@ -69,16 +70,16 @@ def _sigmoid(v):
     return 1.0 / (1.0 + jnp.exp(-v))
 
 
-def _finish_kernel(p_ref, x_ref, base_ref, scale_ref, w_ref, y_ref, post_ref, comb_ref, *, n: int, iters: int,
-                   hc_eps: float, norm_eps: float):
-    mix, d = (2 + n) * n, x_ref.shape[-1]
+def _finish_kernel(layer_ref, p_ref, x_ref, base_ref, scale_ref, w_ref, y_ref, post_ref, comb_ref, *, n: int,
+                   iters: int, hc_eps: float, norm_eps: float):
+    mix, d, li = (2 + n) * n, x_ref.shape[-1], layer_ref[0]
     xs = [x_ref[0, k, :].astype(F32) for k in range(n)]  # issued first: the loads overlap the scalar work below
     tot = [jnp.sum(p_ref[0, :, j]) for j in range(mix + 1)]
     inv = jax.lax.rsqrt(tot[mix] / (n * d) + norm_eps)
     m = [t * inv for t in tot[:mix]]
-    pre = [_sigmoid(m[k] * scale_ref[0] + base_ref[k]) + hc_eps for k in range(n)]
-    post = [2.0 * _sigmoid(m[n + k] * scale_ref[1] + base_ref[n + k]) for k in range(n)]
-    logits = [[m[2 * n + i * n + j] * scale_ref[2] + base_ref[2 * n + i * n + j] for j in range(n)]
+    pre = [_sigmoid(m[k] * scale_ref[li, 0] + base_ref[li, k]) + hc_eps for k in range(n)]
+    post = [2.0 * _sigmoid(m[n + k] * scale_ref[li, 1] + base_ref[li, n + k]) for k in range(n)]
+    logits = [[m[2 * n + i * n + j] * scale_ref[li, 2] + base_ref[li, 2 * n + i * n + j] for j in range(n)]
               for i in range(n)]
     comb = []
     for row in logits:  # softmax over j, as jax.nn.softmax: exp(v - max) / sum
@@ -93,50 +94,57 @@ def _finish_kernel(p_ref, x_ref, base_ref, scale_ref, w_ref, y_ref, post_ref, co
     dt = y_ref.dtype
     u = u.astype(dt).astype(F32)
     r = jax.lax.rsqrt(jnp.sum(u * u) / d + norm_eps)
-    y_ref[0, :] = (u * r * w_ref[...]).astype(dt)
+    y_ref[0, :] = (u * r * w_ref[li, :]).astype(dt)
     for k in range(n):
         post_ref[0, k] = post[k]
     for k in range(n * n):
         comb_ref[0, k // n, k % n] = comb[k]
 
 
-def hc_pre_norm(x, fn, base, scale, norm_w, *, iters: int, hc_eps: float, norm_eps: float, interpret=None,
-                block_tokens: int = BLOCK_TOKENS, block_d: int = BLOCK_D, num_warps: int = 4,
+def hc_pre_norm(x, fn, base, scale, norm_w, layer=None, *, iters: int, hc_eps: float, norm_eps: float,
+                interpret=None, block_tokens: int = BLOCK_TOKENS, block_d: int = BLOCK_D, num_warps: int = 4,
                 finish_warps: int = FINISH_WARPS):
     """The Pallas form of rms_norm(hc_pre(x, ...)[0], norm_w) with hc_pre's post and comb (v4jax.model.layers;
     `hc_pre_norm_ref` here) for x [M, N, D] (callers flatten their leading axes). norm_eps is both the mix's and
-    the norm's epsilon (the model's cfg.norm_eps), hc_eps mHC's."""
+    the norm's epsilon (the model's cfg.norm_eps), hc_eps mHC's. With `layer` (a scalar), fn, base, scale and
+    norm_w are layer stacks ([n, ...]) and the kernels read layer `layer`'s in place: inside the layer loop a slice
+    of a stack fed to a kernel is a copy, a launch each (eight a layer here)."""
     if interpret is None:
         interpret = backend() == "cpu"
+    if layer is None:
+        fn, base, scale, norm_w = fn[None], base[None], scale[None], norm_w[None]
+        layer = 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     if not supported(x, fn):
         raise ValueError(f"x {x.shape}, fn {fn.shape}: expected x [M, N, D] with N and D powers of two (D >= 16) "
                          f"and fn [(2 + N) * N, N * D]")
     m, n, d = x.shape
-    mix = fn.shape[0]
+    layers, mix = fn.shape[:2]
     bm = min(block_tokens, next_pow2(m))
     bd = pow2_block(d, block_d)
     nb = d // bd
     kw = lambda warps: (dict(interpret=True) if interpret
                         else dict(compiler_params=TritonCompilerParams(num_warps=warps, num_stages=1)))
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    fn = fn.astype(F32).reshape(layers, mix, n, d)
     partial = pl.pallas_call(
-        functools.partial(_mix_kernel, mix=mix),
+        functools.partial(_mix_kernel, mix=mix, bd=bd),
         out_shape=jax.ShapeDtypeStruct((m, nb, PARTIAL), F32), grid=(pl.cdiv(m, bm), nb),
-        in_specs=[pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)),
-                  pl.BlockSpec((mix, n, bd), lambda i, c: (0, 0, c))],
+        in_specs=[full(layer), pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)), full(fn)],
         out_specs=pl.BlockSpec((bm, 1, PARTIAL), lambda i, c: (i, c, 0)), name="v4_hc_mix", **kw(num_warps),
-    )(x, fn.astype(F32).reshape(mix, n, d))
-    whole = lambda i: (0,)
+    )(layer, x, fn)
+    base, scale, norm_w = base.astype(F32), scale.astype(F32), norm_w.astype(F32)
     return pl.pallas_call(
         functools.partial(_finish_kernel, n=n, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps),
         out_shape=(jax.ShapeDtypeStruct((m, d), x.dtype), jax.ShapeDtypeStruct((m, n), F32),
                    jax.ShapeDtypeStruct((m, n, n), F32)),
         grid=(m,),
-        in_specs=[pl.BlockSpec((1, nb, PARTIAL), lambda i: (i, 0, 0)), pl.BlockSpec((1, n, d), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((mix,), whole), pl.BlockSpec((3,), whole), pl.BlockSpec((d,), whole)],
+        in_specs=[full(layer), pl.BlockSpec((1, nb, PARTIAL), lambda i: (i, 0, 0)),
+                  pl.BlockSpec((1, n, d), lambda i: (i, 0, 0)), full(base), full(scale), full(norm_w)],
         out_specs=(pl.BlockSpec((1, d), lambda i: (i, 0)), pl.BlockSpec((1, n), lambda i: (i, 0)),
                    pl.BlockSpec((1, n, n), lambda i: (i, 0, 0))),
         name="v4_hc_finish", **kw(finish_warps),
-    )(partial, x, base.astype(F32), scale.astype(F32), norm_w.astype(F32))
+    )(layer, partial, x, base, scale, norm_w)
 
 
 def hc_pre_norm_ref(x, fn, base, scale, norm_w, *, iters: int, hc_eps: float, norm_eps: float, sinkhorn=None):

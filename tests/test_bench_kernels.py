@@ -38,7 +38,7 @@ def test_mhc_sweeps_small(tmp_path):
     assert kernels_main(["--sweep", "hc_pre", "--small", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_hc_pre.json").read_text())["rows"]
     forms = [k for k in rows[0] if isinstance(rows[0][k], dict)]
-    assert len(forms) == 3 and any(f.startswith("pallas") for f in forms)
+    assert len(forms) == 4 and sum(f.startswith("pallas") for f in forms) == 2
     assert all(r[f]["max_err"] < 1e-2 and r[f]["wall_us"] > 0 for r in rows for f in forms)
 
 

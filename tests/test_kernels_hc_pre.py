@@ -49,6 +49,18 @@ def test_rounds_as_the_model_bf16():
     np.testing.assert_allclose(np.asarray(comb), np.asarray(rcomb), rtol=1e-5, atol=1e-6)
 
 
+def test_reads_a_layer_of_stacks_in_place():
+    # the layer loop's form: stacks of every weight and a traced layer index give that layer's result
+    stacks = [_case(4, 4, 128, jnp.float32, seed=s) for s in (3, 4, 5)]
+    x = stacks[0][0]
+    fn, base, scale, norm_w = (jnp.stack([c[i] for c in stacks]) for i in range(1, 5))
+    run = jax.jit(lambda li: HP.hc_pre_norm(x, fn, base, scale, norm_w, li, interpret=True, block_d=32, **EPS))
+    for li in (0, 2):
+        want = HP.hc_pre_norm_ref(x, fn[li], base[li], scale[li], norm_w[li], **EPS)
+        for got, ref in zip(run(li), want):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
 def test_refuses_other_shapes():
     x, fn, base, scale, norm_w = _case(2, 4, 48, jnp.float32)  # D = 48: the finish kernel holds a power of two
     assert not HP.supported(x, fn)

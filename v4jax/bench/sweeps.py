@@ -442,23 +442,26 @@ def hc_pre(a, out_dir: str) -> int:
                 1.0 + 0.1 * jax.random.normal(k[4], (d,)))
         mb = (m * n * d * 2 * 2 + mix * n * d * 4 + m * d * 2) / 1e6
         row = {"tokens": m, "D": d, "MB_per_call": mb}
+        # the model's kernels would read layer li of each weight stack in place (4 layers here)
+        stacked = (args[0], *(jnp.stack([w] * 4) for w in args[1:]), jnp.int32(2))
         variants = [("model (XLA, Sinkhorn kernel)",
-                     functools.partial(HC.hc_pre_norm_ref, sinkhorn=SK.sinkhorn, **eps)),
-                    ("xla", functools.partial(HC.hc_pre_norm_ref, **eps))] + [
+                     functools.partial(HC.hc_pre_norm_ref, sinkhorn=SK.sinkhorn, **eps), args),
+                    ("xla", functools.partial(HC.hc_pre_norm_ref, **eps), args)] + [
             (f"pallas {bm}x{bd} w{w}/{fw}", functools.partial(HC.hc_pre_norm, block_tokens=bm, block_d=bd,
-                                                               num_warps=w, finish_warps=fw, **eps))
-            for bm, bd, w, fw in (HC_PRE_BLOCKS[:1] if a.small else HC_PRE_BLOCKS)]
+                                                               num_warps=w, finish_warps=fw, **eps), args)
+            for bm, bd, w, fw in (HC_PRE_BLOCKS[:1] if a.small else HC_PRE_BLOCKS)] + [
+            ("pallas, a layer of stacks", functools.partial(HC.hc_pre_norm, **eps), stacked)]
         ref = None
-        for name, fn in variants:
+        for name, fn, call_args in variants:
             run = jax.jit(fn)
-            out = run(*args)
+            out = run(*call_args)
             if ref is None:
                 ref = out
             err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32)))) for o, r in zip(out, ref))
-            row[name] = dict(time_call(lambda run=run: run(*args), 3 if a.small else 10, mb=mb), max_err=err)
+            row[name] = dict(time_call(lambda run=run, c=call_args: run(*c), 3 if a.small else 10, mb=mb), max_err=err)
         rows.append(row)
         print(f"tokens {m}: " + "; ".join(said(nm, row[nm]) + f" (err {row[nm]['max_err']:.1e})"
-                                          for nm, _ in variants), flush=True)
+                                          for nm, _, _ in variants), flush=True)
         with open(os.path.join(out_dir, "bench_hc_pre.json"), "w") as fh:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
     return 0
@@ -837,7 +840,8 @@ def stored_weights(a, out_dir: str) -> int:
     bf16 kernels and its FP4 kernels (block sizes, warps), and the few-token projection (pallas_kernels.layer_linear)
     on bf16 and on e4m3 stacks. (Measured and dropped: widening the codes through f16 bit placement with the
     scales broadcast in registers, its up kernel 0.43 ms a call in a flash-slice step at batch 1; the codes
-    decoded through a 256-entry byte table, 1.7-2.1x the bit form's time.) GB/s = the bytes each form reads as stored (the routed pairs' weights once)."""
+    decoded through a 256-entry byte table, 1.7-2.1x the bit form's time.) GB/s = the bytes each form reads as
+    stored (the routed pairs' weights once)."""
     from pallas_kernels import experts as X
     from pallas_kernels import layer_linear as LL
     from v4jax.bench.profile import summarize
