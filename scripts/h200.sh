@@ -23,8 +23,8 @@
 #              the 128K prefill through generate
 #   defaults   LLM.generate at default options on a 32-slot flash-slice engine: the warm-up's programs and time,
 #              batch 1 / 32 at 4K, the 128K prefill (PREFILL_CHUNK=N another chunk)
-#   ab BASE [slice|prefill|1gpu]  the decode and prefill rows of `slice` (`prefill`: its 128K prefill; `1gpu`:
-#              flash-1gpu's decode rows) in a second tree BASE (e.g.
+#   ab BASE [slice|quick|prefill|1gpu]  the decode and prefill rows of `slice` (`quick`: its decode rows at 4K;
+#              `prefill`: its 128K prefill; `1gpu`: flash-1gpu's decode rows) in a second tree BASE (e.g.
 #              `git archive COMMIT -- . ':!v4jax/default_model' | tar -x -C base`) and in this one, one after the other
 #              in one call, then both in one table: what a change costs, on the same machine
 # Kernels:
@@ -358,13 +358,18 @@ EOF
   ;;
 ab)
   imports
-  base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|prefill|1gpu]}
+  base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|quick|prefill|1gpu]}
   what=${3:-slice}
   for tree in "$base" .; do
     name=$([ "$tree" = . ] && echo new || echo base)
     (cd "$tree" && imports) || exit 1
     dir=$(cd "$out" && pwd)/ab-$name
-    if [ "$what" = slice ]; then
+    if [ "$what" = quick ]; then
+      stamp "$name: flash-slice decode at 4K"
+      (cd "$tree" && PYTHONPATH=. timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 \
+        --contexts 4K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 140 \
+        --out "$dir/decode" 2>&1 | quiet | grep "^|" | tail -3)
+    elif [ "$what" = slice ]; then
       stamp "$name: flash-slice decode"
       (cd "$tree" && PYTHONPATH=. timeout 120 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 \
         --contexts 4K,32K,128K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 110 \
