@@ -104,9 +104,9 @@ def _finish_kernel(layer_ref, p_ref, x_ref, base_ref, scale_ref, w_ref, y_ref, p
 def hc_pre_norm(x, fn, base, scale, norm_w, layer=None, *, iters: int, hc_eps: float, norm_eps: float,
                 interpret=None, block_tokens: int = BLOCK_TOKENS, block_d: int = BLOCK_D, num_warps: int = 4,
                 finish_warps: int = FINISH_WARPS):
-    """The Pallas form of rms_norm(hc_pre(x, ...)[0], norm_w) with hc_pre's post and comb (v4jax.model.layers;
-    `hc_pre_norm_ref` here) for x [M, N, D] (callers flatten their leading axes). norm_eps is both the mix's and
-    the norm's epsilon (the model's cfg.norm_eps), hc_eps mHC's. With `layer` (a scalar), fn, base, scale and
+    """The Pallas form of v4jax.model.layers.hc_pre_norm (hc_pre, then the RMS norm of its output) for x [M, N, D]
+    (callers flatten their leading axes). norm_eps is both the mix's and the norm's epsilon (the model's
+    cfg.norm_eps), hc_eps mHC's. With `layer` (a scalar), fn, base, scale and
     norm_w are layer stacks ([n, ...]) and the kernels read layer `layer`'s in place: inside the layer loop a slice
     of a stack fed to a kernel is a copy, a launch each (eight a layer here)."""
     if interpret is None:
@@ -145,21 +145,3 @@ def hc_pre_norm(x, fn, base, scale, norm_w, layer=None, *, iters: int, hc_eps: f
                    pl.BlockSpec((1, n, n), lambda i: (i, 0, 0))),
         name="v4_hc_finish", **kw(finish_warps),
     )(layer, partial, x, base, scale, norm_w)
-
-
-def hc_pre_norm_ref(x, fn, base, scale, norm_w, *, iters: int, hc_eps: float, norm_eps: float, sinkhorn=None):
-    """The model's maths (v4jax.model.layers.hc_pre, then rms_norm of u) with the same signature; `sinkhorn` the
-    normalisation's implementation (default the jnp reference)."""
-    from v4jax.model import layers as L  # the reference lives in the model; the kernel itself imports nothing of it
-
-    n = x.shape[-2]
-    cfg = _HcConfig(n, iters, hc_eps, norm_eps)
-    u, post, comb = L.hc_pre(x, fn, base, scale, cfg, sinkhorn)
-    return L.rms_norm(u, norm_w, norm_eps), post, comb
-
-
-class _HcConfig:
-    """The four fields of ModelConfig that hc_pre reads."""
-
-    def __init__(self, hc_mult: int, hc_sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-        self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, hc_sinkhorn_iters, hc_eps, norm_eps

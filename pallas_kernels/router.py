@@ -105,7 +105,7 @@ def _select_kernel(s_ref, b_ref, w_ref, e_ref, *, n_experts: int, k: int, route_
 def route(x, gate_w, bias, *, k: int, route_scale: float, interpret=None, block_tokens: int = BLOCK_TOKENS,
           block_experts: int | None = None, block_d: int = BLOCK_D, num_warps: int = 4,
           select_tokens: int = SELECT_TOKENS, select_warps: int = 4, bf16_dot: bool = True):
-    """The Pallas form of route_by(x, gate_w, bias, None, cfg) (v4jax.model.layers; `route_ref` here) for the
+    """The Pallas form of route_by(x, gate_w, bias, None, cfg) (v4jax.model.layers) for the
     top-k router: (weights [M, k] f32, experts [M, k] int32). block_experts None: BLOCK_EXPERTS when the token block
     is a dot's (>= 16 tokens), else SMALL_BLOCK_EXPERTS. bf16_dot: with x and the gate both bf16, the dot form
     multiplies them as they are (tensor cores; every product is exact in f32, the sums f32), else in IEEE f32."""
@@ -141,17 +141,3 @@ def route(x, gate_w, bias, *, k: int, route_scale: float, interpret=None, block_
         out_specs=(pl.BlockSpec((bs, k), lambda i: (i, 0)), pl.BlockSpec((bs, k), lambda i: (i, 0))),
         name="v4_router_select", **kw(select_warps),
     )(scores, bias.astype(F32))
-
-
-def route_ref(x, gate_w, bias, *, k: int, route_scale: float):
-    """The model's router (v4jax.model.layers.route_by, the top-k path) with `route`'s signature."""
-    from v4jax.model import layers as L  # the reference lives in the model; the kernels import nothing of it
-
-    return L.route_by(x, gate_w, bias, None, _RouteConfig(k, route_scale))
-
-
-class _RouteConfig:
-    """The two fields of ModelConfig that route_by reads."""
-
-    def __init__(self, n_activated_experts: int, route_scale: float):
-        self.n_activated_experts, self.route_scale = n_activated_experts, route_scale

@@ -5,6 +5,7 @@ Run on the device machine:  python -m pytest -q -m gpu tests/test_kernels_gpu.py
 """
 import functools
 import importlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -244,7 +245,8 @@ def test_hc_pre_gpu(M):
             1.0 + 0.3 * jax.random.normal(k[4], (4096,)))
     eps = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
     y, post, comb = jax.jit(functools.partial(HC.hc_pre_norm, **eps))(*args)
-    ry, rpost, rcomb = jax.jit(functools.partial(HC.hc_pre_norm_ref, **eps))(*args)
+    cfg = types.SimpleNamespace(hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)  # what hc_pre reads
+    ry, rpost, rcomb = jax.jit(lambda *a: L.hc_pre_norm(*a, cfg))(*args)
     np.testing.assert_allclose(np.asarray(post), np.asarray(rpost), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(comb), np.asarray(rcomb), rtol=1e-5, atol=1e-6)
     out, ref = np.asarray(y, np.float32), np.asarray(ry, np.float32)
@@ -342,7 +344,8 @@ def test_router_gpu(M):
     bias = 0.1 * jax.random.normal(ks[2], (E,), jnp.float32)
     kw = dict(k=k, route_scale=scale)
     wt, ex = jax.jit(functools.partial(R.route, **kw))(x, w, bias)
-    rwt, rex = jax.jit(functools.partial(R.route_ref, **kw))(x, w, bias)
+    cfg = types.SimpleNamespace(n_activated_experts=k, route_scale=scale)  # what route_by reads
+    rwt, rex = jax.jit(lambda x, w, b: L.route_by(x, w, b, None, cfg))(x, w, bias)
     biased = jax.jit(lambda x, w, b: jnp.sqrt(jax.nn.softplus(jnp.einsum(
         "md,ed->me", x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST))) + b)(
         x, w, bias)

@@ -1,6 +1,7 @@
 """mHC's collapse with its norm as two Pallas kernels (pallas_kernels.hc_pre) against the model's maths, and their
 Triton lowering from this CPU machine."""
 import importlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,15 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _compat
+from v4jax.model import layers as L
 
 HP = importlib.import_module("pallas_kernels.hc_pre")
 EPS = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
+CFG = types.SimpleNamespace(hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)  # what hc_pre reads
+
+
+def _ref(*args):
+    return L.hc_pre_norm(*args, CFG)
 
 
 def _case(m, n, d, dtype, seed=0):
@@ -29,7 +36,7 @@ def test_matches_the_model_f32(m, d, bm, bd):
     # token blocks past M (5 tokens in blocks of 4, 37 in 16) are masked; several D blocks sum their partials
     args = _case(m, 4, d, jnp.float32, seed=m)
     y, post, comb = HP.hc_pre_norm(*args, interpret=True, block_tokens=bm, block_d=bd, **EPS)
-    ry, rpost, rcomb = HP.hc_pre_norm_ref(*args, **EPS)
+    ry, rpost, rcomb = _ref(*args)
     assert y.shape == (m, d) and y.dtype == jnp.float32 and post.shape == (m, 4) and comb.shape == (m, 4, 4)
     np.testing.assert_allclose(np.asarray(post), np.asarray(rpost), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(comb), np.asarray(rcomb), rtol=1e-5, atol=1e-6)
@@ -41,7 +48,7 @@ def test_rounds_as_the_model_bf16():
     # sums (one bf16 ulp where a value lands next to a rounding boundary)
     args = _case(64, 4, 256, jnp.bfloat16, seed=1)
     y, post, comb = HP.hc_pre_norm(*args, interpret=True, **EPS)
-    ry, rpost, rcomb = HP.hc_pre_norm_ref(*args, **EPS)
+    ry, rpost, rcomb = _ref(*args)
     assert y.dtype == jnp.bfloat16
     out, ref = np.asarray(y, np.float32), np.asarray(ry, np.float32)
     assert np.mean(out == ref) > 0.99
@@ -56,7 +63,7 @@ def test_reads_a_layer_of_stacks_in_place():
     fn, base, scale, norm_w = (jnp.stack([c[i] for c in stacks]) for i in range(1, 5))
     run = jax.jit(lambda li: HP.hc_pre_norm(x, fn, base, scale, norm_w, li, interpret=True, block_d=32, **EPS))
     for li in (0, 2):
-        want = HP.hc_pre_norm_ref(x, fn[li], base[li], scale[li], norm_w[li], **EPS)
+        want = _ref(x, fn[li], base[li], scale[li], norm_w[li])
         for got, ref in zip(run(li), want):
             np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 

@@ -45,6 +45,7 @@ import itertools
 import json
 import os
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -429,10 +430,12 @@ def hc_pre(a, out_dir: str) -> int:
     from pallas_kernels import hc_pre as HC
     from pallas_kernels import sinkhorn as SK
     from v4jax.bench.profile import said, time_call
+    from v4jax.model import layers as L
 
     n, d = 4, (256 if a.small else 4096)
     mix = (2 + n) * n
     eps = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    cfg = types.SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)  # what hc_pre reads
     rows = []
     for m in ((1, 5) if a.small else (1, 32, 8192)):
         k = jax.random.split(jax.random.key(m), 5)
@@ -445,8 +448,8 @@ def hc_pre(a, out_dir: str) -> int:
         # the model's kernels would read layer li of each weight stack in place (4 layers here)
         stacked = (args[0], *(jnp.stack([w] * 4) for w in args[1:]), jnp.int32(2))
         variants = [("model (XLA, Sinkhorn kernel)",
-                     functools.partial(HC.hc_pre_norm_ref, sinkhorn=SK.sinkhorn, **eps), args),
-                    ("xla", functools.partial(HC.hc_pre_norm_ref, **eps), args)] + [
+                     functools.partial(L.hc_pre_norm, cfg=cfg, normalise=SK.sinkhorn), args),
+                    ("xla", functools.partial(L.hc_pre_norm, cfg=cfg), args)] + [
             (f"pallas {bm}x{bd} w{w}/{fw}", functools.partial(HC.hc_pre_norm, block_tokens=bm, block_d=bd,
                                                                num_warps=w, finish_warps=fw, **eps), args)
             for bm, bd, w, fw in (HC_PRE_BLOCKS[:1] if a.small else HC_PRE_BLOCKS)] + [
@@ -483,6 +486,7 @@ def router(a, out_dir: str) -> int:
     --small: D = 256, E = 16, interpret mode. -> OUT/bench_router.json"""
     from pallas_kernels import router as RT
     from v4jax.bench.profile import said, time_call
+    from v4jax.model import layers as L
 
     d, e, k, scale = (256, 16, 6, 1.5) if a.small else (7168, 256, 6, 1.5)
     rows = []
@@ -492,7 +496,8 @@ def router(a, out_dir: str) -> int:
                 0.1 * jax.random.normal(ks[2], (e,), F32))
         mb = (e * d + m * d) * 2 / 1e6
         row = {"tokens": m, "D": d, "E": e, "k": k, "MB_per_call": mb}
-        variants = [("model (XLA)", functools.partial(RT.route_ref, k=k, route_scale=scale))] + [
+        cfg = types.SimpleNamespace(n_activated_experts=k, route_scale=scale)  # what route_by reads
+        variants = [("model (XLA)", lambda x, w, b, cfg=cfg: L.route_by(x, w, b, None, cfg))] + [
             (f"pallas {bm}x{be or 'def'}x{bd} w{w}/s{bs}" + ("" if tc else " f32 dot"),
              functools.partial(RT.route, k=k, route_scale=scale, block_tokens=bm, block_experts=be, block_d=bd,
                                num_warps=w, select_tokens=bs, bf16_dot=tc))
