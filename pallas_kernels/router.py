@@ -59,13 +59,16 @@ def supported(x, gate_w, bias, k: int) -> bool:
     return x.shape[1] == d and bias.shape[0] == e and 1 <= k <= e and pow2_block(d, BLOCK_D) is not None
 
 
-def _scores_kernel(x_ref, w_ref, o_ref, *, block_d: int, n_steps: int, dot: bool, bf16_dot: bool):
+def _scores_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_d: int, n_steps: int, dot: bool, bf16_dot: bool,
+                   stacked: bool):
     bm, be = o_ref.shape
+    li, rows = layer_ref[0], pl.ds(pl.program_id(1) * be, be)
 
     def step(c, acc):
         off = pl.multiple_of(c * block_d, block_d)
         xb = x_ref[:, pl.ds(off, block_d)]  # [BM, BD]
-        wb = w_ref[:, pl.ds(off, block_d)]  # [BE, BD]
+        # [BE, BD]: stacked, the whole stack's ref and layer li's rows read in place (E a multiple of BE)
+        wb = w_ref[li, rows, pl.ds(off, block_d)] if stacked else w_ref[:, pl.ds(off, block_d)]
         if dot and bf16_dot:  # bf16 products are exact in f32: the tensor cores' dot, accumulated in f32
             return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         xb, wb = xb.astype(F32), wb.astype(F32)
@@ -80,11 +83,13 @@ def _scores_kernel(x_ref, w_ref, o_ref, *, block_d: int, n_steps: int, dot: bool
     o_ref[...] = jnp.sqrt(jax.nn.softplus(logits))
 
 
-def _select_kernel(s_ref, b_ref, w_ref, e_ref, *, n_experts: int, k: int, route_scale: float):
+def _select_kernel(layer_ref, s_ref, b_ref, w_ref, e_ref, *, n_experts: int, k: int, route_scale: float,
+                   stacked: bool):
     bs, ep = s_ref.shape
     s = s_ref[...]  # [BS, E'] unbiased scores
     iota = jax.lax.broadcasted_iota(I32, (bs, ep), 1)
-    v = jnp.where(iota < n_experts, s + b_ref[...][None, :], -jnp.inf)
+    bias = b_ref[layer_ref[0], :] if stacked else b_ref[...]
+    v = jnp.where(iota < n_experts, s + bias[None, :], -jnp.inf)
     picks, ws = [], []
     for _ in range(k):
         top = jnp.max(v, axis=1, keepdims=True)
@@ -102,21 +107,29 @@ def _select_kernel(s_ref, b_ref, w_ref, e_ref, *, n_experts: int, k: int, route_
         e_ref[:, j] = picks[j]
 
 
-def route(x, gate_w, bias, *, k: int, route_scale: float, interpret=None, block_tokens: int = BLOCK_TOKENS,
-          block_experts: int | None = None, block_d: int = BLOCK_D, num_warps: int = 4,
-          select_tokens: int = SELECT_TOKENS, select_warps: int = 4, bf16_dot: bool = True):
+def route(x, gate_w, bias, layer=None, bias_layer=None, *, k: int, route_scale: float, interpret=None,
+          block_tokens: int = BLOCK_TOKENS, block_experts: int | None = None, block_d: int = BLOCK_D,
+          num_warps: int = 4, select_tokens: int = SELECT_TOKENS, select_warps: int = 4, bf16_dot: bool = True):
     """The Pallas form of route_by(x, gate_w, bias, None, cfg) (v4jax.model.layers) for the
     top-k router: (weights [M, k] f32, experts [M, k] int32). block_experts None: BLOCK_EXPERTS when the token block
     is a dot's (>= 16 tokens), else SMALL_BLOCK_EXPERTS. bf16_dot: with x and the gate both bf16, the dot form
-    multiplies them as they are (tensor cores; every product is exact in f32, the sums f32), else in IEEE f32."""
+    multiplies them as they are (tensor cores; every product is exact in f32, the sums f32), else in IEEE f32.
+    With `layer` (a scalar) gate_w is a layer stack [n, E, D] and bias one [n', E] with `bias_layer` its row: for
+    a power-of-two E the kernels read them in place (inside the layer loop a slice fed to a kernel is a copy, a
+    launch each), else they are sliced here."""
     if interpret is None:
         interpret = backend() == "cpu"
-    if not supported(x, gate_w, bias, k):
+    stacked = layer is not None
+    if stacked and gate_w.shape[-2] != next_pow2(gate_w.shape[-2]):
+        gate_w = jax.lax.dynamic_index_in_dim(gate_w, layer, 0, keepdims=False)
+        bias = jax.lax.dynamic_index_in_dim(bias, bias_layer, 0, keepdims=False)
+        stacked = False
+    if not supported(x, gate_w[0] if stacked else gate_w, bias[0] if stacked else bias, k):
         raise ValueError(f"x {x.shape}, gate_w {gate_w.shape}, bias {None if bias is None else bias.shape}, k {k}: "
                          f"expected x [M, D], gate_w [E, D], bias [E], 1 <= k <= E and D a multiple of a "
                          f"power-of-two block of at least 16")
     m, d = x.shape
-    e = gate_w.shape[0]
+    e = gate_w.shape[-2]
     ep = next_pow2(e)
     bm = min(block_tokens, next_pow2(m))
     if block_experts is None:
@@ -126,18 +139,23 @@ def route(x, gate_w, bias, *, k: int, route_scale: float, interpret=None, block_
     bd = pow2_block(d, block_d)
     kw = lambda warps: (dict(interpret=True) if interpret
                         else dict(compiler_params=TritonCompilerParams(num_warps=warps, num_stages=1)))
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    layers = jnp.stack([jnp.asarray(layer if stacked else 0, I32), jnp.asarray(bias_layer if stacked else 0, I32)])
+    gate_spec = full(gate_w) if stacked else pl.BlockSpec((be, d), lambda i, j: (j, 0))
     scores = pl.pallas_call(
         functools.partial(_scores_kernel, block_d=bd, n_steps=d // bd, dot=dot,
-                          bf16_dot=bf16_dot and x.dtype == gate_w.dtype == jnp.bfloat16),
+                          bf16_dot=bf16_dot and x.dtype == gate_w.dtype == jnp.bfloat16, stacked=stacked),
         out_shape=jax.ShapeDtypeStruct((m, ep), F32), grid=(pl.cdiv(m, bm), pl.cdiv(e, be)),
-        in_specs=[pl.BlockSpec((bm, d), lambda i, j: (i, 0)), pl.BlockSpec((be, d), lambda i, j: (j, 0))],
+        in_specs=[full(layers), pl.BlockSpec((bm, d), lambda i, j: (i, 0)), gate_spec],
         out_specs=pl.BlockSpec((bm, be), lambda i, j: (i, j)), name="v4_router_scores", **kw(num_warps),
-    )(x, gate_w)
+    )(layers, x, gate_w)
     bs = min(select_tokens, next_pow2(m))
+    bias = bias.astype(F32)
     return pl.pallas_call(
-        functools.partial(_select_kernel, n_experts=e, k=k, route_scale=float(route_scale)),
+        functools.partial(_select_kernel, n_experts=e, k=k, route_scale=float(route_scale), stacked=stacked),
         out_shape=(jax.ShapeDtypeStruct((m, k), F32), jax.ShapeDtypeStruct((m, k), I32)), grid=(pl.cdiv(m, bs),),
-        in_specs=[pl.BlockSpec((bs, ep), lambda i: (i, 0)), pl.BlockSpec((ep,), lambda i: (0,))],
+        in_specs=[pl.BlockSpec((1,), lambda i: (1,)), pl.BlockSpec((bs, ep), lambda i: (i, 0)),
+                  full(bias) if stacked else pl.BlockSpec((ep,), lambda i: (0,))],
         out_specs=(pl.BlockSpec((bs, k), lambda i: (i, 0)), pl.BlockSpec((bs, k), lambda i: (i, 0))),
         name="v4_router_select", **kw(select_warps),
-    )(scores, bias.astype(F32))
+    )(layers, scores, bias)

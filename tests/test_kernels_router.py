@@ -55,6 +55,21 @@ def test_matches_route_by(m, e, dtype, blocks):
     np.testing.assert_allclose(np.asarray(wt), np.asarray(rwt), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("m,e", [(1, 16), (37, 64), (5, 48)])
+def test_reads_a_layer_of_stacks(m, e):
+    # the layer loop's form: a stack of gates and one of biases with traced rows (E = 48: sliced, not in place)
+    cases = [_case(m, e, 256, jnp.bfloat16, seed=s) for s in (11, 12, 13)]
+    x = cases[0][0]
+    gates, biases = jnp.stack([c[1] for c in cases]), jnp.stack([c[2] for c in cases[:2]])
+    run = jax.jit(lambda li, bi: R.route(x, gates, biases, li, bi, k=K, route_scale=SCALE, interpret=True))
+    for li, bi in ((2, 1), (0, 0)):
+        assert _margin(x, gates[li], biases[bi]) > 1e-5
+        wt, ex = run(li, bi)
+        rwt, rex = L.route_by(x, gates[li], biases[bi], None, _cfg(e))
+        np.testing.assert_array_equal(np.asarray(ex), np.asarray(rex))
+        np.testing.assert_allclose(np.asarray(wt), np.asarray(rwt), rtol=1e-6, atol=0)
+
+
 def test_exact_ties_take_the_lower_index():
     # tokens with x = 0 score sqrt(log 2) on every expert exactly; the bias then ties experts 3, 9, 40 (first) and
     # 7, 21, 33, 50 (next, four for three places): lax.top_k's order is 3, 9, 40, 7, 21, 33 with equal weights
