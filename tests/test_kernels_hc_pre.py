@@ -79,3 +79,10 @@ def test_lowers_for_gpu():
     args = _case(3, 4, 4096, jnp.bfloat16)
     txt = _compat.lower_for_cuda(lambda *a: HP.hc_pre_norm(*a, interpret=False, **EPS), *args)
     assert txt.count("triton") >= 2
+
+
+def test_stacks_lower_for_gpu():
+    x, fn, base, scale, norm_w = _case(3, 4, 4096, jnp.bfloat16)
+    stacks = [jnp.stack([a] * 3) for a in (fn, base, scale, norm_w)]
+    txt = _compat.lower_for_cuda(lambda *a: HP.hc_pre_norm(*a, interpret=False, **EPS), x, *stacks, jnp.int32(2))
+    assert txt.count("triton") >= 2

@@ -104,3 +104,12 @@ def test_lowers_for_gpu(m, dtype):
     x, w, bias = _case(m, 256, 7168, dtype)
     txt = _compat.lower_for_cuda(lambda *a: R.route(*a, k=K, route_scale=1.5, interpret=False), x, w, bias)
     assert txt.count("triton") >= 2
+
+
+def test_stacks_lower_for_gpu():
+    # a layer of the gate's and the biases' stacks read in place, as the layer loop calls it
+    x, w, bias = _case(1, 256, 7168, jnp.bfloat16)
+    gates, biases = jnp.stack([w, w]), jnp.stack([bias] * 3)
+    txt = _compat.lower_for_cuda(lambda *a: R.route(*a, k=K, route_scale=1.5, interpret=False), x, gates, biases,
+                                 jnp.int32(1), jnp.int32(2))
+    assert txt.count("triton") >= 2
