@@ -502,10 +502,11 @@ sweep)
 kvformats)
   # The kernels reading the release's cache formats (FP8 entries, FP4 indexer keys): their GPU tests against the
   # reference and the engine on them against the XLA path (TESTS=0 skips), then decode's sparse attention and
-  # indexer at 128K, batch 1 / 32, on bf16 pools against the byte formats (SWEEP=0 skips)
+  # indexer at 128K, batch 1 / 32, on bf16 pools against the byte formats (SWEEP=0 skips). Within one call's
+  # 600 s: tests 180 s, each batch's sweep SWEEP_S (200) s
   if [ "${TESTS:-1}" = 1 ]; then
     stamp "GPU tests of the sparse attention on FP8 entries, the indexer on FP4 keys, the engine on both"
-    timeout 240 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py \
+    timeout 180 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py \
       tests/test_kernels_sparse_attention_words.py -k "sparse_attention_fp8 or indexer_scores_fp4 or fp8_cache or words" \
       -p no:cacheprovider --tb=short 2>&1 \
       | grep -v "^  \|^$" | tail -15
@@ -513,7 +514,7 @@ kvformats)
   if [ "${SWEEP:-1}" = 1 ]; then
     for b in ${BATCHES:-1 32}; do   # one run a batch, each under its own limit, each writing what it measured
       stamp "batch $b: bf16 pools against the byte formats (v4jax bench kernels --sweep kv_formats --tokens $b)"
-      timeout ${SWEEP_S:-240} python3 -W ignore -m v4jax.bench kernels --sweep kv_formats --tokens $b \
+      timeout ${SWEEP_S:-200} python3 -W ignore -m v4jax.bench kernels --sweep kv_formats --tokens $b \
         --out "$out/kv_b$b" 2>&1 | quiet | tail -14
     done
   fi
