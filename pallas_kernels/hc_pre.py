@@ -21,8 +21,9 @@ batch 1 and 23 at 32 against ~16 for XLA's kernels, and no faster step. This one
 D, so fn's read is spread) and the norm, one token a program (batch 32 runs 32 programs side by side), and issues
 the streams' loads before the scalar work so they overlap it. It is a candidate until the sweep times it.
 
-Rounded as the model (v4jax.model.layers.hc_pre, then rms_norm): everything in f32, u cast to x's dtype before
-its norm, the norm's output cast to x's dtype. The sums run in another order than XLA's (f32 rounding apart).
+Rounded as the model (v4jax.model.layers.hc_pre_norm: hc_pre, then rms_norm): everything in f32, u cast to x's
+dtype before its norm, the norm's output cast to x's dtype. The sums run in another order than XLA's (f32 rounding
+apart).
 
   x [M, N, D], fn [(2 + N) * N, N * D] f32, base [(2 + N) * N] f32, scale [3] f32, norm_w [D] f32
   -> y [M, D] in x's dtype, post [M, N] f32, comb [M, N, N] f32.
