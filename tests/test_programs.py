@@ -49,6 +49,18 @@ def test_cheapest_cover_runs_while_the_exact_program_compiles():
     assert book.choose(exact) == exact and book.counts()["substituted_steps"] == 2
 
 
+def test_without_background_compiles_the_covers_run_every_step():
+    """A benchmark of fixed shapes (background off): a covered step runs on its cover and nothing compiles."""
+    book, compiled, release = _book()
+    book.ran(Program("decode", SAMPLED, 4, 0, 8))
+    book.substitute, book.background = True, False
+    exact = Program("decode", GREEDY, 1, 0, 2)
+    assert book.choose(exact) == Program("decode", SAMPLED, 4, 0, 8)
+    release.set()
+    book.wait()
+    assert not compiled and book.counts() == {"ready": 1, "compiling": 0, "substituted_steps": 1}
+
+
 def test_what_may_not_cover():
     """A cover must be at least as large in every dimension, of the same kind, of a form that may run the step
     (a greedy-only program never runs a sampling step) and fit the step's own limits; without one the step runs

@@ -7,8 +7,8 @@ as large in every dimension runs the step correctly: rows past the step's are em
 argmax. So do other requests sharing a step already: a request's tokens do not depend on the bucket it ran in.
 
 Once warm-up has compiled a cover (for each prefill row count, the longest chunk at the widest table; the decode
-call over every slot at the widest table, in the sampling form with the top-N alternatives: 5 programs for
-flash-slice with 16 slots, against 242 in all), a step
+call over every slot at the widest table, in the sampling form with the top-N alternatives and greedy-only: 6
+programs for flash-slice with 16 slots, against 242 in all), a step
 whose exact program is not compiled runs on the cheapest compiled one that covers it, while the exact program
 compiles on a background thread and takes over from the next step on. On an H200 a flash-slice
 program took ~15 s to compile (a step, milliseconds): a new shape after `/health` said ready stalled every
@@ -45,7 +45,9 @@ class Program:
     pages: int  # page-table width
 
     def __str__(self) -> str:
-        return f"{self.kind} rows {self.rows}" + (f" x {self.chunk}" if self.chunk else "") + f", {self.pages} pages"
+        form = ("sampling" if self.spec.any_sampled else "greedy") + (", top-N" if self.spec.top_logprobs else "")
+        return (f"{self.kind} rows {self.rows}" + (f" x {self.chunk}" if self.chunk else "")
+                + f", {self.pages} pages ({form})")
 
     def covers(self, other: "Program", wider_specs: dict) -> bool:
         return (self.kind == other.kind and self.spec in wider_specs.get(other.spec, (other.spec,))
@@ -93,6 +95,9 @@ class ProgramBook:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self.substitute = False  # cover steps whose program is missing (set by warm-up)
+        # compile a covered step's own program in the background (False: a benchmark of fixed shapes runs its steps
+        # on the covers and compiles nothing more)
+        self.background = True
         self.substituted_steps = 0  # steps that ran on a covering program
         # several processes: background compiles wait in _compiled until every process has agreed to them
         self.agreed = False
@@ -108,7 +113,8 @@ class ProgramBook:
             cover = [p for p in self._ready if p.covers(exact, self._wider) and fits(p)]
             if not cover:
                 return exact
-            self._submit(exact)
+            if self.background:
+                self._submit(exact)
             self.substituted_steps += 1
             return min(cover, key=Program.cost)
 
