@@ -255,12 +255,22 @@ def _gpu_gather_rows(pool_ref, ids, valid):
 
 def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref, *out_refs, scale, block,
                 n_w_blocks, n_c_blocks, n_split, final, skip_tail):
-    sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
     q = q_ref[...]                                       # [hb, D]
-    cdt = common_compute_dtype(q.dtype, swa_ref.dtype)
-    q = q.astype(cdt)
-    hb = q.shape[0]
-    D = q.shape[1]
+    q = q.astype(common_compute_dtype(q.dtype, swa_ref.dtype))
+    m, l, acc = attend_rows_gpu(q, _gpu_gather_rows, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref,
+                                scale=scale, block=block, n_w_blocks=n_w_blocks, n_c_blocks=n_c_blocks,
+                                n_split=n_split, final=final, skip_tail=skip_tail)
+    write_rows_out_gpu(out_refs, m, l, acc, final)
+
+
+def attend_rows_gpu(q, gather, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref, *, scale, block,
+                    n_w_blocks, n_c_blocks, n_split, final, skip_tail):
+    """The online softmax with the sink of one (head block, query, split) program over its gathered rows, shared by
+    the GPU kernels over row lists (this module's and the FP8-entry candidate's): q [hb, D] in the compute dtype;
+    `gather(pool_ref, ids, valid)` -> the block's rows k [C, D] (q.k in q's dtype, p.v in k's). Returns the
+    state (m, l, acc) after the window's rows, then the compressed ones."""
+    sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
+    hb, D = q.shape
     if final:
         sink = sink_ref[...].astype(F32)                   # [hb]
         m0 = jnp.maximum(sink, MASK_FLOOR)
@@ -280,8 +290,8 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cm
             m, l, acc = carry
             ids = rows_ref[pl.ds(j * block, block)]           # [C]
             valid = ids >= 0
-            k = _gpu_gather_rows(pool_ref, ids, valid)        # [C, D]
-            s = mm_nt(q, k.astype(cdt)) * scale               # [hb, C]
+            k = gather(pool_ref, ids, valid)                  # [C, D]
+            s = mm_nt(q, k.astype(q.dtype)) * scale           # [hb, C]
             s = jnp.where(valid[None, :], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             alpha = jnp.exp(m - m_new)
@@ -296,13 +306,21 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cm
     carry = run(rows_w_ref, swa_ref, n_w_blocks, carry)
     if n_c_blocks:
         carry = run(rows_c_ref, cmp_ref, n_c_blocks, carry, used_c_ref[...] if skip_tail else None)
-    m, l, acc = carry
+    return carry
+
+
+def write_rows_out_gpu(out_refs, m, l, acc, final, store=None):
+    """A program's outputs: o normalised (`final`), else its partial state (acc, m, l) for the merge; `store(ref,
+    x)` writes the [hb, D] values (default: the block as it is)."""
+    if store is None:
+        def store(ref, x):
+            ref[...] = x
     if final:
         (o_ref,) = out_refs
-        o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+        store(o_ref, jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype))
     else:
         acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...] = acc
+        store(acc_ref, acc)
         m_ref[...] = m
         l_ref[...] = l
 

@@ -33,10 +33,9 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
 
 from . import _compat, kv_format, sparse_attention
-from ._common import F32, MASK_FLOOR, mm_nt, pv_matmul
+from ._common import F32
 
 # Untimed defaults. Rows per step: half the bf16 pool kernel's 64, as a block's words, scales and k are in registers
 # at once beside acc (64 rows on 4 warps: ~350 32-bit values a thread by count, past the 255 registers);
@@ -126,56 +125,18 @@ def _gather_rows(pool_ref, ids, valid, fmt, dtype, expand):
 
 def _kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref, *out_refs, fmt, scale, block,
             n_w_blocks, n_c_blocks, n_split, final, skip_tail, expand):
-    sp = pl.program_id(2)   # grid (head block, b*t, split), as sparse_attention._gpu_kernel
     hb, D = q_ref.shape
     cdt = q_ref.dtype        # entries decode exactly to bf16 (or f32)
     heads = lax.broadcasted_iota(jnp.int32, (hb, 1), 0)
     dims = _column_dims(fmt, lax.broadcasted_iota(jnp.int32, (1, D), 1))
     q = _compat.pltriton.load(q_ref.at[heads, dims])                   # [hb, D] in the column order
-    if final:
-        sink = sink_ref[...].astype(F32)
-        m0 = jnp.maximum(sink, MASK_FLOOR)
-        l0 = jnp.exp(sink - m0)
-    else:
-        m0 = jnp.full((hb,), MASK_FLOOR, F32)
-        l0 = jnp.zeros((hb,), F32)
-    acc0 = jnp.zeros((hb, D), F32)
-
-    def run(rows_ref, pool_ref, n_blocks, carry, used=None):
-        lo = sp * n_blocks // n_split
-        hi = (sp + 1) * n_blocks // n_split
-        if used is not None:   # the blocks after the query's last valid row hold none: not visited
-            hi = jnp.minimum(hi, used)
-
-        def body(j, carry):
-            m, l, acc = carry
-            ids = rows_ref[pl.ds(j * block, block)]
-            valid = ids >= 0
-            k = _gather_rows(pool_ref, ids, valid, fmt, cdt, expand)       # [C, D]
-            s = mm_nt(q, k) * scale                                        # [hb, C]
-            s = jnp.where(valid[None, :], s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[:, None])
-            l = alpha * l + jnp.sum(p, axis=1)
-            acc = alpha[:, None] * acc + pv_matmul(p, k)
-            return m_new, l, acc
-
-        return lax.fori_loop(lo, hi, body, carry)
-
-    carry = run(rows_w_ref, swa_ref, n_w_blocks, (m0, l0, acc0))
-    if n_c_blocks:
-        carry = run(rows_c_ref, cmp_ref, n_c_blocks, carry, used_c_ref[...] if skip_tail else None)
-    m, l, acc = carry
-    store = lambda ref, x: _compat.pltriton.store(ref.at[heads, dims], x)   # back to the dims' order
-    if final:
-        (o_ref,) = out_refs
-        store(o_ref, jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype))
-    else:
-        acc_ref, m_ref, l_ref = out_refs
-        store(acc_ref, acc)
-        m_ref[...] = m
-        l_ref[...] = l
+    m, l, acc = sparse_attention.attend_rows_gpu(
+        q, lambda pool_ref, ids, valid: _gather_rows(pool_ref, ids, valid, fmt, cdt, expand), sink_ref, rows_w_ref,
+        rows_c_ref, used_c_ref, swa_ref, cmp_ref, scale=scale, block=block, n_w_blocks=n_w_blocks,
+        n_c_blocks=n_c_blocks, n_split=n_split, final=final, skip_tail=skip_tail)
+    # o (or acc) back to the dims' order
+    sparse_attention.write_rows_out_gpu(out_refs, m, l, acc, final,
+                                        lambda ref, x: _compat.pltriton.store(ref.at[heads, dims], x))
 
 
 def sparse_attention_gpu_words(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, entry_format,
