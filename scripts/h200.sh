@@ -31,7 +31,8 @@
 #   check      GPU tests (kernels, engine), the kernel table from profiler traces ($OUT/k/bench_kernels.{md,json}),
 #              engine decode with XLA and Pallas attention at batch 32 / 128K ($OUT/d{xla,pallas})
 #   candidates kernels checked on a CPU and not yet timed, against the forms they would replace: their GPU tests
-#              and sweeps (v4jax bench kernels --sweep hc_pre, --sweep router)
+#              and sweeps (v4jax bench kernels --sweep hc_pre, --sweep router); flash-slice's random init
+#              (scripts/init_probe.py)
 #   tune       the projection kernel's sweep (--sweep layer_linear; SWEEP=0 skips it), the Sinkhorn sweep (--tune
 #              --only sinkhorn), their and the top-k GPU tests, batch 1 / 32 at 4K of flash-slice with each
 #              kernel's time per line of the model
@@ -404,6 +405,8 @@ candidates)
   timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep hc_pre --out "$out/hc_pre" 2>&1 | quiet | tail -4
   stamp "MoE router"
   timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep router --out "$out/router" 2>&1 | quiet | tail -8
+  stamp "a random preset's init: seconds and programs compiled"
+  timeout 120 python3 -W ignore scripts/init_probe.py flash-slice 2>&1 | quiet | tee "$out/init_probe.txt" | head -3
   ;;
 memory)
   imports

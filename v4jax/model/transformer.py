@@ -137,10 +137,10 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
         self.hc_attn_fn = nnx.Param(init_normal(rngs, (mix, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
         self.hc_attn_base = nnx.Param(init_normal(rngs, (mix,), 0.1, F32), logical_axes=("hc_mix",))
-        self.hc_attn_scale = nnx.Param(jnp.ones((3,), F32), logical_axes=("hc_scale",))
+        self.hc_attn_scale = nnx.Param(L.ones((3,)), logical_axes=("hc_scale",))
         self.hc_ffn_fn = nnx.Param(init_normal(rngs, (mix, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
         self.hc_ffn_base = nnx.Param(init_normal(rngs, (mix,), 0.1, F32), logical_axes=("hc_mix",))
-        self.hc_ffn_scale = nnx.Param(jnp.ones((3,), F32), logical_axes=("hc_scale",))
+        self.hc_ffn_scale = nnx.Param(L.ones((3,)), logical_axes=("hc_scale",))
         self.attn = Attention(cfg, layer_id, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, layer_id, rngs=rngs, dtype=dtype, experts_storage=experts_storage)
 
@@ -193,10 +193,13 @@ def _with_layers_axis(tree):
                         tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-# Writes one layer into its stack in place (the stack's buffer donated); one program per (shape, dtype), the index
-# traced. Inside a trace (eval_shape, a jitted sharded init) it is an ordinary update.
-_put_layer = jax.jit(lambda stack, layer, j: jax.lax.dynamic_update_index_in_dim(stack, layer, j, 0),
-                     donate_argnums=0)
+# Writes one layer's arrays into their stacks in place (the stacks' buffers donated); one program per layer
+# structure, the index traced (one per array was a compile each, and so were the stacks' zeros). Inside a trace
+# (eval_shape, a jitted sharded init) they are ordinary updates.
+_put_layer = jax.jit(lambda stacks, layer, j: jax.tree.map(
+    lambda stack, a: jax.lax.dynamic_update_index_in_dim(stack, a, j, 0), stacks, layer), donate_argnums=0)
+_zero_stacks = jax.jit(lambda layer, n: jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype), layer),
+                       static_argnums=1)
 
 
 class _StackBuilder:
@@ -221,8 +224,8 @@ class _StackBuilder:
         graphdef, state = nnx.split(block)
         if self.state is None:
             self.graphdef = graphdef
-            self.state = jax.tree.map(lambda a: jnp.zeros((self.n,) + a.shape, a.dtype), state)
-        self.state = jax.tree.map(lambda stack, a: _put_layer(stack, a, j), self.state, state)
+            self.state = _zero_stacks(state, self.n)
+        self.state = _put_layer(self.state, state, j)
 
     def finish(self) -> "Block":
         assert sorted(self.tables) == list(range(len(self.tables))), "hash layers come first in a stack"
@@ -253,7 +256,7 @@ class MTPBlock(nnx.Module):
         self.norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
         self.hc_head_fn = nnx.Param(init_normal(rngs, (n, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
         self.hc_head_base = nnx.Param(init_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
-        self.hc_head_scale = nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",))
+        self.hc_head_scale = nnx.Param(L.ones((1,)), logical_axes=("hc_scale",))
         self.block = Block(cfg, cfg.n_layers, rngs=rngs, dtype=dtype, experts_storage=experts_storage)
 
     def streams_in(self, embedded_next, h_main, opts):
@@ -316,7 +319,7 @@ class DSparkStage(nnx.Module):
                                              logical_axes=HC_FN_AXES) if last else None)
         self.hc_head_base = nnx.data(nnx.Param(init_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
                                      if last else None)
-        self.hc_head_scale = nnx.data(nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",)) if last else None)
+        self.hc_head_scale = nnx.data(nnx.Param(L.ones((1,)), logical_axes=("hc_scale",)) if last else None)
         self.markov_head = nnx.data(MarkovHead(cfg, rngs=rngs, dtype=dtype) if last else None)
         self.confidence_head = nnx.data(ConfidenceHead(cfg, rngs=rngs) if last else None)
 
@@ -383,7 +386,7 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(d, cfg.norm_eps, "embed", rngs=rngs)
         self.hc_head_fn = nnx.Param(init_normal(rngs, (n, n * d), (n * d) ** -0.5, F32), logical_axes=HC_FN_AXES)
         self.hc_head_base = nnx.Param(init_normal(rngs, (n,), 0.1, F32), logical_axes=("hc_mix",))
-        self.hc_head_scale = nnx.Param(jnp.ones((1,), F32), logical_axes=("hc_scale",))
+        self.hc_head_scale = nnx.Param(L.ones((1,)), logical_axes=("hc_scale",))
         self.head = Table(cfg.vocab_size, d, d ** -0.5, rngs=rngs, dtype=dtype)
         # the drafter: the MTP block, or the DSpark draft layers of a config with dspark_* keys (both `mtp.N.*`)
         n_draft = cfg.n_mtp_layers if mtp else 0
