@@ -265,10 +265,9 @@ def _gpu_kernel(q_ref, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cm
 
 def attend_rows_gpu(q, gather, sink_ref, rows_w_ref, rows_c_ref, used_c_ref, swa_ref, cmp_ref, *, scale, block,
                     n_w_blocks, n_c_blocks, n_split, final, skip_tail):
-    """The online softmax with the sink of one (head block, query, split) program over its gathered rows, shared by
-    the GPU kernels over row lists (this module's and the FP8-entry candidate's): q [hb, D] in the compute dtype;
-    `gather(pool_ref, ids, valid)` -> the block's rows k [C, D] (q.k in q's dtype, p.v in k's). Returns the
-    state (m, l, acc) after the window's rows, then the compressed ones."""
+    """The online softmax with the sink of one (head block, query, split) program over its gathered rows: q [hb, D]
+    in the compute dtype; `gather(pool_ref, ids, valid)` -> the block's rows k [C, D] (q.k in q's dtype, p.v in
+    k's). Returns the state (m, l, acc) after the window's rows, then the compressed ones."""
     sp = pl.program_id(2)   # grid (head block, b*t, split): the head blocks of one query run side by side (L2 reuse)
     hb, D = q.shape
     if final:
@@ -347,10 +346,10 @@ def _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, sc
 
 def run_rows_kernel_gpu(kernel, name, q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, interpret, n_split,
                         block, heads, num_warps, num_stages, return_lse, skip_tail):
-    """The launch of a GPU kernel over each query's gathered rows (`_gpu_kernel`, and the FP8-entry candidate in
-    pallas_kernels.sparse_attention_fp8_gpu): heads padded to the head block, row lists padded to the row block,
-    grid (head blocks, queries, splits), the splits' partial states merged. `kernel` takes the refs and scale,
-    block, n_w_blocks, n_c_blocks, n_split, final and skip_tail; the pools as it reads them."""
+    """The launch of a GPU kernel over each query's gathered rows (`_gpu_kernel`): heads padded to the head block,
+    row lists padded to the row block, grid (head blocks, queries, splits), the splits' partial states merged.
+    `kernel` takes the refs and scale, block, n_w_blocks, n_c_blocks, n_split, final and skip_tail; the pools as it
+    reads them."""
     B, T, H, D = q.shape
     C = block
     hb = heads
@@ -612,7 +611,9 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
     TPU-style kernel gathers the bytes and decodes them on chip; on a GPU the reference runs. Measured on the H200
     (v4jax bench kernels --sweep kv_formats, one CSA layer at 128K): a Triton form gathering the bytes and decoding
     each scale block in registers took 56.8 us at batch 1 and 191 us at batch 32, the reference 22.5 and 110 us
-    (the bf16 pool's kernel: 14.8 and 38 us), so the Triton form was removed.
+    (the bf16 pool's kernel: 14.8 and 38 us), so the Triton form was removed. So was a second one gathering the
+    entries as 32-bit words and running one q.k and one p.v product a row block (H100, the same sweep: 36.6 / 148
+    us against the reference's 20.8 / 118).
 
     valid_prefix: a hint that each query's valid compressed rows end where its -1s begin (HCA: every entry before
     n_ready); the GPU kernel then stops each query's loop after its last valid block. On the H200, the last

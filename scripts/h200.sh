@@ -30,9 +30,6 @@
 # Kernels:
 #   check      GPU tests (kernels, engine), the kernel table from profiler traces ($OUT/k/bench_kernels.{md,json}),
 #              engine decode with XLA and Pallas attention at batch 32 / 128K ($OUT/d{xla,pallas})
-#   candidates kernels checked on a CPU and not yet timed, against the forms they would replace: their GPU tests
-#              and sweeps (v4jax bench kernels --sweep hc_pre, --sweep router); flash-slice's random init
-#              (scripts/init_probe.py)
 #   tune       the projection kernel's sweep (--sweep layer_linear; SWEEP=0 skips it), the Sinkhorn sweep (--tune
 #              --only sinkhorn), their and the top-k GPU tests, batch 1 / 32 at 4K of flash-slice with each
 #              kernel's time per line of the model
@@ -393,21 +390,6 @@ ab)
   done
   python3 -m v4jax.bench.table "$out/ab-base=base" "$out/ab-new=new"
   ;;
-candidates)
-  imports
-  # kernels written and checked on a CPU, not yet timed: their GPU tests, then each against the form it would
-  # replace. mHC's collapse with the norm after it (--sweep hc_pre: two launches against the model's ~10)
-  # and the top-k MoE router (--sweep router: two launches against route_by's ~6)
-  stamp "GPU tests of the candidate kernels"
-  timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "hc_pre or router" -p no:cacheprovider \
-    --tb=short 2>&1 | tail -4
-  stamp "mHC collapse and norm"
-  timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep hc_pre --out "$out/hc_pre" 2>&1 | quiet | tail -4
-  stamp "MoE router"
-  timeout 120 python3 -W ignore -m v4jax.bench kernels --sweep router --out "$out/router" 2>&1 | quiet | tail -8
-  stamp "a random preset's init: seconds and programs compiled"
-  timeout 120 python3 -W ignore scripts/init_probe.py flash-slice 2>&1 | quiet | tee "$out/init_probe.txt" | head -3
-  ;;
 memory)
   imports
   # the decode call's memory plan at flash-slice batch 32 / 128K (v4jax bench decode --memory-plan) and, from XLA's
@@ -510,7 +492,7 @@ kvformats)
   if [ "${TESTS:-1}" = 1 ]; then
     stamp "GPU tests of the sparse attention on FP8 entries, the indexer on FP4 keys, the engine on both"
     timeout 180 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py tests/test_engine_gpu.py \
-      tests/test_kernels_sparse_attention_words.py -k "sparse_attention_fp8 or indexer_scores_fp4 or fp8_cache or words" \
+      -k "sparse_attention_fp8 or indexer_scores_fp4 or fp8_cache" \
       -p no:cacheprovider --tb=short 2>&1 \
       | grep -v "^  \|^$" | tail -15
   fi

@@ -30,30 +30,14 @@ def test_tune_and_sweep_small(tmp_path):
     assert row["max_abs_diff"] < 0.5 and {"separate", "fused", "multi"} <= set(row)
 
 
-def test_mhc_sweeps_small(tmp_path):
-    """--sweep hc_post and hc_pre end to end: every form runs and is timed; hc_pre's forms agree with the model's."""
+def test_hc_post_sweep_small(tmp_path):
+    """--sweep hc_post end to end: every form runs and is timed."""
     assert kernels_main(["--sweep", "hc_post", "--small", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_hc_post.json").read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 5] and all(r["xla"]["wall_us"] > 0 for r in rows)
-    assert kernels_main(["--sweep", "hc_pre", "--small", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "bench_hc_pre.json").read_text())["rows"]
-    forms = [k for k in rows[0] if isinstance(rows[0][k], dict)]
-    assert len(forms) == 4 and sum(f.startswith("pallas") for f in forms) == 2
-    assert all(r[f]["max_err"] < 1e-2 and r[f]["wall_us"] > 0 for r in rows for f in forms)
 
 
-def test_router_sweep_small(tmp_path):
-    """--sweep router end to end: route_by and the Pallas kernels run, are timed and pick the same experts."""
-    assert kernels_main(["--sweep", "router", "--small", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "bench_router.json").read_text())["rows"]
-    assert [r["tokens"] for r in rows] == [1, 5]
-    forms = [k for k in rows[0] if isinstance(rows[0][k], dict)]
-    assert len(forms) == 2 and forms[0] == "model (XLA)" and forms[1].startswith("pallas")
-    assert all(r[f]["experts_differ"] == 0 and r[f]["max_err"] < 1e-5 and r[f]["wall_us"] > 0
-               for r in rows for f in forms)
-
-
-@pytest.mark.slow   # ~40 s: seven forms compiled in interpret mode
+@pytest.mark.slow   # three forms compiled in interpret mode
 def test_kv_formats_sweep_small(tmp_path):
     """--sweep kv_formats end to end: every form of every case runs, is checked against the reference and timed."""
     assert kernels_main(["--sweep", "kv_formats", "--small", "--out", str(tmp_path)]) == 0
@@ -64,9 +48,7 @@ def test_kv_formats_sweep_small(tmp_path):
     assert all(r["same_inf"] and r["max_rel_err"] < 1e-2 and r["us_per_layer"] > 0 for r in rows)
 
 
-_ATTENTION_FORMS = ("bf16 pool (Triton)", "fp8 entries (Triton words)", "fp8 entries (XLA reference)",
-                    "fp8 entries (Triton words, 64 rows 8 warps)", "fp8 entries (Triton words, columns)",
-                    "fp8 entries (Triton words on uint8)")
+_ATTENTION_FORMS = ("bf16 pool (Triton)", "fp8 entries (XLA reference)")
 _INDEXER_FORMS = ("bf16 keys (Triton)", "fp4 keys (Triton)", "fp4 keys (XLA reference)")
 
 

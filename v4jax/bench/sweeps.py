@@ -12,10 +12,6 @@ is reported, not fatal.
   --sweep fused_projections   several projections of one input as one launch against one launch each
                                                                                  -> OUT/bench_fused_projections.json
   --sweep hc_post             mHC's expansion: XLA's form against the Pallas kernel -> OUT/bench_hc_post.json
-  --sweep hc_pre              mHC's collapse and the norm after it: the model's chain against two Pallas kernels
-                                                                                 -> OUT/bench_hc_pre.json
-  --sweep router              the top-k MoE router: route_by's XLA chain against two Pallas kernels
-                                                                                 -> OUT/bench_router.json
   --sweep experts             few-token routed experts: XLA's gather form against pallas_kernels.experts
                                                                                  -> OUT/experts.json
   --sweep prefill_experts     a prefill chunk's routed experts: XLA dense / grouped against the Hopper ragged
@@ -32,7 +28,7 @@ is reported, not fatal.
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post, hc_pre, router, kv_formats, attention_prefill): tiny
+`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill): tiny
 shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
 The other sweeps run on a GPU only.
 Times are GPU kernel time from a profiler trace unless said otherwise.
@@ -45,7 +41,6 @@ import itertools
 import json
 import os
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -416,116 +411,6 @@ def hc_post(a, out_dir: str) -> int:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
     return 0
 
-
-HC_PRE_BLOCKS = [(16, 128, 4, 8), (16, 64, 4, 8), (8, 256, 4, 8), (16, 128, 4, 4)]  # (tokens, D, warps) of the mix
-# kernel's programs, then the finish kernel's warps
-
-
-def hc_pre(a, out_dir: str) -> int:
-    """mHC's collapse and the norm after it: the model's chain as a GPU runs it today (XLA with the Sinkhorn
-    kernel, pallas_kernels.sinkhorn) and as XLA alone, against the two Pallas kernels (pallas_kernels/hc_pre.py)
-    over a few block shapes, at decode batches and on a prefill chunk of Flash's width (N = 4, D = 4096), x in bf16:
-    wall time per call and, on a GPU, kernel time and launches per call from a profiler trace, with the bandwidth
-    the bytes (x twice, fn once, y written) allow. -> OUT/bench_hc_pre.json"""
-    from pallas_kernels import hc_pre as HC
-    from pallas_kernels import sinkhorn as SK
-    from v4jax.bench.profile import said, time_call
-    from v4jax.model import layers as L
-
-    n, d = 4, (256 if a.small else 4096)
-    mix = (2 + n) * n
-    eps = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
-    cfg = types.SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)  # what hc_pre reads
-    rows = []
-    for m in ((1, 5) if a.small else (1, 32, 8192)):
-        k = jax.random.split(jax.random.key(m), 5)
-        args = (jax.random.normal(k[0], (m, n, d), BF16),
-                jax.random.normal(k[1], (mix, n * d), jnp.float32) * (n * d) ** -0.5,
-                0.5 * jax.random.normal(k[2], (mix,), jnp.float32), 1.0 + 0.1 * jax.random.normal(k[3], (3,)),
-                1.0 + 0.1 * jax.random.normal(k[4], (d,)))
-        mb = (m * n * d * 2 * 2 + mix * n * d * 4 + m * d * 2) / 1e6
-        row = {"tokens": m, "D": d, "MB_per_call": mb}
-        # the model's kernels would read layer li of each weight stack in place (4 layers here)
-        stacked = (args[0], *(jnp.stack([w] * 4) for w in args[1:]), jnp.int32(2))
-        variants = [("model (XLA, Sinkhorn kernel)",
-                     functools.partial(L.hc_pre_norm, cfg=cfg, normalise=SK.sinkhorn), args),
-                    ("xla", functools.partial(L.hc_pre_norm, cfg=cfg), args)] + [
-            (f"pallas {bm}x{bd} w{w}/{fw}", functools.partial(HC.hc_pre_norm, block_tokens=bm, block_d=bd,
-                                                               num_warps=w, finish_warps=fw, **eps), args)
-            for bm, bd, w, fw in (HC_PRE_BLOCKS[:1] if a.small else HC_PRE_BLOCKS)] + [
-            ("pallas, a layer of stacks", functools.partial(HC.hc_pre_norm, **eps), stacked)]
-        ref = None
-        for name, fn, call_args in variants:
-            run = jax.jit(fn)
-            out = run(*call_args)
-            if ref is None:
-                ref = out
-            err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32)))) for o, r in zip(out, ref))
-            row[name] = dict(time_call(lambda run=run, c=call_args: run(*c), 3 if a.small else 10, mb=mb), max_err=err)
-        rows.append(row)
-        print(f"tokens {m}: " + "; ".join(said(nm, row[nm]) + f" (err {row[nm]['max_err']:.1e})"
-                                          for nm, _, _ in variants), flush=True)
-        with open(os.path.join(out_dir, "bench_hc_pre.json"), "w") as fh:
-            json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
-    return 0
-
-
-ROUTER_BLOCKS = [(16, None, 256, 4, 8, True), (16, None, 256, 4, 8, False), (16, 2, 512, 4, 8, True),
-                 (32, 16, 128, 4, 8, True), (64, 64, 64, 8, 16, True)]
-# (tokens, experts, D, warps) of the scores kernel's programs (experts None: the module's default, 16 from 16 tokens
-# on, else 4), the select kernel's tokens a program, whether bf16 operands go to the dot as they are (False: f32)
-
-
-def router(a, out_dir: str) -> int:
-    """The top-k MoE router: route_by (v4jax.model.layers) jitted as the model runs it (XLA: the gate's matmul in
-    f32, sqrt(softplus), the bias, lax.top_k's sort, the gather and the normalisation) against the two Pallas kernels
-    (pallas_kernels/router.py) over a few block shapes, at decode batches and on a prefill chunk with Flash's router
-    (D = 7168, E = 256, k = 6; x and the gate in bf16): wall time per call and, on a GPU, kernel time and launches
-    per call from a profiler trace, with the bandwidth the bytes (gate and x read) allow; each form's experts that
-    differ from route_by's (a near-tie ordered otherwise by the f32 sums) and its largest weight error.
-    --small: D = 256, E = 16, interpret mode. -> OUT/bench_router.json"""
-    from pallas_kernels import router as RT
-    from v4jax.bench.profile import said, time_call
-    from v4jax.model import layers as L
-
-    d, e, k, scale = (256, 16, 6, 1.5) if a.small else (7168, 256, 6, 1.5)
-    rows = []
-    for m in ((1, 5) if a.small else (1, 32, 8192)):
-        ks = jax.random.split(jax.random.key(m), 3)
-        args = (jax.random.normal(ks[0], (m, d), BF16), (jax.random.normal(ks[1], (e, d)) * d ** -0.5).astype(BF16),
-                0.1 * jax.random.normal(ks[2], (e,), F32))
-        mb = (e * d + m * d) * 2 / 1e6
-        row = {"tokens": m, "D": d, "E": e, "k": k, "MB_per_call": mb}
-        cfg = types.SimpleNamespace(n_activated_experts=k, route_scale=scale)  # what route_by reads
-        variants = [("model (XLA)", lambda x, w, b, cfg=cfg: L.route_by(x, w, b, None, cfg))] + [
-            (f"pallas {bm}x{be or 'def'}x{bd} w{w}/s{bs}" + ("" if tc else " f32 dot"),
-             functools.partial(RT.route, k=k, route_scale=scale, block_tokens=bm, block_experts=be, block_d=bd,
-                               num_warps=w, select_tokens=bs, bf16_dot=tc))
-            for bm, be, bd, w, bs, tc in (ROUTER_BLOCKS[:1] if a.small else ROUTER_BLOCKS)]
-        ref, done = None, []
-        for name, fn in variants:
-            try:
-                run = jax.jit(fn)
-                wt, ex = run(*args)
-                if ref is None:
-                    ref = (wt, ex)
-                row[name] = dict(time_call(lambda run=run: run(*args), 3 if a.small else 10, mb=mb),
-                                 experts_differ=int(jnp.sum(jnp.any(ex != ref[1], axis=1))),
-                                 max_err=float(jnp.max(jnp.abs(wt - ref[0]))))
-                done.append(name)
-            except Exception as exc:  # noqa: BLE001 - a block shape Triton refuses (registers): say so, go on
-                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                print(f"tokens {m}: {name} failed {row[name]['error'][:200]}", flush=True)
-        rows.append(row)
-        print(f"tokens {m}: " + "; ".join(said(nm, row[nm]) + f" (err {row[nm]['max_err']:.1e}, "
-                                          f"{row[nm]['experts_differ']} tokens' experts differ)" for nm in done),
-              flush=True)
-        with open(os.path.join(out_dir, "bench_router.json"), "w") as fh:
-            json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
-    return 0
-
-
-# ---- --sweep experts, --sweep prefill_experts -----------------------------------------------------------------------
 
 def experts_case(M, k, E, I, D):
     """Tokens, uniform routing (k distinct experts per token) and the weights of E experts of Flash's sizes."""
@@ -906,10 +791,7 @@ def kv_formats(a, out_dir: str) -> int:
     an HCA layer's (the window + all 1,024 entries) and the indexer scores (64 heads x 128 over 32,768 keys in
     pages of 64). Forms: what the model runs on a GPU on each pool (the Triton kernels; on FP8 entries the
     attention's XLA reference, see pallas_kernels.sparse_attention) and the indexer's XLA reference on FP4 keys;
-    on FP8 entries also the candidate Triton form reading them as 32-bit words
-    (pallas_kernels.sparse_attention_fp8_gpu: "Triton words", on the pools viewed as words once, outside the call),
-    two of its variants (64 rows on 8 warps; k built at its columns, no reshape) and the same kernel handed the uint8
-    pools (the word view made in the call: whatever XLA makes of it is in the time). Each call runs over several
+    Each call runs over several
     layers one after another (unrolled: no loop's kernels in the time), their rows apart in one flat pool as the
     model's are, so that >= ~100 MB are read per call and the reads come from HBM, not from the 50 MB L2 (batch 1: 256
     attention / 128 indexer layers); time = GPU kernel time per layer from a profiler trace; GB/s = the bytes a
@@ -917,7 +799,6 @@ def kv_formats(a, out_dir: str) -> int:
     reference on the same pools (max |err| relative to max |ref|). --small: tiny shapes in interpret mode on a CPU.
     -> OUT/kv_formats.json"""
     from pallas_kernels import kv_format
-    from pallas_kernels import sparse_attention_fp8_gpu as SAW
     SA = importlib.import_module("pallas_kernels.sparse_attention")
     IX = importlib.import_module("pallas_kernels.indexer")
     interp = jax.default_backend() == "cpu"
@@ -971,13 +852,11 @@ def kv_formats(a, out_dir: str) -> int:
         sink = jax.random.normal(ks[1], (H,), F32)
         swa = jax.random.normal(ks[2], (L * B * W, D), BF16)
         swa8 = encode(ent, swa)
-        swa32 = kv_format.as_words(swa8)
         req = (jnp.arange(L)[:, None] * B + jnp.arange(B)[None, :])[:, :, None, None]     # [L, B, 1, 1]
         win = (req * W + jnp.arange(W)).astype(jnp.int32)
         for kind, n_cmp in (("csa", n_c4), ("hca", n_hca)):
             cmp = jax.random.normal(ks[3], (L * B * n_cmp, D), BF16)
             cmp8 = encode(ent, cmp)
-            cmp32 = kv_format.as_words(cmp8)
             sel = (jax.random.randint(ks[4], (L, B, 1, K), 0, n_cmp) if kind == "csa"
                    else jnp.broadcast_to(jnp.arange(n_cmp), (L, B, 1, n_cmp)))
             sel = (req * n_cmp + sel).astype(jnp.int32)
@@ -988,19 +867,12 @@ def kv_formats(a, out_dir: str) -> int:
             ref32 = jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale, return_lse=True))
             # as the model calls them (an HCA layer's rows end where its -1s begin: valid_prefix)
             gpu_kw = dict(scale=scale, interpret=interp, skip_tail=kind == "hca")
-            words = functools.partial(SAW.sparse_attention_gpu_words, **gpu_kw, entry_format=ent)
             forms = [
                 ("bf16 pool (Triton)", functools.partial(SA._sparse_attention_gpu, **gpu_kw),
                  swa, cmp, D * 2, ref32(q, swa, wins[0], cmp, sels[0], sink)[0]),
-                ("fp8 entries (Triton words)", words, swa32, cmp32, ent.nbytes, None),
                 ("fp8 entries (XLA reference)", functools.partial(SA.sparse_attention_ref, scale=scale,
                                                                   entry_format=ent),
                  swa8, cmp8, ent.nbytes, None),
-                ("fp8 entries (Triton words, 64 rows 8 warps)", functools.partial(words, block=64, num_warps=8),
-                 swa32, cmp32, ent.nbytes, None),
-                ("fp8 entries (Triton words, columns)", functools.partial(words, expand="columns"),
-                 swa32, cmp32, ent.nbytes, None),
-                ("fp8 entries (Triton words on uint8)", words, swa8, cmp8, ent.nbytes, None),
             ]
             ref8 = np.asarray(jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale, return_lse=True,
                                                         entry_format=ent))(q, swa8, wins[0], cmp8, sels[0], sink)[0])
@@ -1011,8 +883,8 @@ def kv_formats(a, out_dir: str) -> int:
                 measure(case, B, L, name,
                         lambda q, sink, sp, cp, wins, sels, f=f: [f(q, sp, w, cp, c, sink) for w, c in zip(wins, sels)],
                         (q, sink, sp, cp, wins, sels), per_layer, ref)
-            del cmp, cmp8, cmp32
-        del swa, swa8, swa32
+            del cmp, cmp8
+        del swa, swa8
 
         L = max(1, reach_ix // B)
         iq = jax.random.normal(ks[5], (B, 1, Hi, Di), BF16)
@@ -1052,12 +924,12 @@ def kv_formats(a, out_dir: str) -> int:
     return 0 if all("error" not in r and r["same_inf"] for r in rows_out) else 1
 
 
-SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post, "hc_pre": hc_pre,
-          "router": router, "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
+SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
+          "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
           "stored_weights": stored_weights, "kv_formats": kv_formats}
 # the sweeps with a --small form
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "hc_pre", "router", "kv_formats",
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats",
                 "attention_prefill")
 
 

@@ -135,13 +135,6 @@ def hc_pre(x, fn, base, scale, cfg: ModelConfig, normalise=None):
 SINKHORN_UNROLL = False  # unroll the Sinkhorn loop (no while loop on the device; measured by bench --sinkhorn-unroll)
 
 
-def hc_pre_norm(x, fn, base, scale, norm_w, cfg: ModelConfig, normalise=None):
-    """hc_pre, then the RMS norm of its collapsed output (weight norm_w, epsilon cfg.norm_eps), which feeds the part
-    after it: (normed u [..., D] in x's dtype, post, comb)."""
-    u, post, comb = hc_pre(x, fn, base, scale, cfg, normalise)
-    return rms_norm(u, norm_w, cfg.norm_eps), post, comb
-
-
 def sinkhorn(comb, iters: int, eps: float):
     """Alternate column / row normalisation of comb [..., N, N] (reference §5: one column step, then iters - 1
     (row, column) steps). Measured on CPU: writing the N*N entries as separate arrays with explicit sums (so that
