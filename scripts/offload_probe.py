@@ -1,6 +1,7 @@
-"""What the host pool's write and fetch cost per decode step, by the pool's size: a jitted call of 8 steps over a
-host pool [2, R, 512] (two CSA layers of R rows, bf16, donated), each step writing one row per layer or gathering
-512 rows per layer to the device, in several forms: a scatter and a gather as host computations (compute_on), one
+"""What the host pool's write and fetch cost per step, by the pool's size: a jitted call of 8 steps over a host
+pool [2, R, 512] (two CSA layers of R rows, bf16, donated), each step writing one row per layer, a prefill chunk's
+2,048 rows per layer (consecutive, or on pages apart; offload's blocks against blocks of 32 rows) or gathering 512
+rows per layer to the device, in several forms: a scatter and a gather as host computations (compute_on), one
 dynamic update a row (v4jax.model.offload's write), a row-at-a-time dynamic slice, and a raw gather with host
 operands (offload's fetch). A time that grows with R means the step copies the pool rather than updating it in
 place.
@@ -67,14 +68,22 @@ def main() -> None:
             return host
         return lax.fori_loop(0, a.steps, body, host)
 
-    def chunk_write_call(host, sel):
-        # a prefill chunk's writes: 2,048 consecutive rows a layer (8,192 tokens' C4 entries), a step each
-        def body(i, host):
-            for li in range(n):
-                rows = (sel[i, 0] // 4096) * 2048 + jnp.arange(2048, dtype=jnp.int32)
-                host = offload._write_rows(host, jnp.int32(li), rows, jnp.full((2048, k), i, host.dtype))
-            return host
-        return lax.fori_loop(0, a.steps, body, host)
+    def chunk_write(largest, pages):
+        # a prefill chunk's writes: 2,048 rows a layer (8,192 tokens' C4 entries), a step each, on consecutive pages
+        # or on 32 pages of 64 rows apart; `largest`: offload's largest block (32: the form before larger blocks)
+        def call(host, sel):
+            def body(i, host):
+                for li in range(n):
+                    if pages:
+                        first = (sel[i, :32] // 64) * 64
+                        rows = (first[:, None] + jnp.arange(64, dtype=jnp.int32)).reshape(-1)
+                    else:
+                        rows = (sel[i, 0] // 4096) * 2048 + jnp.arange(2048, dtype=jnp.int32)
+                    host = offload._write_rows(host, jnp.int32(li), rows, jnp.full((2048, k), i, host.dtype),
+                                               largest)
+                return host
+            return lax.fori_loop(0, a.steps, body, host)
+        return call
 
     def gather_call(host, sel):
         def body(i, acc):
@@ -117,7 +126,10 @@ def main() -> None:
         rows = jax.random.randint(key, (a.steps,), 0, r, jnp.int32)
         sel = jax.random.randint(key, (a.steps, 512), 0, r, jnp.int32)
         for name, fn in (("passthrough", passthrough_call), ("write_scatter", write_call), ("write_dus", dus_call),
-                         ("write_chunk_2048", chunk_write_call), ("gather_512", gather_call),
+                         ("write_chunk_2048", chunk_write(None, False)),
+                         ("write_chunk_2048_blocks_32", chunk_write(32, False)),
+                         ("write_chunk_2048_pages", chunk_write(None, True)),
+                         ("write_chunk_2048_pages_blocks_32", chunk_write(32, True)), ("gather_512", gather_call),
                          ("gather_ds_512", gather_ds_call),
                          ("gather_take_512", gather_take_call)):
             host = offload.to_host(jnp.zeros((n, r, k), jnp.bfloat16))

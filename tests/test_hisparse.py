@@ -432,6 +432,27 @@ def test_host_writes_land_on_their_rows(rng, n_rows):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_host_writes_in_blocks_of_every_size(rng):
+    """A prefill chunk's rows: a run of consecutive pages (one block of 256 rows, written as one update), pages of 64
+    rows apart, a half page, rows alone and -1s, each landing as a numpy scatter does; `largest` caps the blocks
+    without changing what lands."""
+    from v4jax.model import offload
+    n, r, k = 2, 2048, 4
+    pool = rng.standard_normal((n, r, k)).astype(np.float32)
+    pages = rng.choice(np.arange(8, 30), 3, replace=False) * 64
+    rows = np.concatenate([np.arange(256, 512), *(np.arange(p, p + 64) for p in pages), np.arange(1984, 2016),
+                           rng.choice(np.r_[0:256, 1920:1984], 32, replace=False)]).astype(np.int32)
+    rows[rng.random(rows.size) < 0.02] = -1
+    values = rng.standard_normal((rows.size, k)).astype(np.float32)
+    want = pool.copy()
+    want[0, rows[rows >= 0]] = values[rows >= 0]
+    for largest in (None, 64, 32):
+        host = jax.device_put(pool, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+        got = jax.jit(offload._write_rows, static_argnums=4)(host, jnp.int32(0), jnp.asarray(rows),
+                                                             jnp.asarray(values), largest)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_offload_steps_compile_once_per_program():
     """With host offload every argument's placement is part of a step's signature: the pools and the decode state
     are committed to the device from their creation, as the steps return them, so a second request of the same
