@@ -72,9 +72,10 @@
 #              STARTUP_S, SKIP_WHEELS); CPU dry run of the default model (3 min): SKIP_WHEELS=1 MODEL= SERVE_ARGS="--max-model-len 512" BENCH_ARGS="--rate 2
 #              --num-requests 6 --prompt-len 8:300 --output-len 8:16 --vocab 2048" bash scripts/h200.sh startup
 #   hisparse   the offload's tests on the GPU, then host offload of the C4 KV against the pool on the device
-#              (v4jax bench hisparse), one row a call: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
-#              without offload: the requests that fit, decode ms/step, tokens/s, hit rate, bytes fetched per step ->
-#              $OUT/hisparse.jsonl and a table (ROWS, MODES, DEVICE_PAGES, TESTS=0)
+#              (v4jax bench hisparse), rows of a pair: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
+#              without offload: the requests that fit, prefill s, decode ms/step, tokens/s, hit rate, bytes fetched
+#              per step -> $OUT/hisparse.jsonl and a table (ROWS, MODES, DEVICE_PAGES, PROFILE=1, TESTS=0); CPU dry
+#              run: TESTS=0 ROWS=tiny:2048:2:600 DEVICE_PAGES=8 PROFILE=1 bash scripts/h200.sh hisparse
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
 #              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
@@ -263,15 +264,16 @@ startup)
   ;;
 hisparse)
   imports
-  # Host offload of the C4 KV against the pool on the device, one row (a pair of runs) a call: each run compiles its
-  # programs for minutes with the cache off (at 128K, 85 s was not enough, nor 170 s for the host run of 4
-  # requests). LLM.generate of CONCURRENCY random prompts of CONTEXT tokens in all (64 of them new), the C4 KV on the host (a hot
-  # buffer of DEVICE_PAGES pages' entries per CSA layer) or on the device. Each row: the requests of that context the
-  # device's free memory (and with offload the host's) would hold, C4 bytes on the device and the host, decode
-  # ms/step and tokens/s, hit rate and bytes fetched per step (v4jax bench hisparse). ROWS="MODEL:CONTEXT:
-  # CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair: half each); MODES="host" or "device" runs one; flash-1gpu comes last (43 layers: its
-  # 128K prefill takes ~15 s a request). TESTS=0 skips the offload's tests run first
-  ROWS=${ROWS:-flash-slice:131072:2:540}   # the others: flash-slice:524288:2:540, flash-slice:1048576:1:540, flash-1gpu:131072:1:540
+  # Host offload of the C4 KV against the pool on the device, a pair of runs a row: LLM.generate of CONCURRENCY
+  # random prompts of CONTEXT tokens in all (64 of them new), the C4 KV on the host (a hot buffer of DEVICE_PAGES
+  # pages' entries per CSA layer) or on the device. Each row: the requests of that context the device's free memory
+  # (and with offload the host's) would hold, C4 bytes on the device and the host, the prompts' prefill seconds,
+  # decode ms/step and tokens/s, hit rate and bytes fetched per step (v4jax bench hisparse); PROFILE=1: a decode
+  # step's kernels by family too. ROWS="MODEL:CONTEXT:CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair:
+  # half each); MODES="host" or "device" runs one. On an H100 the pairs took 108 s (flash-slice 128K x 2), 180 s
+  # (512K x 2), 195 s (1M x 1) and 190 s (flash-1gpu 128K x 1), mostly prefill with offload (3-4x the device
+  # pool's: its C4 rows then went to the host 32 at a time). TESTS=0 skips the offload's tests run first
+  ROWS=${ROWS:-flash-slice:131072:2:540}   # flash-slice:524288:2:540, flash-slice:1048576:1:540, flash-1gpu:131072:1:540
   rm -f "$out/hisparse.jsonl"
   if [ "${TESTS:-1}" = 1 ]; then  # the offload's own tests on this device first: pinned_host rows, the fetch, a layer
     stamp "offload tests (the row cache and one CSA layer against the device's)"
@@ -285,16 +287,17 @@ hisparse)
       stamp "$model, $ctx tokens x $conc, C4 KV on the $mode"
       XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout $(( limit / $(wc -w <<< "${MODES:-host device}") )) \
         python3 -W ignore -m v4jax.bench hisparse --model "$model" --dtype bfloat16 --context "$ctx" --concurrency "$conc" --new-tokens 64 \
-        --prefill-chunk 8192 $flag --json 2> "$out/hisparse_${model}_${ctx}_$mode.err" | grep "^{" \
+        --prefill-chunk 8192 $flag $([ "${PROFILE:-0}" = 1 ] && echo --profile) --json \
+        2> "$out/hisparse_${model}_${ctx}_$mode.err" | grep "^{" \
         >> "$out/hisparse.jsonl" || { echo "  no row (failed or timed out):"; quiet < "$out/hisparse_${model}_${ctx}_$mode.err" | tail -3; }
     done
   done
   python3 - "$out/hisparse.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print("| model | context | C4 KV | requests that fit | ran | C4 device bytes | C4 host bytes | ms / step | tok/s "
-      "| hit rate | fetched / step |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| model | context | C4 KV | requests that fit | ran | C4 device bytes | C4 host bytes | prefill, s | ms / step "
+      "| tok/s | hit rate | fetched / step |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 num = lambda x, p=1: "-" if x is None else f"{x:,.{p}f}"
 for r in rows:
     where = f"host, {r['device_rows']} rows on device" if r["offload"] else "device"
@@ -302,8 +305,12 @@ for r in rows:
     fetched = "-" if r.get("fetched_bytes_per_step") is None else f"{r['fetched_bytes_per_step']:,.0f} B"
     ctx = f"{r['context'] // 1024}K" if r["context"] % 1024 == 0 else r["context"]
     print(f"| {r['model']} | {ctx} | {where} | {r['fit_requests']} | {r['concurrency']} | "
-          f"{r['c4_device_bytes']:,} | {r['c4_host_bytes']:,} | {num(r['ms_per_step'], 2)} | {num(r['tokens_per_s'])} "
-          f"| {hit} | {fetched} |")
+          f"{r['c4_device_bytes']:,} | {r['c4_host_bytes']:,} | {num(r.get('prefill_s'))} | {num(r['ms_per_step'], 2)} "
+          f"| {num(r['tokens_per_s'])} | {hit} | {fetched} |")
+for r in rows:  # PROFILE=1: a decode step's heaviest kernel families
+    for name, n, ms in (r.get("profile") or [])[:12]:
+        print(f"  {r['model']} {r['context']} {'host' if r['offload'] else 'device'}: {name[:60]:60s} {n:6.1f} "
+              f"{1e3 * ms:8.1f} us")
 EOF
   ;;
 load)

@@ -329,8 +329,9 @@ def test_bench_times_requests_decoding_together():
     the timed window has every request decoding: tokens/s x ms/step is about the request count (tokens arrive a
     decode call's 8 at a time, so the window's ends cut one request's call short)."""
     from v4jax.bench.hisparse import run
-    row = run("tiny", "float32", 4096, 2, 48, True, 8, None, 256)
-    assert row["context"] == 4096 and row["offload"] and 0 < row["hit_rate"] <= 1
+    row = run("tiny", "float32", 4096, 2, 48, True, 8, None, 256, profile=True)
+    assert row["context"] == 4096 and row["offload"] and 0 < row["hit_rate"] <= 1 and row["prefill_s"] > 0
+    assert row["profile"][0][0].startswith("(no profile")  # a CPU's trace has no device kernels
     # the covering programs, compiled first, ran every step: nothing compiled after them
     assert row["programs_warmup"] >= 3 and row["programs_compiled_after"] == 0, row
     assert 1.5 < row["tokens_per_s"] * row["ms_per_step"] / 1e3 <= 2.0 + 1e-6

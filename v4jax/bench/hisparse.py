@@ -58,7 +58,7 @@ def _budget_for_both_passes(llm) -> int:
 
 
 def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int, offload: bool,
-        device_pages: int | None, budget: int | None, prefill_chunk: int, seed: int = 0) -> dict:
+        device_pages: int | None, budget: int | None, prefill_chunk: int, seed: int = 0, profile: bool = False) -> dict:
     import dataclasses
 
     import numpy as np
@@ -93,8 +93,10 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
     # A first pass prefills every prompt (one token each) into the prefix cache, so that in the timed pass the
     # requests' prefills are hits and they decode side by side: without it the first request decodes alone while
     # the others prefill, and a window of all of them decoding may never come.
+    t = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    log.info("prompts prefilled into the prefix cache")
+    prefill_s = time.perf_counter() - t
+    log.info("prompts prefilled into the prefix cache in %.1f s", prefill_s)
     # The timed window: from the moment every request has its first decode call's tokens (that call compiled the
     # decode program of the context's page bucket) to the first request's last token, while all of them decode.
     k = llm.options.decode_steps
@@ -121,12 +123,17 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
            "c4_device_bytes": st1.get("device_bytes_total", st1["bytes_total"]),
            "c4_host_bytes": st1.get("host_bytes_total", 0), "ms_per_step": 1e3 * wall / steps,
            "tokens_per_s": (sum(got1) - sum(got0)) / wall,
-           "programs_warmup": n, "programs_compiled_after": core.compiled_variants() - compiled}
+           "prefill_s": prefill_s, "programs_warmup": n,
+           "programs_compiled_after": core.compiled_variants() - compiled}
     if offload:
         d = {k: st1[k] - st0[k] for k in ("selected", "hits", "fetched_bytes", "transferred_bytes")}
         row.update(device_rows=st1["device_rows"], hit_rate=d["hits"] / d["selected"] if d["selected"] else None,
                    fetched_bytes_per_step=d["fetched_bytes"] / steps,
                    transferred_bytes_per_step=d["transferred_bytes"] / steps)
+    if profile:  # the device kernels of a decode step, by family: 2k more tokens (two decode calls) against one
+        from v4jax.bench.spec import decode_profile
+        sp = lambda m: SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+        row["profile"] = decode_profile(lambda p: llm.generate(prompts, p), sp(1), sp(2 * k + 1), 2 * k)
     return row
 
 
@@ -141,12 +148,14 @@ def main(argv=None) -> int:
     p.add_argument("--memory-budget-bytes", type=int, default=None, help="device bytes for the pools")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--no-offload", dest="offload", action="store_false", help="the C4 KV pool on the device")
+    p.add_argument("--profile", action="store_true", help="trace two decode calls after the timed run (a GPU): the "
+                   "device kernels a decode step runs, by kernel family, in the row")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     # the engine's slow steps (compiles) and the phases, with times, on stderr
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     row = run(a.model, a.dtype, a.context, a.concurrency, a.new_tokens, a.offload, a.device_pages,
-              a.memory_budget_bytes, a.prefill_chunk)
+              a.memory_budget_bytes, a.prefill_chunk, profile=a.profile)
     if a.json:
         print(json.dumps(row))
     else:
