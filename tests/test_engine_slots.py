@@ -198,6 +198,23 @@ def test_cover_warmup_no_step_waits(monkeypatch):
     assert len(got[2].top_logprobs) == 6 and all(len(t) == 3 for t in got[2].top_logprobs)
 
 
+def test_a_long_prompt_compiles_its_later_programs_ahead():
+    """Without covers, a prompt of several chunks crossing page buckets has the programs of its later chunks and of
+    its decoding compiled in the background while its first chunk's compiles (ProgramBook.ahead), not one after
+    another as its steps reach them: each one guessed ran, and none compiled twice."""
+    prompt = np.random.default_rng(5).integers(2, 500, 300).tolist()
+    llm = LLM("tiny", max_num_seqs=2, **{**OPTIONS, "prefill_chunk": 32, "max_model_len": 512})
+    eng = llm.engine
+    before = eng.stats()["programs"]
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    eng.programs.wait()
+    after = eng.stats()["programs"]
+    compiled, background = (after[k] - before[k] for k in ("compiled", "background"))
+    assert len(out.token_ids) == 40
+    assert compiled == after["ran"] == after["ready"] >= 4, after   # every program compiled once, and ran
+    assert background == compiled - 1, after                        # all but the first chunk's, ahead
+
+
 def test_warmup_checks_each_steps_memory_and_a_step_out_of_memory_says_what_to_lower(monkeypatch):
     """LLM.warmup reads XLA's memory analysis of every program it compiles and refuses an engine whose largest step
     needs more temporaries than the device has left after the weights and pools (DeviceMemoryError, naming the

@@ -42,7 +42,7 @@ def test_cheapest_cover_runs_while_the_exact_program_compiles():
     exact = Program("decode", GREEDY, 1, 0, 2)
     assert book.choose(exact) == Program("decode", SAMPLED, 2, 0, 4)  # fewest rows, then the narrowest table
     assert book.choose(exact) == Program("decode", SAMPLED, 2, 0, 4)  # submitted once
-    assert book.counts() == {"ready": 4, "compiling": 1, "substituted_steps": 2}
+    assert book.counts() == {"ready": 4, "ran": 4, "compiling": 1, "substituted_steps": 2}
     release.set()
     book.wait()
     assert compiled == [(exact, True)]  # on a background thread
@@ -58,7 +58,37 @@ def test_without_background_compiles_the_covers_run_every_step():
     assert book.choose(exact) == Program("decode", SAMPLED, 4, 0, 8)
     release.set()
     book.wait()
-    assert not compiled and book.counts() == {"ready": 1, "compiling": 0, "substituted_steps": 1}
+    assert not compiled and book.counts() == {"ready": 1, "ran": 1, "compiling": 0, "substituted_steps": 1}
+
+
+def test_ahead_compiles_before_a_step_needs_them():
+    """An engine without covers compiles the programs a long prompt will need ahead, in the background; a step whose
+    program is compiling there waits for it (no second compile), and one whose compile has not started yet takes
+    it back and compiles it in its own call. Nothing is compiled ahead with covers, without background compiles or
+    where processes must agree."""
+    book, compiled, release = _book()
+    first, second, third = (Program("prefill", SAMPLED, 1, 32, n) for n in (2, 4, 8))
+    book.ahead([first, second, third])
+    assert book.counts()["compiling"] == 3 and BACKGROUND_THREADS == 2  # the third one queued behind two
+    assert book.choose(third) == third and book.counts()["compiling"] == 2  # taken back: the call compiles it
+    waited = []
+    t = threading.Thread(target=lambda: waited.append(book.choose(second)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # waiting for the background compile, not compiling
+    release.set()
+    t.join(5)
+    book.wait()
+    assert waited == [second] and sorted(p.pages for p, bg in compiled if bg) == [2, 4]
+    for off in ("substitute", "background", "agreed"):
+        book, compiled, release = _book()
+        setattr(book, off, off != "background")
+        book.ahead([first])
+        assert book.counts()["compiling"] == 0, off
+    book, compiled, release = _book()
+    book.ran(first)
+    book.ahead([first])
+    assert book.counts()["compiling"] == 0   # compiled already
 
 
 def test_what_may_not_cover():

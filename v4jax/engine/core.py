@@ -400,6 +400,31 @@ class EngineCore:
         return _InFlight(out, state, program.rows, [(r.slot, r) for r in plan.running],
                          {r.slot: r.fed for r in plan.running})
 
+    def _programs_ahead(self, plans: list[tuple[Request, int, int]], exact: Program) -> list[Program]:
+        """The programs a prefill step's prompts will need after it, where some prompt has chunks left: its next
+        chunks' (the page bucket grows with the position) at this step's rows, then its first decode calls' (the
+        page bucket after its prompt and the next one within its max_tokens: a further one is compiled when reached,
+        or never if the request stops first; its slot's bucket, the form its sampling asks for). Compiled ahead in
+        the background on an engine without covers (ProgramBook.ahead); a guess that misses (other requests join)
+        costs a background compile, not a step."""
+        left = [p for p in plans if p[2] < p[0].n_tokens]
+        if jax.process_count() > 1 or not left:
+            return []
+        req, _, end = max(left, key=lambda p: p[1])   # the furthest row sets the page table's width
+        step, n, out = max(e - s for _, s, e in plans), req.n_tokens, []
+        for s in range(end, n, step):
+            bucket = chunk_bucket(min(step, n - s))
+            form = self.top_specs[True] if req.params.top_logprobs and s + step >= n else self.spec
+            out.append(Program("prefill", form, exact.rows, bucket, self._page_bucket(s + bucket)))
+        if req.params.max_tokens > 1 and not req.prefill_only:   # (a prefill server hands decoding on)
+            form = self._spec_for(np.array([req.params.temperature]), bool(req.params.top_logprobs))
+            last = min(n + req.params.max_tokens + 2 * self.k, self.max_model_len)
+            rows = self._slot_bucket(max([req.slot] + [r.slot for r in self.scheduler.running()]))
+            buckets = sorted({self._page_bucket(u) for u in range(min(n + self.k, last), last, self.layout.page_size)}
+                             | {self._page_bucket(last)})
+            out += [Program("decode", form, rows, 0, pages) for pages in buckets[:2]]
+        return [p for p in dict.fromkeys(out) if p != exact]
+
     def _slot_bucket(self, highest: int) -> int:
         """Rows of a decode call whose highest running slot is `highest`: the next power of two (at most every
         slot), rows 0..B-1 being slots 0..B-1, so that a few requests in a many-slot engine do not pay for every
@@ -456,6 +481,7 @@ class EngineCore:
         # a row's table reaches past its chunk's compiled length (a covering program's longer chunk too)
         exact = Program("prefill", self.top_specs[True] if top_n else self.spec, _pow2(len(plans)), bucket,
                         self._page_bucket(furthest + bucket))
+        self.programs.ahead(self._programs_ahead(plans, exact))
         program = self.programs.choose(exact, fits=lambda p: p.pages >= self._page_bucket(furthest + p.chunk))
         n_rows, bucket = program.rows, program.chunk
         slots = self.layout.max_slots

@@ -14,6 +14,10 @@ compiles on a background thread and takes over from the next step on. On an H200
 program took ~15 s to compile (a step, milliseconds): a new shape after `/health` said ready stalled every
 stream for that long; now it costs a few steps on a larger program.
 
+Without covers (no warm-up: `LLM.generate` in a notebook), each step compiles its own program in its call; a prompt
+of several chunks then names the programs its later chunks and its decode calls will run (`ahead`), which compile
+on the background threads meanwhile, and a step whose program is compiling there waits for it.
+
 On several processes every process must run the same program each step (the followers replay the leader's
 steps), which a background compile's timing would not guarantee: there a program compiled in the background may
 run steps only once the leader has announced it (`agreed`: the leader takes what it compiled with `take_compiled`
@@ -105,18 +109,40 @@ class ProgramBook:
 
     def choose(self, exact: Program, fits: Callable[[Program], bool] = lambda p: True) -> Program:
         """The program a step of shape `exact` runs: itself once compiled (or when nothing may stand in for it:
-        its call then compiles it), else the cheapest compiled one that covers it and `fits` (the step's own
-        limits), `exact` then compiling in the background."""
+        its call then compiles it, or waits for its compile ahead), else the cheapest compiled one that covers it
+        and `fits` (the step's own limits), `exact` then compiling in the background."""
         with self._lock:
-            if exact in self._ready or not self.substitute:
+            if exact in self._ready:
                 return exact
-            cover = [p for p in self._ready if p.covers(exact, self._wider) and fits(p)]
-            if not cover:
-                return exact
-            if self.background:
-                self._submit(exact)
-            self.substituted_steps += 1
-            return min(cover, key=Program.cost)
+            if not self.substitute:
+                ahead = self._pending.get(exact)
+                if ahead is None or ahead.cancel():  # not started yet: the step's own call compiles it now
+                    return exact
+            else:
+                cover = [p for p in self._ready if p.covers(exact, self._wider) and fits(p)]
+                if not cover:
+                    return exact
+                if self.background:
+                    self._submit(exact)
+                self.substituted_steps += 1
+                return min(cover, key=Program.cost)
+        # compiling ahead on a background thread: wait for it there rather than compile it twice (outside the lock,
+        # which the compile's done callback takes)
+        concurrent.futures.wait([ahead])
+        return exact
+
+    def ahead(self, programs: list[Program]) -> None:
+        """Compile `programs` in the background now, before a step needs them: on an engine without covers, the
+        programs a long prompt's later chunks and its decoding will run, which its steps would otherwise compile
+        one after another as they reach them (a 128K prompt at chunks of 8,192: five prefill page buckets,
+        13-19 s each for flash-slice on an H100). Not with covers (those run such steps), nor without background
+        compiles, nor where processes must agree on what is compiled."""
+        with self._lock:
+            if self.substitute or not self.background or self.agreed:
+                return
+            for p in programs:
+                if p not in self._ready:
+                    self._submit(p)
 
     def ran(self, program: Program) -> bool:
         """A step's call returned: its program is compiled (its call compiled it if it was not). Returns whether
@@ -199,5 +225,5 @@ class ProgramBook:
 
     def counts(self) -> dict:
         with self._lock:
-            return {"ready": len(self._ready), "compiling": len(self._pending),
+            return {"ready": len(self._ready), "ran": len(self._executed), "compiling": len(self._pending),
                     "substituted_steps": self.substituted_steps}
