@@ -63,6 +63,10 @@
 #              BATCHES, k KS (v4jax bench spec); PROFILE=1: each row's device kernels per token position (TAIL=200)
 #   compile    one engine's prefill and decode programs compiled with XLA's options and with GPU autotuning off,
 #              each timed (scripts/compile_probe.py -> $OUT/compile.json; MODEL (flash-1gpu), CHUNK, PAGES, COMPILE_S)
+#   firstgen   a cold engine's first LLM.generate of one long prompt (no warm-up, cache off), with the later chunks'
+#              and decode calls' programs compiled ahead in the background against each compiled by its step
+#              (scripts/first_generate.py, each form in its own process -> $OUT/first_generate.jsonl; MODEL
+#              (flash-slice), PROMPT (131072), CHUNK (8192), FIRSTGEN_S)
 #   width      the page-table width buckets against one width (scripts/width_probe.py): ms/step and prefill per row,
 #              programs compiled, programs a warm-up would compile -> $OUT/width.jsonl (MODEL, ROWS_W, NEW, WIDTH_S)
 #   startup    `v4jax serve` per --warmup mode (carry [".whl"]; v4jax bench startup, compilation cache off): seconds to
@@ -248,6 +252,13 @@ compile)
   stamp "${MODEL:-flash-1gpu}: prefill rows 1 x ${CHUNK:-2048}, ${PAGES:-8} pages, and decode: compile times"
   timeout ${COMPILE_S:-500} python3 -W ignore scripts/compile_probe.py --model "${MODEL:-flash-1gpu}" \
     --chunk ${CHUNK:-2048} --pages ${PAGES:-8} --max-model-len ${MAX_LEN:-4352} --options autotune0,default --out "$out/compile.json" 2>&1 | quiet | tail -8
+  ;;
+firstgen)
+  imports
+  stamp "${MODEL:-flash-slice}: first generate of ${PROMPT:-131072} tokens, programs compiled ahead, then not"
+  timeout ${FIRSTGEN_S:-400} python3 -W ignore scripts/first_generate.py --model "${MODEL:-flash-slice}" \
+    --prompt ${PROMPT:-131072} --chunk ${CHUNK:-8192} --max-model-len $(( ${PROMPT:-131072} + 512 )) --new 40 \
+    2>&1 | grep "^{" | tee "$out/first_generate.jsonl"
   ;;
 startup)
   imports
