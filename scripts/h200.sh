@@ -283,7 +283,7 @@ hisparse)
   # step's kernels by family too. ROWS="MODEL:CONTEXT:CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair:
   # half each); MODES="host" or "device" runs one. On an H100 the pairs took 108 s (flash-slice 128K x 2), 180 s
   # (512K x 2), 195 s (1M x 1) and 190 s (flash-1gpu 128K x 1), mostly prefill with offload (3-4x the device
-  # pool's: its C4 rows then went to the host 32 at a time). TESTS=0 skips the offload's tests run first
+  # pool's: host writes, and a fetch per block of 64 queries). TESTS=0 skips the offload's tests run first
   ROWS=${ROWS:-flash-slice:131072:2:540}   # flash-slice:524288:2:540, flash-slice:1048576:1:540, flash-1gpu:131072:1:540
   rm -f "$out/hisparse.jsonl"
   if [ "${TESTS:-1}" = 1 ]; then  # the offload's own tests on this device first: pinned_host rows, the fetch, a layer
@@ -318,10 +318,11 @@ for r in rows:
     print(f"| {r['model']} | {ctx} | {where} | {r['fit_requests']} | {r['concurrency']} | "
           f"{r['c4_device_bytes']:,} | {r['c4_host_bytes']:,} | {num(r.get('prefill_s'))} | {num(r['ms_per_step'], 2)} "
           f"| {num(r['tokens_per_s'])} | {hit} | {fetched} |")
-for r in rows:  # PROFILE=1: a decode step's heaviest kernel families
-    for name, n, ms in (r.get("profile") or [])[:12]:
-        print(f"  {r['model']} {r['context']} {'host' if r['offload'] else 'device'}: {name[:60]:60s} {n:6.1f} "
-              f"{1e3 * ms:8.1f} us")
+for r in rows:  # PROFILE=1: the heaviest kernel families of a decode step and of a late prefill chunk
+    for what, top in (("decode step", r.get("profile")), ("prefill chunk", r.get("profile_prefill"))):
+        for name, n, ms in (top or [])[:12]:
+            print(f"  {r['model']} {r['context']} {'host' if r['offload'] else 'device'} {what}: {name[:50]:50s} "
+                  f"{n:6.1f} {1e3 * ms:9.1f} us")
 EOF
   ;;
 load)

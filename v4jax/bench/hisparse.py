@@ -131,9 +131,16 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
                    fetched_bytes_per_step=d["fetched_bytes"] / steps,
                    transferred_bytes_per_step=d["transferred_bytes"] / steps)
     if profile:  # the device kernels of a decode step, by family: 2k more tokens (two decode calls) against one
+        from v4jax.bench.profile import summarize
         from v4jax.bench.spec import decode_profile
         sp = lambda m: SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
         row["profile"] = decode_profile(lambda p: llm.generate(prompts, p), sp(1), sp(2 * k + 1), 2 * k)
+        # and a late prefill chunk's: the first prompt's cached start, then prefill_chunk new tokens (each traced
+        # run a new tail, so that it prefills rather than hits the cache)
+        tails = iter(rng.integers(2, llm.config.vocab_size, (4, prefill_chunk)).tolist())
+        late = prompts[0][:len(prompts[0]) - prefill_chunk]
+        prof = summarize(lambda: llm.generate([late + next(tails)], sp(1)), repeats=2, top=25)
+        row["profile_prefill"] = prof.get("top") or [(f"(no profile: {prof.get('error')})", 0, 0.0)]
     return row
 
 
@@ -148,8 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-budget-bytes", type=int, default=None, help="device bytes for the pools")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--no-offload", dest="offload", action="store_false", help="the C4 KV pool on the device")
-    p.add_argument("--profile", action="store_true", help="trace two decode calls after the timed run (a GPU): the "
-                   "device kernels a decode step runs, by kernel family, in the row")
+    p.add_argument("--profile", action="store_true", help="trace two decode calls and a late prefill chunk after the "
+                   "timed run (a GPU): a decode step's and the chunk's device kernels by family, in the row")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     # the engine's slow steps (compiles) and the phases, with times, on stderr

@@ -47,10 +47,8 @@ def _write_rows(host, li, rows, values, largest: int | None = None):
     _BLOCK rows, at most `largest`: a prefill chunk's entries on consecutive pages in one, page by page otherwise),
     every other row alone, valid rows first, in while loops. Measured on an H100 (scripts/offload_probe.py): a
     host-computation scatter copied the whole pool per call (10 / 42 / 190 ms a step at 32 / 128 / 512 MiB) where
-    these updates take 0.12 ms a step at every size. Each update costs milliseconds there: in blocks of 32 rows (64
-    updates a CSA layer) a prefill chunk of 8,192 tokens took 0.2-0.5 s longer with offload than without for
-    flash-slice's two CSA layers, 2.1 s for flash-1gpu's 21. On the CPU the probe's chunk on consecutive pages
-    writes 6.6x faster in one block than in blocks of 32."""
+    these updates take 0.12 ms a step at every size. On the CPU a prefill chunk's 2,048 rows on consecutive pages
+    went to the host 6.6x faster in one block than in blocks of 32 (scripts/offload_probe.py, write_chunk rows)."""
     n_rows, k = values.shape
     size = _BLOCK
     while size * 2 <= min(n_rows, largest or n_rows):
