@@ -402,11 +402,11 @@ class EngineCore:
 
     def _programs_ahead(self, plans: list[tuple[Request, int, int]], exact: Program) -> list[Program]:
         """The programs a prefill step's prompts will need after it, where some prompt has chunks left: its next
-        chunks' (the page bucket grows with the position) at this step's rows, then its first decode calls' (the
-        page bucket after its prompt and the next one within its max_tokens: a further one is compiled when reached,
-        or never if the request stops first; its slot's bucket, the form its sampling asks for). Compiled ahead in
-        the background on an engine without covers (ProgramBook.ahead); a guess that misses (other requests join)
-        costs a background compile, not a step."""
+        chunks' (the page bucket grows with the position) at this step's rows, then its first decode call's (over
+        the slots of the requests admitted so far, in the form its sampling asks for). Each is needed before the
+        request ends unless it stops at its first token (a decode call crossing into a wider page bucket later
+        compiles its program then). Compiled ahead in the background on an engine without covers
+        (ProgramBook.ahead); a guess that misses (other requests join) costs a background compile, not a step."""
         left = [p for p in plans if p[2] < p[0].n_tokens]
         if jax.process_count() > 1 or not left:
             return []
@@ -418,11 +418,9 @@ class EngineCore:
             out.append(Program("prefill", form, exact.rows, bucket, self._page_bucket(s + bucket)))
         if req.params.max_tokens > 1 and not req.prefill_only:   # (a prefill server hands decoding on)
             form = self._spec_for(np.array([req.params.temperature]), bool(req.params.top_logprobs))
-            last = min(n + req.params.max_tokens + 2 * self.k, self.max_model_len)
-            rows = self._slot_bucket(max([req.slot] + [r.slot for r in self.scheduler.running()]))
-            buckets = sorted({self._page_bucket(u) for u in range(min(n + self.k, last), last, self.layout.page_size)}
-                             | {self._page_bucket(last)})
-            out += [Program("decode", form, rows, 0, pages) for pages in buckets[:2]]
+            sch = self.scheduler
+            rows = self._slot_bucket(max(r.slot for r in sch.running() + sch.prefilling() + [req]))
+            out.append(Program("decode", form, rows, 0, self._page_bucket(min(n + self.k, self.max_model_len))))
         return [p for p in dict.fromkeys(out) if p != exact]
 
     def _slot_bucket(self, highest: int) -> int:

@@ -14,9 +14,9 @@ compiles on a background thread and takes over from the next step on. On an H200
 program took ~15 s to compile (a step, milliseconds): a new shape after `/health` said ready stalled every
 stream for that long; now it costs a few steps on a larger program.
 
-Without covers (no warm-up: `LLM.generate` in a notebook), each step compiles its own program in its call; a prompt
-of several chunks then names the programs its later chunks and its decode calls will run (`ahead`), which compile
-on the background threads meanwhile, and a step whose program is compiling there waits for it.
+Without covers (no warm-up: `LLM.generate` in a notebook), each step compiles its own program in its call; a
+prompt of several chunks then names the programs its later chunks and its first decode call will run (`ahead`),
+which compile on the background threads meanwhile, and a step whose program is compiling there waits for it.
 
 On several processes every process must run the same program each step (the followers replay the leader's
 steps), which a background compile's timing would not guarantee: there a program compiled in the background may
@@ -133,8 +133,8 @@ class ProgramBook:
 
     def ahead(self, programs: list[Program]) -> None:
         """Compile `programs` in the background now, before a step needs them: on an engine without covers, the
-        programs a long prompt's later chunks and its decoding will run, which its steps would otherwise compile
-        one after another as they reach them (a 128K prompt at chunks of 8,192: five prefill page buckets,
+        programs a long prompt's later chunks and its first decode call will run, which its steps would otherwise
+        compile one after another as they reach them (a 128K prompt at chunks of 8,192: five prefill page buckets,
         13-19 s each for flash-slice on an H100). Not with covers (those run such steps), nor without background
         compiles, nor where processes must agree on what is compiled."""
         with self._lock:
