@@ -18,6 +18,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[16384, 65536, 262144])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--what", nargs="*", default=None, help="only these forms (default: every one)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
@@ -132,6 +133,8 @@ def main() -> None:
                          ("write_chunk_2048_pages_blocks_32", chunk_write(32, True)), ("gather_512", gather_call),
                          ("gather_ds_512", gather_ds_call),
                          ("gather_take_512", gather_take_call)):
+            if a.what and name not in a.what:
+                continue
             host = offload.to_host(jnp.zeros((n, r, k), jnp.bfloat16))
             f = jax.jit(fn, donate_argnums=0)
             try:
