@@ -408,7 +408,7 @@ class EngineCore:
         compiles its program then). Compiled ahead in the background on an engine without covers
         (ProgramBook.ahead); a guess that misses (other requests join) costs a background compile, not a step."""
         left = [p for p in plans if p[2] < p[0].n_tokens]
-        if jax.process_count() > 1 or not left:
+        if not left or not self.programs.compiles_ahead or jax.process_count() > 1:
             return []
         req, _, end = max(left, key=lambda p: p[1])   # the furthest row sets the page table's width
         step, n, out = max(e - s for _, s, e in plans), req.n_tokens, []

@@ -131,6 +131,11 @@ class ProgramBook:
         concurrent.futures.wait([ahead])
         return exact
 
+    @property
+    def compiles_ahead(self) -> bool:
+        """Whether `ahead` compiles anything: no covers, background compiles on, one process."""
+        return not self.substitute and self.background and not self.agreed
+
     def ahead(self, programs: list[Program]) -> None:
         """Compile `programs` in the background now, before a step needs them: on an engine without covers, the
         programs a long prompt's later chunks and its first decode call will run, which its steps would otherwise
@@ -138,7 +143,7 @@ class ProgramBook:
         13-19 s each for flash-slice on an H100). Not with covers (those run such steps), nor without background
         compiles, nor where processes must agree on what is compiled."""
         with self._lock:
-            if self.substitute or not self.background or self.agreed:
+            if not self.compiles_ahead:
                 return
             for p in programs:
                 if p not in self._ready:

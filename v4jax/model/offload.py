@@ -53,7 +53,7 @@ def _write_rows(host, li, rows, values, largest: int | None = None):
     size = _BLOCK
     while size * 2 <= min(n_rows, largest or n_rows):
         size *= 2
-    while size >= _BLOCK:
+    while size >= _BLOCK and n_rows >= _BLOCK:
         if n_rows % size == 0:
             blocks = rows.reshape(-1, size)
             whole = (blocks[:, 0] >= 0) & jnp.all(blocks == blocks[:, :1] + jnp.arange(size, dtype=rows.dtype), axis=1)
