@@ -318,6 +318,10 @@ for r in rows:
     print(f"| {r['model']} | {ctx} | {where} | {r['fit_requests']} | {r['concurrency']} | "
           f"{r['c4_device_bytes']:,} | {r['c4_host_bytes']:,} | {num(r.get('prefill_s'))} | {num(r['ms_per_step'], 2)} "
           f"| {num(r['tokens_per_s'])} | {hit} | {fetched} |")
+for r in rows:  # what the prefill fetched from the host (its queries read their selections a block at a time)
+    if r["offload"]:
+        print(f"  {r['model']} {r['context']} prefill: {r['prefill_fetched_bytes'] / 1e6:,.1f} MB fetched, "
+              f"{r['prefill_transferred_bytes'] / 1e6:,.1f} MB moved, hit rate {100 * r['prefill_hit_rate']:.1f} %")
 for r in rows:  # PROFILE=1: the heaviest kernel families of a decode step and of a late prefill chunk
     for what, top in (("decode step", r.get("profile")), ("prefill chunk", r.get("profile_prefill"))):
         for name, n, ms in (top or [])[:12]:

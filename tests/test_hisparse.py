@@ -333,6 +333,7 @@ def test_bench_times_requests_decoding_together():
     assert row["context"] == 4096 and row["offload"] and 0 < row["hit_rate"] <= 1 and row["prefill_s"] > 0
     assert row["profile"][0][0].startswith("(no profile")  # a CPU's trace has no device kernels
     assert row["profile_prefill"][0][0].startswith("(no profile")
+    assert row["prefill_transferred_bytes"] >= row["prefill_fetched_bytes"] > 0 and 0 <= row["prefill_hit_rate"] < 1
     # the covering programs, compiled first, ran every step: nothing compiled after them
     assert row["programs_warmup"] >= 3 and row["programs_compiled_after"] == 0, row
     assert 1.5 < row["tokens_per_s"] * row["ms_per_step"] / 1e3 <= 2.0 + 1e-6

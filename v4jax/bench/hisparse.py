@@ -93,9 +93,9 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
     # A first pass prefills every prompt (one token each) into the prefix cache, so that in the timed pass the
     # requests' prefills are hits and they decode side by side: without it the first request decodes alone while
     # the others prefill, and a window of all of them decoding may never come.
-    t = time.perf_counter()
+    t, pre0 = time.perf_counter(), llm.stats()["pools"]["c4_kv"]
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    prefill_s = time.perf_counter() - t
+    prefill_s, pre1 = time.perf_counter() - t, llm.stats()["pools"]["c4_kv"]
     log.info("prompts prefilled into the prefix cache in %.1f s", prefill_s)
     # The timed window: from the moment every request has its first decode call's tokens (that call compiled the
     # decode program of the context's page bucket) to the first request's last token, while all of them decode.
@@ -127,6 +127,10 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
            "programs_compiled_after": core.compiled_variants() - compiled}
     if offload:
         d = {k: st1[k] - st0[k] for k in ("selected", "hits", "fetched_bytes", "transferred_bytes")}
+        # what the prefill moved from the host: its queries fetch their selections a block of queries at a time
+        row.update(prefill_fetched_bytes=pre1["fetched_bytes"] - pre0["fetched_bytes"],
+                   prefill_transferred_bytes=pre1["transferred_bytes"] - pre0["transferred_bytes"],
+                   prefill_hit_rate=(pre1["hits"] - pre0["hits"]) / max(pre1["selected"] - pre0["selected"], 1))
         row.update(device_rows=st1["device_rows"], hit_rate=d["hits"] / d["selected"] if d["selected"] else None,
                    fetched_bytes_per_step=d["fetched_bytes"] / steps,
                    transferred_bytes_per_step=d["transferred_bytes"] / steps)
