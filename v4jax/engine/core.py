@@ -402,10 +402,10 @@ class EngineCore:
 
     def _programs_ahead(self, plans: list[tuple[Request, int, int]], exact: Program) -> list[Program]:
         """The programs a prefill step's prompts will need after it, where some prompt has chunks left: its next
-        chunks' (the page bucket grows with the position) at this step's rows, then its first decode call's (over
-        the slots of the requests admitted so far, in the form its sampling asks for). Each is needed before the
-        request ends unless it stops at its first token (a decode call crossing into a wider page bucket later
-        compiles its program then). Compiled ahead in the background on an engine without covers
+        chunks' (the page bucket grows with the position) over the rows with chunks left, then its first decode
+        call's (over the slots of the requests admitted so far, in the form its sampling asks for). Each is needed
+        before the request ends unless it stops at its first token (a decode call crossing into a wider page bucket
+        later compiles its program then). Compiled ahead in the background on an engine without covers
         (ProgramBook.ahead); a guess that misses (other requests join) costs a background compile, not a step."""
         left = [p for p in plans if p[2] < p[0].n_tokens]
         if not left or not self.programs.compiles_ahead or jax.process_count() > 1:
@@ -415,7 +415,7 @@ class EngineCore:
         for s in range(end, n, step):
             bucket = chunk_bucket(min(step, n - s))
             form = self.top_specs[True] if req.params.top_logprobs and s + step >= n else self.spec
-            out.append(Program("prefill", form, exact.rows, bucket, self._page_bucket(s + bucket)))
+            out.append(Program("prefill", form, _pow2(len(left)), bucket, self._page_bucket(s + bucket)))
         if req.params.max_tokens > 1 and not req.prefill_only:   # (a prefill server hands decoding on)
             form = self._spec_for(np.array([req.params.temperature]), bool(req.params.top_logprobs))
             sch = self.scheduler
