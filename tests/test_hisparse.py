@@ -2,9 +2,11 @@
 the engine with offload gives the plain run's greedy tokens and log-probs; options that cannot work fail at load;
 bytes are counted where they live."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -454,6 +456,11 @@ def test_host_writes_in_blocks_of_every_size(rng):
         got = jax.jit(offload._write_rows, static_argnums=4)(host, jnp.int32(0), jnp.asarray(rows),
                                                              jnp.asarray(values), largest)
         np.testing.assert_array_equal(np.asarray(got), want)
+    # the updates' block sizes: the whole chunk down to 32 rows, or only 32 under `largest`
+    for largest, sizes in ((None, {1, 32, 64, 128, 256, 512}), (32, {1, 32})):
+        txt = jax.jit(offload._write_rows, static_argnums=4).lower(host, jnp.int32(0), jnp.asarray(rows),
+                                                                   jnp.asarray(values), largest).as_text()
+        assert {int(b) for b in re.findall(r"dynamic_update_slice[^\n]*tensor<1x(\d+)x4", txt)} == sizes
 
 
 def test_offload_steps_compile_once_per_program():
