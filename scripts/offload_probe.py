@@ -1,7 +1,8 @@
 """What the host pool's write and fetch cost per step, by the pool's size: a jitted call of 8 steps over a host
 pool [2, R, 512] (two CSA layers of R rows, bf16, donated), each step writing one row per layer, a prefill chunk's
 2,048 rows per layer (consecutive, or on pages apart; offload's blocks against blocks of 32 rows) or gathering 512
-rows per layer to the device, in several forms: a scatter and a gather as host computations (compute_on), one
+rows per layer to the device, in several forms (and: a while loop that moves nothing, offload's fetch at a full hit,
+offload's whole read of 65,536 rows a layer): a scatter and a gather as host computations (compute_on), one
 dynamic update a row (v4jax.model.offload's write), a row-at-a-time dynamic slice, and a raw gather with host
 operands (offload's fetch). A time that grows with R means the step copies the pool rather than updating it in
 place.
@@ -121,6 +122,44 @@ def main() -> None:
             return acc
         return host, lax.fori_loop(0, a.steps, body, jnp.float32(0))
 
+    def while_empty_call(host, sel):
+        # a while loop per layer a step whose condition is false at once: what a loop costs when it moves nothing
+        # (on a GPU the host reads every condition)
+        def body(i, acc):
+            for _ in range(n):
+                acc = lax.while_loop(lambda c: c < sel[i, 0] - sel[i, 0] - 1, lambda c: c + 1, acc)
+            return acc
+        return host, lax.fori_loop(0, a.steps, body, jnp.int32(0))
+
+    def fetch_hit_call(state, sel):
+        # offload.fetch of 512 rows a layer a step, every one resident after the first call (a buffer of 8 steps'
+        # rows): the bookkeeping and loops a step pays at a full hit
+        host, hot = state
+
+        def body(i, hot):
+            for li in range(n):
+                hot, _ = offload.fetch(hot, host, jnp.int32(li), sel[i][None])
+            return hot
+        return host, lax.fori_loop(0, a.steps, body, hot)
+
+    def read_whole_call(host, sel):
+        # offload.read_whole of 65,536 consecutive rows a layer (a request's C4 KV at 256K tokens) to the device
+        hot = {"counts": jnp.zeros((n, 2, len(offload.COUNTERS)), jnp.int32)}
+        rows = (jnp.arange(65536, dtype=jnp.int32) % host.shape[1])[None]
+
+        def body(i, acc):
+            for li in range(n):
+                _, got = offload.read_whole(hot, host, jnp.int32(li), rows, jnp.int32(0))
+                acc = acc + got[i].astype(jnp.float32).sum()
+            return acc
+        return host, lax.fori_loop(0, a.steps, body, jnp.float32(0))
+
+    def hot_state(r, h=8 * 512):
+        from v4jax.cache.pools import HOT_COUNTERS
+        return {"hot": jnp.zeros((n, h, k), jnp.bfloat16), "table": jnp.full((n, r), -1, jnp.int32),
+                "owner": jnp.full((n, h), -1, jnp.int32), "used": jnp.full((n, h), -1, jnp.int32),
+                "clock": jnp.zeros((n,), jnp.int32), "counts": jnp.zeros((n, 2, len(HOT_COUNTERS)), jnp.int32)}
+
     results = []
     for r in a.rows:
         key = jax.random.key(0)
@@ -132,21 +171,24 @@ def main() -> None:
                          ("write_chunk_2048_pages", chunk_write(None, True)),
                          ("write_chunk_2048_pages_blocks_32", chunk_write(32, True)), ("gather_512", gather_call),
                          ("gather_ds_512", gather_ds_call),
-                         ("gather_take_512", gather_take_call)):
+                         ("gather_take_512", gather_take_call), ("while_empty", while_empty_call),
+                         ("fetch_hit_512", fetch_hit_call), ("read_whole_65536", read_whole_call)):
             if a.what and name not in a.what:
                 continue
             host = offload.to_host(jnp.zeros((n, r, k), jnp.bfloat16))
+            if name == "fetch_hit_512":
+                host = (host, hot_state(r))
             f = jax.jit(fn, donate_argnums=0)
             try:
                 out = f(host, rows if name.startswith(("write_s", "write_d", "pass")) else sel)
                 jax.block_until_ready(out)
-                host = out[0] if name.startswith("gather") else out
+                host = out[0] if name.startswith(("gather", "while", "read")) else out
                 times = []
                 for _ in range(a.iters):
                     t0 = time.perf_counter()
                     out = f(host, rows if name.startswith(("write_s", "write_d", "pass")) else sel)
                     jax.block_until_ready(out)
-                    host = out[0] if name.startswith("gather") else out
+                    host = out[0] if name.startswith(("gather", "while", "read")) else out
                     times.append(time.perf_counter() - t0)
                 row = {"what": name, "rows": r, "pool_mib": n * r * k * 2 / 2**20,
                        "ms_per_step": 1e3 * min(times) / a.steps}

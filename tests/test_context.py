@@ -82,7 +82,7 @@ def test_merge_softmax_equals_one_softmax(rng, how):
     assert np.all(np.isfinite(want_lse))
 
 
-def _layer_inputs(rng, kind, b=2, t=3, h=4, kd=16, ki=8, r_swa=24, r=64, n_layers=2, d_shards=1):
+def _layer_inputs(rng, kind, b=2, t=3, h=4, kd=16, ki=8, r_swa=24, r=64, n_layers=2, d_shards=1, s=12):
     """Random pools of a 2-layer stack, the step's writes and reads: rows anywhere in the pools, or with d_shards
     the rows of batch rows [i B/d, (i+1) B/d) in the i-th of d blocks of every pool."""
     w = 4
@@ -101,7 +101,6 @@ def _layer_inputs(rng, kind, b=2, t=3, h=4, kd=16, ki=8, r_swa=24, r=64, n_layer
              "pos": np.broadcast_to(np.arange(t) + 2 + w - 1, (b, t))}
     reads["win_rows"][0, :2] = -1
     if kind != "sliding":
-        s = 12
         rows = draw(r, s)
         rows[1, -3:] = -1  # no page there
         pools["kv"] = rng.normal(size=(n_layers, r, kd))

@@ -370,32 +370,44 @@ def test_metrics_export_where_the_bytes_are():
     assert got["v4jax_hisparse_fetched_bytes_total"] == 1200
 
 
-@pytest.mark.parametrize("t, hot_rows", [(1, 64), (8, 12), (8, 64)])
-def test_attention_core_offloaded_equals_on_device(rng, t, hot_rows):
+@pytest.mark.parametrize("t, s, hot_rows, whole", [(1, 12, 64, False), (8, 48, 12, False), (8, 48, 64, False),
+                                                   (8, 12, 12, True)])
+def test_attention_core_offloaded_equals_on_device(rng, t, s, hot_rows, whole):
     """One CSA layer's writes and attention (attention_core, layer 1 of a 2-layer stack) with its C4 KV on the host
     and a hot buffer (cold, then warm from a first call) equal the same on the device: the same output and pools.
-    With 8 query tokens and a buffer of 12 rows the tokens attend in blocks (2 rows x 5 picks a token)."""
+    8 query tokens over 48 entries a row fetch in blocks of tokens (with a buffer of 12 rows: blocks of one token,
+    2 rows x 5 picks); over 12 entries a row they read the rows' whole C4 KV and leave the buffer as it was."""
     from test_context import _layer_inputs
 
     from sharding import context
     from v4jax.model import attention_core, offload
     from v4jax.model.ops import ops_for
-    q, sink, pools, writes, reads = _layer_inputs(rng, "csa", t=t, kd=16, ki=32)
-    static = dict(ops=ops_for("xla"), scale=0.25, window=4, topk=5)
+    q, sink, pools, writes, reads = _layer_inputs(rng, "csa", t=t, kd=16, ki=32, s=s, r=128)
+    b, topk = q.shape[0], 5
+    assert offload.reads_whole(b, s, t, topk, hot_rows) == whole
+    static = dict(ops=ops_for("xla"), scale=0.25, window=4, topk=topk)
     li = jnp.int32(1)
-    whole = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
-    want, want_pools = jax.jit(lambda p: attention_core(whole, q, sink, p, writes, reads, li, **static))(pools)
+    blocks = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
+    want, want_pools = jax.jit(lambda p: attention_core(blocks, q, sink, p, writes, reads, li, **static))(pools)
     n, r, k = pools["kv"].shape
     host = jax.device_put(pools["kv"], jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
     hot = _hot(n, r, hot_rows, k)
-    run = jax.jit(lambda p, hot: attention_core(whole, q, sink, p, writes, reads, li, hot=hot, **static))
+    run = jax.jit(lambda p, hot: attention_core(blocks, q, sink, p, writes, reads, li, hot=hot, **static))
     for _ in range(2):  # cold, then with the first call's rows resident (and its writes applied again)
         got, got_pools = run(dict(pools, kv=host), hot)
         hot = got_pools.pop("hot")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
         for name, a in got_pools.items():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(want_pools[name]))
-    assert offload.total_counts(hot["counts"])["overflow"] == 0
+        assert got_pools["kv"].sharding.memory_kind == "pinned_host"
+    counts = offload.total_counts(hot["counts"])
+    assert counts["overflow"] == 0
+    if whole:  # every row of both batch rows moved in each call, nothing resident
+        assert counts["hits"] == 0 and counts["transferred_rows"] == 2 * b * s
+        assert counts["fetched_rows"] == 2 * int(np.sum(np.asarray(reads["rows"]) >= 0))
+        assert np.all(np.asarray(hot["owner"]) == -1)
+    else:
+        assert counts["hits"] > 0
 
 
 @pytest.mark.slow  # one speculative engine to compile (minutes on CPU)

@@ -76,9 +76,10 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     query positions, and on compressed layers the entries' rows [B, S] with n_ready (and the indexer's queries
     and head weights on CSA layers). formats: pool name -> its entry format (pallas_kernels.kv_format) where the
     pool stores bytes (kv_cache_dtype="fp8"): writes are encoded, the ops decode what they read. Rows are global
-    (one layer's ids, -1 = none); each shard keeps those of its block. The indexer's top-k over the shards' candidates and the shards' partial softmaxes are merged so that
-    the result is the single-device one (sharding/context.py). row_axes: mesh axes the B rows are split over (a
-    shard has its own rows, whose entries lie in its blocks along those axes: nothing to merge over them).
+    (one layer's ids, -1 = none); each shard keeps those of its block. The indexer's top-k over the shards'
+    candidates and the shards' partial softmaxes are merged so that the result is the single-device one
+    (sharding/context.py). row_axes: mesh axes the B rows are split over (a shard has its own rows, whose entries
+    lie in its blocks along those axes: nothing to merge over them).
     hot: on one device, the hot buffer of `pools["kv"]` held in host memory (v4jax.model.offload): writes go to
     both, the selected rows are made resident and read from the buffer. Returns (o [B, T, H, K], pools), pools with
     the offload state under "hot" when given."""
@@ -115,13 +116,14 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
                                      jnp.maximum(at, 0), axis=2)
         if hot is None:
             sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
+        elif offload.reads_whole(*rows.shape, at.shape[1], topk, hot["hot"].shape[1]):  # the rows' whole C4 KV
+            hot, kv = offload.read_whole(hot, flat["kv"], li, rows, jnp.sum(at >= 0))
+            sel_rows = jnp.where(at >= 0, jnp.arange(rows.shape[0])[:, None, None] * rows.shape[1] + at, -1)
         else:  # in blocks of query tokens whose selections fit the hot buffer: fetched, then read from it
             win = dict(reads, win_rows=local("swa", reads["win_rows"]))  # rows of the SWA pool's flat view
             o, hot = _attend_offloaded(q, sink, flat, hot, win, li, jnp.where(at >= 0, picked, -1), ops=ops,
                                        scale=scale, window=window, entry_format=formats.get("swa"))
-            out = {name: f if f.shape == pools[name].shape else f.reshape(pools[name].shape)
-                   for name, f in flat.items()}
-            return o, dict(out, hot=hot)
+            return o, _unflat(flat, pools, hot)
     elif kv is not None:
         hca_rows = counted("kv", reads["rows"])
     o = ops.attend(q, jnp.where(context.first_along(merge), sink, -jnp.inf), scale, flat["swa"],
@@ -129,7 +131,14 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
                    reads.get("n_ready"), sel_rows, with_lse=bool(merge), entry_format=formats.get("swa"))
     if merge:
         o = context.merge_softmax(*o, merge)
-    return o, {name: f.reshape(pools[name].shape) for name, f in flat.items()}
+    return o, _unflat(flat, pools, hot)
+
+
+def _unflat(flat, pools, hot):
+    """The written pools in their stacked shapes (the host pool is kept stacked: no reshape of host memory), with
+    the offload state under "hot" when given."""
+    out = {name: f if f.shape == pools[name].shape else f.reshape(pools[name].shape) for name, f in flat.items()}
+    return out if hot is None else dict(out, hot=hot)
 
 
 def _attend_offloaded(q, sink, flat, hot, reads, li, sel, *, ops: Ops, scale, window, entry_format):

@@ -15,7 +15,10 @@ missing from the hot buffer are gathered on the host (compacted, distinct) and b
 a few sizes (`_pull`), installed over the least recently used hot rows, and the
 attention reads every selected row from the hot buffer. So every answer reads the host's values: residency
 changes what moves, never what is read. The one condition: a step's distinct selected rows of a layer fit the
-hot buffer (H >= rows x tokens x top-k of the step), which the engine checks when it is built."""
+hot buffer (H >= rows x tokens x top-k of the step), which the engine checks when it is built.
+
+A step of many query tokens (a prefill chunk) instead reads its rows' whole C4 KV of the layer once (`read_whole`)
+where that moves fewer rows than its selections could and fits a few hot buffers: the hot buffer is untouched."""
 from __future__ import annotations
 
 import jax
@@ -148,6 +151,33 @@ def _pull(host, missing, n_miss, li, cap: int):
 
         done, got = lax.while_loop(more, move, (done, got))
     return got[:cap], done
+
+
+# a step reads its rows' whole C4 KV when that is at most this many hot buffers of rows (device memory for one
+# layer at a time)
+WHOLE_READ_BUFFERS = 8
+
+
+def reads_whole(b: int, s: int, t: int, k: int, h: int) -> bool:
+    """Whether a step of b rows x t query tokens, each selecting k of its row's s entries, reads the rows' whole C4
+    KV of a layer (b x s rows, one gather) rather than fetching each block of tokens' missing selections into the
+    hot buffer of h rows. The fetch by blocks moved up to b x t x k rows a layer, in (t / block) fetches: an H100
+    prefill of 2 x 512K tokens (flash-slice, chunks of 8,192) took 71 s against 19 s with the pool on the device,
+    ~200 ms more a CSA layer a chunk (BENCHMARKS, Host offload)."""
+    return t > 1 and s <= t * k and b * s <= WHOLE_READ_BUFFERS * h
+
+
+def read_whole(hot: dict, host, li, rows, selected):
+    """Layer li's rows [B, S] (-1: none) of the host pool brought to the device as one array [B * S, K] (row j of
+    batch row b at b * S + j; a none reads row 0), for `selected` selections (counted: none of them hits).
+    Returns (hot with the counters added, the array)."""
+    n, r, _ = host.shape
+    flat_rows = jnp.where(rows >= 0, rows, 0).reshape(-1) + li * r
+    got = _gather_rows(host, flat_rows)
+    valid = jnp.sum(rows >= 0)
+    counts = add_counts(hot["counts"], li, jnp.stack([selected, jnp.int32(0), valid, jnp.int32(rows.size),
+                                                      jnp.int32(0)]))
+    return dict(hot, counts=counts), got
 
 
 def fetch(hot: dict, host, li, sel):
