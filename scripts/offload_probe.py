@@ -1,8 +1,9 @@
 """What the host pool's write and fetch cost per step, by the pool's size: a jitted call of 8 steps over a host
 pool [2, R, 512] (two CSA layers of R rows, bf16, donated), each step writing one row per layer, a prefill chunk's
 2,048 rows per layer (consecutive, or on pages apart; offload's blocks against blocks of 32 rows) or gathering 512
-rows per layer to the device, in several forms (and: a while loop that moves nothing, offload's fetch at a full hit,
-offload's whole read of 65,536 rows a layer): a scatter and a gather as host computations (compute_on), one
+rows per layer to the device, in several forms (and: a while loop that moves nothing, offload's fetch at a full hit and
+at a full miss, with one transfer size and with the earlier ladder of sizes, offload's whole read of 65,536 rows a
+layer): a scatter and a gather as host computations (compute_on), one
 dynamic update a row (v4jax.model.offload's write), a row-at-a-time dynamic slice, and a raw gather with host
 operands (offload's fetch). A time that grows with R means the step copies the pool rather than updating it in
 place.
@@ -131,16 +132,29 @@ def main() -> None:
             return acc
         return host, lax.fori_loop(0, a.steps, body, jnp.int32(0))
 
-    def fetch_hit_call(state, sel):
-        # offload.fetch of 512 rows a layer a step, every one resident after the first call (a buffer of 8 steps'
-        # rows): the bookkeeping and loops a step pays at a full hit
-        host, hot = state
+    def ladder(cap):  # the transfer sizes before one size: cap / 4^j down to 16, a while loop each
+        sizes, s = {cap}, cap
+        while s // 4 >= 16:
+            s //= 4
+            sizes.add(s)
+        return (0,) + tuple(sorted(sizes))
 
-        def body(i, hot):
-            for li in range(n):
-                hot, _ = offload.fetch(hot, host, jnp.int32(li), sel[i][None])
-            return hot
-        return host, lax.fori_loop(0, a.steps, body, hot)
+    def fetch_call(sizes):
+        # offload.fetch of 512 rows a layer a step: with a buffer of 8 steps' rows every one is resident after the
+        # first call (the bookkeeping and loops a step pays at a full hit); with a buffer of 512 rows every one
+        # misses (evicted by the other steps'). `sizes`: the transfer sizes (offload's, or the ladder)
+        def call(state, sel):
+            host, hot = state
+            offload.transfer_sizes, own = sizes or offload.transfer_sizes, offload.transfer_sizes
+            try:
+                def body(i, hot):
+                    for li in range(n):
+                        hot, _ = offload.fetch(hot, host, jnp.int32(li), sel[i][None])
+                    return hot
+                return host, lax.fori_loop(0, a.steps, body, hot)
+            finally:
+                offload.transfer_sizes = own
+        return call
 
     def read_whole_call(host, sel):
         # offload.read_whole of 65,536 consecutive rows a layer (a request's C4 KV at 256K tokens) to the device
@@ -172,12 +186,14 @@ def main() -> None:
                          ("write_chunk_2048_pages_blocks_32", chunk_write(32, True)), ("gather_512", gather_call),
                          ("gather_ds_512", gather_ds_call),
                          ("gather_take_512", gather_take_call), ("while_empty", while_empty_call),
-                         ("fetch_hit_512", fetch_hit_call), ("read_whole_65536", read_whole_call)):
+                         ("fetch_hit_512", fetch_call(None)), ("fetch_hit_512_ladder", fetch_call(ladder)),
+                         ("fetch_miss_512", fetch_call(None)), ("fetch_miss_512_ladder", fetch_call(ladder)),
+                         ("read_whole_65536", read_whole_call)):
             if a.what and name not in a.what:
                 continue
             host = offload.to_host(jnp.zeros((n, r, k), jnp.bfloat16))
-            if name == "fetch_hit_512":
-                host = (host, hot_state(r))
+            if name.startswith("fetch"):
+                host = (host, hot_state(r, 512 if "miss" in name else 8 * 512))
             f = jax.jit(fn, donate_argnums=0)
             try:
                 out = f(host, rows if name.startswith(("write_s", "write_d", "pass")) else sel)

@@ -102,7 +102,8 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
         values = values.reshape(-1, values.shape[-1])
         values = formats[name].encode(values) if name in formats else values.astype(dst.dtype)
         if hot is not None and name == "kv":
-            hot, flat[name] = offload.write(hot, pool, li, rows.reshape(-1), values)  # [n, R, K], on the host
+            hot, flat[name] = offload.write(hot, pool, li, rows.reshape(-1), values,  # [n, R, K] on the host
+                                            largest=rows.shape[-1])
             continue
         flat[name] = dst.at[jnp.where(r >= 0, r, dst.shape[0])].set(values, mode="drop")
     kv = flat.get("kv") if hot is None else _flat(hot["hot"])

@@ -53,10 +53,11 @@ def _write_rows(host, li, rows, values, largest: int | None = None):
     these updates take 0.12 ms a step at every size. On the CPU a prefill chunk's 2,048 rows on consecutive pages
     went to the host 6.6x faster in one block than in blocks of 32 (scripts/offload_probe.py, write_chunk rows)."""
     n_rows, k = values.shape
+    largest = min(n_rows, largest or n_rows)
     size = _BLOCK
-    while size * 2 <= min(n_rows, largest or n_rows):
+    while size * 2 <= largest:
         size *= 2
-    while size >= _BLOCK and n_rows >= _BLOCK:
+    while size >= _BLOCK and largest >= _BLOCK:  # (a decode step's single entries a row: no block loop to run)
         if n_rows % size == 0:
             blocks = rows.reshape(-1, size)
             whole = (blocks[:, 0] >= 0) & jnp.all(blocks == blocks[:, :1] + jnp.arange(size, dtype=rows.dtype), axis=1)
@@ -90,13 +91,16 @@ def _gather_rows(host, flat_rows):
     return to_device(out)
 
 
+# the fewest rows one transfer of a fetch moves (~0.5 MB of bf16 entries)
+PULL_ROWS = 512
+
+
 def transfer_sizes(cap: int) -> tuple[int, ...]:
-    """The rows one fetch may move: 0, then cap / 4^j down to _SMALLEST_TRANSFER, and cap."""
-    sizes, s = {cap}, cap
-    while s // 4 >= _SMALLEST_TRANSFER:
-        s //= 4
-        sizes.add(s)
-    return (0,) + tuple(sorted(sizes))
+    """The rows one fetch may move: 0, and one transfer size (PULL_ROWS, or cap / 16 for large steps; at most cap).
+    On a GPU the host reads every while loop's condition, a stream synchronisation each: an H100 decode step at a
+    full hit paid 0.24 ms a CSA layer (flash-1gpu, 128K) with a loop per size of cap / 4^j down to 16, so a fetch
+    now reads one condition when nothing misses and one more per transfer."""
+    return (0, min(cap, max(PULL_ROWS, cap // 16)))
 
 
 def add_counts(counts, li, values):
@@ -114,12 +118,13 @@ def total_counts(counts) -> dict:
     return {name: int(v) for name, v in zip(COUNTERS, tot)}
 
 
-def write(hot: dict, host, li, rows, values):
+def write(hot: dict, host, li, rows, values, largest: int | None = None):
     """Write values [N, K] (the pool's dtype) at layer li's rows [N] (-1: none) to the host pool and, where the row
-    is resident, to its hot copy. Returns (hot, host)."""
+    is resident, to its hot copy; at most `largest` of the rows consecutive (a row's entries of the step). Returns
+    (hot, host)."""
     n, r, _ = host.shape
     h = hot["hot"].shape[1]
-    host = _write_rows(host, jnp.asarray(li, jnp.int32), rows.astype(jnp.int32), values)
+    host = _write_rows(host, jnp.asarray(li, jnp.int32), rows.astype(jnp.int32), values, largest)
     at = hot["table"][li][jnp.clip(rows, 0, r - 1)]
     dst = jnp.where((rows >= 0) & (at >= 0), at + li * h, n * h)
     buf = hot["hot"].reshape(-1, values.shape[-1]).at[dst].set(values, mode="drop")
@@ -130,7 +135,7 @@ def _pull(host, missing, n_miss, li, cap: int):
     """The first n_miss rows of `missing` [cap] (layer li's rows, ascending, padded with R) brought from the host
     pool to the device: (rows [cap, K] on the device, rows moved). Blocks of `transfer_sizes`, largest first, each
     size in a while loop that runs while the rest fills it (the smallest: while any is left), so a step moves at
-    most n_miss + 15 rows in a few transfers. Loops, not a switch over the sizes: XLA:GPU accepts host computations
+    most n_miss + (the smallest size - 1) rows. Loops, not a switch over the sizes: XLA:GPU accepts host computations
     in a while body but not in a conditional's branch (JAX 0.11.2 on the H200: "expected computation ... to be
     called only by one caller and that caller to be a While")."""
     n, r, k = host.shape
