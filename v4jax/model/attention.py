@@ -119,6 +119,8 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
             sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
         elif offload.reads_whole(*rows.shape, at.shape[1], topk, hot["hot"].shape[1]):  # the rows' whole C4 KV
             hot, kv = offload.read_whole(hot, flat["kv"], li, rows, jnp.sum(at >= 0))
+            # the last token's selections made resident: the next decode step selects mostly the same rows
+            hot, _ = offload.fetch(hot, flat["kv"], li, jnp.where(at[:, -1:] >= 0, picked[:, -1:], -1))
             sel_rows = jnp.where(at >= 0, jnp.arange(rows.shape[0])[:, None, None] * rows.shape[1] + at, -1)
         else:  # in blocks of query tokens whose selections fit the hot buffer: fetched, then read from it
             win = dict(reads, win_rows=local("swa", reads["win_rows"]))  # rows of the SWA pool's flat view
