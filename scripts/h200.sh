@@ -282,8 +282,9 @@ hisparse)
   # decode ms/step and tokens/s, hit rate and bytes fetched per step (v4jax bench hisparse); PROFILE=1: a decode
   # step's kernels by family too. ROWS="MODEL:CONTEXT:CONCURRENCY:TIMEOUT_S ..." overrides (TIMEOUT_S for the pair:
   # half each); MODES="host" or "device" runs one. On an H100 the pairs took 108 s (flash-slice 128K x 2), 180 s
-  # (512K x 2), 195 s (1M x 1) and 190 s (flash-1gpu 128K x 1), mostly prefill with offload (3-4x the device
-  # pool's: host writes, and a fetch per block of 64 queries). TESTS=0 skips the offload's tests run first
+  # (512K x 2), 195 s (1M x 1) and 190 s (flash-1gpu 128K x 1) when prefill fetched by blocks of 64 queries; on an
+  # H200 with whole reads 206 s (flash-1gpu 128K) and 167 s (flash-slice 512K x 2), compiles included. TESTS=0
+  # skips the offload's tests run first
   ROWS=${ROWS:-flash-slice:131072:2:540}   # flash-slice:524288:2:540, flash-slice:1048576:1:540, flash-1gpu:131072:1:540
   rm -f "$out/hisparse.jsonl"
   if [ "${TESTS:-1}" = 1 ]; then  # the offload's own tests on this device first: pinned_host rows, the fetch, a layer
