@@ -306,7 +306,8 @@ hisparse)
   done
   python3 - "$out/hisparse.jsonl" <<'EOF'
 import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
+lines = [json.loads(line) for line in open(sys.argv[1])]
+rows = [r for r in lines if "ms_per_step" in r]  # the measured rows; PROFILE=1 adds a line of profiles after each
 print("| model | context | C4 KV | requests that fit | ran | C4 device bytes | C4 host bytes | prefill, s | ms / step "
       "| tok/s | hit rate | fetched / step |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -323,7 +324,7 @@ for r in rows:  # what the prefill fetched from the host (its queries read their
     if r["offload"]:
         print(f"  {r['model']} {r['context']} prefill: {r['prefill_fetched_bytes'] / 1e6:,.1f} MB fetched, "
               f"{r['prefill_transferred_bytes'] / 1e6:,.1f} MB moved, hit rate {100 * r['prefill_hit_rate']:.1f} %")
-for r in rows:  # PROFILE=1: the heaviest kernel families of a decode step and of a late prefill chunk
+for r in lines:  # PROFILE=1: the heaviest kernel families of a decode step and of a late prefill chunk
     for what, top in (("decode step", r.get("profile")), ("prefill chunk", r.get("profile_prefill"))):
         for name, n, ms in (top or [])[:12]:
             print(f"  {r['model']} {r['context']} {'host' if r['offload'] else 'device'} {what}: {name[:50]:50s} "

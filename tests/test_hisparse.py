@@ -336,7 +336,11 @@ def test_bench_times_requests_decoding_together():
     the timed window has every request decoding: tokens/s x ms/step is about the request count (tokens arrive a
     decode call's 8 at a time, so the window's ends cut one request's call short)."""
     from v4jax.bench.hisparse import run
-    row = run("tiny", "float32", 4096, 2, 48, True, 8, None, 256, profile=True)
+    lines = []
+    row = run("tiny", "float32", 4096, 2, 48, True, 8, None, 256, profile=True, emit=lines.append)
+    # the measured row emitted before the profiles (a long context's profile may outlast a time limit), then them
+    assert [sorted(line) for line in lines] == [sorted(set(row) - {"profile", "profile_prefill"}),
+                                                ["context", "model", "offload", "profile", "profile_prefill"]]
     assert row["context"] == 4096 and row["offload"] and 0 < row["hit_rate"] <= 1 and row["prefill_s"] > 0
     assert row["profile"][0][0].startswith("(no profile")  # a CPU's trace has no device kernels
     assert row["profile_prefill"][0][0].startswith("(no profile")

@@ -58,7 +58,8 @@ def _budget_for_both_passes(llm) -> int:
 
 
 def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int, offload: bool,
-        device_pages: int | None, budget: int | None, prefill_chunk: int, seed: int = 0, profile: bool = False) -> dict:
+        device_pages: int | None, budget: int | None, prefill_chunk: int, seed: int = 0, profile: bool = False,
+        emit=None) -> dict:
     import dataclasses
 
     import numpy as np
@@ -134,6 +135,8 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
         row.update(device_rows=st1["device_rows"], hit_rate=d["hits"] / d["selected"] if d["selected"] else None,
                    fetched_bytes_per_step=d["fetched_bytes"] / steps,
                    transferred_bytes_per_step=d["transferred_bytes"] / steps)
+    if emit is not None:  # the row first: a profile of a long context may outlast the caller's time limit
+        emit(dict(row))
     if profile:  # the device kernels of a decode step, by family: 2k more tokens (two decode calls) against one
         from v4jax.bench.profile import summarize
         from v4jax.bench.spec import decode_profile
@@ -145,6 +148,8 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
         late = prompts[0][:len(prompts[0]) - prefill_chunk]
         prof = summarize(lambda: llm.generate([late + next(tails)], sp(1)), repeats=2, top=25)
         row["profile_prefill"] = prof.get("top") or [(f"(no profile: {prof.get('error')})", 0, 0.0)]
+        if emit is not None:
+            emit({k: row[k] for k in ("model", "context", "offload", "profile", "profile_prefill")})
     return row
 
 
@@ -165,11 +170,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     # the engine's slow steps (compiles) and the phases, with times, on stderr
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    row = run(a.model, a.dtype, a.context, a.concurrency, a.new_tokens, a.offload, a.device_pages,
-              a.memory_budget_bytes, a.prefill_chunk, profile=a.profile)
-    if a.json:
-        print(json.dumps(row))
-    else:
-        for k, v in row.items():
-            print(f"{k}: {v}")
+    def emit(row):  # the measured row, then (--profile) a line of the profiles alone
+        if a.json:
+            print(json.dumps(row), flush=True)
+        else:
+            for k, v in row.items():
+                print(f"{k}: {v}", flush=True)
+
+    run(a.model, a.dtype, a.context, a.concurrency, a.new_tokens, a.offload, a.device_pages, a.memory_budget_bytes,
+        a.prefill_chunk, profile=a.profile, emit=emit)
     return 0
