@@ -134,7 +134,8 @@ def test_decode_read_bytes(flash, pro):
     assert round(d["total"] / 1e6) == 832
     # the other cells of the [S12] table
     mb = lambda cfg, t, f: round(M.decode_read_bytes(cfg, t, f)["total"] / 1e6)
-    assert mb(flash, 32 << 10, "fp8") == 35 and round(M.decode_read_bytes(flash, 32 << 10, "fp8")["indexer"] / 1e6) == 23
+    assert mb(flash, 32 << 10, "fp8") == 35
+    assert round(M.decode_read_bytes(flash, 32 << 10, "fp8")["indexer"] / 1e6) == 23
     assert mb(flash, 32 << 10, "fp4") == 24
     assert mb(flash, 128 << 10, "fp8") == 112 and mb(flash, 128 << 10, "fp4") == 68
     assert mb(flash, T1M, "fp4") == 480
@@ -366,3 +367,39 @@ def test_gpu_fit_check_names_xla_memory_fraction(monkeypatch):
     assert M.FRACTION_ENV not in str(err.value).split("would fit")[1]
     monkeypatch.setenv(M.FRACTION_ENV, "0.95")
     M.check_weights_fit(preset("flash-h200"), stored(preset("flash-h200")), "bfloat16", weights=fmt)
+
+
+@pytest.mark.parametrize("mesh", [None, "data=2"])
+def test_gpu_memory_utilization_sizes_the_pools(monkeypatch, mesh):
+    """gpu_memory_utilization (vLLM's option): each device's pools take the share of its memory the weights leave,
+    a page short of more (one device, and a mesh splitting the pools over 2 devices); a share the weights already
+    fill, a share out of (0, 1] and one given beside memory_budget_bytes are errors naming the option; the flag
+    reaches LLM."""
+    from v4jax.api import LLM
+    from v4jax.fields import FieldError
+    from v4jax.memory import model_weight_bytes
+    limit = 64 << 20
+    monkeypatch.setenv(M.MEMORY_ENV, str(limit))  # a CPU device counts nothing in use: the weights are counted
+    kw = dict(dtype="float32", max_num_seqs=2, enable_prefix_caching=False, mesh=mesh)
+    llm = LLM("tiny", gpu_memory_utilization=0.5, **kw)
+    eng = llm.engine
+    weights = model_weight_bytes(llm.model)
+    share = int(0.5 * limit) - weights
+    pools = M.engine_pools(llm.config, llm.options, llm.max_model_len, "float32")
+    assert pools.layout == eng.layout and llm.options.memory_budget_bytes is not None
+    assert pools.per_device <= share < 1.01 * pools.per_device  # filled to whole pages (of every shard)
+    plain = EngineOptions(**{k: v for k, v in kw.items() if k != "dtype"})
+    assert eng.layout.n_pages > M.engine_pools(llm.config, plain, llm.max_model_len, "float32").layout.n_pages
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.001 .* raise it above"):
+        LLM("tiny", gpu_memory_utilization=0.001, **kw).engine
+    for bad in (0, 1.5):
+        with pytest.raises(FieldError, match="gpu_memory_utilization"):
+            LLM("tiny", gpu_memory_utilization=bad, **kw)
+    with pytest.raises(FieldError, match="give one of them"):
+        LLM("tiny", gpu_memory_utilization=0.5, memory_budget_bytes=1 << 20, **kw)
+    import argparse
+
+    from v4jax.serve.options import add_llm_arguments, llm_kwargs
+    p = argparse.ArgumentParser()
+    add_llm_arguments(p)
+    assert llm_kwargs(p.parse_args(["--gpu-memory-utilization", "0.9"]))["gpu_memory_utilization"] == 0.9

@@ -96,6 +96,11 @@ class EngineOptions:
     # their number lower than 8192 for 12 % at 128K.
     prefill_chunk: int = 2048
     memory_budget_bytes: int | None = None  # size the pools from this budget instead of max_num_seqs * max_model_len
+    # vLLM's option: the share of each device's memory the weights and pools may take; the pools get what the
+    # weights leave of it (more pages than max_num_seqs x max_model_len need: room for the prefix cache). A
+    # device's memory is what it reports to JAX: on a GPU XLA's share of the card ($XLA_PYTHON_CLIENT_MEM_FRACTION,
+    # 0.75 by default). The steps' temporaries are checked against what is left (LLM.warmup).
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True  # reuse cached full pages of earlier requests' prefixes (paged layout)
     mesh: str | None = None  # e.g. "expert=4" or "data=2,tensor=2" (sharding/ maps logical axes to it), over
     # every process's devices once jax.distributed runs (sharding.multihost.initialize, called by LLM)
@@ -120,6 +125,9 @@ class EngineOptions:
             rule = "weights_seed" if f.name == "seed" else f.name
             object.__setattr__(self, f.name, check_field(rule, getattr(self, f.name), field=f.name))
         speculative_tokens(self.speculative_config, self.decode_steps)  # a FieldError naming the option
+        if self.gpu_memory_utilization is not None and self.memory_budget_bytes is not None:
+            raise FieldError("gpu_memory_utilization", "gpu_memory_utilization and memory_budget_bytes both size the "
+                             "pools: give one of them")
         if self.enable_hisparse and self.mesh:  # before anything loads (the layout says the same to its callers)
             raise FieldError("enable_hisparse", f"enable_hisparse keeps one device's C4 KV pool in host memory: "
                              f"mesh={self.mesh!r} is not supported with it (leave out mesh, or enable_hisparse)")
@@ -512,7 +520,12 @@ class LLM:
             with self._cond:  # once, whichever thread comes first
                 if self._engine is None:
                     from v4jax.engine import EngineCore
-                    from v4jax.memory import check_engine_fits, model_weight_bytes
+                    from v4jax.memory import budget_for_utilization, check_engine_fits, model_weight_bytes
+                    if self.options.gpu_memory_utilization is not None:
+                        budget = budget_for_utilization(self.config, self.options, self.max_model_len, self.dtype,
+                                                        model_weight_bytes(self.model))
+                        self.options = dataclasses.replace(self.options, gpu_memory_utilization=None,
+                                                           memory_budget_bytes=budget)
                     first = self._first_compile()
                     first.before()  # building the engine compiles too (its pools), then its first steps
                     check_engine_fits(self.config, self.options, self.max_model_len, self.dtype,

@@ -77,6 +77,7 @@ RULES: dict[str, Rule] = {
     "decode_steps": Int(1),
     "prefill_chunk": Int(1),
     "memory_budget_bytes": Int(1, INT64_MAX, optional=True),
+    "gpu_memory_utilization": Float(0, 1, lo_open=True, optional=True),
     "enable_prefix_caching": BOOL,
     "mesh": Rule("str", optional=True),
     "enable_hisparse": BOOL,

@@ -644,8 +644,9 @@ class EnginePools:
 def engine_pools(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16") -> EnginePools:
     """The pools an engine built with `options` (an api.EngineOptions, or anything with its fields: max_num_seqs,
     kv_layout, page_size, prefill_chunk, decode_steps, memory_budget_bytes, enable_prefix_caching, mesh) and
-    `max_model_len` allocates, with `dtype` the model's (the pools' is options.kv_cache_dtype's), from the layout the engine itself uses. Nothing is
-    allocated. A mesh whose `data` axis does not divide max_num_seqs is a ValueError, as in the engine."""
+    `max_model_len` allocates, with `dtype` the model's (the pools' is options.kv_cache_dtype's), from the layout
+    the engine itself uses. Nothing is allocated. A mesh whose `data` axis does not divide max_num_seqs is a
+    ValueError, as in the engine."""
     n_data, n_ctx = mesh_shards(options.mesh)
     dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)
     lay = pool_layout(cfg, options, dtype, max_model_len, n_data, n_ctx)
@@ -762,6 +763,35 @@ def check_host_pools_fit(cfg: ModelConfig, options, pools: EnginePools, dtype="b
         f"enable_hisparse: the C4 KV pool's host rows for {lay.n_pages} full pages of {lay.page_size} tokens need "
         f"{host} bytes ({_human(host)}) of host memory but {avail} bytes ({_human(avail)}) are available "
         f"(MemAvailable; 90% is the limit used); would fit: {hint}")
+
+
+def budget_for_utilization(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16",
+                           weight_bytes: int = 0) -> int:
+    """memory_budget_bytes for options.gpu_memory_utilization (f, vLLM's option): each device's pools get f of its
+    memory (device_memory_bytes) less what it holds already (the weights: bytes_in_use where the device counts it,
+    else `weight_bytes`), counted over the mesh as memory_budget_bytes is. A ValueError naming the option where f
+    leaves the pools too little."""
+    f = options.gpu_memory_utilization
+    limit, source = device_memory_bytes()
+    if limit is None:
+        raise ValueError(f"gpu_memory_utilization={f}: this device's memory is not known ({source}); set "
+                         f"${MEMORY_ENV} or give memory_budget_bytes instead")
+    free, _ = device_free_bytes(in_use=weight_bytes)
+    held = limit - free
+    per_device = int(f * limit) - held
+    if per_device <= 0:
+        raise ValueError(f"gpu_memory_utilization={f} gives each device {_human(f * limit)} of its {_human(limit)} "
+                         f"({source}), and the weights already hold {_human(held)}: raise it above "
+                         f"{held / limit:.2f}")
+    plain = dataclasses.replace(options, gpu_memory_utilization=None, memory_budget_bytes=None)
+    pools = engine_pools(cfg, plain, max_model_len, dtype)  # how the pools split over the mesh
+    budget = int(per_device * pools.total / max(pools.per_device, 1))
+    try:
+        engine_pools(cfg, dataclasses.replace(plain, memory_budget_bytes=budget), max_model_len, dtype)
+    except ValueError as e:
+        raise ValueError(f"gpu_memory_utilization={f} leaves each device's pools {_human(per_device)} once the "
+                         f"weights hold {_human(held)} of {_human(limit)} ({source}): {e}") from None
+    return budget
 
 
 def check_engine_fits(cfg: ModelConfig, options, max_model_len: int, dtype="bfloat16", weight_bytes: int = 0) -> None:

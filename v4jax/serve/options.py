@@ -61,6 +61,8 @@ _LLM_HELP = {
     "decode_steps": "tokens per jitted decode call",
     "prefill_chunk": "largest prefill chunk, in tokens",
     "memory_budget_bytes": "size the KV pools from this byte budget instead of max_num_seqs x max_model_len",
+    "gpu_memory_utilization": "share of each device's memory for the weights and KV pools (0-1, as vLLM's): the "
+                              "pools get what the weights leave of it",
     "enable_prefix_caching": "reuse cached full pages of earlier requests' prefixes",
     "mesh": "devices per mesh axis, e.g. expert=4 or data=2,tensor=2 (default: one device)",
     "enable_hisparse": "keep the C4 KV pool in host memory with a device buffer of hot entries (HiSparse)",
@@ -92,6 +94,8 @@ def add_llm_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
         elif kind.startswith("int"):
             p.add_argument(flag, type=int, default=f.default, help=helptext)
+        elif kind.startswith("float"):
+            p.add_argument(flag, type=float, default=f.default, help=helptext)
         elif kind.startswith("dict"):
             p.add_argument(flag, type=json_object, default=f.default, metavar="JSON", help=helptext)
         else:
