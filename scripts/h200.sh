@@ -324,6 +324,10 @@ for r in rows:  # what the prefill fetched from the host (its queries read their
     if r["offload"]:
         print(f"  {r['model']} {r['context']} prefill: {r['prefill_fetched_bytes'] / 1e6:,.1f} MB fetched, "
               f"{r['prefill_transferred_bytes'] / 1e6:,.1f} MB moved, hit rate {100 * r['prefill_hit_rate']:.1f} %")
+for r in lines:  # PROFILE=1: a late prefill chunk's wall time against its kernels' and copies'
+    if r.get("profile_prefill_ms"):
+        print(f"  {r['model']} {r['context']} {'host' if r['offload'] else 'device'} prefill chunk, ms: "
+              + ", ".join(f"{k} {v:,.1f}" for k, v in r["profile_prefill_ms"].items() if v is not None))
 for r in lines:  # PROFILE=1: the heaviest kernel families of a decode step and of a late prefill chunk
     for what, top in (("decode step", r.get("profile")), ("prefill chunk", r.get("profile_prefill"))):
         for name, n, ms in (top or [])[:12]:

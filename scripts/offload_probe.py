@@ -159,9 +159,10 @@ def main() -> None:
     def read_whole_call(host, sel):
         # offload.read_whole of 65,536 consecutive rows a layer (a request's C4 KV at 256K tokens) to the device
         hot = {"counts": jnp.zeros((n, 2, len(offload.COUNTERS)), jnp.int32)}
-        rows = (jnp.arange(65536, dtype=jnp.int32) % host.shape[1])[None]
 
         def body(i, acc):
+            # rows that move with the step, so that XLA cannot hoist the gather out of the loop
+            rows = ((jnp.arange(65536, dtype=jnp.int32) + i * 64) % host.shape[1])[None]
             for li in range(n):
                 _, got = offload.read_whole(hot, host, jnp.int32(li), rows, jnp.int32(0))
                 acc = acc + got[i].astype(jnp.float32).sum()

@@ -339,8 +339,10 @@ def test_bench_times_requests_decoding_together():
     lines = []
     row = run("tiny", "float32", 4096, 2, 48, True, 8, None, 256, profile=True, emit=lines.append)
     # the measured row emitted before the profiles (a long context's profile may outlast a time limit), then them
-    assert [sorted(line) for line in lines] == [sorted(set(row) - {"profile", "profile_prefill"}),
-                                                ["context", "model", "offload", "profile", "profile_prefill"]]
+    assert [sorted(line) for line in lines] == [sorted(set(row) - {"profile", "profile_prefill", "profile_prefill_ms"}),
+                                                ["context", "model", "offload", "profile", "profile_prefill",
+                                                 "profile_prefill_ms"]]
+    assert row["profile_prefill_ms"]["wall"] > 0
     assert row["context"] == 4096 and row["offload"] and 0 < row["hit_rate"] <= 1 and row["prefill_s"] > 0
     assert row["profile"][0][0].startswith("(no profile")  # a CPU's trace has no device kernels
     assert row["profile_prefill"][0][0].startswith("(no profile")
