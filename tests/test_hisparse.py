@@ -29,9 +29,9 @@ def test_host_memory_kinds_on_this_backend():
     assert x.sharding.memory_kind == "pinned_host"
 
 
-def _hot(n, r, h, k):
+def _hot(n, r, h, k, dtype=jnp.float32):
     from v4jax.cache.pools import HOT_COUNTERS
-    return {"hot": jnp.zeros((n, h, k)), "table": jnp.full((n, r), -1, jnp.int32),
+    return {"hot": jnp.zeros((n, h, k), dtype), "table": jnp.full((n, r), -1, jnp.int32),
             "owner": jnp.full((n, h), -1, jnp.int32), "used": jnp.full((n, h), -1, jnp.int32),
             "clock": jnp.zeros((n,), jnp.int32), "counts": jnp.zeros((n, 2, len(HOT_COUNTERS)), jnp.int32)}
 
@@ -381,15 +381,18 @@ def test_metrics_export_where_the_bytes_are():
     assert got["v4jax_hisparse_fetched_bytes_total"] == 1200
 
 
-@pytest.mark.parametrize("t, s, hot_rows, whole", [(1, 12, 64, False), (8, 48, 12, False), (8, 48, 64, False),
-                                                   (8, 12, 12, True)])
-def test_attention_core_offloaded_equals_on_device(rng, t, s, hot_rows, whole):
+@pytest.mark.parametrize("t, s, hot_rows, whole, fp8", [
+    (1, 12, 64, False, False), (8, 48, 12, False, False), (8, 48, 64, False, False), (8, 12, 12, True, False),
+    (1, 12, 64, False, True), (8, 48, 12, False, True), (8, 12, 12, True, True)])
+def test_attention_core_offloaded_equals_on_device(rng, t, s, hot_rows, whole, fp8):
     """One CSA layer's writes and attention (attention_core, layer 1 of a 2-layer stack) with its C4 KV on the host
-    and a hot buffer (cold, then warm from a first call) equal the same on the device: the same output and pools.
-    8 query tokens over 48 entries a row fetch in blocks of tokens (with a buffer of 12 rows: blocks of one token,
-    2 rows x 5 picks); over 12 entries a row they read the rows' whole C4 KV and leave the buffer as it was."""
+    and a hot buffer (cold, then warm from a first call) equal the same on the device: the same output and pools,
+    on float pools and on the release's byte entries (kv_cache_dtype="fp8"). 8 query tokens over 48 entries a row
+    fetch in blocks of tokens (with a buffer of 12 rows: blocks of one token, 2 rows x 5 picks); over 12 entries a
+    row they read the rows' whole C4 KV, and the last token's selections become resident."""
     from test_context import _layer_inputs
 
+    from pallas_kernels import kv_format
     from sharding import context
     from v4jax.model import attention_core, offload
     from v4jax.model.ops import ops_for
@@ -397,12 +400,16 @@ def test_attention_core_offloaded_equals_on_device(rng, t, s, hot_rows, whole):
     b, topk = q.shape[0], 5
     assert offload.reads_whole(b, s, t, topk, hot_rows) == whole
     static = dict(ops=ops_for("xla"), scale=0.25, window=4, topk=topk)
+    if fp8:  # byte pools, written encoded and decoded where read
+        formats = {"swa": kv_format.Fp8Entry(16, 4), "kv": kv_format.Fp8Entry(16, 4), "idx": kv_format.Fp4Key(32)}
+        pools = {name: jax.jit(formats[name].encode)(a) for name, a in pools.items()}
+        static["formats"] = formats
     li = jnp.int32(1)
     blocks = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
     want, want_pools = jax.jit(lambda p: attention_core(blocks, q, sink, p, writes, reads, li, **static))(pools)
     n, r, k = pools["kv"].shape
     host = jax.device_put(pools["kv"], jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
-    hot = _hot(n, r, hot_rows, k)
+    hot = _hot(n, r, hot_rows, k, pools["kv"].dtype)
     run = jax.jit(lambda p, hot: attention_core(blocks, q, sink, p, writes, reads, li, hot=hot, **static))
     for _ in range(2):  # cold, then with the first call's rows resident (and its writes applied again)
         got, got_pools = run(dict(pools, kv=host), hot)
@@ -418,7 +425,7 @@ def test_attention_core_offloaded_equals_on_device(rng, t, s, hot_rows, whole):
         rows = np.asarray(reads["rows"])
         idx = want_pools["idx"].reshape(-1, want_pools["idx"].shape[-1])
         _, at = static["ops"].select(reads["iq"], reads["w"], idx, jnp.where(rows >= 0, rows + r, -1),
-                                     reads["n_ready"], topk, None)
+                                     reads["n_ready"], topk, static.get("formats", {}).get("idx"))
         at = np.asarray(at)[:, -1]  # [B, k] the last token's picks
         last = np.where(at >= 0, np.take_along_axis(rows, np.maximum(at, 0), axis=1), -1)
         assert set(resident[resident >= 0].tolist()) == set(last[last >= 0].tolist())
