@@ -382,23 +382,24 @@ def test_metrics_export_where_the_bytes_are():
 
 
 @pytest.mark.parametrize("t, s, hot_rows, whole, fp8", [
-    (1, 12, 64, False, False), (8, 48, 12, False, False), (8, 48, 64, False, False), (8, 12, 12, True, False),
-    (1, 12, 64, False, True), (8, 48, 12, False, True), (8, 12, 12, True, True)])
+    (1, 12, 64, 0, False), (8, 48, 12, 0, False), (8, 48, 64, 0, False), (8, 12, 12, 2, False),
+    (16, 60, 12, 1, False), (1, 12, 64, 0, True), (8, 48, 12, 0, True), (8, 12, 12, 2, True)])
 def test_attention_core_offloaded_equals_on_device(rng, t, s, hot_rows, whole, fp8):
     """One CSA layer's writes and attention (attention_core, layer 1 of a 2-layer stack) with its C4 KV on the host
     and a hot buffer (cold, then warm from a first call) equal the same on the device: the same output and pools,
     on float pools and on the release's byte entries (kv_cache_dtype="fp8"). 8 query tokens over 48 entries a row
     fetch in blocks of tokens (with a buffer of 12 rows: blocks of one token, 2 rows x 5 picks); over 12 entries a
-    row they read the rows' whole C4 KV, and the last token's selections become resident."""
+    row they read both rows' whole C4 KV at once, over 60 (16 tokens) one row's at a time; either way the last
+    token's selections become resident."""
     from test_context import _layer_inputs
 
     from pallas_kernels import kv_format
     from sharding import context
     from v4jax.model import attention_core, offload
     from v4jax.model.ops import ops_for
-    q, sink, pools, writes, reads = _layer_inputs(rng, "csa", t=t, kd=16, ki=32, s=s, r=128)
+    q, sink, pools, writes, reads = _layer_inputs(rng, "csa", t=t, kd=16, ki=32, s=s, r=128, r_swa=64)
     b, topk = q.shape[0], 5
-    assert offload.reads_whole(b, s, t, topk, hot_rows) == whole
+    assert offload.whole_read_rows(b, s, t, topk, hot_rows) == whole
     static = dict(ops=ops_for("xla"), scale=0.25, window=4, topk=topk)
     if fp8:  # byte pools, written encoded and decoded where read
         formats = {"swa": kv_format.Fp8Entry(16, 4), "kv": kv_format.Fp8Entry(16, 4), "idx": kv_format.Fp4Key(32)}

@@ -117,15 +117,16 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
                                      jnp.maximum(at, 0), axis=2)
         if hot is None:
             sel_rows = counted("kv", jnp.where(at >= 0, picked, -1))
-        elif offload.reads_whole(*rows.shape, at.shape[1], topk, hot["hot"].shape[1]):  # the rows' whole C4 KV
-            hot, kv = offload.read_whole(hot, flat["kv"], li, rows, jnp.sum(at >= 0))
-            # the last token's selections made resident: the next decode step selects mostly the same rows
-            hot, _ = offload.fetch(hot, flat["kv"], li, jnp.where(at[:, -1:] >= 0, picked[:, -1:], -1))
-            sel_rows = jnp.where(at >= 0, jnp.arange(rows.shape[0])[:, None, None] * rows.shape[1] + at, -1)
-        else:  # in blocks of query tokens whose selections fit the hot buffer: fetched, then read from it
+        else:
             win = dict(reads, win_rows=local("swa", reads["win_rows"]))  # rows of the SWA pool's flat view
-            o, hot = _attend_offloaded(q, sink, flat, hot, win, li, jnp.where(at >= 0, picked, -1), ops=ops,
-                                       scale=scale, window=window, entry_format=formats.get("swa"))
+            attend = dict(ops=ops, scale=scale, window=window, entry_format=formats.get("swa"))
+            group = offload.whole_read_rows(*rows.shape, at.shape[1], topk, hot["hot"].shape[1])
+            if group:  # the rows' whole C4 KV, `group` rows at a time
+                o, hot = _attend_whole(q, sink, flat, hot, win, li, rows, at, group, **attend)
+                # the last token's selections made resident: the next decode step selects mostly the same rows
+                hot, _ = offload.fetch(hot, flat["kv"], li, jnp.where(at[:, -1:] >= 0, picked[:, -1:], -1))
+            else:  # in blocks of query tokens whose selections fit the hot buffer: fetched, then read from it
+                o, hot = _attend_offloaded(q, sink, flat, hot, win, li, jnp.where(at >= 0, picked, -1), **attend)
             return o, _unflat(flat, pools, hot)
     elif kv is not None:
         hca_rows = counted("kv", reads["rows"])
@@ -142,6 +143,30 @@ def _unflat(flat, pools, hot):
     the offload state under "hot" when given."""
     out = {name: f if f.shape == pools[name].shape else f.reshape(pools[name].shape) for name, f in flat.items()}
     return out if hot is None else dict(out, hot=hot)
+
+
+def _attend_whole(q, sink, flat, hot, reads, li, rows, at, group: int, *, ops: Ops, scale, window, entry_format):
+    """Attention of a CSA layer whose C4 KV is on the host (one device), its B rows `group` at a time: each group's
+    rows' whole C4 KV of layer li read from the host at once (offload.read_whole) and its queries' selections read
+    from that copy. rows [B, S] layer rows of the entries (-1: none); at [B, T, k] the selected entries (-1: none);
+    reads["win_rows"] rows of the SWA pool's flat view. Returns (o [B, T, H, K], hot)."""
+    b, s = rows.shape
+
+    def part(hot, j):
+        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, j * group, group, axis=0)
+        sel = cut(at)
+        hot, kv = offload.read_whole(hot, flat["kv"], li, cut(rows), jnp.sum(sel >= 0))
+        sel = jnp.where(sel >= 0, jnp.arange(group)[:, None, None] * s + sel, -1)
+        o = ops.attend(cut(q), sink, scale, flat["swa"], cut(reads["win_rows"]), cut(reads["win_pos"]),
+                       cut(reads["pos"]), window, kv, None, cut(reads["n_ready"]), sel, with_lse=False,
+                       entry_format=entry_format)
+        return hot, o
+
+    if group == b:
+        hot, o = part(hot, 0)
+        return o, hot
+    hot, o = jax.lax.scan(part, hot, jnp.arange(b // group))
+    return o.reshape(q.shape[:2] + o.shape[3:]), hot
 
 
 def _attend_offloaded(q, sink, flat, hot, reads, li, sel, *, ops: Ops, scale, window, entry_format):

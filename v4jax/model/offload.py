@@ -17,8 +17,9 @@ attention reads every selected row from the hot buffer. So every answer reads th
 changes what moves, never what is read. The one condition: a step's distinct selected rows of a layer fit the
 hot buffer (H >= rows x tokens x top-k of the step), which the engine checks when it is built.
 
-A step of many query tokens (a prefill chunk) instead reads its rows' whole C4 KV of the layer once (`read_whole`)
-where that moves fewer rows than its selections could and fits a few hot buffers: the hot buffer is untouched."""
+A step of many query tokens (a prefill chunk) instead reads its rows' whole C4 KV of the layer at once, a group of
+rows that fits a few hot buffers at a time (`whole_read_rows`, `read_whole`), where that moves fewer rows than its
+selections could."""
 from __future__ import annotations
 
 import jax
@@ -158,18 +159,22 @@ def _pull(host, missing, n_miss, li, cap: int):
     return got[:cap], done
 
 
-# a step reads its rows' whole C4 KV when that is at most this many hot buffers of rows (device memory for one
-# layer at a time)
+# a step reads a group of its rows' whole C4 KV at once when that is at most this many hot buffers of rows (device
+# memory for one layer and one group at a time)
 WHOLE_READ_BUFFERS = 8
 
 
-def reads_whole(b: int, s: int, t: int, k: int, h: int) -> bool:
-    """Whether a step of b rows x t query tokens, each selecting k of its row's s entries, reads the rows' whole C4
-    KV of a layer (b x s rows, one gather) rather than fetching each block of tokens' missing selections into the
-    hot buffer of h rows. The fetch by blocks moved up to b x t x k rows a layer, in (t / block) fetches: an H100
-    prefill of 2 x 512K tokens (flash-slice, chunks of 8,192) took 71 s against 19 s with the pool on the device,
-    ~200 ms more a CSA layer a chunk (BENCHMARKS, Host offload)."""
-    return t > 1 and s <= t * k and b * s <= WHOLE_READ_BUFFERS * h
+def whole_read_rows(b: int, s: int, t: int, k: int, h: int) -> int:
+    """How many of a step's b rows (t query tokens each, selecting k of the row's s entries) read their whole C4 KV
+    of a layer at once (b x s rows, one gather a group): the most rows, dividing b, whose entries fit
+    WHOLE_READ_BUFFERS hot buffers of h rows; 0 where the step rather fetches each block of tokens' missing
+    selections into the hot buffer (a decode step, or s > t x k: more entries than its selections). The fetch by
+    blocks moved up to t x k rows a row and layer, in (t / block) fetches: an H100 prefill of 2 x 512K tokens
+    (flash-slice, chunks of 8,192) took 71 s against 19 s with the pool on the device, ~200 ms more a CSA layer a
+    chunk (BENCHMARKS, Host offload); with whole reads, 1.58x the device pool's time on an H200."""
+    if t <= 1 or s > t * k or s > WHOLE_READ_BUFFERS * h:
+        return 0
+    return max(g for g in range(1, b + 1) if b % g == 0 and g * s <= WHOLE_READ_BUFFERS * h)
 
 
 def read_whole(hot: dict, host, li, rows, selected):
