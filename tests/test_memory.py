@@ -369,18 +369,17 @@ def test_gpu_fit_check_names_xla_memory_fraction(monkeypatch):
     M.check_weights_fit(preset("flash-h200"), stored(preset("flash-h200")), "bfloat16", weights=fmt)
 
 
-@pytest.mark.parametrize("mesh", [None, "data=2"])
-def test_gpu_memory_utilization_sizes_the_pools(monkeypatch, mesh):
+def test_gpu_memory_utilization_sizes_the_pools(monkeypatch):
     """gpu_memory_utilization (vLLM's option): each device's pools take the share of its memory the weights leave,
-    a page short of more (one device, and a mesh splitting the pools over 2 devices); a share the weights already
-    fill, a share out of (0, 1] and one given beside memory_budget_bytes are errors naming the option; the flag
-    reaches LLM."""
+    to whole pages (an engine on one device; the budget of a mesh splitting the pools over 2 devices); a share the
+    weights already fill, a share out of (0, 1] and one given beside memory_budget_bytes are errors naming the
+    option; the flag reaches LLM."""
     from v4jax.api import LLM
     from v4jax.fields import FieldError
     from v4jax.memory import model_weight_bytes
     limit = 64 << 20
     monkeypatch.setenv(M.MEMORY_ENV, str(limit))  # a CPU device counts nothing in use: the weights are counted
-    kw = dict(dtype="float32", max_num_seqs=2, enable_prefix_caching=False, mesh=mesh)
+    kw = dict(dtype="float32", max_num_seqs=2, enable_prefix_caching=False)
     llm = LLM("tiny", gpu_memory_utilization=0.5, **kw)
     eng = llm.engine
     weights = model_weight_bytes(llm.model)
@@ -390,6 +389,12 @@ def test_gpu_memory_utilization_sizes_the_pools(monkeypatch, mesh):
     assert pools.per_device <= share < 1.01 * pools.per_device  # filled to whole pages (of every shard)
     plain = EngineOptions(**{k: v for k, v in kw.items() if k != "dtype"})
     assert eng.layout.n_pages > M.engine_pools(llm.config, plain, llm.max_model_len, "float32").layout.n_pages
+    # over data=2 each device holds half the pools: the budget (all devices) is twice one device's share
+    on_mesh = dataclasses.replace(plain, mesh="data=2", gpu_memory_utilization=0.5)
+    budget = M.budget_for_utilization(llm.config, on_mesh, llm.max_model_len, "float32", weights)
+    split = M.engine_pools(llm.config, dataclasses.replace(on_mesh, gpu_memory_utilization=None,
+                                                            memory_budget_bytes=budget), llm.max_model_len, "float32")
+    assert split.per_device <= share < 1.01 * split.per_device and split.total > 1.9 * split.per_device
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.001 .* raise it above"):
         LLM("tiny", gpu_memory_utilization=0.001, **kw).engine
     for bad in (0, 1.5):
