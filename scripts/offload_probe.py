@@ -2,8 +2,8 @@
 pool [2, R, 512] (two CSA layers of R rows, bf16, donated), each step writing one row per layer, a prefill chunk's
 2,048 rows per layer (consecutive, or on pages apart; offload's blocks against blocks of 32 rows) or gathering 512
 rows per layer to the device, in several forms (and: a while loop that moves nothing, offload's fetch at a full hit and
-at a full miss, with one transfer size and with the earlier ladder of sizes, offload's whole read of 65,536 rows a
-layer): a scatter and a gather as host computations (compute_on), one
+at a full miss, with one transfer size and with the earlier ladder of sizes, its bookkeeping alone, offload's whole
+read of 65,536 rows a layer, a decode step's 8 row writes by the loop and unrolled): a scatter and a gather as host computations (compute_on), one
 dynamic update a row (v4jax.model.offload's write), a row-at-a-time dynamic slice, and a raw gather with host
 operands (offload's fetch). A time that grows with R means the step copies the pool rather than updating it in
 place.
@@ -70,6 +70,25 @@ def main() -> None:
                 host = offload._write_rows(host, jnp.int32(li), lax.dynamic_slice(rows, (i,), (1,)), vals)
             return host
         return lax.fori_loop(0, a.steps, body, host)
+
+    def decode_write(unrolled):
+        # a decode step's writes at batch 8: 8 rows a layer (one C4 entry a row), by offload's while loop (a
+        # condition the host reads per row and one more) or by 8 dynamic updates unrolled (no loop: what a scratch
+        # row for the rows without an entry would allow)
+        def call(host, rows):
+            def body(i, host):
+                for li in range(n):
+                    at = (rows[i] + jnp.arange(8, dtype=jnp.int32) * 97) % host.shape[1]
+                    vals = jnp.full((8, k), i, host.dtype)
+                    if not unrolled:
+                        host = offload._write_rows(host, jnp.int32(li), at, vals)
+                        continue
+                    for j in range(8):
+                        block = offload.to_host(vals[j][None, None])
+                        host = lax.dynamic_update_slice(host, block, (jnp.int32(li), at[j], jnp.int32(0)))
+                return host
+            return lax.fori_loop(0, a.steps, body, host)
+        return call
 
     def chunk_write(largest, pages):
         # a prefill chunk's writes: 2,048 rows a layer (8,192 tokens' C4 entries), a step each, on consecutive pages
@@ -139,13 +158,17 @@ def main() -> None:
             sizes.add(s)
         return (0,) + tuple(sorted(sizes))
 
-    def fetch_call(sizes):
+    def no_pull(host, missing, n_miss, li, cap):  # the fetch's bookkeeping alone: nothing moves, no loop
+        return jnp.zeros((cap, host.shape[-1]), host.dtype), jnp.int32(0)
+
+    def fetch_call(sizes, pull=None):
         # offload.fetch of 512 rows a layer a step: with a buffer of 8 steps' rows every one is resident after the
         # first call (the bookkeeping and loops a step pays at a full hit); with a buffer of 512 rows every one
         # misses (evicted by the other steps'). `sizes`: the transfer sizes (offload's, or the ladder)
         def call(state, sel):
             host, hot = state
-            offload.transfer_sizes, own = sizes or offload.transfer_sizes, offload.transfer_sizes
+            own = offload.transfer_sizes, offload._pull
+            offload.transfer_sizes, offload._pull = sizes or own[0], pull or own[1]
             try:
                 def body(i, hot):
                     for li in range(n):
@@ -153,7 +176,7 @@ def main() -> None:
                     return hot
                 return host, lax.fori_loop(0, a.steps, body, hot)
             finally:
-                offload.transfer_sizes = own
+                offload.transfer_sizes, offload._pull = own
         return call
 
     def read_whole_call(host, sel):
@@ -187,7 +210,9 @@ def main() -> None:
                          ("write_chunk_2048_pages_blocks_32", chunk_write(32, True)), ("gather_512", gather_call),
                          ("gather_ds_512", gather_ds_call),
                          ("gather_take_512", gather_take_call), ("while_empty", while_empty_call),
+                         ("decode_write_8", decode_write(False)), ("decode_write_8_unrolled", decode_write(True)),
                          ("fetch_hit_512", fetch_call(None)), ("fetch_hit_512_ladder", fetch_call(ladder)),
+                         ("fetch_hit_512_bookkeeping", fetch_call(None, no_pull)),
                          ("fetch_miss_512", fetch_call(None)), ("fetch_miss_512_ladder", fetch_call(ladder)),
                          ("read_whole_65536", read_whole_call)):
             if a.what and name not in a.what:
@@ -197,13 +222,13 @@ def main() -> None:
                 host = (host, hot_state(r, 512 if "miss" in name else 8 * 512))
             f = jax.jit(fn, donate_argnums=0)
             try:
-                out = f(host, rows if name.startswith(("write_s", "write_d", "pass")) else sel)
+                out = f(host, rows if name.startswith(("write_s", "write_d", "pass", "decode")) else sel)
                 jax.block_until_ready(out)
                 host = out[0] if name.startswith(("gather", "while", "read")) else out
                 times = []
                 for _ in range(a.iters):
                     t0 = time.perf_counter()
-                    out = f(host, rows if name.startswith(("write_s", "write_d", "pass")) else sel)
+                    out = f(host, rows if name.startswith(("write_s", "write_d", "pass", "decode")) else sel)
                     jax.block_until_ready(out)
                     host = out[0] if name.startswith(("gather", "while", "read")) else out
                     times.append(time.perf_counter() - t0)
