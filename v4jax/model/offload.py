@@ -11,8 +11,8 @@ Per layer of the stack (arrays [n, ...], the stack's n layers):
   counts [n, 2, F]   counters (COUNTERS), as low 24 bits / the rest, so that int32 never wraps
 
 A step writes its new rows to the host and, where resident, to the hot copy. After the top-k, the selected rows
-missing from the hot buffer are gathered on the host (compacted, distinct) and brought to the device in blocks of
-a few sizes (`_pull`), installed over the least recently used hot rows, and the
+missing from the hot buffer are gathered on the host (compacted, distinct) and brought to the device in transfers of
+one size (`_pull`, `transfer_sizes`), installed over the least recently used hot rows, and the
 attention reads every selected row from the hot buffer. So every answer reads the host's values: residency
 changes what moves, never what is read. The one condition: a step's distinct selected rows of a layer fit the
 hot buffer (H >= rows x tokens x top-k of the step), which the engine checks when it is built.
@@ -28,7 +28,6 @@ from jax import lax
 
 COUNTERS = ("selected", "hits", "fetched_rows", "transferred_rows", "overflow")
 _LOW = 24
-_SMALLEST_TRANSFER = 16
 # the smallest block of consecutive rows written as one update: a full page holds a multiple of this many C4
 # entries (pages are multiples of 128 tokens)
 _BLOCK = 32
