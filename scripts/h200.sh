@@ -321,7 +321,7 @@ for r in rows:
     print(f"| {r['model']} | {ctx} | {where} | {r['fit_requests']} | {r['concurrency']} | "
           f"{r['c4_device_bytes']:,} | {r['c4_host_bytes']:,} | {num(r.get('prefill_s'))} | {num(r['ms_per_step'], 2)} "
           f"| {num(r['tokens_per_s'])} | {hit} | {fetched} |")
-for r in rows:  # what the prefill fetched from the host (its queries read their selections a block at a time)
+for r in rows:  # what the prefill fetched from the host (whole reads of its rows, or fetches by blocks of queries)
     if r["offload"]:
         print(f"  {r['model']} {r['context']} prefill: {r['prefill_fetched_bytes'] / 1e6:,.1f} MB fetched, "
               f"{r['prefill_transferred_bytes'] / 1e6:,.1f} MB moved, hit rate {100 * r['prefill_hit_rate']:.1f} %")

@@ -128,7 +128,7 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
            "programs_compiled_after": core.compiled_variants() - compiled}
     if offload:
         d = {k: st1[k] - st0[k] for k in ("selected", "hits", "fetched_bytes", "transferred_bytes")}
-        # what the prefill moved from the host: its queries fetch their selections a block of queries at a time
+        # what the prefill moved from the host (a chunk reads its rows' whole C4 KV, or fetches by blocks of queries)
         row.update(prefill_fetched_bytes=pre1["fetched_bytes"] - pre0["fetched_bytes"],
                    prefill_transferred_bytes=pre1["transferred_bytes"] - pre0["transferred_bytes"],
                    prefill_hit_rate=(pre1["hits"] - pre0["hits"]) / max(pre1["selected"] - pre0["selected"], 1))
