@@ -381,22 +381,46 @@ def test_metrics_export_where_the_bytes_are():
     assert got["v4jax_hisparse_fetched_bytes_total"] == 1200
 
 
-@pytest.mark.parametrize("t, s, hot_rows, whole, fp8", [
-    (1, 12, 64, 0, False), (8, 48, 12, 0, False), (8, 48, 64, 0, False), (8, 12, 12, 2, False),
-    (16, 60, 12, 1, False), (1, 12, 64, 0, True), (8, 48, 12, 0, True), (8, 12, 12, 2, True)])
-def test_attention_core_offloaded_equals_on_device(rng, t, s, hot_rows, whole, fp8):
+@pytest.mark.parametrize("s, used, cols, moved", [(12, 7, 3, 9), (12, 12, 5, 15), (12, 0, 4, 0), (12, 12, 64, 12)])
+def test_whole_read_moves_the_columns_in_use(rng, monkeypatch, s, used, cols, moved):
+    """A whole read moves the columns up to the last row in use, WHOLE_READ_COLUMNS a transfer (the last one ending
+    at S when it would pass it), and gives every row in use its host values."""
+    from v4jax.model import offload
+    monkeypatch.setattr(offload, "WHOLE_READ_COLUMNS", cols)
+    n, r, k, b = 2, 64, 4, 2
+    pool = rng.standard_normal((n, r, k)).astype(np.float32)
+    rows = np.full((b, s), -1, np.int32)
+    rows[0, :used] = rng.choice(r, used, replace=False)
+    rows[1, :used // 2] = rng.choice(r, used // 2, replace=False)
+    rows[1, 1] = -1  # a none among rows in use
+    host = jax.device_put(pool, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    read = jax.jit(lambda *a: offload.read_whole(*a))  # a new trace: jit's cache does not see the patched constant
+    hot, got = read(_hot(n, r, 8, k, jnp.float32), host, jnp.int32(1), jnp.asarray(rows), jnp.int32(3))
+    got = np.asarray(got).reshape(b, s, k)
+    np.testing.assert_array_equal(got[rows >= 0], pool[1, rows[rows >= 0]])
+    c = offload.total_counts(hot["counts"])
+    assert (c["fetched_rows"], c["transferred_rows"], c["selected"], c["hits"]) == (np.sum(rows >= 0), b * moved, 3, 0)
+
+
+@pytest.mark.parametrize("t, s, hot_rows, whole, fp8, cols", [
+    (1, 12, 64, 0, False, None), (8, 48, 12, 0, False, None), (8, 48, 64, 0, False, None),
+    (8, 12, 12, 2, False, None), (16, 60, 12, 1, False, None), (16, 60, 12, 1, False, 16),
+    (1, 12, 64, 0, True, None), (8, 48, 12, 0, True, None), (8, 12, 12, 2, True, 5)])
+def test_attention_core_offloaded_equals_on_device(rng, monkeypatch, t, s, hot_rows, whole, fp8, cols):
     """One CSA layer's writes and attention (attention_core, layer 1 of a 2-layer stack) with its C4 KV on the host
     and a hot buffer (cold, then warm from a first call) equal the same on the device: the same output and pools,
     on float pools and on the release's byte entries (kv_cache_dtype="fp8"). 8 query tokens over 48 entries a row
     fetch in blocks of tokens (with a buffer of 12 rows: blocks of one token, 2 rows x 5 picks); over 12 entries a
     row they read both rows' whole C4 KV at once, over 60 (16 tokens) one row's at a time; either way the last
-    token's selections become resident."""
+    token's selections become resident; whole reads in one transfer or several (`cols` columns each)."""
     from test_context import _layer_inputs
 
     from pallas_kernels import kv_format
     from sharding import context
     from v4jax.model import attention_core, offload
     from v4jax.model.ops import ops_for
+    if cols:  # a whole read in transfers of `cols` columns
+        monkeypatch.setattr(offload, "WHOLE_READ_COLUMNS", cols)
     q, sink, pools, writes, reads = _layer_inputs(rng, "csa", t=t, kd=16, ki=32, s=s, r=128, r_swa=64)
     b, topk = q.shape[0], 5
     assert offload.whole_read_rows(b, s, t, topk, hot_rows) == whole
@@ -498,6 +522,49 @@ def test_host_writes_in_blocks_of_every_size(rng):
         txt = jax.jit(offload._write_rows, static_argnums=4).lower(host, jnp.int32(0), jnp.asarray(rows),
                                                                    jnp.asarray(values), largest).as_text()
         assert {int(b) for b in re.findall(r"dynamic_update_slice[^\n]*tensor<1x(\d+)x4", txt)} == sizes
+
+
+def test_host_writes_of_a_prefill_chunk_in_runs(rng):
+    """A prefill chunk's writes as the model makes them: each of 2 batch rows has T / m + 2 windows (here 66: 64
+    complete entries on consecutive rows, 2 incomplete as -1), a run no block size divides. They land as a numpy
+    scatter does and in blocks (a 64-row update each, the runs padded), not one row an iteration."""
+    from v4jax.model import offload
+    n, r, k, e = 2, 512, 4, 66
+    pool = rng.standard_normal((n, r, k)).astype(np.float32)
+    rows = np.full((2, e), -1, np.int32)
+    rows[0, :64], rows[1, :64] = np.arange(128, 192), np.arange(320, 384)
+    rows, values = rows.reshape(-1), rng.standard_normal((2 * e, k)).astype(np.float32)
+    want = pool.copy()
+    want[1, rows[rows >= 0]] = values[rows >= 0]
+    write = jax.jit(offload._write_rows, static_argnums=4)
+    host = jax.device_put(pool, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    np.testing.assert_array_equal(np.asarray(write(host, jnp.int32(1), jnp.asarray(rows), jnp.asarray(values), e)),
+                                  want)
+    host = jax.device_put(pool, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    got = jax.jit(lambda h: offload._write_rows(h, jnp.int32(1), jnp.asarray(rows), jnp.asarray(values), e))(host)
+    np.testing.assert_array_equal(np.asarray(got), want)  # the rows a compile-time constant
+    txt = write.lower(host, jnp.int32(1), jnp.asarray(rows), jnp.asarray(values), e).as_text()
+    assert {int(b) for b in re.findall(r"dynamic_update_slice[^\n]*tensor<1x(\d+)x4", txt)} == {1, 32, 64}
+
+
+@pytest.mark.parametrize("n_valid", [0, 1, 9, 20])
+def test_host_single_row_writes(rng, n_valid):
+    """A decode step's single rows, any count of them valid (none, one, several), land as a numpy scatter does, with
+    the rows a compile-time constant too (XLA once dropped the writes of an unrolled form there)."""
+    from v4jax.model import offload
+    n, r, k, m = 2, 128, 4, 24
+    pool = rng.standard_normal((n, r, k)).astype(np.float32)
+    rows = np.full(m, -1, np.int32)
+    rows[rng.choice(m, n_valid, replace=False)] = rng.choice(r, n_valid, replace=False)
+    values = rng.standard_normal((m, k)).astype(np.float32)
+    want = pool.copy()
+    want[0, rows[rows >= 0]] = values[rows >= 0]
+    host = jax.device_put(pool, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    got = jax.jit(offload._write_rows, static_argnums=4)(host, jnp.int32(0), jnp.asarray(rows), jnp.asarray(values), 2)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    host = jax.device_put(pool, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    got = jax.jit(lambda h: offload._write_rows(h, jnp.int32(0), jnp.asarray(rows), jnp.asarray(values), 2))(host)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_offload_steps_compile_once_per_program():

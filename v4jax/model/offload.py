@@ -17,9 +17,9 @@ attention reads every selected row from the hot buffer. So every answer reads th
 changes what moves, never what is read. The one condition: a step's distinct selected rows of a layer fit the
 hot buffer (H >= rows x tokens x top-k of the step), which the engine checks when it is built.
 
-A step of many query tokens (a prefill chunk) instead reads its rows' whole C4 KV of the layer at once, a group of
-rows that fits a few hot buffers at a time (`whole_read_rows`, `read_whole`), where that moves fewer rows than its
-selections could."""
+A step of many query tokens (a prefill chunk) instead reads its rows' whole C4 KV of the layer at once (the
+columns in use), a group of rows that fits a few hot buffers at a time (`whole_read_rows`, `read_whole`), where
+that moves fewer rows than its selections could."""
 from __future__ import annotations
 
 import jax
@@ -46,30 +46,40 @@ _GATHER = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,)
 
 def _write_rows(host, li, rows, values, largest: int | None = None):
     """values [N, K] into layer li's rows [N] (-1: none) of the host pool [n, R, K] by dynamic updates, which XLA
-    keeps in place: aligned blocks of consecutive rows in one update each, the largest first (N, N/2, ... down to
-    _BLOCK rows, at most `largest`: a prefill chunk's entries on consecutive pages in one, page by page otherwise),
-    every other row alone, valid rows first, in while loops. Measured on an H100 (scripts/offload_probe.py): a
-    host-computation scatter copied the whole pool per call (10 / 42 / 190 ms a step at 32 / 128 / 512 MiB) where
-    these updates take 0.12 ms a step at every size. On the CPU a prefill chunk's 2,048 rows on consecutive pages
-    went to the host 6.6x faster in one block than in blocks of 32 (scripts/offload_probe.py, write_chunk rows)."""
+    keeps in place: aligned blocks of consecutive rows in one update each, the largest first (down to _BLOCK rows),
+    every other row alone, valid rows first, in while loops. The rows come in
+    runs of `largest` (N a multiple: a step's entries of each batch row; default one run of N), blocks never span
+    two runs, and a run is padded to a multiple of its largest block: a prefill chunk's run is T / m + 2 windows
+    (2,050 for 8,192 tokens), which no block size divided, so its 2,048 entries went one row an iteration (an H100
+    prefill chunk of flash-slice: 30,417 kernels against 891 with the pool on the device, ~50 ms a CSA layer).
+    Measured on an H100 (scripts/offload_probe.py): a host-computation scatter copied the whole pool per call (10 /
+    42 / 190 ms a step at 32 / 128 / 512 MiB) where these updates take 0.12 ms a step at every size. On the CPU a
+    prefill chunk's 2,048 rows on consecutive pages went to the host 6.6x faster in one block than in blocks of 32
+    (scripts/offload_probe.py, write_chunk rows)."""
     n_rows, k = values.shape
     largest = min(n_rows, largest or n_rows)
-    size = _BLOCK
-    while size * 2 <= largest:
-        size *= 2
-    while size >= _BLOCK and largest >= _BLOCK:  # (a decode step's single entries a row: no block loop to run)
-        if n_rows % size == 0:
+    if largest >= _BLOCK:
+        size = 1 << (largest.bit_length() - 1)  # the largest block: a power of two, at most a run
+        pad = -largest % size
+        if pad:  # each run padded with none-rows up to a multiple of it
+            rows = jnp.pad(rows.reshape(-1, largest), ((0, 0), (0, pad)), constant_values=-1).reshape(-1)
+            values = jnp.pad(values.reshape(-1, largest, k), ((0, 0), (0, pad), (0, 0))).reshape(-1, k)
+        while size >= _BLOCK:
             blocks = rows.reshape(-1, size)
             whole = (blocks[:, 0] >= 0) & jnp.all(blocks == blocks[:, :1] + jnp.arange(size, dtype=rows.dtype), axis=1)
             host = _updates(host, li, blocks[:, 0], whole, values.reshape(-1, size, k))
             rows = jnp.where(jnp.repeat(whole, size), -1, rows)
-        size //= 2
+            size //= 2
     return _updates(host, li, rows, rows >= 0, values[:, None])
 
 
 def _updates(host, li, starts, valid, values):
-    """values [M, B, K]: block i at rows starts[i] .. + B of layer li where valid[i], one dynamic update each."""
+    """values [M, B, K]: block i at rows starts[i] .. + B of layer li where valid[i], one dynamic update each (an
+    iteration of a while loop). Not several an iteration, the last repeating the last valid block (the H100 probe:
+    a decode step's 8 row writes a layer took 0.23 ms in this loop, 0.03 ms as 8 updates): where the valid count was
+    a constant of 1, XLA (CPU, JAX 0.10) compiled two such updates of the same row into no write at all."""
     order = jnp.argsort(~valid, stable=True)
+    n_valid = jnp.sum(valid)
 
     def put(c):
         j, host = c
@@ -77,7 +87,7 @@ def _updates(host, li, starts, valid, values):
         block = to_host(lax.dynamic_index_in_dim(values, i, keepdims=True).astype(host.dtype))
         return j + 1, lax.dynamic_update_slice(host, block, (li, starts[i], jnp.int32(0)))
 
-    _, host = lax.while_loop(lambda c: c[0] < jnp.sum(valid), put, (jnp.int32(0), host))
+    _, host = lax.while_loop(lambda c: c[0] < n_valid, put, (jnp.int32(0), host))
     return host
 
 
@@ -120,8 +130,8 @@ def total_counts(counts) -> dict:
 
 def write(hot: dict, host, li, rows, values, largest: int | None = None):
     """Write values [N, K] (the pool's dtype) at layer li's rows [N] (-1: none) to the host pool and, where the row
-    is resident, to its hot copy; at most `largest` of the rows consecutive (a row's entries of the step). Returns
-    (hot, host)."""
+    is resident, to its hot copy; the rows in runs of `largest` (each batch row's entries of the step, consecutive
+    where its pages are). Returns (hot, host)."""
     n, r, _ = host.shape
     h = hot["hot"].shape[1]
     host = _write_rows(host, jnp.asarray(li, jnp.int32), rows.astype(jnp.int32), values, largest)
@@ -176,17 +186,34 @@ def whole_read_rows(b: int, s: int, t: int, k: int, h: int) -> int:
     return max(g for g in range(1, b + 1) if b % g == 0 and g * s <= WHOLE_READ_BUFFERS * h)
 
 
+# the columns of a whole read moved per transfer (rows of a group a transfer: this x the group's rows)
+WHOLE_READ_COLUMNS = 8192
+
+
 def read_whole(hot: dict, host, li, rows, selected):
     """Layer li's rows [B, S] (-1: none) of the host pool brought to the device as one array [B * S, K] (row j of
-    batch row b at b * S + j; a none reads row 0), for `selected` selections (counted: none of them hits).
-    Returns (hot with the counters added, the array)."""
-    n, r, _ = host.shape
-    flat_rows = jnp.where(rows >= 0, rows, 0).reshape(-1) + li * r
-    got = _gather_rows(host, flat_rows)
+    batch row b at b * S + j), for `selected` selections (counted: none of them hits). Only the columns up to the
+    last one in use move, WHOLE_READ_COLUMNS a transfer in a while loop (the rest stay zeros, as does a none):
+    the page table is as wide as the program's page bucket, and on a GPU the covering programs' buckets span the
+    whole context (an H100 1M prefill of flash-1gpu moved 728.6 GB for 370.3 GB of rows in use; a short prompt on a
+    long-context engine moved its whole width each chunk). Returns (hot with the counters added, the array)."""
+    n, r, k = host.shape
+    b, s = rows.shape
+    cols = min(s, WHOLE_READ_COLUMNS)
+    flat_rows = jnp.where(rows >= 0, rows, 0) + li * r
+    used = jnp.max(jnp.where(rows >= 0, jnp.arange(1, s + 1), 0))  # columns [0, used) hold every row in use
+
+    def move(c):
+        done, got = c
+        start = jnp.minimum(done, s - cols)  # the last transfer ends at S (it may move some columns again)
+        part = _gather_rows(host, lax.dynamic_slice_in_dim(flat_rows, start, cols, axis=1).reshape(-1))
+        return done + cols, lax.dynamic_update_slice_in_dim(got, part.reshape(b, cols, k).astype(got.dtype), start, 1)
+
+    moved, got = lax.while_loop(lambda c: c[0] < used, move, (jnp.int32(0), jnp.zeros((b, s, k), host.dtype)))
     valid = jnp.sum(rows >= 0)
-    counts = add_counts(hot["counts"], li, jnp.stack([selected, jnp.int32(0), valid, jnp.int32(rows.size),
+    counts = add_counts(hot["counts"], li, jnp.stack([selected, jnp.int32(0), valid, moved * b,
                                                       jnp.int32(0)]))
-    return dict(hot, counts=counts), got
+    return dict(hot, counts=counts), got.reshape(b * s, k)
 
 
 def fetch(hot: dict, host, li, sel):
