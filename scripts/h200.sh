@@ -79,7 +79,7 @@
 #              (v4jax bench hisparse), rows of a pair: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
 #              without offload: the requests that fit, prefill s, decode ms/step, tokens/s, hit rate, bytes fetched
 #              per step -> $OUT/hisparse.jsonl and a table (ROWS, MODES, DEVICE_PAGES, CHUNK (8192), PROFILE=1: a
-#              decode step's and a late prefill chunk's kernels, the chunk's wall against kernel and copy ms, TESTS=0); CPU dry
+#              decode step's and a late prefill chunk's kernels, their wall against kernel and copy ms, TESTS=0); CPU dry
 #              run: TESTS=0 ROWS=tiny:2048:2:600 DEVICE_PAGES=8 PROFILE=1 bash scripts/h200.sh hisparse
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
@@ -325,10 +325,11 @@ for r in rows:  # what the prefill fetched from the host (whole reads of its row
     if r["offload"]:
         print(f"  {r['model']} {r['context']} prefill: {r['prefill_fetched_bytes'] / 1e6:,.1f} MB fetched, "
               f"{r['prefill_transferred_bytes'] / 1e6:,.1f} MB moved, hit rate {100 * r['prefill_hit_rate']:.1f} %")
-for r in lines:  # PROFILE=1: a late prefill chunk's wall time against its kernels' and copies'
-    if r.get("profile_prefill_ms"):
-        print(f"  {r['model']} {r['context']} {'host' if r['offload'] else 'device'} prefill chunk, ms: "
-              + ", ".join(f"{k} {v:,.1f}" for k, v in r["profile_prefill_ms"].items() if v is not None))
+for r in lines:  # PROFILE=1: a decode step's and a late prefill chunk's wall time against its kernels' and copies'
+    for what, key in (("decode step", "profile_decode_ms"), ("prefill chunk", "profile_prefill_ms")):
+        if r.get(key):
+            print(f"  {r['model']} {r['context']} {'host' if r['offload'] else 'device'} {what}, ms: "
+                  + ", ".join(f"{k} {v:,.2f}" for k, v in r[key].items() if v is not None))
 for r in lines:  # PROFILE=1: the heaviest kernel families of a decode step and of a late prefill chunk
     for what, top in (("decode step", r.get("profile")), ("prefill chunk", r.get("profile_prefill"))):
         for name, n, ms in (top or [])[:12]:

@@ -321,14 +321,18 @@ def test_forced_acceptance_for_benchmarks():
 
 def test_decode_profile_takes_the_prefill_from_the_long_run(monkeypatch):
     """`v4jax bench spec --profile`: each kernel family's launches and time in the long run less the short run's (the
-    prefill and first token), per generated token position, the heaviest first."""
+    prefill and first token), per generated token position, the heaviest first, after every kernel's and copy's."""
     from v4jax.bench import profile as P
     from v4jax.bench.spec import decode_profile
     tops = {1: [("prefill_gemm", 10, 5.0), ("attention", 2, 1.0)],
             65: [("prefill_gemm", 10, 5.0), ("attention", 130, 9.0), ("mtp_head", 64, 3.2)]}
-    monkeypatch.setattr(P, "summarize", lambda call, repeats, top: {"top": tops[call()]})
+    copies = {1: (3, 0.5), 65: (131, 1.78)}
+    monkeypatch.setattr(P, "summarize", lambda call, repeats, top: {
+        "top": tops[call()], "kernels": sum(t[1] for t in tops[call()]), "kernel_ms": sum(t[2] for t in tops[call()]),
+        "copies": copies[call()][0], "copy_ms": copies[call()][1]})
     got = decode_profile(lambda sp: sp.max_tokens, SamplingParams(max_tokens=1), SamplingParams(max_tokens=65), 64)
-    assert got == [("attention", 2.0, 0.125), ("mtp_head", 1.0, 0.05), ("prefill_gemm", 0.0, 0.0)]
+    assert got[:2] == [("(all kernels)", 3.0, pytest.approx(0.175)), ("(copies)", 2.0, pytest.approx(0.02))]
+    assert got[2:] == [("attention", 2.0, 0.125), ("mtp_head", 1.0, 0.05), ("prefill_gemm", 0.0, 0.0)]
 
 
 @pytest.mark.slow  # a minute on CPU

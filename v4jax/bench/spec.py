@@ -137,15 +137,21 @@ def run(model, ks, new: int, batches, dtype: str, max_model_len: int, context: i
 def decode_profile(generate, short_sp, long_sp, new: int, top: int = 25) -> list:
     """The device kernels of `new` decoded tokens: profiler traces (v4jax.bench.profile.summarize) of
     generate(long_sp) and generate(short_sp), the second (the prefill and the first token) taken from the first
-    per kernel family. Returns the `top` families by time: [(family, launches, ms) per generated token position]."""
+    per kernel family. Returns "(all kernels)" and "(copies)" (device memcpy / memset events), then the `top`
+    families by time: [(family, launches, ms) per generated token position]; the first two against the step's wall
+    time say how long the device waited."""
     from v4jax.bench.profile import summarize
     short, long = (summarize(lambda sp=sp: generate(sp), repeats=1, top=10_000) for sp in (short_sp, long_sp))
     if "error" in short or "error" in long:
         return [(f"(no profile: {short.get('error') or long.get('error')})", 0, 0.0)]
+    per = lambda n, ms, n0, ms0: ((n - n0) / new, (ms - ms0) / new)
+    totals = [("(all kernels)", *per(long.get("kernels", 0), long.get("kernel_ms", 0.0), short.get("kernels", 0),
+                                     short.get("kernel_ms", 0.0))),
+              ("(copies)", *per(long.get("copies", 0), long.get("copy_ms", 0.0), short.get("copies", 0),
+                                short.get("copy_ms", 0.0)))]
     base = {name: (n, ms) for name, n, ms in short["top"]}
-    diff = [(name, (n - base.get(name, (0, 0.0))[0]) / new, (ms - base.get(name, (0, 0.0))[1]) / new)
-            for name, n, ms in long["top"]]
-    return sorted(diff, key=lambda d: -d[2])[:top]
+    diff = [(name, *per(n, ms, *base.get(name, (0, 0.0)))) for name, n, ms in long["top"]]
+    return totals + sorted(diff, key=lambda d: -d[2])[:top]
 
 
 def markdown(rows: list[dict]) -> str:
