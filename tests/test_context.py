@@ -178,3 +178,27 @@ def test_attention_core_rows_split_over_data(rng, kind):
         np.testing.assert_allclose(got[:, j].reshape(want.shape), want, rtol=1e-5, atol=1e-6)
     for name, a in want_pools.items():
         np.testing.assert_array_equal(got_pools[name], blocks_of(name, a))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_indexer_selection_in_blocks_of_queries(rng, monkeypatch, impl):
+    """A CSA step whose indexer scores would pass SELECT_SCORES_BYTES selects in blocks of query tokens: the same
+    output and pools as in one block, and a smaller step temporary."""
+    from v4jax.model import attention
+    q, sink, pools, writes, reads = _layer_inputs(rng, "csa", t=8, s=12)
+    static = dict(ops=ops_for(impl), scale=0.25, window=4, topk=5)
+    blocks = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
+    call = lambda: jax.jit(lambda p: attention_core(blocks, q, sink, p, writes, reads, jnp.int32(1), **static))
+    want, want_pools = call()(pools)
+    monkeypatch.setattr(attention, "SELECT_SCORES_BYTES", 2 * 2 * 12 * 4)  # blocks of 2 of the 8 tokens
+    got, got_pools = call()(pools)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    for name, a in got_pools.items():
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(want_pools[name]))
+    if impl == "xla":  # 2 x 64 tokens over 4,096 entries: 2 MiB of scores at once, then 64 KiB
+        q, sink, pools, writes, reads = _layer_inputs(rng, "csa", b=2, t=64, s=4096, r=8192, r_swa=256)
+        temp = lambda: call().lower(pools).compile().memory_analysis().temp_size_in_bytes
+        monkeypatch.setattr(attention, "SELECT_SCORES_BYTES", 1 << 16)
+        small = temp()
+        monkeypatch.setattr(attention, "SELECT_SCORES_BYTES", 1 << 30)
+        assert temp() - small >= (2 << 20) - (1 << 16)

@@ -110,8 +110,8 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     hca_rows = sel_rows = None
     if "idx" in flat:
         rows = reads["rows"]
-        scores, at = ops.select(reads["iq"], reads["w"], flat["idx"], local("idx", rows), reads["n_ready"], topk,
-                                formats.get("idx"))
+        scores, at = _select(ops, reads["iq"], reads["w"], flat["idx"], local("idx", rows), reads["n_ready"], topk,
+                             formats.get("idx"))
         _, at = context.merge_topk(scores, at, topk, tuple(a for a in blocks["idx"].axes if a not in row_axes))
         picked = jnp.take_along_axis(jnp.broadcast_to(rows[:, None, :], (*at.shape[:2], rows.shape[1])),
                                      jnp.maximum(at, 0), axis=2)
@@ -136,6 +136,31 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
     if merge:
         o = context.merge_softmax(*o, merge)
     return o, _unflat(flat, pools, hot)
+
+
+# a step's indexer scores (f32, [B, T, S]) held at once: at most this many bytes. The page table is as wide as the
+# program's page bucket (the covering programs': the whole context), so a prefill chunk of 8,192 at 1M held 8 GiB
+# of scores; an H100's flash-1gpu prefill of a 1M prompt ran out of memory on a 10.6 GiB step temporary.
+SELECT_SCORES_BYTES = 1 << 30
+
+
+def _select(ops: Ops, iq, w, idx, rows, n_ready, topk, key_format):
+    """ops.select over the step's query tokens in blocks (the largest power-of-two part of T whose scores fit
+    SELECT_SCORES_BYTES; queries select independently, so the blocks give the one-call result): (scores, at)
+    [B, T, k]."""
+    b, t = n_ready.shape
+    tb = t
+    while tb % 2 == 0 and b * tb * rows.shape[1] * 4 > SELECT_SCORES_BYTES:
+        tb //= 2
+    if tb == t:
+        return ops.select(iq, w, idx, rows, n_ready, topk, key_format)
+
+    def block(_, j):
+        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, j * tb, tb, axis=1)
+        return None, ops.select(cut(iq), cut(w), idx, rows, cut(n_ready), topk, key_format)
+
+    _, out = jax.lax.scan(block, None, jnp.arange(t // tb))
+    return tuple(jnp.moveaxis(a, 0, 1).reshape(b, t, a.shape[-1]) for a in out)
 
 
 def _unflat(flat, pools, hot):
