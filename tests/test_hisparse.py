@@ -214,18 +214,22 @@ def _same(got, want):
 
 
 @pytest.mark.slow  # two engines to compile (~6 min on one CPU core)
-def test_offload_gives_the_plain_run(real_ckpt):
+def test_offload_gives_the_plain_run(real_ckpt, monkeypatch):
     """cfg_real_ratios (CSA with a binding top-16): four prompts of 1..1000 tokens decode together, then one sharing
     512 tokens with the longest (a prefix hit), then the batch again on an engine of too few pages (preemption):
     with a hot buffer of 8 pages' entries (the pool holds 20) every greedy token and log-prob equals the plain
-    run's, the buffer hits and misses, and every page comes back."""
+    run's, the buffer hits and misses, and every page comes back. The offloaded engine reads whole C4 KV in
+    transfers of 16 columns and selects in blocks of query tokens (scores capped at 64 KiB)."""
     from v4jax import LLM, SamplingParams
+    from v4jax.model import attention, offload
     ref = LLM(real_ckpt, **ENGINE)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, ref.config.vocab_size, n).tolist() for n in (1, 300, 700, 1000)]
     variant = prompts[3][:512] + rng.integers(2, ref.config.vocab_size, 40).tolist()
     params = SamplingParams(max_tokens=100, **GREEDY)
     want, want_v = ref.generate(prompts, params), ref.generate([variant], params)
+    monkeypatch.setattr(offload, "WHOLE_READ_COLUMNS", 16)  # read at the offloaded engine's first trace
+    monkeypatch.setattr(attention, "SELECT_SCORES_BYTES", 1 << 16)
     llm = LLM(real_ckpt, enable_hisparse=True, **ENGINE)
     assert llm.engine.layout.hot_rows < llm.engine.layout.n_pages * llm.engine.layout.page_size // 4
     _same(llm.generate(prompts, params), want)
