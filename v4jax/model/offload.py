@@ -47,9 +47,9 @@ _GATHER = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,)
 def _write_rows(host, li, rows, values, largest: int | None = None):
     """values [N, K] into layer li's rows [N] (-1: none) of the host pool [n, R, K] by dynamic updates, which XLA
     keeps in place: aligned blocks of consecutive rows in one update each, the largest first (down to _BLOCK rows),
-    every other row alone, valid rows first, in while loops. The rows come in
-    runs of `largest` (N a multiple: a step's entries of each batch row; default one run of N), blocks never span
-    two runs, and a run is padded to a multiple of its largest block: a prefill chunk's run is T / m + 2 windows
+    every other row alone, valid rows first, in while loops. The rows come in runs of `largest` (N a multiple: a
+    step's entries of each batch row; default one run of N), blocks never span two runs, and a run is padded to a
+    multiple of its largest block: a prefill chunk's run is T / m + 2 windows
     (2,050 for 8,192 tokens), which no block size divided, so its 2,048 entries went one row an iteration (an H100
     prefill chunk of flash-slice: 30,417 kernels against 891 with the pool on the device, ~50 ms a CSA layer).
     Measured on an H100 (scripts/offload_probe.py): a host-computation scatter copied the whole pool per call (10 /
