@@ -120,12 +120,17 @@ def _layer_inputs(rng, kind, b=2, t=3, h=4, kd=16, ki=8, r_swa=24, r=64, n_layer
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-def test_attention_core_per_shard_equals_one_device(rng, kind, impl):
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa", "csa in blocks"])
+def test_attention_core_per_shard_equals_one_device(rng, monkeypatch, kind, impl):
     """The pools' rows split in n contiguous blocks over the context axis (the SWA pool whole), each shard storing
-    and reading its own: the same output and pool contents as one device."""
-    n = 4
-    q, sink, pools, writes, reads = _layer_inputs(rng, kind)
+    and reading its own: the same output and pool contents as one device; "csa in blocks": the shards' selections
+    in blocks of one query token (attention.SELECT_SCORES_BYTES), merged across shards per token."""
+    n, t = 4, 3
+    if kind == "csa in blocks":
+        from v4jax.model import attention
+        monkeypatch.setattr(attention, "SELECT_SCORES_BYTES", 4)
+        kind, t = "csa", 4
+    q, sink, pools, writes, reads = _layer_inputs(rng, kind, t=t)
     static = dict(ops=ops_for(impl), scale=0.25, window=4, topk=5)
     li = jnp.int32(1)
     whole = {name: context.RowBlock((), a.shape[1]) for name, a in pools.items()}
