@@ -175,7 +175,7 @@ WHOLE_READ_BUFFERS = 8
 
 def whole_read_rows(b: int, s: int, t: int, k: int, h: int) -> int:
     """How many of a step's b rows (t query tokens each, selecting k of the row's s entries) read their whole C4 KV
-    of a layer at once (b x s rows, one gather a group): the most rows, dividing b, whose entries fit
+    of a layer at once (b x s rows, read_whole a group): the most rows, dividing b, whose entries fit
     WHOLE_READ_BUFFERS hot buffers of h rows; 0 where the step rather fetches each block of tokens' missing
     selections into the hot buffer (a decode step, or s > t x k: more entries than its selections). The fetch by
     blocks moved up to t x k rows a row and layer, in (t / block) fetches: an H100 prefill of 2 x 512K tokens
