@@ -141,10 +141,10 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
         from v4jax.bench.profile import summarize
         from v4jax.bench.spec import decode_profile
         sp = lambda m: SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-        prof = decode_profile(lambda p: llm.generate(prompts, p), sp(1), sp(2 * k + 1), 2 * k)
-        row["profile"] = prof[2:] if len(prof) > 2 else prof
-        if len(prof) > 2:  # a step's wall time against its kernels' and copies' (the rest: the device waited)
-            (_, n, ms), (_, nc, cms) = prof[:2]
+        row["profile"] = decode_profile(lambda p: llm.generate(prompts, p), sp(1), sp(2 * k + 1), 2 * k)
+        if len(row["profile"]) > 1:  # the totals first (no profile: one line saying why)
+            (_, n, ms), (_, nc, cms), *row["profile"] = row["profile"]
+            # a step's wall time against its kernels' and copies' (the rest: the device waited)
             row["profile_decode_ms"] = dict(wall=row["ms_per_step"], kernel_ms=ms, copy_ms=cms, kernels=n, copies=nc)
         # and a late prefill chunk's: the first prompt's cached start, then prefill_chunk new tokens (each traced
         # run a new tail, so that it prefills rather than hits the cache)
