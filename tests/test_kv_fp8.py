@@ -201,17 +201,28 @@ def test_kernels_lower_for_tpu():
     assert "tpu_custom_call" in exp.mlir_module()
 
 
-def test_attention_core_on_byte_pools(rng):
-    """One CSA layer's writes and attention (attention_core, the XLA ops) on byte pools equal the same on float
-    pools holding the decoded values with the writes rounded as stored; and split over 4 shards of the context axis,
-    as on a mesh, the same outputs and bytes as one device."""
+@pytest.mark.parametrize("union", [True, False], ids=["rows decoded once", "rows decoded per query"])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_attention_core_on_byte_pools(rng, monkeypatch, kind, union):
+    """One CSA / HCA layer's writes and attention (attention_core, the XLA ops) on byte pools equal the same on
+    float pools holding the decoded values with the writes rounded as stored; and split over 4 shards of the context
+    axis, as on a mesh, the same outputs and bytes as one device. Both ways of reading the entries: a chunk's rows
+    decoded once (the window union and the layer's compressed rows) and read as a pool of their own, or each query's
+    rows decoded as gathered (attention.DECODED_UNION_BYTES = 0)."""
     from test_context import AXIS, _layer_inputs
 
     from sharding import context
+    from v4jax.model import attention as A
     from v4jax.model import attention_core
     from v4jax.model.ops import ops_for
-    q, sink, pools, writes, reads = _layer_inputs(rng, "csa", kd=16, ki=32)
+    calls = []
+    decoded_union = A._decoded_union
+    monkeypatch.setattr(A, "_decoded_union", lambda *a: calls.append(1) or decoded_union(*a))
+    if not union:
+        monkeypatch.setattr(A, "DECODED_UNION_BYTES", 0)
+    q, sink, pools, writes, reads = _layer_inputs(rng, kind, kd=16, ki=32)
     fmt = {"swa": F.Fp8Entry(16, 4), "kv": F.Fp8Entry(16, 4), "idx": F.Fp4Key(32)}
+    fmt = {name: f for name, f in fmt.items() if name in pools}
     codec = {name: _jit(f) for name, f in fmt.items()}
     stored = {name: codec[name][0](a) for name, a in pools.items()}
     decoded = {name: codec[name][1](a) for name, a in stored.items()}
@@ -225,6 +236,7 @@ def test_attention_core_on_byte_pools(rng):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for name, a in got_pools.items():
         np.testing.assert_array_equal(np.asarray(codec[name][1](a)), np.asarray(want_pools[name]))
+    assert len(calls) == (2 if union else 0)  # the window union and the compressed rows
 
     n = 4
     split = {name: context.RowBlock(() if name == "swa" else (AXIS,), a.shape[1] // (1 if name == "swa" else n))
