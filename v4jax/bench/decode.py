@@ -57,11 +57,13 @@ def small_config() -> ModelConfig:
 
 
 # ---- roofline ----------------------------------------------------------------------------------------
-def roofline_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2, weights=None) -> dict:
+def roofline_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2, weights=None,
+                   kv_cache_dtype: str = "auto") -> dict:
     """Bytes one decode step of `batch` sequences at `context` tokens must read (see the module doc); `weights`
-    (quant.WeightFormat): the weights' storage (default: the model dtype)."""
+    (quant.WeightFormat): the weights' storage (default: the model dtype); kv_cache_dtype "fp8": the pools' FP8
+    entries and FP4 indexer keys."""
     w = M.decode_weight_bytes(cfg, batch, dtype_bytes, **({} if weights is None else {"weights": weights}))
-    kv = M.decode_read_bytes(cfg, context, {2: "bf16", 4: "f32"}[dtype_bytes])
+    kv = M.decode_read_bytes(cfg, context, "fp4" if kv_cache_dtype == "fp8" else {2: "bf16", 4: "f32"}[dtype_bytes])
     return {"weights": w["total"], "kv": batch * kv["total"], "total": w["total"] + batch * kv["total"],
             "active_experts_per_layer": w["active_experts_per_layer"],
             "kv_per_seq": kv, "weights_detail": {k: v for k, v in w.items() if k != "total"}}
@@ -270,15 +272,16 @@ class JaxDecodeBench:
     prefix cache), its pools filled with random values and every slot holding a request that is decoding."""
 
     @staticmethod
-    def options(batch: int, max_context: int, k: int):
+    def options(batch: int, max_context: int, k: int, kv_cache_dtype: str = "auto"):
         from v4jax.api import EngineOptions
         return EngineOptions(max_num_seqs=batch, decode_steps=k, max_model_len=max_context,
-                             enable_prefix_caching=False)
+                             enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
 
-    def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0):
+    def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0,
+                 kv_cache_dtype: str = "auto"):
         from v4jax.engine import EngineCore
         self.cfg, self.batch, self.k = cfg, batch, k
-        opts = self.options(batch, max_context, k)
+        opts = self.options(batch, max_context, k, kv_cache_dtype)
         t0 = time.perf_counter()
         with _random_pools(cfg.vocab_size, seed):
             self.engine = EngineCore(cfg, model, opts, run_options, max_context)
@@ -477,6 +480,9 @@ def decode_main(argv=None) -> int:
     ap.add_argument("--quantization", default="none", choices=("none", "fp8"), help="the weights as bf16 (none) or "
                     "as the release stores them (fp8: FP8 linears, FP4 experts; the roofline counts those bytes; no "
                     "HF comparison)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the pools' entries: the "
+                    "model dtype (auto) or the release's FP8 entries and FP4 indexer keys (fp8; the roofline counts "
+                    "those bytes; no HF comparison)")
     ap.add_argument("--attention-impl", default="xla", choices=("xla", "pallas"),
                     help="the engine's attention path (pallas: pallas_kernels)")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./bench_out)")
@@ -537,6 +543,7 @@ def decode_main(argv=None) -> int:
     model = Transformer(cfg, rngs=nnx.Rngs(a.seed), dtype=jnp.bfloat16, mtp=False, weights=weight_format)
     jax.block_until_ready(nnx.state(model))
     res.data["quantization"] = a.quantization
+    res.data["kv_cache_dtype"] = a.kv_cache_dtype
     res.data["model_init_s"] = time.perf_counter() - t0
     print(f"[{time.perf_counter() - t_start:6.1f}s] model initialised", flush=True)
     run_opts = RunOptions(attention_impl=a.attention_impl)
@@ -553,9 +560,10 @@ def decode_main(argv=None) -> int:
     bw_Bps = bw["copy_GBps"] * 1e9
 
     def run_hf():
-        if a.hf == "off" or (a.hf == "auto" and not have_transformers()) or a.quantization != "none":
-            res.note("HF comparison not run: " + ("--hf off" if a.hf == "off" else "weights as stored"
-                                                  if a.quantization != "none" else "transformers is not installed"))
+        stored = a.quantization != "none" or a.kv_cache_dtype != "auto"
+        if a.hf == "off" or (a.hf == "auto" and not have_transformers()) or stored:
+            res.note("HF comparison not run: " + ("--hf off" if a.hf == "off" else "weights or entries as stored"
+                                                  if stored else "transformers is not installed"))
             return None
         device = "cuda" if on_gpu else "cpu"
         try:
@@ -629,7 +637,7 @@ def decode_main(argv=None) -> int:
                 if free is not None and need + temp + (1 << 30) > free:
                     raise MemoryError(f"pools {need / 1e9:.1f} GB + temporaries {temp / 1e9:.1f} GB > "
                                       f"{free / 1e9:.1f} GB free")
-                benches[b] = JaxDecodeBench(cfg, model, run_opts, b, max_ctx[b], k, a.seed)
+                benches[b] = JaxDecodeBench(cfg, model, run_opts, b, max_ctx[b], k, a.seed, a.kv_cache_dtype)
             bench = benches[b]
             free = _device_free_bytes()
             temp = _decode_temp_bytes(cfg, b, c)
@@ -637,7 +645,7 @@ def decode_main(argv=None) -> int:
                 raise MemoryError(f"decode temporaries {temp / 1e9:.1f} GB > {free / 1e9:.1f} GB free")
             row = bench.run(c, iters, a.gen_iters, rng, profile=a.profile)
             row["pool_bytes"] = bench.pool_bytes()
-            rl = roofline_bytes(cfg, b, c, weights=weight_format)
+            rl = roofline_bytes(cfg, b, c, weights=weight_format, kv_cache_dtype=a.kv_cache_dtype)
             row["roofline"] = rl
             row["roofline_ms"] = rl["total"] / bw_Bps * 1e3
             row["roofline_pct"] = 100.0 * row["roofline_ms"] / row["ms_per_step"]
