@@ -207,10 +207,16 @@ def test_topk_gpu_threshold_both_branches(rng):
     assert np.all(np.asarray(count) <= cap) and np.all(np.asarray(count) >= k)
     got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
     np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
-    # a row of equal scores overflows the buffer: the exact fallback answers
+    # a row of equal scores overflows the buffer: the exact fallback answers (the k-th score is tau: no bisection)
     x[1] = 0.5
     got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
     np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
+    # ties at tau under fewer than k larger scores (the lowest-index ties fill the k), and under exactly k - 1 and k
+    for above in (20, k - 1, k):
+        x[2] = 0.5
+        x[2, rng.choice(S, above, replace=False)] = rng.uniform(1, 2, above)
+        got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
     # all top-k in one strided group (adversarial for the group maxima): still exact
     x = rng.standard_normal((2, S)).astype(np.float32) - 10
     x[0, 7::n_groups] = np.linspace(5, 6, len(x[0, 7::n_groups]))

@@ -109,6 +109,9 @@ def topk_stages(a, interp):
         tau = TK._kth_largest(gmax, k, interpret=interp)
         chunk = min(1024, n_groups)
         vals, idx, cnt = TK._compact(x, tau, cap, interpret=interp, chunk=chunk)
+        eq = jnp.zeros_like(x)  # every score equal: every row overflows the buffer on ties at tau
+        tau_eq = TK._kth_largest(jnp.max(eq.reshape(N, c, n_groups), axis=1), k, interpret=interp)
+        eq_cands = TK._compact(eq, tau_eq, cap, interpret=interp, chunk=chunk)
         stages = {
             "harness overhead (x[:, :1] + 1)": (lambda x: x[:, :1] + 1, (x,)),
             "full pipeline (topk)": (lambda x: TK._topk_threshold(x, k, interpret=interp), (x,)),
@@ -121,8 +124,12 @@ def topk_stages(a, interp):
             "stage 3: compaction kernel":
                 (lambda x, t: TK._compact(x, t, cap, interpret=interp, chunk=chunk), (x, tau)),
             "stage 4: overflow redo kernel (no row overflows)":
-                (lambda x, v, i, n: TK._redo_overflow(x, v, i, n, k, interpret=interp, chunk=chunk),
-                 (x, vals, idx, cnt)),
+                (lambda x, t, v, i, n: TK._redo_overflow(x, t, v, i, n, k, interpret=interp, chunk=chunk),
+                 (x, tau, vals, idx, cnt)),
+            "stage 4: overflow redo kernel (every score equal)":
+                (lambda x, t, v, i, n: TK._redo_overflow(x, t, v, i, n, k, interpret=interp, chunk=chunk),
+                 (eq, tau_eq, *eq_cands)),
+            "full pipeline (topk), every score equal": (lambda x: TK._topk_threshold(x, k, interpret=interp), (eq,)),
             "stage 5: rank-scatter kernel": (lambda v, i, n: TK._rank_scatter(v, i, n, k, interpret=interp),
                                              (vals, idx, cnt)),
             "alt stage 4+5: lax.cond(overflow) + lax.sort of the candidates":
