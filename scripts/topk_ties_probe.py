@@ -42,7 +42,7 @@ def synthetic():
     s, di, hi = 32768, 128, 64
     fmt = F.Fp4Key(di)
     for seed in range(2):
-        pool = _random_like((2 * s, fmt.nbytes), np.uint8, 1000, seed)
+        pool = _random_like((2 * s, fmt.nbytes), np.uint8, 1000, seed, (di // 2, 0, di // 32))
         rng = np.random.default_rng(seed)
         q = jnp.asarray(rng.standard_normal((1, 1, hi, di)), jnp.float32)
         q = quant.fp4_roundtrip(quant.hadamard_rotate(q), 32).astype(jnp.bfloat16)

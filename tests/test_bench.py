@@ -97,6 +97,40 @@ def test_random_pools_fill_every_element():
             assert not np.array_equal(a[0], a[1])
 
 
+def test_random_byte_pools_decode_to_a_few_units():
+    # kv_cache_dtype="fp8": the synthetic pools' FP8 entries and FP4 keys decode to finite values of a few units,
+    # most of them nonzero, every scale the same (random bytes everywhere made RoPE dims up to 2^112 and scales
+    # down to 2^-127), padding zero
+    import numpy as np
+
+    from pallas_kernels import kv_format as F
+    from v4jax import cache as C
+    from v4jax.bench import decode as D
+
+    cfg = small_config()
+    p = full_page_size(cfg)
+    layout = C.PoolLayout(page_size=p, swa_page_size=math.gcd(p, 64), n_pages=6, n_swa_pages=5, max_slots=2,
+                          max_pages_per_seq=3, max_swa_pages_per_seq=2)
+    with D._random_pools(cfg.vocab_size, 0):
+        pools = C.init_pools(cfg, layout, "fp8")
+    entry, key = F.Fp8Entry(cfg.head_dim, cfg.rope_head_dim), F.Fp4Key(cfg.index_head_dim)
+    seen = set()
+    for stack in pools.stacks:
+        for name in ("swa", "kv", "idx"):
+            a = getattr(stack, name)
+            if a is None:
+                continue
+            fmt = key if name == "idx" else entry
+            assert a.dtype == np.uint8 and a.shape[-1] == fmt.nbytes
+            v = np.asarray(fmt.decode(a))
+            assert np.all(np.isfinite(v)) and np.abs(v).max() <= 8 and np.mean(v != 0) > 0.8, name
+            assert len(np.unique(v)) >= (15 if name == "idx" else 50)  # e2m1 x one scale: 15 values
+            seen.add(name)
+    assert seen == {"swa", "kv", "idx"}
+    b = np.asarray(pools.stacks[-1].swa)[..., entry.nope + 2 * entry.rope:]
+    assert np.all(b[..., :entry.n_scales] == 127 - 6) and np.all(b[..., entry.n_scales:] == 0)
+
+
 def test_prefill_flops_by_hand():
     # small_config(): per token, the multiply-adds of its weights (bf16 linears, f32 mHC mixes and router)
     from v4jax.bench.flops import prefill_flops

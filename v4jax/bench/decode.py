@@ -184,10 +184,14 @@ def measure_bandwidth(nbytes: int, reps: int = 10) -> dict:
     return out
 
 
-def _random_like(shape, dtype, vocab: int, seed: int):
+def _random_like(shape, dtype, vocab: int, seed: int, entry: tuple[int, int, int] | None = None):
     """Pseudo-random values of one pool array, a hash of each element's coordinates (floats uniform in [-2, 2],
     token ids uniform in [0, vocab)): elementwise from iotas, so the program's only buffer is its output, and no
-    flat index (flash-1gpu's largest pool array has 11G elements, past int32)."""
+    flat index (flash-1gpu's largest pool array has 11G elements, past int32). Bytes (kv_cache_dtype="fp8") as
+    the entries `entry` = (codes, bf16 values, scales) bytes of a row lays them out (FP8 entries: e4m3 codes, the
+    RoPE dims in bf16, ue8m0 scales; FP4 keys: code pairs, no bf16, scales; padding zero), decoding to values of a
+    few units: random bytes everywhere decoded to bf16 RoPE dims up to 2^112 and scales down to 2^-127, the
+    attention's softmax underflowed, and later layers' hidden states (so their indexer scores) came out zero."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -200,9 +204,16 @@ def _random_like(shape, dtype, vocab: int, seed: int):
     h = jnp.full(shape, np.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF), jnp.uint32)
     for d in range(len(shape)):
         h = mix(h + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(0x85EBCA6B + 2 * d))
-    if dtype == np.uint8:  # entries as bytes (kv_cache_dtype="fp8"): below 0x78 every byte decodes finite (e4m3
-        # codes, ue8m0 scales up to 2^-8, bf16 high bytes)
-        return (h % np.uint32(0x78)).astype(dtype)
+    if dtype == np.uint8:
+        codes, values, scales = entry
+        at = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
+        code = h % np.uint32(0x78 if values else 0x100)  # e4m3 below 0x78: at most 240; e2m1 pairs: any byte
+        v = at - np.uint32(codes)
+        high = np.uint32(0x3E) + (h & np.uint32(1)) | (h & np.uint32(0x80))  # a bf16 of [0.25, 1), either sign
+        value = jnp.where(v % 2 == 0, h & np.uint32(0xFF), high)
+        scale = np.uint32(127 - 6 if values else 127 - 3)  # 2^-6 x 240 or 2^-3 x 6: a few units
+        return jnp.where(at < codes, code, jnp.where(at < codes + 2 * values, value,
+                                                     jnp.where(at < codes + 2 * values + scales, scale, 0))).astype(dtype)
     if np.issubdtype(dtype, np.integer):
         return (h % np.uint32(vocab)).astype(dtype)
     return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(dtype)
@@ -224,8 +235,11 @@ def _random_pools(vocab: int, seed: int):
 
     def init_pools(cfg, layout, dtype):
         shapes = jax.eval_shape(lambda: zeros(cfg, layout, dtype))
-        fill = jax.jit(_random_like, static_argnums=(0, 1, 2, 3))
-        return jax.tree.map(lambda a: fill(a.shape, np.dtype(a.dtype), vocab, seed), shapes)
+        fill = jax.jit(_random_like, static_argnums=(0, 1, 2, 3, 4))
+        nope = cfg.head_dim - cfg.rope_head_dim
+        layouts = {cfg.fp8_entry_bytes: (nope, cfg.rope_head_dim, -(-nope // 64)),  # kv_format.Fp8Entry
+                   cfg.fp4_key_bytes: (cfg.index_head_dim // 2, 0, cfg.index_head_dim // 32)}  # kv_format.Fp4Key
+        return jax.tree.map(lambda a: fill(a.shape, np.dtype(a.dtype), vocab, seed, layouts.get(a.shape[-1])), shapes)
 
     C.init_pools = init_pools
     try:
