@@ -7,6 +7,7 @@ one program scanning the row ~35 times (185 us a CSA layer a step on an H100 at 
   python scripts/topk_ties_probe.py --engine flash-slice --context 131072 [--kv-cache-dtype fp8]
                                                      # the scores a decode step of the decode bench's engine
                                                      # (random weights, synthetic pools) hands its top-k (XLA ops)
+  python scripts/topk_ties_probe.py --engine flash-slice --forward 1024   # the full forward's index_scores inputs
 
 Per row: distinct scores, the most repeated value and its count, zeros, tau, the scores >= tau against the buffer.
 """
@@ -53,12 +54,47 @@ def synthetic():
             report(f"seed {seed} {name} ({jax.default_backend()}):", np.asarray(x[0, 0]))
 
 
-def engine(model: str, context: int, kv: str, quantization: str):
+def model_of(name: str, quantization: str):
     from flax import nnx
 
-    from v4jax.bench.decode import JaxDecodeBench
     from v4jax.config import preset
     from v4jax.model import Transformer, quant
+    cfg = preset(name)
+    weights = quant.RELEASE if quantization == "fp8" else quant.DEQUANTIZED
+    return cfg, Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, mtp=False, weights=weights)
+
+
+def watch_scores():
+    """Print the magnitudes each index_scores call gets (queries, head weights, keys)."""
+    from v4jax.model import layers as L
+    index_scores = L.index_scores
+
+    def scored(iq, w, keys):
+        jax.debug.print("index_scores: |q| max {a} (nonzero {n}), |w| max {b}, |keys| max {c}, keys nonzero {d}",
+                        a=jnp.max(jnp.abs(iq.astype(jnp.float32))), n=jnp.sum(iq != 0),
+                        b=jnp.max(jnp.abs(w)), c=jnp.max(jnp.abs(keys.astype(jnp.float32))), d=jnp.sum(keys != 0))
+        out = index_scores(iq, w, keys)
+        last = jnp.sort(out[0, -1])[::-1]  # the last query's scores, descending (its causal mask is all ones)
+        top = last[:min(1024, last.shape[0])]
+        jax.debug.print("  last query: {s} scores, zeros {z}, ties among its top {n}: {t}, top {a} .. {b}",
+                        s=last.shape[0], z=jnp.sum(last == 0), n=top.shape[0], t=jnp.sum(top[1:] == top[:-1]),
+                        a=top[0], b=top[-1])
+        return out
+
+    L.index_scores = scored
+
+
+def forward(model: str, tokens: int, kv: str, quantization: str):
+    """The full-sequence forward over random tokens with the keys rounded as the cache stores them."""
+    from v4jax.model.layers import RunOptions
+    watch_scores()
+    cfg, m = model_of(model, quantization)
+    ids = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (1, tokens)), jnp.int32)
+    jax.block_until_ready(m(ids, RunOptions(cache_dtype=kv if kv == "fp8" else None)))
+
+
+def engine(model: str, context: int, kv: str, quantization: str):
+    from v4jax.bench.decode import JaxDecodeBench
     from v4jax.model.layers import RunOptions
     got = []
     top_k = jax.lax.top_k
@@ -68,19 +104,8 @@ def engine(model: str, context: int, kv: str, quantization: str):
         return top_k(x, k)
 
     jax.lax.top_k = capture
-    from v4jax.model import layers as L
-    index_scores = L.index_scores
-
-    def scored(iq, w, keys):  # what the scores are made of: the queries', head weights' and keys' magnitudes
-        jax.debug.print("index_scores: |q| max {a} (nonzero {n}), |w| max {b}, |keys| max {c}, keys nonzero {d}",
-                        a=jnp.max(jnp.abs(iq.astype(jnp.float32))), n=jnp.sum(iq != 0),
-                        b=jnp.max(jnp.abs(w)), c=jnp.max(jnp.abs(keys.astype(jnp.float32))), d=jnp.sum(keys != 0))
-        return index_scores(iq, w, keys)
-
-    L.index_scores = scored
-    cfg = preset(model)
-    weights = quant.RELEASE if quantization == "fp8" else quant.DEQUANTIZED
-    m = Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, mtp=False, weights=weights)
+    watch_scores()
+    cfg, m = model_of(model, quantization)
     bench = JaxDecodeBench(cfg, m, RunOptions(attention_impl="xla"), 1, context, 1, 0, kv)
     eng = bench.engine
     state, pt, swa = bench.decode_args(context - 2, np.random.default_rng(0))
@@ -93,8 +118,15 @@ def engine(model: str, context: int, kv: str, quantization: str):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default=None, help="a preset: its decode step's scores instead of the synthetic ones")
+    ap.add_argument("--forward", type=int, default=0, help="with --engine: instead, the full-sequence forward of "
+                    "this many random tokens (what index_scores gets in each CSA layer)")
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=("auto", "fp8"))
     ap.add_argument("--quantization", default="none", choices=("none", "fp8"))
     a = ap.parse_args()
-    engine(a.engine, a.context, a.kv_cache_dtype, a.quantization) if a.engine else synthetic()
+    if a.engine and a.forward:
+        forward(a.engine, a.forward, a.kv_cache_dtype, a.quantization)
+    elif a.engine:
+        engine(a.engine, a.context, a.kv_cache_dtype, a.quantization)
+    else:
+        synthetic()
