@@ -118,6 +118,21 @@ def test_steady_step_ms_from_streamed_events():
     assert steps == 8 and abs(ms - 2.0) < 1e-9
 
 
+@pytest.mark.slow  # a tiny engine's programs compile (about a minute on CPU)
+def test_decode_row_over_cached_prompts_decodes_together():
+    # four prompts of 600 tokens on a prefill chunk of 512: fresh, they start over 5 steps and the first finished
+    # before the last started (no steady window); sent again with their two full pages (of 256) cached, only
+    # their tails are computed and all four decode together
+    import numpy as np
+
+    from v4jax import LLM
+    from v4jax.bench.generate import decode_row
+    llm = LLM("tiny", dtype="float32", max_num_seqs=4, max_model_len=1024, prefill_chunk=512, decode_steps=4)
+    row = decode_row(llm, 4, 600, 16, np.random.default_rng(0))
+    assert row["steady_steps"] == 0
+    assert row["cached_steady_steps"] >= 4 and row["cached_steady_ms_per_step"] > 0
+
+
 @pytest.mark.parametrize("run,doc_name", [("h200-594c918", "BENCHMARKS.md"),
                                           ("h200-c74b007", "docs/results/history.md"),
                                           ("h200-0b05ef5", "docs/results/history.md")])

@@ -7,8 +7,9 @@
 * decode rows (batch, context): `batch` random prompts of `context` tokens through `generate` with max_tokens=1
   and with 1 + `--new` (fresh prompts each time, after a pass that compiles): prefill s = the first; decode
   ms/step = the difference over `--new`; "steady" ms/step: the streamed events' times while every request of the
-  batch decodes (the difference also counts the steps that decode some requests while others still prefill).
-  One engine per batch size (max_num_seqs = batch: the decode step runs
+  batch decodes (the difference also counts the steps that decode some requests while others still prefill);
+  "prompts cached": the same over prompts whose pages are in the prefix cache (sent once before), so that a large
+  batch starts together. One engine per batch size (max_num_seqs = batch: the decode step runs
   every slot), the model's weights shared.
 * `--prefill` contexts: more rows at batch 1 (for long prompts: the prefill time of one prompt of that length,
   and the decode rate after it).
@@ -65,10 +66,19 @@ def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
     all_s = time.perf_counter() - t0
     decode_s = all_s - one_s
     steady_ms, steady_steps = steady_step_ms(events, batch, 1 + new)
+    # the same prompts again, their pages in the prefix cache: every request starts within a step or two, so a
+    # batch decodes together from its first tokens (fresh prompts of a large batch start over many prefill steps,
+    # and at 32 x 4K the first finished before the last started: no steady window)
+    cached, hit = fresh(), []
+    if llm.options.enable_prefix_caching:
+        llm.generate(cached, sp(1))
+        hit = [(time.perf_counter(), i, len(toks)) for i, toks, _ in llm.generate(cached, sp(1 + new), stream=True)]
+    hit_ms, hit_steps = steady_step_ms(hit, batch, 1 + new) if hit else (None, 0)
     return {"batch": batch, "context": context, "new_tokens": new, "first_pass_s": warm_s, "prefill_s": one_s,
             "wall_s": all_s, "decode_steps_timed": new, "ms_per_step": decode_s * 1e3 / new,
             "tok_per_s": batch * new / decode_s if decode_s > 0 else None,
             "steady_ms_per_step": steady_ms, "steady_steps": steady_steps,
+            "cached_steady_ms_per_step": hit_ms, "cached_steady_steps": hit_steps,
             "tokens": sum(n for _, _, n in events),
             "prefill_tflop": prefill_flops(llm.config, context, batch)["total"] / 1e12,
             "roofline_bytes": step_bytes(llm, batch, context)}
@@ -132,8 +142,9 @@ def markdown(data: dict) -> str:
         lines += [f"Roofline: the bytes a step reads as stored (weights touched, pools in the cache's format) / "
                   f"{bw:.0f} GB/s (device copy).", ""]
     lines += ["| batch | context | prefill s (max_tokens=1) | prefill TFLOP/s (% of matmul) | decode ms/step "
-              "(LLM.generate) | steady ms/step | tok/s | new tokens | step GB | roofline ms (x) |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "(LLM.generate) | steady ms/step | steady, prompts cached | tok/s | new tokens | step GB | "
+              "roofline ms (x) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def roof(r):
         if not bw or not r.get("roofline_bytes"):
@@ -143,13 +154,14 @@ def markdown(data: dict) -> str:
 
     for r in data["rows"]:
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | | | | | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | error: {r['error'][:80]} | | | | | | | | |")
         else:
             rate = r.get("prefill_tflop", 0) / r["prefill_s"] if r.get("prefill_s") else None
             pct = rate / data["matmul_tflops"] * 100 if rate and data.get("matmul_tflops") else None
             lines.append(f"| {r['batch']} | {r['context']} | {f(r['prefill_s'])} | {f(rate, '{:.0f}')} "
                          f"({f(pct, '{:.0f}')} %) | {f(r['ms_per_step'])} | "
                          f"{f(r.get('steady_ms_per_step'))} ({r.get('steady_steps', 0)} steps) | "
+                         f"{f(r.get('cached_steady_ms_per_step'))} ({r.get('cached_steady_steps', 0)} steps) | "
                          f"{f(r.get('tok_per_s'), '{:.0f}')} | {r['decode_steps_timed']} | "
                          f"{f(r.get('roofline_bytes', 0) / 1e9)} | {roof(r)} |")
     return "\n".join(lines) + "\n"
