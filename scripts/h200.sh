@@ -220,8 +220,10 @@ precision)
   for cfgs in ${CONFIGS:-none:auto fp8:auto none:fp8 fp8:fp8}; do
     q=${cfgs%%:*}; kv=${cfgs##*:}
     stamp "$MODEL: quantization $q, kv_cache_dtype $kv"
-    # NEW 160: a batch of 32 4K prompts starts over 16 prefill steps, in which the first requests decode ~128
-    # tokens; with fewer no step has all 32 decoding (the batch-32 rows at 32 new tokens were not decode figures)
+    # NEW 160: a batch of 32 4K prompts starts over 64 prefill steps at the default chunk (2,048), the first
+    # requests finishing before the last start; each row's "prompts cached" rate has them start together. On an
+    # H100 a configuration at BATCHES=1,32 CONTEXTS=4K PREFILL=128K took 229 s (bf16) and over 285 s (FP8 / FP4:
+    # the 128K row's first pass compiled for 150 s): ROW_S=300, one configuration a call
     timeout ${ROW_S:-150} python3 -W ignore -m v4jax.bench generate --model "$MODEL" --max-num-seqs 32 \
       ${CTX_LEN:+--max-model-len $CTX_LEN} --quantization $q --kv-cache-dtype $kv --batches ${BATCHES:-1,32} \
       --contexts ${CONTEXTS:-4K} ${PREFILL:+--prefill $PREFILL} --new ${NEW:-160} --out "$out/p_${q}_${kv}" 2>&1 \
