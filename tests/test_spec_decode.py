@@ -276,7 +276,9 @@ def test_flags_and_metrics():
 @pytest.mark.slow  # two engines to compile; -m slow
 def test_speculation_on_fp8_cache_entries():
     """With FP8 cache entries and FP4 indexer keys, speculation gives plain decoding's greedy tokens on the same
-    cache format, log-probs within 1e-5 (rejected drafts leave the byte pools as if never written)."""
+    cache format, log-probs within 1e-4, the native formats' rule (CONVENTIONS): a verify step computes an entry in
+    other shapes than a decode step, and a last-bit difference there can round it to the neighbouring FP8 value
+    (3e-5 in 5 of 40 log-probs here). Rejected drafts leave the byte pools as if never written."""
     prompts = _prompts(LENS, 512, seed=3)
     plain = LLM("tiny", kv_cache_dtype="fp8", **OPTIONS)
     want = plain.generate(prompts, GREEDY)
@@ -290,7 +292,7 @@ def test_speculation_on_fp8_cache_entries():
     _forced(llm, table)
     for got, w in zip(llm.generate(prompts, GREEDY), want):
         assert got.token_ids == w.token_ids
-        np.testing.assert_allclose(got.logprobs, w.logprobs, atol=1e-5)
+        np.testing.assert_allclose(got.logprobs, w.logprobs, atol=1e-4)
     assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
 
 
