@@ -79,7 +79,8 @@
 #              (v4jax bench hisparse), rows of a pair: flash-slice at 128K (ROWS: 512K / 1M, flash-1gpu), with and
 #              without offload: the requests that fit, prefill s, decode ms/step, tokens/s, hit rate, bytes fetched
 #              per step -> $OUT/hisparse.jsonl and a table (ROWS, MODES, DEVICE_PAGES, CHUNK (8192), PROFILE=1: a
-#              decode step's and a late prefill chunk's kernels, their wall against kernel and copy ms, TESTS=0); CPU dry
+#              decode step's and a late prefill chunk's kernels, their wall against kernel and copy ms, TESTS=0, KV=fp8
+#              the release's cache entries); CPU dry
 #              run: TESTS=0 ROWS=tiny:2048:2:600 DEVICE_PAGES=8 PROFILE=1 bash scripts/h200.sh hisparse
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
@@ -302,7 +303,7 @@ hisparse)
       stamp "$model, $ctx tokens x $conc, C4 KV on the $mode"
       XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout $(( limit / $(wc -w <<< "${MODES:-host device}") )) \
         python3 -W ignore -m v4jax.bench hisparse --model "$model" --dtype bfloat16 --context "$ctx" --concurrency "$conc" --new-tokens 64 \
-        --prefill-chunk ${CHUNK:-8192} $flag $([ "${PROFILE:-0}" = 1 ] && echo --profile) --json \
+        --prefill-chunk ${CHUNK:-8192} $flag $([ "${PROFILE:-0}" = 1 ] && echo --profile) ${KV:+--kv-cache-dtype $KV} --json \
         2> "$out/hisparse_${model}_${ctx}_$mode.err" | grep "^{" \
         >> "$out/hisparse.jsonl" || { echo "  no row (failed or timed out):"; quiet < "$out/hisparse_${model}_${ctx}_$mode.err" | tail -3; }
     done

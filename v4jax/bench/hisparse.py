@@ -51,15 +51,16 @@ def _budget_for_both_passes(llm) -> int:
     """Device bytes for pools of twice the pages the requests need: the prompts cached by the first pass and the
     timed requests' own pages side by side. With pages for the requests alone, the first timed request's new pages
     evict the next one's cached prompt, which then prefills again while the first decodes alone."""
-    from v4jax.cache.layout import pool_cost, pool_layout
+    from v4jax.cache.layout import kv_cache_dtype, pool_cost, pool_layout
     layout = pool_layout(llm.config, llm.options, llm.dtype, llm.max_model_len)
-    fixed, per_page = pool_cost(llm.config, layout, llm.dtype, llm.options.enable_prefix_caching)
+    fixed, per_page = pool_cost(llm.config, layout, kv_cache_dtype(llm.options.kv_cache_dtype, llm.dtype),
+                                llm.options.enable_prefix_caching)
     return fixed + 2 * layout.n_pages * per_page
 
 
 def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int, offload: bool,
         device_pages: int | None, budget: int | None, prefill_chunk: int, seed: int = 0, profile: bool = False,
-        emit=None) -> dict:
+        emit=None, kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict:
     import dataclasses
 
     import numpy as np
@@ -67,7 +68,8 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
     from v4jax import LLM, SamplingParams
     from v4jax.memory import _host_available_bytes, device_free_bytes, model_weight_bytes
     # a request is `context` tokens in all, prompt and output (a 1M request fits a 1M model)
-    opts = dict(dtype=dtype, max_num_seqs=concurrency, max_model_len=context, prefill_chunk=prefill_chunk)
+    opts = dict(dtype=dtype, max_num_seqs=concurrency, max_model_len=context, prefill_chunk=prefill_chunk,
+                kv_cache_dtype=kv_cache_dtype, **({} if quantization is None else {"quantization": quantization}))
     if offload:
         opts.update(enable_hisparse=True, hisparse_device_pages=device_pages)
     llm = LLM(model, memory_budget_bytes=budget, **opts)
@@ -119,6 +121,7 @@ def run(model: str, dtype: str, context: int, concurrency: int, new_tokens: int,
     wall = t1 - t0
     steps = max(max(b - a for a, b in zip(got0, got1)), 1)
     row = {"model": model, "context": context, "concurrency": concurrency, "offload": offload,
+           "kv_cache_dtype": kv_cache_dtype,
            "fit_requests": fit, "device_free_bytes": free,
            "full_pages": lay.n_pages, "capacity_tokens": lay.n_pages * lay.page_size,
            "c4_device_bytes": st1.get("device_bytes_total", st1["bytes_total"]),
@@ -177,6 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-offload", dest="offload", action="store_false", help="the C4 KV pool on the device")
     p.add_argument("--profile", action="store_true", help="trace two decode calls and a late prefill chunk after the "
                    "timed run (a GPU): a decode step's and the chunk's device kernels by family, in the row")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"),
+                   help="the pools' entries (fp8: the release's FP8 entries and FP4 indexer keys)")
+    p.add_argument("--quantization", default=None, choices=("none", "fp8"), help="default: the preset's")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     # the engine's slow steps (compiles) and the phases, with times, on stderr
@@ -189,5 +195,5 @@ def main(argv=None) -> int:
                 print(f"{k}: {v}", flush=True)
 
     run(a.model, a.dtype, a.context, a.concurrency, a.new_tokens, a.offload, a.device_pages, a.memory_budget_bytes,
-        a.prefill_chunk, profile=a.profile, emit=emit)
+        a.prefill_chunk, profile=a.profile, emit=emit, kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization)
     return 0
