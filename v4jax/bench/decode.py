@@ -219,6 +219,18 @@ def _random_like(shape, dtype, vocab: int, seed: int, entry: tuple[int, int, int
     return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(dtype)
 
 
+def _byte_layout(cfg, nbytes: int) -> tuple[int, int, int]:
+    """(code bytes, bf16 values, scale bytes) of a pool row of `nbytes` under kv_cache_dtype="fp8": the FP8 entry's
+    or the FP4 indexer key's (pallas_kernels.kv_format)."""
+    from pallas_kernels import kv_format as F
+    entry = F.Fp8Entry(cfg.head_dim, cfg.rope_head_dim)
+    if nbytes == entry.nbytes:
+        return entry.nope, entry.rope, entry.n_scales
+    key = F.Fp4Key(cfg.index_head_dim)
+    assert nbytes == key.nbytes, (nbytes, entry.nbytes, key.nbytes)
+    return key.dim // 2, 0, key.dim // F.FP4_BLOCK
+
+
 @contextlib.contextmanager
 def _random_pools(vocab: int, seed: int):
     """Engines built inside this create their pools with pseudo-random contents instead of zeros (one program per
@@ -236,10 +248,8 @@ def _random_pools(vocab: int, seed: int):
     def init_pools(cfg, layout, dtype):
         shapes = jax.eval_shape(lambda: zeros(cfg, layout, dtype))
         fill = jax.jit(_random_like, static_argnums=(0, 1, 2, 3, 4))
-        nope = cfg.head_dim - cfg.rope_head_dim
-        layouts = {cfg.fp8_entry_bytes: (nope, cfg.rope_head_dim, -(-nope // 64)),  # kv_format.Fp8Entry
-                   cfg.fp4_key_bytes: (cfg.index_head_dim // 2, 0, cfg.index_head_dim // 32)}  # kv_format.Fp4Key
-        return jax.tree.map(lambda a: fill(a.shape, np.dtype(a.dtype), vocab, seed, layouts.get(a.shape[-1])), shapes)
+        return jax.tree.map(lambda a: fill(a.shape, np.dtype(a.dtype), vocab, seed,
+                                           _byte_layout(cfg, a.shape[-1]) if a.dtype == np.uint8 else None), shapes)
 
     C.init_pools = init_pools
     try:
