@@ -74,9 +74,22 @@ def export_for_tpu(fn, *args, device_kind: str = "TPU v6 lite"):
 
 def lower_for_cuda(fn, *args, device_kind: str = "NVIDIA H200"):
     """Lowers fn for CUDA from any machine (runs the Pallas->Triton lowering); returns the StableHLO text.
-    JAX 0.11 asks the (abstract) device for its compute capability, hence the abstract GPU mesh."""
+    JAX 0.11 asks the (abstract) device for its compute capability, hence the abstract GPU mesh. Each Triton
+    module is run through the MLIR verifier the GPU runs before compiling (an ill-typed loop bound lowered here
+    and failed only on the GPU), so a bad module raises here."""
+    from unittest import mock
+
+    from jax._src.pallas.triton import pallas_call_registration as registration
     from jax.sharding import AbstractDevice, AbstractMesh
+    lower_module = registration.lowering.lower_jaxpr_to_triton_module
+
+    def verified(*a, **k):
+        result = lower_module(*a, **k)
+        result.module.operation.verify()   # raises on an invalid module
+        return result
+
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None,
                                                                       platform="gpu"))
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh), \
+            mock.patch.object(registration.lowering, "lower_jaxpr_to_triton_module", verified):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
