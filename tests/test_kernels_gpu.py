@@ -55,6 +55,29 @@ def test_sparse_attention_gpu(B, T, H, D, W, K, dtype, n_split):
     _close(pub.astype(jnp.float32), ref.astype(jnp.float32), 1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("B,T,K,hca", [(1, 1, 512, False), (32, 1, 512, False), (4, 1, 1024, True),
+                                       (2, 3, 40, False)])
+def test_sparse_attention_fp8_entries_gpu(B, T, K, hca):
+    """What a GPU runs on FP8 entries (the gathered rows decoded, then the bf16 pools' kernel) against the
+    reference on the same bytes; past DECODED_GATHER_BYTES the reference itself."""
+    from pallas_kernels import kv_format
+    H, D, W = 64, 512, 128
+    fmt = kv_format.Fp8Entry(D, 64)
+    ks = jax.random.split(jax.random.key(7), 8)
+    R1, R2 = B * W, B * 4 * K
+    q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
+    swa, cmp = _byte_pool(ks[1], fmt, R1), _byte_pool(ks[2], fmt, R2)
+    rw = jax.random.randint(ks[3], (B, T, W), -1, R1).astype(jnp.int32)
+    rc = jax.random.randint(ks[4], (B, T, K), -1, R2).astype(jnp.int32)
+    if hca:   # every row before the -1s (valid_prefix)
+        rc = jnp.where(jnp.arange(K) < K - 100, jnp.arange(K) + 3, -1).astype(jnp.int32) * jnp.ones((B, T, 1), jnp.int32)
+    sink = jax.random.normal(ks[5], (H,), jnp.float32)
+    args = (q, swa, rw, cmp, rc, sink)
+    ref = SA.sparse_attention_ref(*args, scale=D ** -0.5, entry_format=fmt).astype(jnp.float32)
+    out = jax.jit(functools.partial(SA.sparse_attention, scale=D ** -0.5, entry_format=fmt, valid_prefix=hca))(*args)
+    _close(out.astype(jnp.float32), ref, 2e-2)
+
+
 @pytest.mark.parametrize("B,T,Hi,Di,S,dtype", [(2, 3, 16, 32, 300, jnp.float32), (4, 1, 64, 128, 8192, jnp.bfloat16),
                                                (1, 20, 64, 128, 1000, jnp.bfloat16)])
 def test_indexer_scores_gpu(B, T, Hi, Di, S, dtype):

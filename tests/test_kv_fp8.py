@@ -160,6 +160,38 @@ def test_sparse_attention_reads_fp8_entries(rng):
 
 
 @pytest.mark.usefixtures("single_device")
+@pytest.mark.parametrize("fits", [True, False])
+def test_gpu_decodes_gathered_fp8_rows_for_the_bf16_kernel(rng, monkeypatch, fits):
+    """On a GPU, FP8 entries: the gathered rows decoded once into a pool of their own and read by the bf16 pools'
+    kernel (here in interpret mode), the same output as the reference on the bytes; past DECODED_GATHER_BYTES
+    the reference runs."""
+    B, T, H, D, rope, W, K = 2, 1, 8, 128, 32, 8, 40
+    fmt = F.Fp8Entry(D, rope)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    enc, dec = _jit(fmt)
+    swa, cmp = enc(_values(rng, (64, D), 1.0)), enc(_values(rng, (300, D), 1.0))
+    rw, rc = rng.integers(0, 64, (B, T, W)), rng.integers(0, 300, (B, T, K))
+    rw[0, 0, :3], rc[1, 0, ::4] = -1, -1    # empty slots
+    rw, rc = jnp.asarray(rw, jnp.int32), jnp.asarray(rc, jnp.int32)
+    sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    want = jax.jit(functools.partial(sa.sparse_attention_ref, scale=D ** -0.5))(q, dec(swa), rw, dec(cmp), rc, sink)
+    pools = []
+    gpu_kernel = sa._sparse_attention_gpu
+
+    def kernel(q, swa, rw, cmp, rc, sink, **kw):
+        pools.append((swa.dtype, cmp.dtype, swa.shape[0], cmp.shape[0]))
+        return gpu_kernel(q, swa, rw, cmp, rc, sink, interpret=True, **kw)
+
+    monkeypatch.setattr(sa._compat, "backend", lambda: "gpu")
+    monkeypatch.setattr(sa, "_sparse_attention_gpu", kernel)
+    if not fits:
+        monkeypatch.setattr(sa, "DECODED_GATHER_BYTES", B * T * (W + K) * D * 4 - 1)
+    out = jax.jit(functools.partial(sa.sparse_attention, scale=D ** -0.5, entry_format=fmt))(q, swa, rw, cmp, rc, sink)
+    assert pools == ([(jnp.float32, jnp.float32, B * T * W, B * T * K)] if fits else [])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("single_device")
 def test_indexer_scores_read_fp4_keys(rng):
     B, T, Hi, Di, S, R = 2, 2, 16, 32, 200, 300
     fmt = F.Fp4Key(Di)

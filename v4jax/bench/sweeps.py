@@ -796,8 +796,9 @@ def kv_formats(a, out_dir: str) -> int:
     --tokens B[,B] picks the batches.
     Cases: a CSA layer's sparse attention (64 heads x 512; its 128-entry window + 512 of 32,768 entries selected),
     an HCA layer's (the window + all 1,024 entries) and the indexer scores (64 heads x 128 over 32,768 keys in
-    pages of 64). Forms: what the model runs on a GPU on each pool (the Triton kernels; on FP8 entries the
-    attention's XLA reference, see pallas_kernels.sparse_attention) and the indexer's XLA reference on FP4 keys;
+    pages of 64). Forms: what the model runs on a GPU on each pool (the Triton kernels; on FP8 entries the gathered
+    rows decoded by XLA, then the bf16 pools' kernel, see pallas_kernels.sparse_attention), the attention's XLA
+    reference on FP8 entries and the indexer's on FP4 keys;
     Each call runs over several
     layers one after another (unrolled: no loop's kernels in the time), their rows apart in one flat pool as the
     model's are, so that >= ~100 MB are read per call and the reads come from HBM, not from the 50 MB L2 (batch 1: 256
@@ -879,6 +880,11 @@ def kv_formats(a, out_dir: str) -> int:
                  swa, cmp, D * 2, ref32(q, swa, wins[0], cmp, sels[0], sink)[0]),
                 ("fp8 entries (XLA reference)", functools.partial(SA.sparse_attention_ref, scale=scale,
                                                                   entry_format=ent),
+                 swa8, cmp8, ent.nbytes, None),
+                ("fp8 entries (decoded, Triton)",   # what a GPU runs: the gathered rows decoded, the bf16 kernel
+                 lambda q, sp, w, cp, c, sink: SA._sparse_attention_gpu(
+                     q, *SA._decoded_gather(sp, w, ent, q.dtype), *SA._decoded_gather(cp, c, ent, q.dtype), sink,
+                     **gpu_kw),
                  swa8, cmp8, ent.nbytes, None),
             ]
             ref8 = np.asarray(jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale, return_lse=True,
