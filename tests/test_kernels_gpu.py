@@ -70,7 +70,7 @@ def test_sparse_attention_fp8_entries_gpu(B, T, K, hca):
     rw = jax.random.randint(ks[3], (B, T, W), -1, R1).astype(jnp.int32)
     rc = jax.random.randint(ks[4], (B, T, K), -1, R2).astype(jnp.int32)
     if hca:   # every row before the -1s (valid_prefix)
-        rc = jnp.where(jnp.arange(K) < K - 100, jnp.arange(K) + 3, -1).astype(jnp.int32) * jnp.ones((B, T, 1), jnp.int32)
+        rc = jnp.broadcast_to(jnp.where(jnp.arange(K) < K - 100, jnp.arange(K) + 3, -1), (B, T, K)).astype(jnp.int32)
     sink = jax.random.normal(ks[5], (H,), jnp.float32)
     args = (q, swa, rw, cmp, rc, sink)
     ref = SA.sparse_attention_ref(*args, scale=D ** -0.5, entry_format=fmt).astype(jnp.float32)

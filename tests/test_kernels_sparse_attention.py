@@ -150,19 +150,22 @@ def test_lowers_for_cuda_triton(n_split):
     assert "triton" in txt
 
 
-def test_fp8_entries_take_the_reference_on_gpu(monkeypatch):
-    """The public entry, as it dispatches on a GPU, runs the XLA reference on FP8 byte pools at Flash decode shapes
-    (lowered for CUDA here): no Triton call (a Triton form reading the bytes was measured slower and removed)."""
+def test_fp8_entries_on_gpu_take_the_triton_kernel_on_decoded_rows(monkeypatch):
+    """The public entry, as it dispatches on a GPU at Flash decode shapes (lowered for CUDA here): XLA gathers and
+    decodes the FP8 entries, the bf16 pools' Triton kernel reads them; past DECODED_GATHER_BYTES the XLA reference
+    alone (no Triton call: a Triton form reading the bytes was measured slower and removed)."""
     from pallas_kernels import kv_format
     fmt = kv_format.Fp8Entry(512, 64)
     S = jax.ShapeDtypeStruct
     shapes = (S((4, 1, 64, 512), jnp.bfloat16), S((4096, fmt.nbytes), jnp.uint8), S((4, 1, 128), jnp.int32),
               S((65536, fmt.nbytes), jnp.uint8), S((4, 1, 512), jnp.int32), S((64,), jnp.float32))
     monkeypatch.setattr(_compat, "backend", lambda: "gpu")
-    for kw in (dict(), dict(return_lse=True, valid_prefix=True)):
-        txt = _compat.lower_for_cuda(functools.partial(sa.sparse_attention, scale=0.04, entry_format=fmt, **kw),
-                                     *shapes)
-        assert "triton" not in txt and "stablehlo.gather" in txt
+    for limit, triton in ((sa.DECODED_GATHER_BYTES, True), (4 * 640 * 512 * 2 - 1, False)):
+        monkeypatch.setattr(sa, "DECODED_GATHER_BYTES", limit)
+        for kw in (dict(), dict(return_lse=True, valid_prefix=True)):
+            txt = _compat.lower_for_cuda(functools.partial(sa.sparse_attention, scale=0.04, entry_format=fmt, **kw),
+                                         *shapes)
+            assert ("triton" in txt) == triton and "stablehlo.gather" in txt
 
 
 @pytest.mark.parametrize("impl", ["ref", "tpu", "gpu"])

@@ -161,7 +161,7 @@ DECODED_UNION_BYTES = 1 << 30
 def _union_pays(q, win_rows, rows, csa: bool, window: int, topk: int) -> bool:
     """Whether a step reading FP8 entries decodes the rows its queries share once (the window union [B, U] and the
     layer's compressed rows [B, S]) and attends with the kernels of bf16 pools, rather than letting every query
-    gather and decode its own rows (a GPU runs the jnp reference on bytes, pallas_kernels.sparse_attention).
+    gather and decode its own rows (pallas_kernels.sparse_attention on bytes).
     Decided by the shapes: when the union holds fewer rows than the queries gather (prefill chunks; never a decode
     step, whose window union is its window). flash-slice's 128K prefill on an H100 with FP8 entries: 3.59 s
     before this, 1.93 s with it (bf16 entries: 1.62 s)."""
