@@ -152,7 +152,8 @@ def test_steps_pin_jax_trace_context_first(tiny_llm, monkeypatch):
     monkeypatch.setattr(eng, "steps", dataclasses.replace(eng.steps, prefill=checked(eng.steps.prefill),
                                                           decode=checked(eng.steps.decode)))
     out = []
-    worker = threading.Thread(target=lambda: out.append(tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)   # sampled at temperature 1: EOS could end it early
+    worker = threading.Thread(target=lambda: out.append(tiny_llm.generate([[5, 6, 7]], params)))
     worker.start()
     worker.join()
     assert out and len(out[0][0].token_ids) == 3
