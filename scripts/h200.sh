@@ -224,7 +224,9 @@ precision)
     # NEW 160: a batch of 32 4K prompts starts over 64 prefill steps at the default chunk (2,048), the first
     # requests finishing before the last start; each row's "prompts cached" rate has them start together. On an
     # H100 a configuration at BATCHES=1,32 CONTEXTS=4K PREFILL=128K took 229 s (bf16) and over 285 s (FP8 / FP4:
-    # the 128K row's first pass compiled for 150 s): ROW_S=300, one configuration a call
+    # the 128K row's first pass compiled for 150 s): ROW_S=300, one configuration a call. flash-1gpu at BATCHES=1
+    # CONTEXTS=4K CTX_LEN=8192 did not finish in 110 s a configuration on an H100 (init 9-21 s, first generate
+    # 20-30 s, then the 4K prompt's programs): ROW_S=300 there too
     timeout ${ROW_S:-150} python3 -W ignore -m v4jax.bench generate --model "$MODEL" --max-num-seqs 32 \
       ${CTX_LEN:+--max-model-len $CTX_LEN} --quantization $q --kv-cache-dtype $kv --batches ${BATCHES:-1,32} \
       --contexts ${CONTEXTS:-4K} ${PREFILL:+--prefill $PREFILL} --new ${NEW:-160} --out "$out/p_${q}_${kv}" 2>&1 \
