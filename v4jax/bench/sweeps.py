@@ -734,7 +734,9 @@ def indexer_prefill(a, out_dir: str) -> int:
 def stored_weights(a, out_dir: str) -> int:
     """Weights as the release stores them against bf16 (flash sizes), the device time of each kernel call:
     the routed experts (D 4096, I 2048, 6 active; E = 16 and 256, M = 1 and 32) through pallas_kernels.experts'
-    bf16 kernels and its FP4 kernels (block sizes, warps), and the few-token projection (pallas_kernels.layer_linear)
+    bf16 kernels and its FP4 kernels (block sizes, warps; the form decoding by bit arithmetic into bf16 and the one
+    widening codes to f16 by bit placement, scales on each block's dot), and the few-token projection
+    (pallas_kernels.layer_linear)
     on bf16 and on e4m3 stacks. (Measured and dropped: widening the codes through f16 bit placement with the
     scales broadcast in registers, its up kernel 0.43 ms a call in a flash-slice step at batch 1; the codes
     decoded through a 256-entry byte table, 1.7-2.1x the bit form's time.) GB/s = the bytes each form reads as
@@ -774,6 +776,11 @@ def stored_weights(a, out_dir: str) -> int:
             timed(f"fp4 up{ur}x{uc} down{dr}x{dc} w{nw}", jax.jit(
                 lambda x, wt, ex, a1, a2, a3, u=(ur, uc), d=(dr, dc), nw=nw: X.routed_experts_fp4(
                     x, wt, ex, a1, a2, a3, 10.0, w2_input, up=u, down=d, num_warps=nw)), st_args, gb, E=E, M=M)
+        for rows, nw in [(32, 4), (16, 4), (64, 4), (32, 2), (64, 8)]:   # the f16 bit-placement form
+            timed(f"fp4 f16 rows{rows} w{nw}", jax.jit(
+                lambda x, wt, ex, a1, a2, a3, r=rows, nw=nw: X.routed_experts_fp4_f16(
+                    x, wt, ex, a1, a2, a3, 10.0, w2_input, up_rows=r, down_rows=r, num_warps=nw)), st_args, gb,
+                  E=E, M=M)
     for O, Din, G, M in [(1024, 4096, 1, 1), (1024, 4096, 1, 32), (32768, 1024, 1, 1), (8192, 4096, 8, 1),
                          (8192, 4096, 8, 32)]:
         kx, kw = jax.random.split(jax.random.key(1))
