@@ -23,8 +23,9 @@
 #              the 128K prefill through generate
 #   defaults   LLM.generate at default options on a 32-slot flash-slice engine: the warm-up's programs and time,
 #              batch 1 / 32 at 4K, the 128K prefill (PREFILL_CHUNK=N another chunk)
-#   ab BASE [slice|quick|prefill|1gpu]  the decode and prefill rows of `slice` (`quick`: its decode rows at 4K;
-#              `prefill`: its 128K prefill; `1gpu`: flash-1gpu's decode rows) in a second tree BASE (e.g.
+#   ab BASE [slice|quick|prefill|burst|1gpu]  the decode and prefill rows of `slice` (`quick`: its decode rows at 4K;
+#              `prefill`: its 128K prefill; `burst`: 32 fresh 4K prompts through LLM.generate at default options;
+#              `1gpu`: flash-1gpu's decode rows) in a second tree BASE (e.g.
 #              `git archive COMMIT -- . ':!v4jax/default_model' | tar -x -C base`) and in this one, one after the other
 #              in one call, then both in one table: what a change costs, on the same machine
 # Kernels:
@@ -392,7 +393,7 @@ EOF
   ;;
 ab)
   imports
-  base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|quick|prefill|1gpu]}
+  base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|quick|prefill|burst|1gpu]}
   what=${3:-slice}
   for tree in "$base" .; do
     name=$([ "$tree" = . ] && echo new || echo base)
@@ -412,6 +413,11 @@ ab)
       (cd "$tree" && PYTHONPATH=. timeout 170 python3 -W ignore -m v4jax.bench generate --model flash-slice \
         --batches 1,32 --contexts 4K --prefill 128K --new 256 --prefill-chunk 8192 --attention-impl pallas \
         --deadline-s 160 --out "$dir/generate" 2>&1 | quiet | grep "^|" | tail -5)
+    elif [ "$what" = burst ]; then
+      stamp "$name: flash-slice, 32 fresh prompts of 4K at default options (their starts, then decode)"
+      (cd "$tree" && PYTHONPATH=. timeout 280 python3 -W ignore -m v4jax.bench generate --model flash-slice \
+        --max-num-seqs 32 --max-model-len 131584 --batches 1,32 --contexts 4K --new 160 --deadline-s 270 \
+        --out "$dir/generate" 2>&1 | quiet | grep "^|" | tail -4)
     elif [ "$what" = prefill ]; then
       stamp "$name: flash-slice prefill of a 128K prompt"
       (cd "$tree" && PYTHONPATH=. timeout 170 python3 -W ignore -m v4jax.bench generate --model flash-slice \
