@@ -626,15 +626,16 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
                      return_lse=False, valid_prefix=False, entry_format=None):
     """Pallas sparse attention; same contract as `sparse_attention_ref`.
 
-    entry_format: the pools hold entries as bytes in this format (pallas_kernels.kv_format.Fp8Entry); the
-    TPU-style kernel gathers the bytes and decodes them on chip; on a GPU XLA decodes the rows the queries gather
-    into a pool of their own, read by the bf16 pools' kernel (`_decoded_gather`; the reference past
-    DECODED_GATHER_BYTES). Before that a GPU ran the reference on FP8 entries; measured on the H200
-    (v4jax bench kernels --sweep kv_formats, one CSA layer at 128K): a Triton form gathering the bytes and decoding
-    each scale block in registers took 56.8 us at batch 1 and 191 us at batch 32, the reference 22.5 and 110 us
-    (the bf16 pool's kernel: 14.8 and 38 us), so the Triton form was removed. So was a second one gathering the
-    entries as 32-bit words and running one q.k and one p.v product a row block (H100, the same sweep: 36.6 / 148
-    us against the reference's 20.8 / 118).
+    entry_format: the pools hold entries as bytes in this format (pallas_kernels.kv_format.Fp8Entry); the TPU-style
+    kernel gathers the bytes and decodes them on chip; on a GPU XLA decodes the rows the queries gather into a pool
+    of their own, read by the bf16 pools' kernel (`_decoded_gather`; the reference past DECODED_GATHER_BYTES): on an
+    H100 a CSA layer at 128K took 56.8 us at batch 32 against the reference's 116.9 (HCA 107.5 / 190.8), 20.9 / 20.8
+    at batch 1. Before that a GPU ran the reference on FP8 entries; measured on the H200 (v4jax bench kernels
+    --sweep kv_formats, one CSA layer at 128K): a Triton form gathering the bytes and decoding each scale block in
+    registers took 56.8 us at batch 1 and 191 us at batch 32, the reference 22.5 and 110 us (the bf16 pool's kernel:
+    14.8 and 38 us), so the Triton form was removed. So was a second one gathering the entries as 32-bit words and
+    running one q.k and one p.v product a row block (H100, the same sweep: 36.6 / 148 us against the reference's
+    20.8 / 118).
 
     valid_prefix: a hint that each query's valid compressed rows end where its -1s begin (HCA: every entry before
     n_ready); the GPU kernel then stops each query's loop after its last valid block. On the H200, the last
