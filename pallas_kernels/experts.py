@@ -196,6 +196,14 @@ def _sum_pairs(y, order, sorted_e, offs, m, k):
     return jnp.sum(y_pairs, axis=1)
 
 
+def _fp4_flat(layer, *weights):
+    """The layer index as a [1] array, and each (codes [..., O, C / 2], scales [..., O, C / 32]) stack as rows of
+    every layer and expert: (codes [R, C / 2], scale bytes [R, C / 32])."""
+    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    flat = lambda a: a.reshape(-1, a.shape[-1])
+    return layer, *((flat(c), flat(lax.bitcast_convert_type(sc, jnp.uint8))) for c, sc in weights)
+
+
 def fp4_supported(x, w1_codes) -> bool:
     """At most MAX_TOKENS tokens; the bytes of a row (D / 2 for w1 / w3, I / 2 for w2) and the rows divisible by
     power-of-two blocks of >= 16. w1_codes [..., I, D / 2]."""
@@ -276,7 +284,7 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     rounding: no place in the model for it."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
-    (c1, s1), (c2, s2), (c3, s3) = w1, w2, w3
+    c1 = w1[0]
     m, k = experts.shape
     n_exp, n_inner, half_d = c1.shape[-3:]
     d = 2 * half_d
@@ -285,11 +293,7 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     ur, ucb = _pow2_block(n_inner, up[0]), _pow2_block(half_d, up[1] // 2)
     dr, dcb = _pow2_block(d, down[0]), _pow2_block(n_inner // 2, down[1] // 2)
     tb = max(16, next_pow2(m))
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
-    u8 = lambda s: lax.bitcast_convert_type(s, jnp.uint8)
-    c1f, c3f, c2f = c1.reshape(-1, half_d), c3.reshape(-1, half_d), c2.reshape(-1, n_inner // 2)
-    s1f, s3f, s2f = u8(s1).reshape(-1, d // FP4_BLOCK), u8(s3).reshape(-1, d // FP4_BLOCK), \
-        u8(s2).reshape(-1, n_inner // FP4_BLOCK)
+    layer, (c1f, s1f), (c2f, s2f), (c3f, s3f) = _fp4_flat(layer, w1, w2, w3)
 
     order, sorted_e, offs, sorted_tok = _sort_pairs(experts, n_exp)
 
@@ -409,7 +413,7 @@ def routed_experts_fp4_f16(x, weights, experts, w1, w2, w3, limit, w2_input, *, 
     --sweep stored_weights` times it against `routed_experts_fp4` on a GPU, and the faster one stays."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
-    (c1, s1), (c2, s2), (c3, s3) = w1, w2, w3
+    c1 = w1[0]
     m, k = experts.shape
     n_exp, n_inner, half_d = c1.shape[-3:]
     d = 2 * half_d
@@ -418,11 +422,7 @@ def routed_experts_fp4_f16(x, weights, experts, w1, w2, w3, limit, w2_input, *, 
             and d % down_rows == 0):
         raise ValueError(f"{m} tokens (at most {MAX_TOKENS}), FP4 expert codes {c1.shape}: not for these kernels")
     tb = max(16, next_pow2(m))
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
-    u8 = lambda s: lax.bitcast_convert_type(s, jnp.uint8)
-    c1f, c3f, c2f = c1.reshape(-1, half_d), c3.reshape(-1, half_d), c2.reshape(-1, n_inner // 2)
-    s1f, s3f, s2f = u8(s1).reshape(-1, d // FP4_BLOCK), u8(s3).reshape(-1, d // FP4_BLOCK), \
-        u8(s2).reshape(-1, n_inner // FP4_BLOCK)
+    layer, (c1f, s1f), (c2f, s2f), (c3f, s3f) = _fp4_flat(layer, w1, w2, w3)
     order, sorted_e, offs, sorted_tok = _sort_pairs(experts, n_exp)
 
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)

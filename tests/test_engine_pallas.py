@@ -150,29 +150,16 @@ def test_engine_steps_lower_for_cuda_with_every_triton_module_verified(monkeypat
     modules through the verifier the GPU runs before compiling: `_compat.lower_for_cuda`), lowered here. A kernel
     that lowered in interpret mode and in its own test's shapes once failed only on the GPU, inside the top-k's
     overflow path that the engine's decode step reaches."""
-    import functools
     import re
 
-    import jax
-
     from pallas_kernels import _compat
-    from v4jax.engine import steps as S
+    from v4jax.bench.tpu_aot import engine_steps
     eng = LLM("tiny", dtype="bfloat16", max_num_seqs=4, max_model_len=512, prefill_chunk=64, attention_impl="pallas",
               quantization=quantization, kv_cache_dtype=kv_cache_dtype).engine
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)  # noqa: E731
-    s = eng.layout.max_slots
-    z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
-    state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
-                          S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s)))
-    pt, swa = eng.kv.decode_tables(2)
-    samp = S.SamplingState(z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1))
-    batch = S.PrefillBatch(np.zeros((1, 64), np.int32), z(1), z(1), z(1, bool), z(1))
     monkeypatch.setattr(_compat, "backend", lambda: "gpu")
     kernels = set()
-    for step, args in ((S._decode, (eng._leaves, eng.pools, eng.store, state, pt, swa)),
-                       (S._prefill, (eng._leaves, eng.pools, eng.store, batch, pt[:1], swa[:1], samp))):
-        txt = _compat.lower_for_cuda(functools.partial(step, eng.spec), *abstract(args))
-        kernels |= set(re.findall(r'name = "(v4_[a-z_0-9]+)"', txt))
+    for step, args in engine_steps(eng, 64).values():
+        kernels |= set(re.findall(r'name = "(v4_[a-z_0-9]+)"', _compat.lower_for_cuda(step, *args)))
     experts = ("v4_experts_up_fp4", "v4_experts_down_fp4") if quantization == "fp8" else ("v4_experts_up",
                                                                                            "v4_experts_down")
     want = {"v4_sparse_attention_gpu", "v4_dense_prefix_attention_gpu", "v4_indexer_scores_gpu",

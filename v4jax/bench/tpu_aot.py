@@ -125,8 +125,16 @@ def engine_cases():
     """The engine's jitted prefill and decode steps (XLA attention path) for the `tiny` preset: every op the
     serving loop uses, compiled for the TPU."""
     from v4jax import LLM
-    from v4jax.engine import steps as S
     eng = LLM("tiny", dtype="bfloat16", max_num_seqs=4, max_model_len=512, prefill_chunk=64).engine
+    steps = engine_steps(eng, 64)
+    return {"engine decode step (tiny, XLA attention)": steps["decode"],
+            "engine prefill step (tiny, XLA attention, chunk 64)": steps["prefill"]}
+
+
+def engine_steps(eng, chunk: int) -> dict:
+    """An engine's decode step and its prefill step of one row of `chunk` tokens, each as (function, abstract
+    arguments): what a backend's compiler or lowering takes without running them."""
+    from v4jax.engine import steps as S
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
     s = eng.layout.max_slots
     z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
@@ -134,14 +142,12 @@ def engine_cases():
                           S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s)))
     pt, swa = eng.kv.decode_tables(2)
     samp = S.SamplingState(z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1))
-    batch = S.PrefillBatch(np.zeros((1, 64), np.int32), z(1), z(1), z(1, bool), z(1))
+    batch = S.PrefillBatch(np.zeros((1, chunk), np.int32), z(1), z(1), z(1, bool), z(1))
     return {
-        "engine decode step (tiny, XLA attention)": (
-            functools.partial(S._decode, eng.spec),
-            jax.tree.map(spec, (eng._leaves, eng.pools, eng.store, state, pt, swa))),
-        "engine prefill step (tiny, XLA attention, chunk 64)": (
-            functools.partial(S._prefill, eng.spec),
-            jax.tree.map(spec, (eng._leaves, eng.pools, eng.store, batch, pt[:1], swa[:1], samp))),
+        "decode": (functools.partial(S._decode, eng.spec),
+                   jax.tree.map(spec, (eng._leaves, eng.pools, eng.store, state, pt, swa))),
+        "prefill": (functools.partial(S._prefill, eng.spec),
+                    jax.tree.map(spec, (eng._leaves, eng.pools, eng.store, batch, pt[:1], swa[:1], samp))),
     }
 
 
