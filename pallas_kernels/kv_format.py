@@ -218,3 +218,11 @@ def decode_rows(pool, rows, fmt, dtype):
     to dtype."""
     got = pool[rows]
     return got.astype(dtype) if fmt is None else fmt.decode(got, dtype)
+
+
+def decoded_pool(pool, rows, fmt, dtype):
+    """The rows [...] of pool (-1: none) decoded to dtype as a pool of their own [rows.size, K], and each row's place
+    in it (-1 kept): what a bf16 pool's kernel then reads in place of the bytes."""
+    vals = decode_rows(pool, jnp.maximum(rows, 0), fmt, dtype)
+    return (vals.reshape(rows.size, vals.shape[-1]),
+            jnp.where(rows >= 0, jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape), -1))

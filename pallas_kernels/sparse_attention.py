@@ -335,14 +335,6 @@ def _gathered_fits(q, swa_rows, cmp_rows):
     return n * q.shape[-1] * q.dtype.itemsize <= DECODED_GATHER_BYTES
 
 
-def _decoded_gather(pool, rows, fmt, dtype):
-    """The rows [B, T, J] of a pool of FP8 entries decoded to dtype as a pool of their own [B * T * J, D], and each
-    row's place in it (-1 kept): the bf16 pools' kernel then reads them."""
-    vals = kv_format.decode_rows(pool, jnp.maximum(rows, 0), fmt, dtype)
-    return (vals.reshape(rows.size, vals.shape[-1]),
-            jnp.where(rows >= 0, jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape), -1))
-
-
 def _gpu_supported(q, swa_pool, cmp_pool):
     D = q.shape[-1]
     pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
@@ -628,14 +620,14 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
 
     entry_format: the pools hold entries as bytes in this format (pallas_kernels.kv_format.Fp8Entry); the TPU-style
     kernel gathers the bytes and decodes them on chip; on a GPU XLA decodes the rows the queries gather into a pool
-    of their own, read by the bf16 pools' kernel (`_decoded_gather`; the reference past DECODED_GATHER_BYTES): on an
-    H100 a CSA layer at 128K took 56.8 us at batch 32 against the reference's 116.9 (HCA 107.5 / 190.8), 20.9 / 20.8
-    at batch 1. Before that a GPU ran the reference on FP8 entries; measured on the H200 (v4jax bench kernels
-    --sweep kv_formats, one CSA layer at 128K): a Triton form gathering the bytes and decoding each scale block in
-    registers took 56.8 us at batch 1 and 191 us at batch 32, the reference 22.5 and 110 us (the bf16 pool's kernel:
-    14.8 and 38 us), so the Triton form was removed. So was a second one gathering the entries as 32-bit words and
-    running one q.k and one p.v product a row block (H100, the same sweep: 36.6 / 148 us against the reference's
-    20.8 / 118).
+    of their own, read by the bf16 pools' kernel (`kv_format.decoded_pool`; the reference past
+    DECODED_GATHER_BYTES): on an H100 a CSA layer at 128K took 56.8 us at batch 32 against the reference's 116.9
+    (HCA 107.5 / 190.8), 20.9 / 20.8 at batch 1. Before that a GPU ran the reference on FP8 entries; measured on the
+    H200 (v4jax bench kernels --sweep kv_formats, one CSA layer at 128K): a Triton form gathering the bytes and
+    decoding each scale block in registers took 56.8 us at batch 1 and 191 us at batch 32, the reference 22.5 and
+    110 us (the bf16 pool's kernel: 14.8 and 38 us), so the Triton form was removed. So was a second one gathering
+    the entries as 32-bit words and running one q.k and one p.v product a row block (H100, the same sweep: 36.6 /
+    148 us against the reference's 20.8 / 118).
 
     valid_prefix: a hint that each query's valid compressed rows end where its -1s begin (HCA: every entry before
     n_ready); the GPU kernel then stops each query's loop after its last valid block. On the H200, the last
@@ -648,9 +640,9 @@ def sparse_attention(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, *, scale, 
     """
     be = _compat.backend()
     if be == "gpu" and not interpret and entry_format is not None and _gathered_fits(q, swa_rows, cmp_rows):
-        swa_pool, swa_rows = _decoded_gather(swa_pool, swa_rows, entry_format, q.dtype)
+        swa_pool, swa_rows = kv_format.decoded_pool(swa_pool, swa_rows, entry_format, q.dtype)
         if cmp_rows is not None and cmp_rows.shape[-1] > 0:
-            cmp_pool, cmp_rows = _decoded_gather(cmp_pool, cmp_rows, entry_format, q.dtype)
+            cmp_pool, cmp_rows = kv_format.decoded_pool(cmp_pool, cmp_rows, entry_format, q.dtype)
         entry_format = None
     if be == "gpu" and not interpret and entry_format is None and _gpu_supported(q, swa_pool, cmp_pool):
         return _sparse_attention_gpu(q, swa_pool, swa_rows, cmp_pool, cmp_rows, sink, scale=scale,

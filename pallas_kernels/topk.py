@@ -196,11 +196,12 @@ def _redo_kernel(x_ref, tau_ref, cs_in, ci_in, cnt_in, cs_ref, ci_ref, cnt_ref, 
         at_tau = _sortable_key(jnp.where(tau == 0, 0.0, tau))
         above = count(lambda key: key > at_tau)
         ties = (tau > -jnp.inf) & (above < kk)    # then every finite score >= tau counts: more than cap >= kk
-        # Not jnp.where(ties, 0, n): the Triton lowering types a select of two literals by its predicate (i1),
-        # and a loop bound of i1 fails the GPU's verifier
-        slow = (~ties).astype(I32) * n_chunks     # the passes skipped on ties
+        # the passes skipped on ties. Not jnp.where(ties, 0, n): the Triton lowering types a select of two
+        # literals by its predicate (i1), and a loop bound of i1 fails the GPU's verifier
+        bisect = (~ties).astype(I32)
+        slow = bisect * n_chunks
         target = jnp.where(ties, kk, jnp.minimum(count(lambda key: key == key, slow), kk))  # finite, at most kk
-        t = _bisect_key(count, target, jnp.where(ties, at_tau, jnp.int32(-2 ** 31)), slow // n_chunks * 32)
+        t = _bisect_key(count, target, jnp.where(ties, at_tau, jnp.int32(-2 ** 31)), bisect * 32)
         need = target - jnp.where(ties, above, count(lambda key: key > t, slow))   # ties at t, lowest index first
 
         def scan(c, carry):

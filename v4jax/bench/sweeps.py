@@ -890,8 +890,8 @@ def kv_formats(a, out_dir: str) -> int:
                  swa8, cmp8, ent.nbytes, None),
                 ("fp8 entries (decoded, Triton)",   # what a GPU runs: the gathered rows decoded, the bf16 kernel
                  lambda q, sp, w, cp, c, sink: SA._sparse_attention_gpu(
-                     q, *SA._decoded_gather(sp, w, ent, q.dtype), *SA._decoded_gather(cp, c, ent, q.dtype), sink,
-                     **gpu_kw),
+                     q, *kv_format.decoded_pool(sp, w, ent, q.dtype), *kv_format.decoded_pool(cp, c, ent, q.dtype),
+                     sink, **gpu_kw),
                  swa8, cmp8, ent.nbytes, None),
             ]
             ref8 = np.asarray(jax.jit(functools.partial(SA.sparse_attention_ref, scale=scale, return_lse=True,

@@ -172,12 +172,8 @@ def _union_pays(q, win_rows, rows, csa: bool, window: int, topk: int) -> bool:
     return u + s < gathered and b * (u + s) * q.shape[-1] * q.dtype.itemsize <= DECODED_UNION_BYTES
 
 
-def _decoded_union(pool, rows, fmt, dtype):
-    """pool's rows [B, N] (local flat rows, -1: none) decoded to dtype as a pool of their own [B * N, K], and the
-    rows' positions in it (-1 kept)."""
-    b, n = rows.shape
-    vals = kv_format.decode_rows(pool, jnp.maximum(rows, 0), fmt, dtype)
-    return vals.reshape(b * n, vals.shape[-1]), jnp.where(rows >= 0, jnp.arange(b * n).reshape(b, n), -1)
+# the union's rows [B, N] decoded as a pool of their own [B * N, K], and their places in it (-1 kept)
+_decoded_union = kv_format.decoded_pool
 
 
 # a step's indexer scores (f32, [B, T, S]) held at once: at most this many bytes. The page table is as wide as the
