@@ -224,6 +224,21 @@ def test_topk_gpu_threshold_both_branches(rng):
     np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
 
 
+def test_topk_gpu_overflow_with_ties_at_the_kth_above_the_threshold(rng):
+    """A row whose candidates overflow the buffer with far more than k scores above tau (the bisection, not the tie
+    path) and ties at its k-th score, whose key's lowest bit is set: every one of the 32 passes counts."""
+    S, k = 20000, 64
+    n_groups, cap = tk._threshold_params(S, k)
+    x = rng.standard_normal((1, S)).astype(np.float32) - 10
+    hot = np.concatenate([np.arange(g, S, n_groups) for g in (7, 8, 9)])   # three strided groups: > cap scores
+    assert len(hot) > cap
+    kth = np.nextafter(np.float32(5), np.float32(6))                        # an odd key
+    x[0, hot] = 4.0
+    x[0, hot[rng.permutation(len(hot))[:100]]] = np.r_[np.full(40, 6.0), np.full(60, kth)].astype(np.float32)
+    got = tk._topk_threshold(jnp.asarray(x)[None], k, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
+
+
 @pytest.mark.parametrize("N,S,k", TOPK_CASES)
 def test_topk_tpu_approx(rng, N, S, k):
     x = _tricky_rows(rng, N, S)
