@@ -339,6 +339,30 @@ def _f16_codes(b):
     return f16(lo), f16(hi)
 
 
+# The same placement in PTX on a GPU: the four bytes a thread holds in one 32-bit register become two f16 pairs;
+# `prmt` spreads bytes 0, 1 (then 2, 3) into the low byte of each 16-bit half, and a code's magnitude (3 bits) and
+# sign are shifted into place in both halves at once: under three integer operations a code, where the jnp form
+# above, lowered by Triton, spends five and a narrowing. The nibble's bit offset (0: low codes, 4: high codes) sets
+# the shifts. (One asm call a nibble: Pallas lowers an inline asm of one result only.)
+_F16_CODES_PTX = """{{
+.reg .b32 z, t<2>, m<2>, s<2>;
+mov.b32 z, 0;
+prmt.b32 t0, $2, z, 0x4140;
+prmt.b32 t1, $2, z, 0x4342;
+shl.b32 m0, t0, {m};  shl.b32 s0, t0, {s}; and.b32 m0, m0, 0x0E000E00; and.b32 s0, s0, 0x80008000; or.b32 $0, m0, s0;
+shl.b32 m1, t1, {m};  shl.b32 s1, t1, {s}; and.b32 m1, m1, 0x0E000E00; and.b32 s1, s1, 0x80008000; or.b32 $1, m1, s1;
+}}"""
+
+
+def _f16_codes_ptx(b):
+    """`_f16_codes` for bytes b [.., n] uint8 on a GPU (inline PTX, four bytes a register)."""
+    out = jax.ShapeDtypeStruct(b.shape, jnp.float16)
+    decode = lambda shift: pltriton.elementwise_inline_asm(
+        _F16_CODES_PTX.format(m=9 - shift, s=12 - shift), args=[b], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[out])[0]
+    return decode(0), decode(4)
+
+
 def _f16_blocks(v):
     """v [..., C] (values of 1 x 128 FP8 blocks with power-of-two scales) -> (f16 values [..., C], f32 scales
     [..., C / 128]) with v = values x scale exactly: each block divided by 2^(floor(log2 max|block|) - 8), so its
@@ -350,16 +374,17 @@ def _f16_blocks(v):
     return (blocks / scale[..., None]).astype(jnp.float16).reshape(v.shape), scale
 
 
-def _f16_block_dot(x_lo, x_hi, w_ref, s_ref, row0, col0, rows, blk):
+def _f16_block_dot(x_lo, x_hi, w_ref, s_ref, row0, col0, rows, blk, ptx):
     """One scale block's product, [TB, rows] f32 unscaled by the activations: the 16 bytes at col0 of rows row0..
     (even columns' codes in the low halves) against x's even / odd columns [TB, 16], times the block's scale."""
-    lo, hi = _f16_codes(w_ref[pl.ds(row0, rows), pl.ds(col0, FP4_BLOCK // 2)].astype(jnp.int32))
+    b = w_ref[pl.ds(row0, rows), pl.ds(col0, FP4_BLOCK // 2)]
+    lo, hi = _f16_codes_ptx(b) if ptx else _f16_codes(b.astype(jnp.int32))
     scale = ue8m0_to_f32(pltriton.load(s_ref.at[row0 + lax.broadcasted_iota(jnp.int32, (rows,), 0), blk]))
     return (mm_nt(x_lo, lo) + mm_nt(x_hi, hi)) * (scale * F16_FACTOR)[None, :]
 
 
 def _fp4_f16_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, xs_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref,
-                       *, n_exp, n_inner, rows, tb, limit):
+                       *, n_exp, n_inner, rows, tb, limit, ptx):
     e, j = pl.program_id(0), pl.program_id(1)
     start, count = offs_ref[e], offs_ref[e + 1] - offs_ref[e]
 
@@ -377,8 +402,8 @@ def _fp4_f16_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, xs_ref, w1_
                 xe = pltriton.load(xe_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)
                 xo = pltriton.load(xo_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)
                 xs = pltriton.load(xs_ref.at[tok, blk // 4], mask=valid, other=0.0)[:, None]  # 4 blocks a 128
-                a1 += _f16_block_dot(xe, xo, w1_ref, s1_ref, row0, blk * half, rows, blk) * xs
-                a3 += _f16_block_dot(xe, xo, w3_ref, s3_ref, row0, blk * half, rows, blk) * xs
+                a1 += _f16_block_dot(xe, xo, w1_ref, s1_ref, row0, blk * half, rows, blk, ptx) * xs
+                a3 += _f16_block_dot(xe, xo, w3_ref, s3_ref, row0, blk * half, rows, blk, ptx) * xs
             return a1, a3
 
         zero = jnp.zeros((tb, rows), F32)
@@ -386,7 +411,8 @@ def _fp4_f16_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, xs_ref, w1_
         h_ref[...] = swiglu(a1, a3, limit)
 
 
-def _fp4_f16_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, hs_ref, w2_ref, s2_ref, y_ref, *, n_exp, n_out, rows):
+def _fp4_f16_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, hs_ref, w2_ref, s2_ref, y_ref, *, n_exp, n_out, rows,
+                         ptx):
     e, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(offs_ref[e + 1] > offs_ref[e])
@@ -399,18 +425,20 @@ def _fp4_f16_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, hs_ref, w2_ref, s2
                 blk = c * F16_BLOCKS + i
                 hs = hs_ref[:, pl.ds(blk // 4, 1)]     # [TB, 1]: 4 scale blocks a 128-column block
                 acc += _f16_block_dot(he_ref[:, pl.ds(blk * half, half)], ho_ref[:, pl.ds(blk * half, half)],
-                                      w2_ref, s2_ref, row0, blk * half, rows, blk) * hs
+                                      w2_ref, s2_ref, row0, blk * half, rows, blk, ptx) * hs
             return acc
 
         y_ref[...] = lax.fori_loop(0, he_ref.shape[1] // (half * F16_BLOCKS), body, jnp.zeros(y_ref.shape, F32))
 
 
 def routed_experts_fp4_f16(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer=None, interpret=None,
-                           num_warps: int = 4, num_stages: int = 2, up_rows: int = 32, down_rows: int = 32):
+                           num_warps: int = 4, num_stages: int = 2, up_rows: int = 32, down_rows: int = 32,
+                           ptx: bool = False):
     """`routed_experts_fp4` with each code widened to f16 by bit placement and each scale block's scale applied to
     its dot (the note above): the same contract and the release's numerics (each product of an FP8 activation and
     an FP4 weight exact in f32; sums in f32 by scale block). Not yet what the model runs: `v4jax bench kernels
-    --sweep stored_weights` times it against `routed_experts_fp4` on a GPU, and the faster one stays."""
+    --sweep stored_weights` times it against `routed_experts_fp4` on a GPU, and the faster one stays. `ptx`: the
+    codes widened by inline PTX (`_F16_CODES_PTX`; a GPU only, interpreted as the jnp form)."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     c1 = w1[0]
@@ -431,7 +459,8 @@ def routed_experts_fp4_f16(x, weights, experts, w1, w2, w3, limit, w2_input, *, 
     xq, xs = _f16_blocks(x)
     xe, xo = xq[:, 0::2], xq[:, 1::2]
     h = pl.pallas_call(
-        functools.partial(_fp4_f16_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=up_rows, tb=tb, limit=limit),
+        functools.partial(_fp4_f16_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=up_rows, tb=tb, limit=limit,
+                          ptx=ptx and not interpret),
         out_shape=jax.ShapeDtypeStruct((n_exp, tb, n_inner), F32), grid=(n_exp, n_inner // up_rows),
         in_specs=[full(a) for a in (layer, offs, sorted_tok, xe, xo, xs, c1f, s1f, c3f, s3f)],
         out_specs=pl.BlockSpec((None, tb, up_rows), lambda e, j: (e, 0, j)), name="v4_experts_up_fp4_f16", **kw,
@@ -440,7 +469,7 @@ def routed_experts_fp4_f16(x, weights, experts, w1, w2, w3, limit, w2_input, *, 
     he, ho = hq[..., 0::2], hq[..., 1::2]
     per_expert = lambda n: pl.BlockSpec((None, tb, n), lambda e, j: (e, 0, 0))
     y = pl.pallas_call(
-        functools.partial(_fp4_f16_down_kernel, n_exp=n_exp, n_out=d, rows=down_rows),
+        functools.partial(_fp4_f16_down_kernel, n_exp=n_exp, n_out=d, rows=down_rows, ptx=ptx and not interpret),
         out_shape=jax.ShapeDtypeStruct((n_exp, tb, d), F32), grid=(n_exp, d // down_rows),
         in_specs=[full(layer), full(offs), per_expert(n_inner // 2), per_expert(n_inner // 2),
                   per_expert(n_inner // 128), full(c2f), full(s2f)],

@@ -139,9 +139,11 @@ def test_fp4_f16_form_matches_the_release_numerics(M, k, E, I, D, layer):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
-def test_fp4_f16_form_lowers_for_gpu():
+@pytest.mark.parametrize("ptx", [False, True])
+def test_fp4_f16_form_lowers_for_gpu(ptx):
     x, weights, ex, w1, w2, w3 = _fp4_case(2, 2, 4, 256, 256)
     txt = _compat.lower_for_cuda(lambda x, wt, ex, a, b, c: X.routed_experts_fp4_f16(
         x.astype(jnp.bfloat16), wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0,
-        _w2_input, interpret=False), x, weights, ex, w1, w2, w3)
+        _w2_input, interpret=False, ptx=ptx), x, weights, ex, w1, w2, w3)
     assert txt.count("v4_experts_up_fp4_f16") >= 1 and txt.count("v4_experts_down_fp4_f16") >= 1
+    assert ("prmt.b32" in txt) == ptx
