@@ -416,7 +416,7 @@ ab)
     elif [ "$what" = burst ]; then
       stamp "$name: flash-slice, 32 fresh prompts of 4K at default options (their starts, then decode)"
       (cd "$tree" && PYTHONPATH=. timeout 280 python3 -W ignore -m v4jax.bench generate --model flash-slice \
-        --max-num-seqs 32 --max-model-len 131584 --batches 1,32 --contexts 4K --new 160 --deadline-s 270 \
+        --max-num-seqs 32 --max-model-len 131584 --batches ${BATCHES:-1,32} --contexts 4K --new 160 --deadline-s 270 \
         --out "$dir/generate" 2>&1 | quiet | grep "^|" | tail -4)
     elif [ "$what" = prefill ]; then
       stamp "$name: flash-slice prefill of a 128K prompt"
