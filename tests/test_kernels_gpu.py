@@ -351,3 +351,21 @@ def test_fp4_codes_widened_by_ptx_gpu():
     bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint16))
     np.testing.assert_array_equal(bits(lo), bits(want_lo))
     np.testing.assert_array_equal(bits(hi), bits(want_hi))
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_hc_pre_gpu(m):
+    """mHC's collapse in two launches against the model's reference, Flash's width."""
+    import types
+    HPRE = importlib.import_module("pallas_kernels.hc_pre")
+    n, d = 4, 4096
+    ks = jax.random.split(jax.random.key(5), 4)
+    x = jax.random.normal(ks[0], (m, n, d)).astype(jnp.bfloat16)
+    fn = jax.random.normal(ks[1], ((2 + n) * n, n * d), jnp.float32) * (n * d) ** -0.5
+    base, scale = jax.random.normal(ks[2], ((2 + n) * n,)), 0.5 + jax.random.uniform(ks[3], (3,))
+    cfg = types.SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    u, post, comb = jax.jit(lambda *a: HPRE.hc_pre(*a, iters=20, hc_eps=1e-6, norm_eps=1e-6))(x, fn, base, scale)
+    ru, rpost, rcomb = jax.jit(lambda *a: L.hc_pre(*a, cfg))(x, fn, base, scale)
+    _close(post, rpost, 1e-5)
+    _close(comb, rcomb, 1e-5)
+    _close(u, ru, 2 ** -7)
