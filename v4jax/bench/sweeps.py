@@ -12,6 +12,8 @@ is reported, not fatal.
   --sweep fused_projections   several projections of one input as one launch against one launch each
                                                                                  -> OUT/bench_fused_projections.json
   --sweep hc_post             mHC's expansion: XLA's form against the Pallas kernel -> OUT/bench_hc_post.json
+  --sweep hc_pre              mHC's collapse at decode sizes: the model's form against two Pallas launches
+                                                                                 -> OUT/bench_hc_pre.json
   --sweep experts             few-token routed experts: XLA's gather form against pallas_kernels.experts
                                                                                  -> OUT/experts.json
   --sweep prefill_experts     a prefill chunk's routed experts: XLA dense / grouped against the Hopper ragged
@@ -28,7 +30,7 @@ is reported, not fatal.
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill): tiny
+`--small` (tune, layer_linear, fused_projections, hc_post, hc_pre, kv_formats, attention_prefill): tiny
 shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
 The other sweeps run on a GPU only.
 Times are GPU kernel time from a profiler trace unless said otherwise.
@@ -415,6 +417,38 @@ def hc_post(a, out_dir: str) -> int:
         rows.append(row)
         print(f"tokens {m}: " + "; ".join(said(n, row[n]) for n, _ in variants), flush=True)
         with open(os.path.join(out_dir, "bench_hc_post.json"), "w") as fh:
+            json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
+    return 0
+
+
+def hc_pre(a, out_dir: str) -> int:
+    """mHC's collapse at decode sizes (Flash's width, bf16 streams): the model's form (v4jax.model.layers.hc_pre
+    with the Sinkhorn kernel, as the Pallas table runs it today) against pallas_kernels.hc_pre's two launches:
+    wall time per call (median) and, on a GPU, kernel time and launches per call from a profiler trace."""
+    import types
+    from pallas_kernels import hc_pre as HPRE
+    from pallas_kernels import sinkhorn as SK
+    from v4jax.bench.profile import said, time_call
+    from v4jax.model import layers as L
+
+    n, d = 4, (64 if a.small else 4096)
+    cfg = types.SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    rows = []
+    for m in ((1, 5) if a.small else (1, 8, 32, 64)):
+        k = jax.random.split(jax.random.key(m), 4)
+        args = (jax.random.normal(k[0], (m, n, d), BF16),
+                jax.random.normal(k[1], ((2 + n) * n, n * d), jnp.float32) * (n * d) ** -0.5,
+                jax.random.normal(k[2], ((2 + n) * n,)), 1.0 + jax.random.uniform(k[3], (3,)))
+        mb = ((2 + n) * n * n * d * 4 + m * (n + 1) * d * 2) / 1e6  # fn read, x read, u written
+        row = {"tokens": m, "D": d, "MB_per_call": mb}
+        variants = [("xla + sinkhorn kernel", lambda *x: L.hc_pre(*x, cfg, SK.sinkhorn)),
+                    ("pallas hc_pre", lambda *x: HPRE.hc_pre(*x, iters=20, hc_eps=1e-6, norm_eps=1e-6))]
+        for name, fn in variants:
+            run = jax.jit(fn)
+            row[name] = time_call(lambda run=run: run(*args), 3 if a.small else 20, mb=mb)
+        rows.append(row)
+        print(f"tokens {m}: " + "; ".join(said(nm, row[nm]) for nm, _ in variants), flush=True)
+        with open(os.path.join(out_dir, "bench_hc_pre.json"), "w") as fh:
             json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
     return 0
 
@@ -946,9 +980,9 @@ def kv_formats(a, out_dir: str) -> int:
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
-          "stored_weights": stored_weights, "kv_formats": kv_formats}
+          "stored_weights": stored_weights, "kv_formats": kv_formats, "hc_pre": hc_pre}
 # the sweeps with a --small form
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats",
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "hc_pre", "kv_formats",
                 "attention_prefill")
 
 
