@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._common import next_pow2, pow2_block
-from ._compat import TritonCompilerParams, backend
+from . import _compat
+from ._compat import TritonCompilerParams
 
 F32 = jnp.float32
 # 16 x 128 keeps the six f32 [BM, BD] values of a program (f, four streams, the sum) at ~96 registers a thread with
@@ -53,7 +54,7 @@ def hc_post(f, x, post, comb, *, interpret=None, block_tokens: int = BLOCK_TOKEN
     """The Pallas form of v4jax.model.layers.hc_post (the reference) for f [M, D], x [M, N, D] (callers flatten
     their leading axes)."""
     if interpret is None:
-        interpret = backend() == "cpu"
+        interpret = _compat.backend() == "cpu"
     if not supported(f, x):
         raise ValueError(f"f {f.shape}, x {x.shape}: expected [M, D] and [M, N, D] with D a multiple of a power-of-two "
                          f"block of at least 16")

@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._common import mm_nt, next_pow2, pow2_block
-from ._compat import TritonCompilerParams, backend, pltriton
+from . import _compat
+from ._compat import TritonCompilerParams, pltriton
 from .sinkhorn import normalise
 
 F32, I32 = jnp.float32, jnp.int32
@@ -108,7 +109,7 @@ def hc_pre(x, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float, in
     """The Pallas form of v4jax.model.layers.hc_pre for a decode step's tokens: x [M, N, D] (callers flatten their
     leading axes) -> (u [M, D], post [M, N], comb [M, N, N])."""
     if interpret is None:
-        interpret = backend() == "cpu"
+        interpret = _compat.backend() == "cpu"
     if not supported(x, fn):
         raise ValueError(f"x {x.shape}, fn {fn.shape}: expected [M <= {MAX_TOKENS}, N, D] and [n_mix, N * D] with "
                          f"N * D a multiple of {CHUNK}")
