@@ -809,9 +809,9 @@ def stored_weights(a, out_dir: str) -> int:
             timed(f"fp4 up{ur}x{uc} down{dr}x{dc} w{nw}", jax.jit(
                 lambda x, wt, ex, a1, a2, a3, u=(ur, uc), d=(dr, dc), nw=nw: X.routed_experts_fp4(
                     x, wt, ex, a1, a2, a3, 10.0, w2_input, up=u, down=d, num_warps=nw)), st_args, gb, E=E, M=M)
-        for ptx, rows, nw in [(False, 32, 4), (True, 32, 4), (True, 64, 4), (True, 32, 8)]:  # the f16 placement
-            timed(f"fp4 f16{' ptx' if ptx else ''} rows{rows} w{nw}", jax.jit(
-                lambda x, wt, ex, a1, a2, a3, r=rows, nw=nw, p=ptx: X.routed_experts_fp4_f16(
+        for ptx, block_rows, nw in [(False, 32, 4), (True, 32, 4), (True, 64, 4), (True, 32, 8)]:  # f16 placement
+            timed(f"fp4 f16{' ptx' if ptx else ''} rows{block_rows} w{nw}", jax.jit(
+                lambda x, wt, ex, a1, a2, a3, r=block_rows, nw=nw, p=ptx: X.routed_experts_fp4_f16(
                     x, wt, ex, a1, a2, a3, 10.0, w2_input, up_rows=r, down_rows=r, num_warps=nw, ptx=p)), st_args,
                   gb, E=E, M=M)
     for O, Din, G, M in [(1024, 4096, 1, 1), (1024, 4096, 1, 32), (32768, 1024, 1, 1), (8192, 4096, 8, 1),
