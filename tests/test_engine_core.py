@@ -153,8 +153,10 @@ def test_abort_returns_pages_and_reports():
     sp = SamplingParams(max_tokens=100, **GREEDY)
     for i, p in enumerate(_prompts((100, 40, 20, 10, 150), llm.config.vocab_size)):
         core.add_request(f"r{i}", p, sp)
-    for _ in range(8):  # r0's 7 prefill chunks, then its first decode call (dispatched, not yet read)
+    for _ in range(40):  # r0's 7 prefill chunks, then its first decode call (dispatched, not yet read)
         core.step()
+        if core._flight is not None:
+            break
     sch = core.scheduler
     assert sch.requests["r0"].status == "running" and core._flight is not None
     assert [r.request_id for r in sch.waiting] == ["r4"]  # four slots

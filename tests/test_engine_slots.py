@@ -242,3 +242,35 @@ def test_warmup_checks_each_steps_memory_and_a_step_out_of_memory_says_what_to_l
     monkeypatch.setattr(llm.engine, "_dispatch_prefill", out_of_memory)
     with pytest.raises(StepMemoryError, match="ran out of device memory .*5.25GiB.*lower prefill_chunk"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+
+
+def test_running_requests_decode_once_every_k_prefill_steps(llm4, monkeypatch):
+    """While a prompt prefills over several steps, the requests already running decode in one call every k steps
+    (k tokens each: a token a prefill step on average), not beside every chunk; once no prompt prefills, a call
+    every step. Each request gets the tokens it gets alone."""
+    eng = llm4.engine
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(2, 500, 5).tolist(), rng.integers(2, 500, 160).tolist()   # b: 10 chunks of 16
+    sp = SamplingParams(max_tokens=40, **GREEDY)
+    k = eng.scheduler.k
+    calls, dispatch = [], eng._dispatch_decode
+    monkeypatch.setattr(eng, "_dispatch_decode", lambda plan, prev: calls.append(plan is not None) or dispatch(
+        plan, prev))
+    steps, out = [], {"a": [], "b": []}
+    eng.add_request("a", a, sp)
+    while not eng.scheduler.running():
+        out["a"] += [t for d in eng.step() for t in d.new_token_ids]
+    eng.add_request("b", b, sp)
+    while eng.has_unfinished_requests():
+        prefilling = bool(eng.scheduler.prefilling() or eng.scheduler.waiting)
+        for d in eng.step():
+            out[d.request_id] += d.new_token_ids
+        steps.append((prefilling, calls[-1]))
+        assert len(steps) < 200
+    monkeypatch.undo()
+    during = "".join("d" if decoded else "-" for prefilling, decoded in steps if prefilling)
+    after = [decoded for prefilling, decoded in steps if not prefilling]
+    assert len(during) == 10 and during.startswith("-" * (k - 1) + "d") and "-" * k not in during, during
+    assert all(after[:-1]), after   # (the last step may only read the final call)
+    for rid, prompt in (("a", a), ("b", b)):
+        assert out[rid] == llm4.generate([prompt], sp)[0].token_ids

@@ -131,6 +131,7 @@ class Scheduler:
         self.n_exported = 0  # prefill-only requests whose state left the engine
         self.n_imported = 0  # requests that arrived with their state and continued decoding here
         self.recomputed_tokens = 0  # prefill tokens computed again (after preemption, or past an unresumable page)
+        self._prefill_steps_without_decode = 0  # consecutive prefill steps that ran no decode call (schedule)
 
     # ---- requests in and out ----
     def add(self, request_id: str, prompt: Sequence[int], params: SamplingParams, seed: int, sample_index: int,
@@ -230,7 +231,15 @@ class Scheduler:
         chunks = self.next_chunks()
         decode = None
         running = self.running()
+        # While prompts prefill, a decode call (k tokens a running request) runs once every k steps: a running
+        # request gets a token a prefill step on average, as in a step that mixes both (vLLM), and the chunks are
+        # not each followed by a call over the few requests already running (a call costs nearly its weights'
+        # reads however few rows it has)
+        if running and chunks and self._prefill_steps_without_decode < self.k - 1:
+            self._prefill_steps_without_decode += 1
+            running = []
         if running:
+            self._prefill_steps_without_decode = 0
             carried = {r.slot for r in running if carried_reqs.get(r.slot) is r}
             upto = max(min(r.fed + (2 if r.slot in carried else 1) * self.k, self.max_model_len) for r in running)
             decode = DecodePlan(running, carried, upto)
