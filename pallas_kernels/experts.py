@@ -281,7 +281,12 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     scale block, with the activations rounded to e4m3 in the kernel. It was slower at one token (16 experts: 0.19
     against 0.18 ms; 256: 0.25 against 0.26), faster at 32 (0.42 against 0.54; 3.2 against 4.2), and its outputs
     left the reference's by up to 2.3e-2 of the largest (81 % of them beyond 2^-7) where this form agrees to
-    rounding: no place in the model for it."""
+    rounding: no place in the model for it. Also measured and removed (H100, Flash sizes, ms a call, this form
+    first): each code widened to f16 by bit placement (five integer operations a code, or under three in inline
+    PTX on four bytes a register) with each 32-column block's scale applied to its dot; 16 experts at one token
+    0.176 against 0.268 (0.231 in PTX), 256 at one 0.268 against 0.260 (PTX), 16 at 32 tokens 0.542 against
+    0.435 (PTX, 64 rows a program; 0.682 at 32). Fewer integer operations did not make one token faster: at
+    decode sizes these kernels wait on something other than the decode's arithmetic (455 GB/s at one token)."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     c1 = w1[0]
@@ -316,163 +321,4 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
                   pl.BlockSpec((None, tb, n_inner // 2), lambda e, j: (e, 0, 0)), full(c2f), full(s2f)],
         out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down_fp4", **kw,
     )(layer, offs, he, ho, c2f, s2f)
-    return _sum_pairs(y, order, sorted_e, offs, m, k)
-
-
-# ---- the same, each code widened to f16 by bit placement and each 32-column block's scale applied to its dot ----
-# The form above spends about a dozen integer operations a code (the e2m1 fields, a gathered scale byte, its
-# exponent and a multiply) and at decode sizes that work sets the time (0.18 ms for 6 experts' 75 MB at 1 token
-# on the H200: integer issue, not bytes). Here a code costs five: its three magnitude bits shifted into an f16's
-# exponent and mantissa give its value times 2^-14 exactly (e = 0: the subnormal 2^-15 = 0.5 x 2^-14), its sign
-# bit into the f16's; a 32-column block's two dots (even and odd columns, K = 16) are scaled once, by the block's
-# ue8m0 scale times 2^14 per row and the activations' power-of-two scale per token. The activations enter as f16
-# values of their 128-column blocks divided by a power of two (exact: FP8-rounded values have 4 significant bits).
-F16_FACTOR = 2.0 ** 14          # an e2m1 code's f16 bit placement is its value times 2^-14
-F16_BLOCKS = 4                  # scale blocks of 32 columns a loop step (16 bytes of a row each)
-
-
-def _f16_codes(b):
-    """Bytes [.., n] (int32) of two e2m1 codes -> (low codes, high codes) as f16 [.., n], each its value x 2^-14."""
-    lo = ((b & 7) << 9) | ((b & 8) << 12)
-    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
-    f16 = lambda v: lax.bitcast_convert_type(v.astype(jnp.int16), jnp.float16)
-    return f16(lo), f16(hi)
-
-
-# The same placement in PTX on a GPU: the four bytes a thread holds in one 32-bit register become two f16 pairs;
-# `prmt` spreads bytes 0, 1 (then 2, 3) into the low byte of each 16-bit half, and a code's magnitude (3 bits) and
-# sign are shifted into place in both halves at once: under three integer operations a code, where the jnp form
-# above, lowered by Triton, spends five and a narrowing. The nibble's bit offset (0: low codes, 4: high codes) sets
-# the shifts. (One asm call a nibble: Pallas lowers an inline asm of one result only.)
-_F16_CODES_PTX = """{{
-.reg .b32 z, t<2>, m<2>, s<2>;
-mov.b32 z, 0;
-prmt.b32 t0, $2, z, 0x4140;
-prmt.b32 t1, $2, z, 0x4342;
-shl.b32 m0, t0, {m};  shl.b32 s0, t0, {s}; and.b32 m0, m0, 0x0E000E00; and.b32 s0, s0, 0x80008000; or.b32 $0, m0, s0;
-shl.b32 m1, t1, {m};  shl.b32 s1, t1, {s}; and.b32 m1, m1, 0x0E000E00; and.b32 s1, s1, 0x80008000; or.b32 $1, m1, s1;
-}}"""
-
-
-def _f16_codes_ptx(b):
-    """`_f16_codes` for bytes b [.., n] uint8 on a GPU (inline PTX, four bytes a register)."""
-    out = jax.ShapeDtypeStruct(b.shape, jnp.float16)
-    decode = lambda shift: pltriton.elementwise_inline_asm(
-        _F16_CODES_PTX.format(m=9 - shift, s=12 - shift), args=[b], constraints="=r,=r,r", pack=4,
-        result_shape_dtypes=[out])[0]
-    return decode(0), decode(4)
-
-
-def _f16_blocks(v):
-    """v [..., C] (values of 1 x 128 FP8 blocks with power-of-two scales) -> (f16 values [..., C], f32 scales
-    [..., C / 128]) with v = values x scale exactly: each block divided by 2^(floor(log2 max|block|) - 8), so its
-    values lie below 512 and above f16's smallest (FP8's range within a block is 2^17)."""
-    blocks = v.astype(F32).reshape(*v.shape[:-1], v.shape[-1] // 128, 128)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))             # amax = f x 2^e, f in [0.5, 1)
-    scale = jnp.ldexp(jnp.ones_like(amax), e - 9)
-    return (blocks / scale[..., None]).astype(jnp.float16).reshape(v.shape), scale
-
-
-def _f16_block_dot(x_lo, x_hi, w_ref, s_ref, row0, col0, rows, blk, ptx):
-    """One scale block's product, [TB, rows] f32 unscaled by the activations: the 16 bytes at col0 of rows row0..
-    (even columns' codes in the low halves) against x's even / odd columns [TB, 16], times the block's scale."""
-    b = w_ref[pl.ds(row0, rows), pl.ds(col0, FP4_BLOCK // 2)]
-    lo, hi = _f16_codes_ptx(b) if ptx else _f16_codes(b.astype(jnp.int32))
-    scale = ue8m0_to_f32(pltriton.load(s_ref.at[row0 + lax.broadcasted_iota(jnp.int32, (rows,), 0), blk]))
-    return (mm_nt(x_lo, lo) + mm_nt(x_hi, hi)) * (scale * F16_FACTOR)[None, :]
-
-
-def _fp4_f16_up_kernel(layer_ref, offs_ref, tok_ref, xe_ref, xo_ref, xs_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref,
-                       *, n_exp, n_inner, rows, tb, limit, ptx):
-    e, j = pl.program_id(0), pl.program_id(1)
-    start, count = offs_ref[e], offs_ref[e + 1] - offs_ref[e]
-
-    @pl.when(count > 0)
-    def _():
-        valid, tok = _expert_tokens(tok_ref, start, count, tb)
-        row0 = (layer_ref[0] * n_exp + e) * n_inner + j * rows
-        half = FP4_BLOCK // 2
-
-        def body(c, acc):
-            a1, a3 = acc
-            for i in range(F16_BLOCKS):
-                blk = c * F16_BLOCKS + i
-                cid = blk * half + lax.broadcasted_iota(jnp.int32, (1, half), 1)
-                xe = pltriton.load(xe_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)
-                xo = pltriton.load(xo_ref.at[tok[:, None], cid], mask=valid[:, None], other=0.0)
-                xs = pltriton.load(xs_ref.at[tok, blk // 4], mask=valid, other=0.0)[:, None]  # 4 blocks a 128
-                a1 += _f16_block_dot(xe, xo, w1_ref, s1_ref, row0, blk * half, rows, blk, ptx) * xs
-                a3 += _f16_block_dot(xe, xo, w3_ref, s3_ref, row0, blk * half, rows, blk, ptx) * xs
-            return a1, a3
-
-        zero = jnp.zeros((tb, rows), F32)
-        a1, a3 = lax.fori_loop(0, xe_ref.shape[1] // (half * F16_BLOCKS), body, (zero, zero))
-        h_ref[...] = swiglu(a1, a3, limit)
-
-
-def _fp4_f16_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, hs_ref, w2_ref, s2_ref, y_ref, *, n_exp, n_out, rows,
-                         ptx):
-    e, j = pl.program_id(0), pl.program_id(1)
-
-    @pl.when(offs_ref[e + 1] > offs_ref[e])
-    def _():
-        row0 = (layer_ref[0] * n_exp + e) * n_out + j * rows
-        half = FP4_BLOCK // 2
-
-        def body(c, acc):
-            for i in range(F16_BLOCKS):
-                blk = c * F16_BLOCKS + i
-                hs = hs_ref[:, pl.ds(blk // 4, 1)]     # [TB, 1]: 4 scale blocks a 128-column block
-                acc += _f16_block_dot(he_ref[:, pl.ds(blk * half, half)], ho_ref[:, pl.ds(blk * half, half)],
-                                      w2_ref, s2_ref, row0, blk * half, rows, blk, ptx) * hs
-            return acc
-
-        y_ref[...] = lax.fori_loop(0, he_ref.shape[1] // (half * F16_BLOCKS), body, jnp.zeros(y_ref.shape, F32))
-
-
-def routed_experts_fp4_f16(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer=None, interpret=None,
-                           num_warps: int = 4, num_stages: int = 2, up_rows: int = 32, down_rows: int = 32,
-                           ptx: bool = False):
-    """`routed_experts_fp4` with each code widened to f16 by bit placement and each scale block's scale applied to
-    its dot (the note above): the same contract and the release's numerics (each product of an FP8 activation and
-    an FP4 weight exact in f32; sums in f32 by scale block). Not yet what the model runs: `v4jax bench kernels
-    --sweep stored_weights` times it against `routed_experts_fp4` on a GPU, and the faster one stays. `ptx`: the
-    codes widened by inline PTX (`_F16_CODES_PTX`; a GPU only, interpreted as the jnp form)."""
-    if interpret is None:
-        interpret = _compat.backend() == "cpu"
-    c1 = w1[0]
-    m, k = experts.shape
-    n_exp, n_inner, half_d = c1.shape[-3:]
-    d = 2 * half_d
-    step = FP4_BLOCK * F16_BLOCKS
-    if not (m <= MAX_TOKENS and d % step == 0 and n_inner % step == 0 and n_inner % up_rows == 0
-            and d % down_rows == 0):
-        raise ValueError(f"{m} tokens (at most {MAX_TOKENS}), FP4 expert codes {c1.shape}: not for these kernels")
-    tb = max(16, next_pow2(m))
-    layer, (c1f, s1f), (c2f, s2f), (c3f, s3f) = _fp4_flat(layer, w1, w2, w3)
-    order, sorted_e, offs, sorted_tok = _sort_pairs(experts, n_exp)
-
-    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-    kw = dict(interpret=True) if interpret else dict(
-        compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
-    xq, xs = _f16_blocks(x)
-    xe, xo = xq[:, 0::2], xq[:, 1::2]
-    h = pl.pallas_call(
-        functools.partial(_fp4_f16_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=up_rows, tb=tb, limit=limit,
-                          ptx=ptx and not interpret),
-        out_shape=jax.ShapeDtypeStruct((n_exp, tb, n_inner), F32), grid=(n_exp, n_inner // up_rows),
-        in_specs=[full(a) for a in (layer, offs, sorted_tok, xe, xo, xs, c1f, s1f, c3f, s3f)],
-        out_specs=pl.BlockSpec((None, tb, up_rows), lambda e, j: (e, 0, j)), name="v4_experts_up_fp4_f16", **kw,
-    )(layer, offs, sorted_tok, xe, xo, xs, c1f, s1f, c3f, s3f)
-    hq, hs = _f16_blocks(w2_input(h, _slot_weights(weights, order, offs, n_exp, tb)))  # [E, TB, I], [E, TB, I/128]
-    he, ho = hq[..., 0::2], hq[..., 1::2]
-    per_expert = lambda n: pl.BlockSpec((None, tb, n), lambda e, j: (e, 0, 0))
-    y = pl.pallas_call(
-        functools.partial(_fp4_f16_down_kernel, n_exp=n_exp, n_out=d, rows=down_rows, ptx=ptx and not interpret),
-        out_shape=jax.ShapeDtypeStruct((n_exp, tb, d), F32), grid=(n_exp, d // down_rows),
-        in_specs=[full(layer), full(offs), per_expert(n_inner // 2), per_expert(n_inner // 2),
-                  per_expert(n_inner // 128), full(c2f), full(s2f)],
-        out_specs=pl.BlockSpec((None, tb, down_rows), lambda e, j: (e, 0, j)), name="v4_experts_down_fp4_f16", **kw,
-    )(layer, offs, he, ho, hs, c2f, s2f)
     return _sum_pairs(y, order, sorted_e, offs, m, k)

@@ -63,9 +63,3 @@ def test_kernels_import_nothing_but_the_config():
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] in ("[]", "['v4jax']"), r.stdout
 
-
-def test_hc_pre_sweep_small(tmp_path):
-    """--sweep hc_pre end to end: both forms run and are timed."""
-    assert kernels_main(["--sweep", "hc_pre", "--small", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "bench_hc_pre.json").read_text())["rows"]
-    assert [r["tokens"] for r in rows] == [1, 5] and all("pallas hc_pre" in r for r in rows)

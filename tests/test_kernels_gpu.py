@@ -309,9 +309,8 @@ def test_layer_linear_fp8_gpu(M, O, D, G, n):
     _close(out.reshape(ref.shape), ref, 1e-4)
 
 
-@pytest.mark.parametrize("form", ["routed_experts_fp4", "routed_experts_fp4_f16", "ptx"])
 @pytest.mark.parametrize("M,k,E,I,D,n", [(1, 6, 16, 2048, 4096, 2), (32, 6, 64, 2048, 4096, 1), (3, 2, 8, 64, 128, 1)])
-def test_routed_experts_fp4_gpu(M, k, E, I, D, n, form):
+def test_routed_experts_fp4_gpu(M, k, E, I, D, n):
     """FP4 expert stacks as stored, codes decoded in registers: the model's gather form on the dequantized
     weights with the release's rounding (w2's input rounded to FP8: an element that rounds the other way from sums
     taken in another order moves an output by a step of FP8, hence the bound relative to the scale)."""
@@ -325,47 +324,10 @@ def test_routed_experts_fp4_gpu(M, k, E, I, D, n, form):
     ex = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:k])(jax.random.split(ks[4], M)).astype(jnp.int32)
     wt = jax.random.uniform(ks[5], (M, k))
     w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(jnp.bfloat16), 128)
-    fn = functools.partial(X.routed_experts_fp4_f16, ptx=True) if form == "ptx" else getattr(X, form)
-    out = jax.jit(lambda x, wt, ex, a, b, c, i: fn(
+    out = jax.jit(lambda x, wt, ex, a, b, c, i: X.routed_experts_fp4(
         x, wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0, w2_input, layer=i))(
         x, wt, ex, w1, w2, w3, jnp.int32(n - 1))
     ref = jax.jit(lambda x, wt, ex, a, b, c: L.routed_experts(x, wt, ex, a[n - 1], b[n - 1], c[n - 1], 10.0,
                                                                 "gather", act_quant=True))(x, wt, ex, w1, w2, w3)
     ref = np.asarray(ref, np.float64)
     assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))
-
-
-def test_fp4_codes_widened_by_ptx_gpu():
-    """Every byte's two e2m1 codes widened to f16 by the inline PTX, against the jnp bit placement (the same
-    bits), in a tile of the shape the experts kernels load."""
-    from jax.experimental import pallas as pl
-    X = importlib.import_module("pallas_kernels.experts")
-    b = jnp.arange(512, dtype=jnp.int32).reshape(32, 16).astype(jnp.uint8)
-
-    def kernel(b_ref, lo_ref, hi_ref):
-        lo_ref[...], hi_ref[...] = X._f16_codes_ptx(b_ref[...])
-
-    out = jax.ShapeDtypeStruct(b.shape, jnp.float16)
-    lo, hi = pl.pallas_call(kernel, out_shape=(out, out))(b)
-    want_lo, want_hi = X._f16_codes(b.astype(jnp.int32))
-    bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint16))
-    np.testing.assert_array_equal(bits(lo), bits(want_lo))
-    np.testing.assert_array_equal(bits(hi), bits(want_hi))
-
-
-@pytest.mark.parametrize("m", [1, 32])
-def test_hc_pre_gpu(m):
-    """mHC's collapse in two launches against the model's reference, Flash's width."""
-    import types
-    HPRE = importlib.import_module("pallas_kernels.hc_pre")
-    n, d = 4, 4096
-    ks = jax.random.split(jax.random.key(5), 4)
-    x = jax.random.normal(ks[0], (m, n, d)).astype(jnp.bfloat16)
-    fn = jax.random.normal(ks[1], ((2 + n) * n, n * d), jnp.float32) * (n * d) ** -0.5
-    base, scale = jax.random.normal(ks[2], ((2 + n) * n,)), 0.5 + jax.random.uniform(ks[3], (3,))
-    cfg = types.SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
-    u, post, comb = jax.jit(lambda *a: HPRE.hc_pre(*a, iters=20, hc_eps=1e-6, norm_eps=1e-6))(x, fn, base, scale)
-    ru, rpost, rcomb = jax.jit(lambda *a: L.hc_pre(*a, cfg))(x, fn, base, scale)
-    _close(post, rpost, 1e-5)
-    _close(comb, rcomb, 1e-5)
-    _close(u, ru, 2 ** -7)

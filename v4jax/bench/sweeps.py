@@ -12,8 +12,6 @@ is reported, not fatal.
   --sweep fused_projections   several projections of one input as one launch against one launch each
                                                                                  -> OUT/bench_fused_projections.json
   --sweep hc_post             mHC's expansion: XLA's form against the Pallas kernel -> OUT/bench_hc_post.json
-  --sweep hc_pre              mHC's collapse at decode sizes: the model's form against two Pallas launches
-                                                                                 -> OUT/bench_hc_pre.json
   --sweep experts             few-token routed experts: XLA's gather form against pallas_kernels.experts
                                                                                  -> OUT/experts.json
   --sweep prefill_experts     a prefill chunk's routed experts: XLA dense / grouped against the Hopper ragged
@@ -30,7 +28,7 @@ is reported, not fatal.
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
 
-`--small` (tune, layer_linear, fused_projections, hc_post, hc_pre, kv_formats, attention_prefill): tiny
+`--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill): tiny
 shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
 The other sweeps run on a GPU only.
 Times are GPU kernel time from a profiler trace unless said otherwise.
@@ -421,38 +419,6 @@ def hc_post(a, out_dir: str) -> int:
     return 0
 
 
-def hc_pre(a, out_dir: str) -> int:
-    """mHC's collapse at decode sizes (Flash's width, bf16 streams): the model's form (v4jax.model.layers.hc_pre
-    with the Sinkhorn kernel, as the Pallas table runs it today) against pallas_kernels.hc_pre's two launches:
-    wall time per call (median) and, on a GPU, kernel time and launches per call from a profiler trace."""
-    import types
-    from pallas_kernels import hc_pre as HPRE
-    from pallas_kernels import sinkhorn as SK
-    from v4jax.bench.profile import said, time_call
-    from v4jax.model import layers as L
-
-    n, d = 4, (64 if a.small else 4096)
-    cfg = types.SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
-    rows = []
-    for m in ((1, 5) if a.small else (1, 8, 32, 64)):
-        k = jax.random.split(jax.random.key(m), 4)
-        args = (jax.random.normal(k[0], (m, n, d), BF16),
-                jax.random.normal(k[1], ((2 + n) * n, n * d), jnp.float32) * (n * d) ** -0.5,
-                jax.random.normal(k[2], ((2 + n) * n,)), 1.0 + jax.random.uniform(k[3], (3,)))
-        mb = ((2 + n) * n * n * d * 4 + m * (n + 1) * d * 2) / 1e6  # fn read, x read, u written
-        row = {"tokens": m, "D": d, "MB_per_call": mb}
-        variants = [("xla + sinkhorn kernel", lambda *x: L.hc_pre(*x, cfg, SK.sinkhorn)),
-                    ("pallas hc_pre", lambda *x: HPRE.hc_pre(*x, iters=20, hc_eps=1e-6, norm_eps=1e-6))]
-        for name, fn in variants:
-            run = jax.jit(fn)
-            row[name] = time_call(lambda run=run: run(*args), 3 if a.small else 20, mb=mb)
-        rows.append(row)
-        print(f"tokens {m}: " + "; ".join(said(nm, row[nm]) for nm, _ in variants), flush=True)
-        with open(os.path.join(out_dir, "bench_hc_pre.json"), "w") as fh:
-            json.dump({"rows": rows, "device": str(jax.devices()[0])}, fh, indent=1, default=str)
-    return 0
-
-
 def experts_case(M, k, E, I, D):
     """Tokens, uniform routing (k distinct experts per token) and the weights of E experts of Flash's sizes."""
     ks = jax.random.split(jax.random.key(0), 6)
@@ -768,13 +734,11 @@ def indexer_prefill(a, out_dir: str) -> int:
 def stored_weights(a, out_dir: str) -> int:
     """Weights as the release stores them against bf16 (flash sizes), the device time of each kernel call:
     the routed experts (D 4096, I 2048, 6 active; E = 16 and 256, M = 1 and 32) through pallas_kernels.experts'
-    bf16 kernels and its FP4 kernels (block sizes, warps; the form decoding by bit arithmetic into bf16 and the one
-    widening codes to f16 by bit placement, scales on each block's dot), and the few-token projection
-    (pallas_kernels.layer_linear)
-    on bf16 and on e4m3 stacks. (Measured and dropped: widening the codes through f16 bit placement with the
-    scales broadcast in registers, its up kernel 0.43 ms a call in a flash-slice step at batch 1; the codes
-    decoded through a 256-entry byte table, 1.7-2.1x the bit form's time.) GB/s = the bytes each form reads as
-    stored (the routed pairs' weights once)."""
+    bf16 kernels and its FP4 kernels (block sizes, warps), and the few-token projection (pallas_kernels.layer_linear)
+    on bf16 and on e4m3 stacks. (Measured and dropped: widening the codes through f16 bit placement, with the
+    scales broadcast in registers (its up kernel 0.43 ms a call in a flash-slice step at batch 1) or on each scale
+    block's dot, in jnp or inline PTX (routed_experts_fp4's doc); the codes decoded through a 256-entry byte table,
+    1.7-2.1x the bit form's time.) GB/s = the bytes each form reads as stored (the routed pairs' weights once)."""
     from pallas_kernels import experts as X
     from pallas_kernels import layer_linear as LL
     from v4jax.bench.profile import summarize
@@ -805,15 +769,11 @@ def stored_weights(a, out_dir: str) -> int:
         st_args = (quant.fp8_roundtrip(x, 128), wt, ex, *[(q.values, q.scale) for q in st])
         del w1, w2, w3
         gb = pairs * per_expert * (0.5 + 1 / 32) / 1e9
-        for (ur, uc), (dr, dc), nw in [((32, 256), (32, 256), 4)]:
+        for (ur, uc), (dr, dc), nw in [((32, 256), (32, 256), 4), ((16, 512), (16, 512), 4),
+                                      ((64, 128), (64, 128), 4), ((32, 128), (32, 128), 4), ((32, 256), (32, 256), 2)]:
             timed(f"fp4 up{ur}x{uc} down{dr}x{dc} w{nw}", jax.jit(
                 lambda x, wt, ex, a1, a2, a3, u=(ur, uc), d=(dr, dc), nw=nw: X.routed_experts_fp4(
                     x, wt, ex, a1, a2, a3, 10.0, w2_input, up=u, down=d, num_warps=nw)), st_args, gb, E=E, M=M)
-        for ptx, block_rows, nw in [(False, 32, 4), (True, 32, 4), (True, 64, 4), (True, 32, 8)]:  # f16 placement
-            timed(f"fp4 f16{' ptx' if ptx else ''} rows{block_rows} w{nw}", jax.jit(
-                lambda x, wt, ex, a1, a2, a3, r=block_rows, nw=nw, p=ptx: X.routed_experts_fp4_f16(
-                    x, wt, ex, a1, a2, a3, 10.0, w2_input, up_rows=r, down_rows=r, num_warps=nw, ptx=p)), st_args,
-                  gb, E=E, M=M)
     for O, Din, G, M in [(1024, 4096, 1, 1), (1024, 4096, 1, 32), (32768, 1024, 1, 1), (8192, 4096, 8, 1),
                          (8192, 4096, 8, 32)]:
         kx, kw = jax.random.split(jax.random.key(1))
@@ -980,9 +940,9 @@ def kv_formats(a, out_dir: str) -> int:
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
-          "stored_weights": stored_weights, "kv_formats": kv_formats, "hc_pre": hc_pre}
+          "stored_weights": stored_weights, "kv_formats": kv_formats}
 # the sweeps with a --small form
-SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "hc_pre", "kv_formats",
+SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats",
                 "attention_prefill")
 
 

@@ -251,7 +251,10 @@ def _sinkhorn_pallas(comb, iters, eps):
     sigmoids, the softmax, this loop and the collapse; one program per 4 tokens reading the streams twice in chunks
     of 1024) took 10 us a launch at batch 1 and 23 us at 32 on the H200, against ~16 us for XLA's ten kernels: its
     loads and this loop's divides run one after another. The flash-slice step was no faster, and flash-1gpu's at
-    batch 32 was 5-6 % slower."""
+    batch 32 was 5-6 % slower. Nor two launches for all of it, the matmul included (the mix split over 32 programs,
+    then one program running this loop while the others summed the streams): H100, Flash's width, 50 / 48 / 78 /
+    122 us of kernels a call at 1 / 8 / 32 / 64 tokens against 12 / 18 / 19 / 24 us for XLA's eight launches with
+    this kernel (the f32 matmul and the loop's serial divides; docs/results/h100-prefill-first/bench_hc_pre.json)."""
     return pallas_sinkhorn.sinkhorn(comb, iters, eps)
 
 
