@@ -38,7 +38,8 @@
 #              attention_prefill; ATTN_CONFIGS="HEADS:WARPS:BLOCK:STAGES:SKIP_TAIL ..." picks the per-query
 #              kernel's tiles, "prefix:TQ:HEADS:BLOCK:WARPS:STAGES:PV_SPLIT ..." the HCA query-block kernel's; the
 #              indexer's is v4jax bench kernels --sweep indexer_prefill)
-#   ncu        Nsight Compute on the sparse attention and indexer kernels -> $OUT/ncu_<kernel>.txt
+#   ncu        Nsight Compute on the sparse attention and indexer kernels (NCU="attention indexer experts_fp4" picks;
+#              experts_fp4: the FP4 experts at one token) -> $OUT/ncu_<kernel>.txt
 #   kvformats  the sparse attention and indexer kernels on FP8 entries / FP4 keys: their and the engine's GPU tests
 #              (TESTS=0 skips), then decode at 128K, batch 1 / 32, bf16 pools against the byte formats
 #              (--sweep kv_formats; SWEEP=0 skips, BATCHES="1 32", SWEEP_S=180 a batch) -> $OUT/kv_b<B>/kv_formats.json
@@ -880,9 +881,16 @@ launch__shared_mem_per_block_dynamic,sm__pipe_tensor_op_hmma_cycles_active.avg.p
     echo "$name rc=$?"; grep -E "^  [a-z_]+.*\(|gpu__time|registers|local_op|global_op|dram__bytes|Stall|warps_active|hmma" \
       "$out/ncu_$name.txt" | head -60
   }
-  ncu_run attention "sparse" 4 --tune --only attention --harness trace --repeats 1 \
-    --attention-configs 64:16:4:2:1 32:64:8:2:1 32:16:4:3:1 16:64:4:2:1
-  ncu_run indexer "indexer" 2 --only indexer --harness trace --repeats 1
+  # NCU="attention indexer experts_fp4" picks (default: the first two); experts_fp4: the FP4 experts kernels of the
+  # stored-weights sweep's first case (16 experts, one token), whose 455 GB/s is not set by their decode arithmetic
+  for what in ${NCU:-attention indexer}; do
+    case $what in
+      attention) ncu_run attention "sparse" 4 --tune --only attention --harness trace --repeats 1 \
+        --attention-configs 64:16:4:2:1 32:64:8:2:1 32:16:4:3:1 16:64:4:2:1 ;;
+      indexer) ncu_run indexer "indexer" 2 --only indexer --harness trace --repeats 1 ;;
+      experts_fp4) ncu_run experts_fp4 "experts_(up|down)_fp4" 2 --sweep stored_weights ;;
+    esac
+  done
   ;;
 *)
   sed -n '2,/^set -u/p' "$0" | sed '$d'
