@@ -62,4 +62,3 @@ def test_kernels_import_nothing_but_the_config():
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] in ("[]", "['v4jax']"), r.stdout
-
