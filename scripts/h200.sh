@@ -85,7 +85,8 @@
 #              the release's cache entries); CPU dry
 #              run: TESTS=0 ROWS=tiny:2048:2:600 DEVICE_PAGES=8 PROFILE=1 bash scripts/h200.sh hisparse
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
-#              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; CPU dry run: SKIP_WHEELS=1
+#              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; LONG_NUM=4 adds LONG_STREAMS
+#              streams with LONG_NUM prompts of LONG_PROMPT tokens arriving among them -> $OUT/long; CPU dry run: SKIP_WHEELS=1
 #              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
 #              NEW=16 VOCAB=500 bash scripts/h200.sh load
 #   pd         prefill/decode disaggregation on one GPU (carry [".whl"]): `v4jax bench pd` (one request's state between
@@ -111,7 +112,7 @@ out=${OUT:-./h200_out}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 case $stage in
-check|depth1|depth2|serve|multigpu|ncu) ;;
+check|depth1|depth2|serve|load|multigpu|ncu) ;;  # these keep the compilation cache on
 *) export V4JAX_COMPILATION_CACHE=off ;;
 esac
 gpu="gpu and not slow"   # the GPU tests of a stage (the slow ones: python -m pytest -q -m "gpu and slow" tests)
@@ -384,8 +385,17 @@ EOF
     stamp "bench serve: $n streams"
     timeout ${SERVE_S:-90} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
       --num-requests "$n" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
-      --warmup-requests "$n" --out "$out/s$n" 2>&1 | grep -v "^ \|^{\|^}" | tail -4
+      --warmup-requests "$n" --seed "$n" --out "$out/s$n" 2>&1 | grep -v "^ \|^{\|^}" | tail -4
   done
+  # LONG_NUM > 0: LONG_STREAMS streams decoding while LONG_NUM prompts of LONG_PROMPT tokens arrive among them
+  # (the streams' ITL while a long prompt prefills against otherwise)
+  if [ "${LONG_NUM:-0}" -gt 0 ]; then
+    stamp "bench serve: ${LONG_STREAMS:-16} streams, $LONG_NUM prompts of ${LONG_PROMPT:-1920} among them"
+    timeout ${SERVE_S:-90} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
+      --num-requests "${LONG_STREAMS:-16}" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
+      --long-num "$LONG_NUM" --long-prompt-len "${LONG_PROMPT:-1920}" --long-output-len 16 --long-rate 4 \
+      --long-start 1 --seed 1000 --out "$out/long" 2>&1 | grep -v "^ \|^{\|^}" | tail -8
+  fi
   stamp "SIGTERM"
   kill -TERM "$pid"
   for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
@@ -888,7 +898,24 @@ launch__shared_mem_per_block_dynamic,sm__pipe_tensor_op_hmma_cycles_active.avg.p
       attention) ncu_run attention "sparse" 4 --tune --only attention --harness trace --repeats 1 \
         --attention-configs 64:16:4:2:1 32:64:8:2:1 32:16:4:3:1 16:64:4:2:1 ;;
       indexer) ncu_run indexer "indexer" 2 --only indexer --harness trace --repeats 1 ;;
-      experts_fp4) ncu_run experts_fp4 "experts_(up|down)_fp4" 2 --sweep stored_weights ;;
+      # experts_fp4: its own process (the sweep's profiler trace and ncu both take CUPTI: the process crashed)
+      experts_fp4)
+        timeout 200 ncu --clock-control none -k "regex:experts_(up|down)_fp4" --launch-count 2 --metrics "$metrics" \
+          --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats python3 -W ignore - \
+          > "$out/ncu_experts_fp4.txt" 2>&1 <<'EOF'
+import jax
+from pallas_kernels import experts as X
+from v4jax.bench.sweeps import experts_case
+from v4jax.model import quant
+x, wt, ex, w1, w2, w3 = experts_case(1, 6, 16, 2048, 4096)
+st = [quant.quantize(w, "fp4") for w in (w1, w2, w3)]
+f = jax.jit(lambda x, wt, ex, a1, a2, a3: X.routed_experts_fp4(
+    x, wt, ex, a1, a2, a3, 10.0, lambda h, w: quant.fp8_roundtrip((h * w).astype(jax.numpy.bfloat16), 128)))
+for _ in range(3):
+    jax.block_until_ready(f(quant.fp8_roundtrip(x, 128), wt, ex, *st))
+EOF
+        echo "experts_fp4 rc=$?"; grep -E "^  [a-z_]+.*\(|gpu__time|registers|local_op|global_op|dram__bytes|Stall|\
+warps|Throughput|Occupancy|Duration|Waves|Theoretical" "$out/ncu_experts_fp4.txt" | head -80 ;;
     esac
   done
   ;;
