@@ -25,6 +25,7 @@ weight 0), which takes `swiglu` from here.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -266,8 +267,112 @@ def _fp4_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, w2_ref, s2_ref, y_ref,
         y_ref[...] = lax.fori_loop(0, he_ref.shape[1] // cb, body, jnp.zeros(y_ref.shape, F32))
 
 
+# ---- FP4 experts a pair at a time: few pairs (token, expert) over many experts --------------------------------
+# A program multiplies one pair's token by `rows` rows of its expert, over one of `splits` parts of the row, in
+# steps of `nb` scale blocks (16 bytes, 32 codes each): codes [rows, nb, 16] decoded in registers, multiplied by the
+# token's even and odd columns [nb, 16] and summed, each block's sum times its power-of-two scale. No dot: one
+# token fills no tensor-core tile, and the dot forms above spend their time on the 16-row tile (a [16, 256] x tile
+# of 15 masked rows), on each code's scale gathered from L1 and on moving the decoded tile into the dot's
+# operand layout: H100, Flash's sizes, 16 experts, one token: the up kernel read 53.5 MB in 106 us (525 GB/s) with
+# 202 registers a thread and 10 % of the warp slots active (Nsight Compute, `NCU=experts_fp4 bash scripts/h200.sh
+# ncu`). A weight is read once per pair, so this form takes the calls where pairs do not outnumber the experts.
+# H100, Flash's sizes, ms a call (`python -m v4jax.bench kernels --sweep fp4_experts`), expert form -> pair form:
+# 16 experts, 1 token 0.176 -> 0.110; 256 experts, 1 token 0.268 -> 0.110, 4 tokens 0.595 -> 0.397, 32 tokens
+# 3.99 -> 2.85; where pairs outnumber the experts the pair form loses: 16 experts, 4 tokens 0.304 -> 0.395, 32
+# tokens 0.541 -> 2.82. Blocks of 16 and 64 rows (8 warps) were within 5 % of 32 rows.
+PAIR_UP, PAIR_DOWN = (32, 8), (32, 8)  # (rows a program, scale blocks a loop step)
+PAIR_PROGRAMS = 1056  # splits of the rows are added up to at least this many programs (8 per SM of 132)
+
+
+def _fp4_pair_rows(w_ref, s_ref, row0, blk0, rows, nb, xe, xo):
+    """Rows row0 .. row0 + rows of an FP4 stack viewed as codes [R, C / 32, 16] and scales [R, C / 32], scale
+    blocks blk0 .. blk0 + nb, against a token's even and odd columns of those blocks [nb, 16] f32 -> [rows] f32."""
+    b = w_ref[pl.ds(row0, rows), pl.ds(blk0, nb), :].astype(jnp.int32)  # [rows, nb, 16]
+    part = jnp.sum(e2m1_to_f32(b & 15) * xe[None] + e2m1_to_f32(b >> 4) * xo[None], axis=2)  # exact products
+    return jnp.sum(part * ue8m0_to_f32(s_ref[pl.ds(row0, rows), pl.ds(blk0, nb)]), axis=1)
+
+
+def _fp4_pair_kernel(layer_ref, ex_ref, xe_ref, xo_ref, *refs, n_exp, n_out, k, rows, nb, chunks, tokens):
+    """refs: (codes, scales) of each weight (w1 and w3, or w2), then one output [rows] per weight. `tokens`: x's
+    row is the pair's token (p // k); else the pair's own row (w2's input)."""
+    n_w = len(refs) // 3
+    ws, outs = refs[:2 * n_w], refs[2 * n_w:]
+    p, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e = ex_ref[p]
+    live = (e >= 0) & (e < n_exp)  # else a pair of no expert (another shard's): zeros
+
+    @pl.when(live)
+    def _():
+        row0 = (layer_ref[0] * n_exp + e) * n_out + j * rows
+        t = p // k if tokens else p
+
+        def body(c, acc):
+            blk0 = (s * chunks + c) * nb
+            xe = xe_ref[t, pl.ds(blk0, nb), :].astype(F32)
+            xo = xo_ref[t, pl.ds(blk0, nb), :].astype(F32)
+            return tuple(a + _fp4_pair_rows(ws[2 * i], ws[2 * i + 1], row0, blk0, rows, nb, xe, xo)
+                         for i, a in enumerate(acc))
+
+        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((rows,), F32) for _ in range(n_w)))
+        for o, a in zip(outs, acc):
+            o[...] = a
+
+    @pl.when(~live)
+    def _():
+        for o in outs:
+            o[...] = jnp.zeros((rows,), F32)
+
+
+def _fp4_pairs_call(name, layer, ex, xe, xo, weights, *, n_exp, n_out, k, tokens, block, interpret, num_warps,
+                    num_stages):
+    """One launch, a pair a program: ex [P] each pair's expert, x's even / odd columns [T, C / 32, 16] (T: tokens,
+    or pairs), weights [(codes [R, C / 32, 16], scale bytes [R, C / 32])] of n_out rows an expert -> each weight's
+    products [P, n_out] f32."""
+    n_pairs, n_blk = ex.shape[0], xe.shape[1]
+    rows, nb = math.gcd(n_out, block[0]), math.gcd(n_blk, block[1])
+    steps, splits = n_blk // nb, 1
+    while n_pairs * (n_out // rows) * splits < PAIR_PROGRAMS and steps % (2 * splits) == 0:
+        splits *= 2
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    kw = dict(interpret=True) if interpret else dict(
+        compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
+    flat = [a for w in weights for a in w]
+    outs = pl.pallas_call(
+        functools.partial(_fp4_pair_kernel, n_exp=n_exp, n_out=n_out, k=k, rows=rows, nb=nb, chunks=steps // splits,
+                          tokens=tokens),
+        out_shape=[jax.ShapeDtypeStruct((splits, n_pairs, n_out), F32)] * len(weights),
+        grid=(n_pairs, n_out // rows, splits),
+        in_specs=[full(a) for a in (layer, ex, xe, xo, *flat)],
+        out_specs=[pl.BlockSpec((None, None, rows), lambda p, j, s: (s, p, j))] * len(weights), name=name, **kw,
+    )(layer, ex, xe, xo, *flat)
+    return [jnp.sum(o, axis=0) for o in outs]
+
+
+def _routed_experts_fp4_pairs(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer, interpret, num_warps,
+                              num_stages, up, down):
+    """routed_experts_fp4 a pair a program (see PAIR_UP): the pairs in (token, k) order, no sort."""
+    m, k = experts.shape
+    c1 = w1[0]
+    n_exp, n_inner, half_d = c1.shape[-3:]
+    d = 2 * half_d
+    layer, *ws = _fp4_flat(layer, w1, w2, w3)
+    blocks = lambda c, sc: (c.reshape(c.shape[0], -1, FP4_BLOCK // 2), sc)  # codes [R, C / 32, 16]
+    (c1f, s1f), (c2f, s2f), (c3f, s3f) = (blocks(*w) for w in ws)
+    ex = experts.reshape(-1).astype(jnp.int32)
+    split = lambda a: (a[:, 0::2].reshape(a.shape[0], -1, FP4_BLOCK // 2),  # even / odd columns [T, C / 32, 16]
+                       a[:, 1::2].reshape(a.shape[0], -1, FP4_BLOCK // 2))
+    common = dict(n_exp=n_exp, k=k, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    a1, a3 = _fp4_pairs_call("v4_experts_up_fp4_pairs", layer, ex, *split(x), [(c1f, s1f), (c3f, s3f)],
+                             n_out=n_inner, tokens=True, block=up, **common)
+    live = ((ex >= 0) & (ex < n_exp))[:, None]
+    h2 = w2_input(swiglu(a1, a3, limit), jnp.where(live, weights.reshape(-1, 1), 0.0)).astype(x.dtype)  # [P, I]
+    (y,) = _fp4_pairs_call("v4_experts_down_fp4_pairs", layer, ex, *split(h2), [(c2f, s2f)], n_out=d,
+                           tokens=False, block=down, **common)
+    return jnp.sum(y.reshape(m, k, d), axis=1)
+
+
 def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, layer=None, interpret=None,
-                       num_warps: int = 4, num_stages: int = 2, up=FP4_UP, down=FP4_DOWN):
+                       num_warps: int = 4, num_stages: int = 2, up=None, down=None, form: str = "auto"):
     """`routed_experts` for weights as the release stores them: each of w1, w2, w3 a pair (codes uint8 [..., O,
     C / 2], scales ue8m0 [..., O, C / 32]), read in place and decoded in registers, so a step reads ~0.53 byte a
     weight. The release's numerics: x comes rounded to FP8; w2's input is `w2_input(h, w)` (h the f32 SwiGLU
@@ -286,7 +391,10 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     PTX on four bytes a register) with each 32-column block's scale applied to its dot; 16 experts at one token
     0.176 against 0.268 (0.231 in PTX), 256 at one 0.268 against 0.260 (PTX), 16 at 32 tokens 0.542 against
     0.435 (PTX, 64 rows a program; 0.682 at 32). Fewer integer operations did not make one token faster: at
-    decode sizes these kernels wait on something other than the decode's arithmetic (455 GB/s at one token)."""
+    decode sizes these kernels wait on something other than the decode's arithmetic (455 GB/s at one token).
+    form: "experts" (a program an expert and a block of rows, the tokens in a dot tile), "pairs" (a program a
+    (token, expert) pair and a block of rows, no dot: see PAIR_UP), or "auto": pairs where the pairs (M * k) do not
+    outnumber the experts, the measured crossing (one token: 1.6x faster at 16 experts, 2.4x at 256)."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     c1 = w1[0]
@@ -295,6 +403,13 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     d = 2 * half_d
     if not fp4_supported(x, c1):
         raise ValueError(f"{m} tokens (at most {MAX_TOKENS}), FP4 expert codes {c1.shape}: not for these kernels")
+    if form not in ("auto", "pairs", "experts"):
+        raise ValueError(f"form must be 'auto', 'pairs' or 'experts', got {form!r}")
+    if form == "pairs" or (form == "auto" and m * k <= n_exp):
+        return _routed_experts_fp4_pairs(x, weights, experts, w1, w2, w3, limit, w2_input, layer=layer,
+                                         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                                         up=up or PAIR_UP, down=down or PAIR_DOWN)
+    up, down = up or FP4_UP, down or FP4_DOWN
     ur, ucb = _pow2_block(n_inner, up[0]), _pow2_block(half_d, up[1] // 2)
     dr, dcb = _pow2_block(d, down[0]), _pow2_block(n_inner // 2, down[1] // 2)
     tb = max(16, next_pow2(m))

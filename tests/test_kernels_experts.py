@@ -2,6 +2,7 @@
 gather form, and their Triton lowering from this CPU machine (tests/test_engine_pallas.py checks that the engine's
 Pallas ops table runs them and keeps the XLA table's greedy outputs)."""
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -111,9 +112,30 @@ def test_fp4_matches_the_release_numerics(M, k, E, I, D, layer):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
+def test_fp4_pairs_match_the_release_numerics():
+    """A program a (token, expert) pair: one layer of a stack, a pair of no expert (-1: another shard's expert) that
+    adds nothing, the release's rounding of w2's input; the same outputs as the expert-a-program form."""
+    x, weights, ex, w1, w2, w3 = _fp4_case(2, 2, 8, 64, 128, stack=2)
+    ex = ex.at[0, 1].set(-1)
+    run = lambda form: jax.jit(lambda x, wt, ex, a, b, c, i: X.routed_experts_fp4(
+        x, wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0, _w2_input, layer=i,
+        interpret=True, form=form))(x, weights, ex, w1, w2, w3, 1)
+    got = run("pairs")
+    ref = L.routed_experts(x, jnp.where(ex >= 0, weights, 0.0), jnp.maximum(ex, 0), w1[1], w2[1], w3[1], 10.0,
+                           "gather", act_quant=True)
+    scale = float(jnp.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(run("experts")), rtol=1e-5, atol=1e-5 * scale)
+
+
 def test_fp4_lowers_for_gpu():
-    x, weights, ex, w1, w2, w3 = _fp4_case(2, 2, 4, 64, 128)
-    txt = _compat.lower_for_cuda(lambda x, wt, ex, a, b, c: X.routed_experts_fp4(
-        x.astype(jnp.bfloat16), wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0,
-        _w2_input, interpret=False), x, weights, ex, w1, w2, w3)
-    assert txt.count("v4_experts_up_fp4") >= 1 and txt.count("v4_experts_down_fp4") >= 1
+    """Both forms lower to Triton; a pair a program where the pairs do not outnumber the experts, else an expert a
+    program."""
+    def kernels(M, k, E):
+        x, weights, ex, w1, w2, w3 = _fp4_case(M, k, E, 64, 128)
+        txt = _compat.lower_for_cuda(lambda x, wt, ex, a, b, c: X.routed_experts_fp4(
+            x.astype(jnp.bfloat16), wt, ex, (a.values, a.scale), (b.values, b.scale), (c.values, c.scale), 10.0,
+            _w2_input, interpret=False), x, weights, ex, w1, w2, w3)
+        return set(re.findall(r"v4_experts_\w+", txt))
+    assert kernels(2, 2, 4) == {"v4_experts_up_fp4_pairs", "v4_experts_down_fp4_pairs"}
+    assert kernels(3, 2, 4) == {"v4_experts_up_fp4", "v4_experts_down_fp4"}

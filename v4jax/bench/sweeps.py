@@ -27,6 +27,8 @@ is reported, not fatal.
                                                                                  -> OUT/kv_formats.json
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
+  --sweep fp4_experts         the FP4 routed experts a program an expert (dots) against a program a pair (token,
+                              expert; no dot), over blocks and warps, at 1 / 4 / 32 tokens -> OUT/fp4_experts.json
 
 `--small` (tune, layer_linear, fused_projections, hc_post, kv_formats, attention_prefill): tiny
 shapes in interpret mode on a CPU, to check the code end to end; the numbers mean nothing there.
@@ -937,10 +939,60 @@ def kv_formats(a, out_dir: str) -> int:
     return 0 if all("error" not in r and r["same_inf"] for r in rows_out) else 1
 
 
+def fp4_experts(a, out_dir: str) -> int:
+    """The FP4 routed experts' two forms at decode sizes (Flash: D 4096, I 2048, 6 active; E = 16 and 256, M = 1,
+    4 and 32), device time a call from a profiler trace: a program an expert and a block of rows (tensor-core
+    dots over the expert's tokens) against a program a pair (token, expert) and a block of rows (multiply-and-sum,
+    no dot) over block sizes and warps. Random codes and scales (no quantization: the 256-expert stacks fit an
+    H100). GB/s = the codes and scales of each pair's expert once (a pair form rereads an expert two tokens
+    share)."""
+    from pallas_kernels import experts as X
+    from v4jax.bench.profile import summarize
+    from v4jax.model import quant
+
+    rows, k, I, D = [], 6, 2048, 4096
+    w2_input = lambda h, w: quant.fp8_roundtrip((h * w).astype(BF16), 128)
+    forms = [("experts", dict(form="experts"))] + [
+        (f"pairs {r}x{nb} w{nw}", dict(form="pairs", up=(r, nb), down=(r, nb), num_warps=nw))
+        for r, nb, nw in [(32, 8, 4), (16, 8, 4), (64, 8, 8)]]
+    for E in (16, 256):
+        ks = jax.random.split(jax.random.key(E), 4)
+        codes = lambda kk, o, c: jax.random.bits(kk, (E, o, c // 2), jnp.uint8)
+        scales = lambda o, c: jnp.full((E, o, c // 32), 127 - 6, jnp.uint8).view(jnp.float8_e8m0fnu)
+        w1, w3 = ((codes(kk, I, D), scales(I, D)) for kk in ks[:2])
+        w2 = (codes(ks[2], D, I), scales(D, I))
+        for M in (1, 4, 32):
+            kx, kw, ke = jax.random.split(jax.random.fold_in(ks[3], M), 3)
+            x = quant.fp8_roundtrip(jax.random.normal(kx, (M, D), jnp.float32), 128).astype(BF16)
+            ex = jax.vmap(lambda kk: jax.random.permutation(kk, E)[:k])(jax.random.split(ke, M)).astype(jnp.int32)
+            wt = jax.random.uniform(kw, (M, k))
+            gb = len(set(np.asarray(ex).reshape(-1).tolist())) * 3 * I * D * (0.5 + 1 / 32) / 1e9
+            ref = None
+            for name, kw_ in forms:
+                f = jax.jit(functools.partial(X.routed_experts_fp4, limit=10.0, w2_input=w2_input, **kw_))
+                try:
+                    out = jax.block_until_ready(f(x, wt, ex, w1, w2, w3))
+                    s = summarize(lambda: jax.block_until_ready(f(x, wt, ex, w1, w2, w3)), repeats=5, top=4)
+                except Exception as e:  # noqa: BLE001 - a block shape Triton refuses: say so, go on
+                    rows.append(dict(E=E, M=M, form=name, error=str(e)[:300]))
+                    print(f"E={E} M={M} {name}: {str(e)[:300]}", flush=True)
+                    continue
+                ref = out if ref is None else ref
+                diff = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+                ms = s.get("kernel_ms", float("nan"))
+                rows.append(dict(E=E, M=M, form=name, kernel_ms=ms, gbps=gb / ms * 1e3, top=s.get("top"),
+                                 max_rel_diff_vs_experts=diff))
+                print(f"E={E} M={M} {name}: {ms:.4f} ms, {gb / ms * 1e3:.0f} GB/s, vs experts form {diff:.1e}",
+                      flush=True)
+    with open(os.path.join(out_dir, "fp4_experts.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
-          "stored_weights": stored_weights, "kv_formats": kv_formats}
+          "stored_weights": stored_weights, "kv_formats": kv_formats, "fp4_experts": fp4_experts}
 # the sweeps with a --small form
 SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats",
                 "attention_prefill")
