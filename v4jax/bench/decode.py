@@ -113,9 +113,13 @@ def _mb(b: float) -> str:
 def markdown(data: dict) -> str:
     bw = data.get("bandwidth", {})
     hf = {(h["batch"], h["context"]): h for h in data.get("hf", [])}
+    stored = ("" if data.get("quantization", "none") == "none"
+              else " in bf16, kept as the release stores them (FP8 linears, FP4 experts)")
+    entries = "" if data.get("kv_cache_dtype", "auto") == "auto" else f", {data['kv_cache_dtype']} cache entries"
     lines = [
         f"Device: {data.get('device')}; JAX {data.get('jax')}; config `{data.get('config_name')}` "
-        f"({data.get('weights_gb', 0):.2f} GB of weights, bf16, random, no MTP); k = {data.get('k')} steps per call.",
+        f"({data.get('weights_gb', 0):.2f} GB of weights{stored or ', bf16'}{entries}, random, no MTP); "
+        f"k = {data.get('k')} steps per call.",
         f"HBM bandwidth (device copy, read + write): {_f(bw.get('copy_GBps'), '{:.0f}')} GB/s "
         f"(read-only reduction: {_f(bw.get('read_GBps'), '{:.0f}')} GB/s).",
         "Pools synthetically filled (random entries written into the pool arrays, page tables set to hold the "
