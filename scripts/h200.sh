@@ -891,8 +891,8 @@ launch__shared_mem_per_block_dynamic,sm__pipe_tensor_op_hmma_cycles_active.avg.p
     echo "$name rc=$?"; grep -E "^  [a-z_]+.*\(|gpu__time|registers|local_op|global_op|dram__bytes|Stall|warps_active|hmma" \
       "$out/ncu_$name.txt" | head -60
   }
-  # NCU="attention indexer experts_fp4" picks (default: the first two); experts_fp4: the FP4 experts kernels of the
-  # stored-weights sweep's first case (16 experts, one token), whose 455 GB/s is not set by their decode arithmetic
+  # NCU="attention indexer experts_fp4" picks (default: the first two); experts_fp4: the FP4 experts kernels at 16
+  # experts and one token in the form routed_experts_fp4 picks there (FP4_FORM=experts: the expert-a-program form)
   for what in ${NCU:-attention indexer}; do
     case $what in
       attention) ncu_run attention "sparse" 4 --tune --only attention --harness trace --repeats 1 \
@@ -903,6 +903,7 @@ launch__shared_mem_per_block_dynamic,sm__pipe_tensor_op_hmma_cycles_active.avg.p
         timeout 200 ncu --clock-control none -k "regex:experts_(up|down)_fp4" --launch-count 2 --metrics "$metrics" \
           --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats python3 -W ignore - \
           > "$out/ncu_experts_fp4.txt" 2>&1 <<'EOF'
+import os
 import jax
 from pallas_kernels import experts as X
 from v4jax.bench.sweeps import experts_case
@@ -910,7 +911,8 @@ from v4jax.model import quant
 x, wt, ex, w1, w2, w3 = experts_case(1, 6, 16, 2048, 4096)
 st = [quant.quantize(w, "fp4") for w in (w1, w2, w3)]
 f = jax.jit(lambda x, wt, ex, a1, a2, a3: X.routed_experts_fp4(
-    x, wt, ex, a1, a2, a3, 10.0, lambda h, w: quant.fp8_roundtrip((h * w).astype(jax.numpy.bfloat16), 128)))
+    x, wt, ex, a1, a2, a3, 10.0, lambda h, w: quant.fp8_roundtrip((h * w).astype(jax.numpy.bfloat16), 128),
+    form=os.environ.get("FP4_FORM", "auto")))
 for _ in range(3):
     jax.block_until_ready(f(quant.fp8_roundtrip(x, 128), wt, ex, *st))
 EOF
