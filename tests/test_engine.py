@@ -5,6 +5,7 @@ import itertools
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -265,6 +266,36 @@ def test_top_k_one_is_greedy(tiny_llm):
     assert g == k1
 
 
+def test_min_p_one_is_greedy(tiny_llm):
+    """min_p = 1 keeps only the most likely token; min_p = 0 changes nothing against the same seed without it."""
+    p = [5, 6, 7, 8]
+    g = tiny_llm.generate([p], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+    sp = dict(max_tokens=10, temperature=1.5, seed=3, ignore_eos=True)
+    assert tiny_llm.generate([p], SamplingParams(min_p=1.0, **sp))[0].token_ids == g
+    free = tiny_llm.generate([p], SamplingParams(**sp))[0].token_ids
+    assert free != g  # at temperature 1.5 this seed leaves the greedy path: the test above can fail
+    assert tiny_llm.generate([p], SamplingParams(min_p=0.0, **sp))[0].token_ids == free
+
+
+def test_min_p_cuts_below_its_share_of_the_top():
+    """vLLM's rule: a token survives if its probability (after temperature) is at least min_p times the most
+    likely one's; the survivors keep their relative odds, and top-k / top-p apply after it."""
+    from v4jax.engine.sampling import filtered_probs, sample
+    logits = jnp.log(jnp.array([[0.1, 1.0, 0.4, 0.6]], jnp.float32))
+    one = lambda v, dt=jnp.float32: jnp.array([v], dt)
+    probs = filtered_probs(logits, one(1.0), one(1.0), one(0, jnp.int32), one(0.5))
+    np.testing.assert_allclose(np.asarray(probs[0]), [0, 1 / 1.6, 0, 0.6 / 1.6], rtol=1e-6)
+    probs = filtered_probs(logits, one(2.0), one(1.0), one(0, jnp.int32), one(0.5))  # after temperature:
+    np.testing.assert_allclose(np.asarray(probs[0]) > 0, [False, True, True, True])  # sqrt(0.4) > 0.5
+    probs = filtered_probs(logits, one(1.0), one(0.4), one(0, jnp.int32), one(0.0))
+    np.testing.assert_allclose(np.asarray(probs[0]), [0, 1, 0, 0])  # top-p alone, unchanged by min_p = 0
+    n = 256
+    draw = lambda mp: np.asarray(sample(jnp.repeat(logits, n, 0), jnp.ones(n), jnp.ones(n), jnp.zeros(n, jnp.int32),
+                                        jnp.full(n, mp), jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32),
+                                        jnp.arange(n, dtype=jnp.int32), True)[0])
+    assert set(draw(0.5).tolist()) == {1, 3} and set(draw(0.0).tolist()) == {0, 1, 2, 3}
+
+
 def test_stream_events_concatenate_to_result(tiny_llm):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
     sp = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
@@ -299,7 +330,8 @@ def test_context_limit(tiny_llm):
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
-                                    dict(top_k=-2), dict(temperature=float("nan"))])
+                                    dict(top_k=-2), dict(temperature=float("nan")), dict(min_p=-0.1),
+                                    dict(min_p=1.5)])
 def test_impossible_sampling_params(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)

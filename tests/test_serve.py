@@ -189,6 +189,15 @@ def test_greedy_completion_equals_llm_generate(served, client):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_min_p_reaches_the_sampler(served, client):
+    """vLLM's `min_p` (an extra field): at 1 only the most likely token survives, so a hot, seeded sample is the
+    greedy text; without it the same seed's text differs (so the first assertion can fail)."""
+    ask = lambda **extra: client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                    temperature=2.0, seed=5, extra_body=extra).choices[0].text
+    assert ask(min_p=1.0) == served.refs[0].text
+    assert ask() != served.refs[0].text
+
+
 def test_streamed_completion_with_usage(served, client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -405,6 +414,9 @@ MALFORMED = [  # (path, body: dict | bytes, headers, status, param)
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, {}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": -1}, {}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, {}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, {}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, {}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, {}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "ignore_eos": 1}, {}, 400, "ignore_eos"),
     ("/v1/completions", {"prompt": LONG}, {}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, {}, 404, "model"),

@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=sp.temperature, help="sampling temperature; 0 = greedy")
     g.add_argument("--top-p", type=float, default=sp.top_p, help="nucleus sampling mass in (0, 1]; 1 = off")
     g.add_argument("--top-k", type=int, default=sp.top_k, help="sample among the k most likely tokens; 0 = off")
+    g.add_argument("--min-p", type=float, default=sp.min_p, help="never sample a token less likely than this "
+                   "fraction of the most likely one; 0 = off")
     g.add_argument("--seed", type=int, default=sp.seed, help="sampling seed (default: a fresh random seed)")
     g.add_argument("--stop-token-ids", type=_int_list, default=None, metavar="IDS",
                    help="comma-separated token ids that end a request (default: none; EOS always does)")
@@ -289,7 +291,7 @@ def _generate(args) -> int:
 
     # Everything that can be checked without the model is checked first: bad flags fail at once.
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, stop_token_ids=args.stop_token_ids or (),
+                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_token_ids=args.stop_token_ids or (),
                         ignore_eos=args.ignore_eos)
     if args.model is not None and args.model not in PRESETS and not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r} is neither a checkpoint directory nor a preset "

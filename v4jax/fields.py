@@ -58,6 +58,7 @@ RULES: dict[str, Rule] = {
     "temperature": Float(0, FLOAT32_MAX),
     "top_p": Float(0, 1, lo_open=True),
     "top_k": Int(-1, note="(0 or -1 = off)"),
+    "min_p": Float(0, 1, note="(0 = off)"),
     "seed": Int(INT32_MIN, optional=True, note="(seeds are int32 on device)"),
     "stop_token_ids[]": Int(0),
     "logprobs": BOOL,

@@ -353,7 +353,7 @@ class JaxDecodeBench:
         state = S.DecodeState(z(), np.full(s, held, np.int32), np.ones(s, bool), np.full(s, 1 << 20, np.int32),
                               np.full((s, S.MAX_STOP), -1, np.int32),
                               S.SamplingState(z(np.float32), np.ones(s, np.float32), z(), np.arange(s, dtype=np.int32),
-                                              np.arange(s, dtype=np.int32), z()))
+                                              np.arange(s, dtype=np.int32), z(), z(np.float32)))
         state = eng.steps.carry(state, state, z(bool))
         return (state, *eng.kv.decode_tables(eng._page_bucket(held + self.k)))
 

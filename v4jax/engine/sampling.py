@@ -45,12 +45,16 @@ class SamplingParams:
     # with logprobs: the N most likely tokens at each generated position and their log-probs (0..MAX_TOP_LOGPROBS;
     # vLLM's `logprobs=N`, OpenAI's `top_logprobs`), log-softmax of the raw logits like the chosen token's
     top_logprobs: int = 0
+    # vLLM's min-p: tokens whose probability (after temperature) is below min_p times the most likely one's are
+    # never drawn; applied before top-k and top-p, as vLLM does (0 = off)
+    min_p: float = 0.0
 
     def __post_init__(self):
         # Every check runs here, at construction, by the rule table (v4jax.fields: int32 bounds, finite floats,
         # real bools): a bad value never reaches the engine (where it would fail late, e.g. as an int32 overflow
         # on its thread) or gets silently coerced (a string of digits, a float token id).
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos", "top_logprobs"):
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos", "top_logprobs",
+                     "min_p"):
             object.__setattr__(self, name, check_field(name, getattr(self, name)))
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=True")
@@ -68,9 +72,9 @@ def request_key(seed, request_index, token_index):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), request_index), token_index)
 
 
-def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index, any_sampled: bool,
+def sample(logits, temperature, top_p, top_k, min_p, seeds, request_index, token_index, any_sampled: bool,
            n_top: int = 0):
-    """One token per row. logits [B, V] f32; temperature/top_p [B] f32, top_k [B] int32 (0 = off),
+    """One token per row. logits [B, V] f32; temperature/top_p/min_p [B] f32, top_k [B] int32 (0 = off),
     seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B] f32, top_ids [B, n_top]
     int32, top_logprobs [B, n_top] f32), logprobs being log-softmax of the raw logits at the chosen token and the
     top pair the n_top most likely tokens by the same log-softmax (ties: lower index first). temperature == 0 is
@@ -89,7 +93,7 @@ def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index,
         scaled = sorted_logits / jnp.maximum(temperature, 1e-6)[:, None]
         rank = jnp.arange(v)[None, :]
         k = jnp.where(top_k > 0, top_k, v)[:, None]
-        keep = rank < k
+        keep = (rank < k) & _above_min_p(scaled, min_p)
         probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
         cum_before = jnp.cumsum(probs, axis=-1) - probs
         keep = keep & (cum_before < top_p[:, None])  # the smallest prefix whose mass reaches top_p
@@ -105,14 +109,21 @@ def sample(logits, temperature, top_p, top_k, seeds, request_index, token_index,
     return tokens, logprobs, top_ids, top_logprobs
 
 
-def filtered_probs(logits, temperature, top_p, top_k):
-    """The distribution `sample` draws a row's token from: logits [B, V] f32 scaled by temperature, cut to top-k,
-    then to the smallest prefix whose mass reaches top_p (ties: the lower index first). Returns [B, V] f32 in
-    vocabulary order. Rows with temperature 0 get a near one-hot of the argmax (unused: they are greedy)."""
+def _above_min_p(scaled_sorted, min_p):
+    """[B, V] bool: the tokens (sorted, most likely first) whose probability is at least min_p [B] times the most
+    likely one's: p / p_max = exp(s - s_max), so compared in logits (min_p 0: log 0 = -inf keeps every token)."""
+    return scaled_sorted >= scaled_sorted[:, :1] + jnp.log(min_p)[:, None]
+
+
+def filtered_probs(logits, temperature, top_p, top_k, min_p):
+    """The distribution `sample` draws a row's token from: logits [B, V] f32 scaled by temperature, cut by min-p
+    and to top-k, then to the smallest prefix whose mass reaches top_p (ties: the lower index first). Returns
+    [B, V] f32 in vocabulary order. Rows with temperature 0 get a near one-hot of the argmax (unused: they are
+    greedy)."""
     b, v = logits.shape
     order = jnp.argsort(-logits, axis=-1, stable=True)
     scaled = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperature, 1e-6)[:, None]
-    keep = jnp.arange(v)[None, :] < jnp.where(top_k > 0, top_k, v)[:, None]
+    keep = (jnp.arange(v)[None, :] < jnp.where(top_k > 0, top_k, v)[:, None]) & _above_min_p(scaled, min_p)
     probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
     keep = keep & (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None])
     probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)

@@ -184,7 +184,7 @@ def proposal(logits, sm, keys, sampled: bool):
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampled:
         return greedy, None
-    q = filtered_probs(logits, sm.temperature, sm.top_p, sm.top_k)
+    q = filtered_probs(logits, sm.temperature, sm.top_p, sm.top_k, sm.min_p)
     drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
     return jnp.where(sm.temperature > 0, drawn, greedy), q
 

@@ -97,6 +97,7 @@ class SamplingState:
     seed: jax.Array  # int32
     sample_index: jax.Array  # int32, the request's position in its batch (part of the sampling key)
     token_index: jax.Array  # int32, index of the token to be sampled next
+    min_p: jax.Array  # f32, 0 = off
 
 
 @jax.tree_util.register_dataclass
@@ -203,7 +204,7 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     if ends is not None:
         rows = _boundary_rows(spec, ends.reshape(-1), ends.reshape(-1) >= 0, jnp.repeat(swa_table, ends.shape[1], 0))
         store, pools = save_recorded_boundaries(store, pools, rows.reshape(ends.shape))
-    tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.seed,
+    tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.min_p, samp.seed,
                                       samp.sample_index, samp.token_index, spec.any_sampled, spec.top_logprobs)
     if drafter is not None:
         pools = drafter.prefill(model, spec.cfg, spec.layout, pools, streams, taps, batch, tok, page_table, swa_table,
@@ -263,8 +264,8 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         if spec.save_boundaries:
             store = save_boundary_states(store, pools, None, _boundary_rows(spec, st.pos + 1, st.active, swa_table))
         sm = st.sampling
-        nxt, lp, top_ids, top_lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.seed, sm.sample_index,
-                                          sm.token_index, spec.any_sampled, spec.top_logprobs)
+        nxt, lp, top_ids, top_lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.min_p, sm.seed,
+                                          sm.sample_index, sm.token_index, spec.any_sampled, spec.top_logprobs)
         out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
                            logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
                            stopped=out.stopped | (st.active & jnp.any(nxt[:, None] == st.stop_ids, axis=-1)),
@@ -332,7 +333,7 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         n_acc = jnp.sum(jnp.cumprod(drafts == target[:, :d], axis=1), axis=1)
         if spec.any_sampled:  # sampled rows: the rejection rule
             keys = SP.token_keys(sm, d + 1)
-            p = jax.vmap(lambda lg: filtered_probs(lg, sm.temperature, sm.top_p, sm.top_k), 1, 1)(logits)
+            p = jax.vmap(lambda lg: filtered_probs(lg, sm.temperature, sm.top_p, sm.top_k, sm.min_p), 1, 1)(logits)
             u = jax.vmap(jax.vmap(jax.random.uniform))(SP.purpose(keys[:, :d], 2))
             n_smp, t_smp = SP.accept_sampled(p, q, drafts, u, SP.purpose(keys, 3))
             n_acc = jnp.where(greedy, n_acc, n_smp)

@@ -122,10 +122,12 @@ def _unsupported(body: dict) -> None:
     """OpenAI fields this server does not implement: refused when set to anything but their neutral value."""
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "'suffix' is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
+    # vLLM's sampling extras that would change the tokens: refused unless neutral, never silently ignored
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                          ("min_tokens", 0)):
         v = body.get(name)
-        if v not in (None, 0, 0.0) or isinstance(v, bool):
-            raise bad(name, f"'{name}' is not supported (only 0)")
+        if (v is not None and v != neutral) or isinstance(v, bool):
+            raise bad(name, f"'{name}' is not supported (only {neutral})")
     if body.get("logit_bias"):
         raise bad("logit_bias", "'logit_bias' is not supported")
     if body.get("tools"):
@@ -167,6 +169,7 @@ def _sampling(body: dict, max_tokens: int, *, logprobs: int | None) -> SamplingP
         raise bad("stop_token_ids", "'stop_token_ids' must be a list of token ids", "invalid_type")
     kw = dict(max_tokens=max_tokens, temperature=get_number(body, "temperature", 1.0),
               top_p=get_number(body, "top_p", 1.0), top_k=get_int(body, "top_k", 0),
+              min_p=get_number(body, "min_p", 0.0),
               seed=get_int(body, "seed", None), stop_token_ids=stop_ids or (), logprobs=logprobs is not None,
               top_logprobs=logprobs or 0, ignore_eos=get_bool(body, "ignore_eos", False))
     try:
