@@ -36,7 +36,7 @@ def main() -> None:
     rb, s = 1, core.layout.max_slots
     pt, swa = core.kv.prefill_tables([], rb, a.pages)
     z = lambda dt=np.int32: np.zeros(rb, dt)  # noqa: E731
-    samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z(), z(np.float32))
+    samp = S.SamplingState.neutral(rb)
     batch = S.PrefillBatch(np.zeros((rb, a.chunk), np.int32), z(), z(), z(bool), np.full(rb, s, np.int32))
     lowerings = {
         "prefill": lambda: core.steps.prefill.lower(core.greedy_spec, core._leaves, core.pools, core.store, batch, pt,

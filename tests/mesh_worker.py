@@ -221,11 +221,10 @@ def tpu_export(meshes, source="tiny"):
         mr, s, b, t = eng.run_options.mesh_rules, eng.layout.max_slots, 2, CONTEXT_OPTIONS["prefill_chunk"]
         z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
         state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
-                              S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s),
-                                              z(s, np.float32)))
+                              S.SamplingState.neutral(s))
         batch = S.PrefillBatch(np.zeros((b, t), np.int32), z(b), np.full((b,), t, np.int32), np.ones((b,), bool),
                                np.arange(b, dtype=np.int32))
-        samp = S.SamplingState(z(b, np.float32), np.ones((b,), np.float32), z(b), z(b), z(b), z(b), z(b, np.float32))
+        samp = S.SamplingState.neutral(b)
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", mr.replicated)), tree)
         common = (eng._leaves, eng.pools, eng.store)

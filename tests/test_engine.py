@@ -290,10 +290,30 @@ def test_min_p_cuts_below_its_share_of_the_top():
     probs = filtered_probs(logits, one(1.0), one(0.4), one(0, jnp.int32), one(0.0))
     np.testing.assert_allclose(np.asarray(probs[0]), [0, 1, 0, 0])  # top-p alone, unchanged by min_p = 0
     n = 256
+    no_bias = (jnp.full((n, 1), -1, jnp.int32), jnp.zeros((n, 1)))
     draw = lambda mp: np.asarray(sample(jnp.repeat(logits, n, 0), jnp.ones(n), jnp.ones(n), jnp.zeros(n, jnp.int32),
-                                        jnp.full(n, mp), jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32),
+                                        jnp.full(n, mp), *no_bias, jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32),
                                         jnp.arange(n, dtype=jnp.int32), True)[0])
     assert set(draw(0.5).tolist()) == {1, 3} and set(draw(0.0).tolist()) == {0, 1, 2, 3}
+
+
+def test_logit_bias_steers_the_choice_not_the_logprobs(tiny_llm):
+    """A +100 bias makes its token the greedy choice at every step, a -100 one bans the greedy token; the log-probs
+    reported stay those of the raw logits (the teacher-forced forward's)."""
+    p = [5, 6, 7, 8]
+    base = dict(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    g = tiny_llm.generate([p], SamplingParams(**base))[0]
+    forced = 17 if g.token_ids[0] != 17 else 18
+    out = tiny_llm.generate([p], SamplingParams(logit_bias={forced: 100.0}, **base))[0]
+    assert out.token_ids == [forced] * 6
+    raw = jax.nn.log_softmax(jnp.asarray(tiny_llm.logits(p + [forced] * 5)[len(p) - 1:]), axis=-1)
+    np.testing.assert_allclose(out.logprobs, np.asarray(raw[np.arange(6), forced]), atol=1e-4)
+    banned = tiny_llm.generate([p], SamplingParams(logit_bias={g.token_ids[0]: -100.0}, **base))[0]
+    assert banned.token_ids[0] != g.token_ids[0]
+    hot = dict(max_tokens=6, temperature=1.0, seed=4, ignore_eos=True)  # sampled rows too
+    assert tiny_llm.generate([p], SamplingParams(logit_bias={forced: 100.0}, **hot))[0].token_ids == [forced] * 6
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_llm.generate([p], SamplingParams(logit_bias={10**6: 1.0}))
 
 
 def test_stream_events_concatenate_to_result(tiny_llm):
@@ -331,7 +351,9 @@ def test_context_limit(tiny_llm):
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
                                     dict(top_k=-2), dict(temperature=float("nan")), dict(min_p=-0.1),
-                                    dict(min_p=1.5)])
+                                    dict(min_p=1.5), dict(logit_bias={3: 101.0}), dict(logit_bias={-1: 1.0}),
+                                    dict(logit_bias={3: float("inf")}), dict(logit_bias={3: "1"}),
+                                    dict(logit_bias={t: 1.0 for t in range(129)}), dict(logit_bias=[(3, 1.0), (3, 2.0)])])
 def test_impossible_sampling_params(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)

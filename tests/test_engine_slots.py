@@ -133,7 +133,7 @@ def test_the_call_updates_the_pools_in_place(llm4):
         return np.zeros((s,), dt)
 
     state = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
-                          S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n(), n(np.float32)))
+                          S.SamplingState.neutral(s))
     state = eng.steps.carry(state, state, n(bool))
     donated = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((eng.pools, eng.store)))
     for rows in eng._slot_buckets():

@@ -198,6 +198,13 @@ def test_min_p_reaches_the_sampler(served, client):
     assert ask() != served.refs[0].text
 
 
+def test_logit_bias_reaches_the_sampler(served, client):
+    """OpenAI's `logit_bias` (ids as strings): +100 on one token makes it every token of a greedy completion."""
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  logit_bias={"17": 100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [17] * 4
+
+
 def test_streamed_completion_with_usage(served, client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -417,6 +424,10 @@ MALFORMED = [  # (path, body: dict | bytes, headers, status, param)
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, {}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 4}, {}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, {}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 150}}, {}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, {}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [5]}, {}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, {}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "ignore_eos": 1}, {}, 400, "ignore_eos"),
     ("/v1/completions", {"prompt": LONG}, {}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, {}, 404, "model"),

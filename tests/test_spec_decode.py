@@ -149,6 +149,21 @@ def test_greedy_with_mtp_drafts_equals_plain_greedy(k):
 
 
 @pytest.mark.slow
+def test_logit_bias_in_the_verify_step():
+    """A +100 logit bias decides the verified tokens as it decides plain decoding's: every token is the biased one,
+    greedy and sampled, with the drafts accepted (the drafter proposes with the same bias); log-probs raw."""
+    llm = _spec_llm(3)
+    (p,) = _prompts(LENS[:1], llm.config.vocab_size)
+    for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 2}):
+        sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True, logit_bias={7: 100.0}, **extra)
+        (o,) = llm.generate([p], sp)
+        assert o.token_ids == [7] * 12
+        raw = _log_softmax(llm.logits(p + [7] * 11)[len(p) - 1:])
+        np.testing.assert_allclose(o.logprobs, raw[np.arange(12), 7], atol=1e-4)
+    assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
 def test_sampled_seeded_reproducible():
     """A seeded sampled request (the rejection rule) gives the same tokens again, beside a greedy one whose tokens
     stay the teacher-forced ones."""

@@ -19,6 +19,8 @@ import numpy as np
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # floats the engine holds are float32
+# Tokens one request may bias (`logit_bias`): the engine holds each row's as a fixed [MAX_LOGIT_BIAS] table
+MAX_LOGIT_BIAS = 128
 # Most likely alternatives returned per token (vLLM's default max_logprobs, OpenAI's chat limit): the engine's
 # top-N program computes this many on device and each request takes its own N of them.
 MAX_TOP_LOGPROBS = 20
@@ -59,6 +61,7 @@ RULES: dict[str, Rule] = {
     "top_p": Float(0, 1, lo_open=True),
     "top_k": Int(-1, note="(0 or -1 = off)"),
     "min_p": Float(0, 1, note="(0 = off)"),
+    "logit_bias[]": Float(-100, 100),  # OpenAI's range; the ids: "stop_token_ids[]"'s rule
     "seed": Int(INT32_MIN, optional=True, note="(seeds are int32 on device)"),
     "stop_token_ids[]": Int(0),
     "logprobs": BOOL,

@@ -352,8 +352,8 @@ class JaxDecodeBench:
         z = lambda dt=np.int32: np.zeros(s, dt)
         state = S.DecodeState(z(), np.full(s, held, np.int32), np.ones(s, bool), np.full(s, 1 << 20, np.int32),
                               np.full((s, S.MAX_STOP), -1, np.int32),
-                              S.SamplingState(z(np.float32), np.ones(s, np.float32), z(), np.arange(s, dtype=np.int32),
-                                              np.arange(s, dtype=np.int32), z(), z(np.float32)))
+                              dataclasses.replace(S.SamplingState.neutral(s), seed=np.arange(s, dtype=np.int32),
+                                                  sample_index=np.arange(s, dtype=np.int32)))
         state = eng.steps.carry(state, state, z(bool))
         return (state, *eng.kv.decode_tables(eng._page_bucket(held + self.k)))
 

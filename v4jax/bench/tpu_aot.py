@@ -139,10 +139,9 @@ def engine_steps(eng, chunk: int) -> dict:
     s = eng.layout.max_slots
     z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
     state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
-                          S.SamplingState(z(s, np.float32), np.ones((s,), np.float32), z(s), z(s), z(s), z(s),
-                                          z(s, np.float32)))
+                          S.SamplingState.neutral(s))
     pt, swa = eng.kv.decode_tables(2)
-    samp = S.SamplingState(z(1, np.float32), np.ones((1,), np.float32), z(1), z(1), z(1), z(1), z(1, np.float32))
+    samp = S.SamplingState.neutral(1)
     batch = S.PrefillBatch(np.zeros((1, chunk), np.int32), z(1), z(1), z(1, bool), z(1))
     return {
         "decode": (functools.partial(S._decode, eng.spec),
@@ -234,9 +233,8 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
                       context, False)
     rep = mr.replicated
     A = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
-    i32, f32 = jnp.int32, jnp.float32
-    samp = lambda n: S.SamplingState(A((n,), f32), A((n,), f32), A((n,), i32), A((n,), i32), A((n,), i32),  # noqa
-                                     A((n,), i32), A((n,), f32))
+    i32 = jnp.int32
+    samp = lambda n: jax.tree.map(lambda a: A(a.shape, a.dtype), S.SamplingState.neutral(n))  # noqa: E731
     state = S.DecodeState(A((slots,), i32), A((slots,), i32), A((slots,), jnp.bool_), A((slots,), i32),
                           A((slots, S.MAX_STOP), i32), samp(slots))
     batch = S.PrefillBatch(A((1, chunk), i32), A((1,), i32), A((1,), i32), A((1,), jnp.bool_), A((1,), i32))

@@ -10,7 +10,8 @@ wherever it enters. The rules:
 - prompt + max_tokens <= max_model_len;
 - (paged) the pages of prompt + max_tokens fit the pages a request can use: those of its own data shard (a slot
   maps pages of its shard only, v4jax.cache.pages.PageTables), i.e. the pool's pages / the mesh's `data` size;
-- the stop ids (stop_token_ids, plus EOS unless ignore_eos) fit the decode step's table of `steps.MAX_STOP`."""
+- the stop ids (stop_token_ids, plus EOS unless ignore_eos) fit the decode step's table of `steps.MAX_STOP`;
+- the logit_bias ids are inside the vocabulary."""
 from __future__ import annotations
 
 import dataclasses
@@ -75,6 +76,10 @@ class RequestCheck:
         """Raise RequestError (a ValueError) for a request that could never run; thread-safe (reads only)."""
         ids = prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
         check_prompt_ids(ids, self.vocab_size)
+        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise RequestError(f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                               "logit_bias")
         self.check_size(len(ids), params)
 
     def check_size(self, n: int, params: SamplingParams) -> None:

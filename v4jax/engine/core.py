@@ -370,8 +370,8 @@ class EngineCore:
         sch = self.scheduler
         s = self.layout.max_slots
         z = lambda dt=np.int32: np.zeros(s, dt)
-        tokens, pos, rem, temp, top_k, seed, sidx, tidx = z(), z(), z(), z(np.float32), z(), z(), z(), z()
-        active, top_p, min_p = z(bool), np.ones(s, np.float32), z(np.float32)
+        tokens, pos, rem, active = z(), z(), z(), z(bool)
+        samp = S.SamplingState.neutral(s)
         stop = np.full((s, S.MAX_STOP), -1, np.int32)
         carried = z(bool)
         for r in sch.prefilling() + sch.prefilled():
@@ -381,16 +381,14 @@ class EngineCore:
             carried[i] = i in plan.carried
             tokens[i], pos[i], active[i] = r.output[-1], r.fed, True
             rem[i] = r.params.max_tokens - len(r.output)
-            temp[i], top_p[i], top_k[i] = r.params.temperature, r.params.top_p, max(r.params.top_k, 0)
-            seed[i], sidx[i], tidx[i], min_p[i] = r.seed, r.sample_index, len(r.output), r.params.min_p
+            samp.set_row(i, r.params, r.seed, r.sample_index, len(r.output))
             stop[i, :len(r.stop_ids)] = r.stop_ids
         # Fresh numpy arrays, never mutated afterwards: jit transfers them itself.
-        fresh = S.DecodeState(tokens, pos, active, rem, stop,
-                              S.SamplingState(temp, top_p, top_k, seed, sidx, tidx, min_p))
+        fresh = S.DecodeState(tokens, pos, active, rem, stop, samp)
         # always through the (tiny) merge, so the decode step sees device arrays every time (numpy and device
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
-        spec = self._spec_for(temp, any(r.params.top_logprobs for r in plan.running))
+        spec = self._spec_for(samp.temperature, any(r.params.top_logprobs for r in plan.running))
         exact = Program("decode", spec, self._slot_bucket(max(r.slot for r in plan.running)), 0,
                         self._page_bucket(plan.upto))
         program = self.programs.choose(exact)
@@ -488,16 +486,13 @@ class EngineCore:
         start, n_valid, slot = (np.zeros(n_rows, np.int32) for _ in range(3))
         slot[:] = slots  # an empty row's slot is out of range: its state writes are dropped
         fresh = np.zeros(n_rows, bool)
-        temp, top_p, min_p = np.zeros(n_rows, np.float32), np.ones(n_rows, np.float32), np.zeros(n_rows, np.float32)
-        top_k, seed, sidx, tidx = (np.zeros(n_rows, np.int32) for _ in range(4))
+        samp = S.SamplingState.neutral(n_rows)
         for i, (req, s0, e0) in enumerate(plans):
             sp = req.params
             chunk[i, :e0 - s0] = req.token_slice(s0, e0)
             start[i], n_valid[i], slot[i], fresh[i] = s0, e0 - s0, req.slot, s0 == 0
-            temp[i], top_p[i], top_k[i], min_p[i] = sp.temperature, sp.top_p, max(sp.top_k, 0), sp.min_p
-            seed[i], sidx[i], tidx[i] = req.seed, req.sample_index, len(req.output)
+            samp.set_row(i, sp, req.seed, req.sample_index, len(req.output))
         pt, swa = self.kv.prefill_tables([r.slot for r, _, _ in plans], n_rows, program.pages)
-        samp = S.SamplingState(temp, top_p, top_k, seed, sidx, tidx, min_p)
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
         self.pools, self.store, tok, lp, top = self.steps.prefill(program.spec, self._leaves, self.pools, self.store,
                                                                   batch, pt, swa, samp)
@@ -563,7 +558,7 @@ class EngineCore:
         pt, swa = self.kv.prefill_tables([], rb, program.pages)
         if program.kind == "prefill":
             z = lambda dt=np.int32: np.zeros(rb, dt)
-            samp = S.SamplingState(z(np.float32), np.ones(rb, np.float32), z(), z(), z(), z(), z(np.float32))
+            samp = S.SamplingState.neutral(rb)
             batch = S.PrefillBatch(np.zeros((rb, program.chunk), np.int32), z(), z(), z(bool),
                                    np.full(rb, s, np.int32))
             compiled = self.steps.prefill.lower(program.spec, self._leaves, self.pools, self.store, batch, pt, swa,
@@ -583,7 +578,7 @@ class EngineCore:
         s = self.layout.max_slots
         n = lambda dt=np.int32: np.zeros((s,), dt)
         st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
-                           S.SamplingState(n(np.float32), np.ones(s, np.float32), n(), n(), n(), n(), n(np.float32)))
+                           S.SamplingState.neutral(s))
         self._merged_example = self.steps.carry(st, st, n(bool))
         return self._merged_example
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4jax.fields import INT32_MAX, FieldError, check_field, is_int
+from v4jax.fields import INT32_MAX, MAX_LOGIT_BIAS, FieldError, check_field, is_int
 
 F32 = jnp.float32
 
@@ -32,6 +32,23 @@ def _token_ids(name: str, ids) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """A {token id: bias} mapping (or (id, bias) pairs) -> its pairs sorted by id: ids in [0, 2**31), biases
+    finite in [-100, 100] (OpenAI's range), at most MAX_LOGIT_BIAS of them."""
+    if bias is None:
+        return ()
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise FieldError("logit_bias", f"logit_bias must map token ids to biases, got {bias!r}"[:200])
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise FieldError("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    ids = _token_ids("logit_bias", [t for t, _ in pairs])
+    if len(set(ids)) != len(ids):
+        raise FieldError("logit_bias", "logit_bias names a token id twice")
+    vals = [check_field("logit_bias[]", float(v) if is_int(v) else v, field="logit_bias") for _, v in pairs]
+    return tuple(sorted(zip(ids, vals)))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -48,6 +65,9 @@ class SamplingParams:
     # vLLM's min-p: tokens whose probability (after temperature) is below min_p times the most likely one's are
     # never drawn; applied before top-k and top-p, as vLLM does (0 = off)
     min_p: float = 0.0
+    # OpenAI's / vLLM's logit_bias: {token id: bias in [-100, 100]} added to the logits the token is chosen from
+    # (greedy included); the reported log-probs stay those of the raw logits. Held as sorted (id, bias) pairs.
+    logit_bias: dict | tuple = ()
 
     def __post_init__(self):
         # Every check runs here, at construction, by the rule table (v4jax.fields: int32 bounds, finite floats,
@@ -59,6 +79,7 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=True")
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     def resolved_seed(self) -> int:
         """The request's seed; a fresh random one when unset."""
@@ -72,9 +93,20 @@ def request_key(seed, request_index, token_index):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), request_index), token_index)
 
 
-def sample(logits, temperature, top_p, top_k, min_p, seeds, request_index, token_index, any_sampled: bool,
-           n_top: int = 0):
+def biased(logits, bias_ids, bias):
+    """logits [..., V] with bias [..., N] f32 added at bias_ids [..., N] int32 (ids outside [0, V), e.g. the -1
+    padding, add nothing)."""
+    v = logits.shape[-1]
+    onto = jnp.where((bias_ids >= 0) & (bias_ids < v), bias_ids, v)  # out of bounds: dropped by the scatter
+    flat, ids, vals = logits.reshape(-1, v), onto.reshape(-1, onto.shape[-1]), bias.reshape(-1, bias.shape[-1])
+    rows = jnp.arange(flat.shape[0])[:, None]
+    return flat.at[rows, ids].add(vals, mode="drop").reshape(logits.shape)
+
+
+def sample(logits, temperature, top_p, top_k, min_p, bias_ids, bias, seeds, request_index, token_index,
+           any_sampled: bool, n_top: int = 0):
     """One token per row. logits [B, V] f32; temperature/top_p/min_p [B] f32, top_k [B] int32 (0 = off),
+    bias_ids [B, N] int32 / bias [B, N] f32 the logit bias the token is chosen with (-1: none),
     seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B] f32, top_ids [B, n_top]
     int32, top_logprobs [B, n_top] f32), logprobs being log-softmax of the raw logits at the chosen token and the
     top pair the n_top most likely tokens by the same log-softmax (ties: lower index first). temperature == 0 is
@@ -83,7 +115,8 @@ def sample(logits, temperature, top_p, top_k, min_p, seeds, request_index, token
     device-side branch (`lax.cond`) would copy its predicate to the host and wait there on GPU. n_top is static
     for the same reason: 0 in the programs most steps run, MAX_TOP_LOGPROBS in those of steps where a request
     asked for alternatives."""
-    logits = logits.astype(F32)
+    raw = logits.astype(F32)
+    logits = biased(raw, bias_ids, bias)  # what the token is chosen from; the log-probs are the raw logits'
     v = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -103,7 +136,7 @@ def sample(logits, temperature, top_p, top_k, min_p, seeds, request_index, token
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
     tokens = jnp.where(temperature > 0, sampled(), greedy) if any_sampled else greedy
-    all_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    all_logprobs = jax.nn.log_softmax(raw, axis=-1)
     logprobs = jnp.take_along_axis(all_logprobs, tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = top_alternatives(all_logprobs, n_top)
     return tokens, logprobs, top_ids, top_logprobs

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from v4jax import cache as C
 from v4jax.config import CSA, ModelConfig, layer_stacks
-from v4jax.engine.sampling import filtered_probs, request_key
+from v4jax.engine.sampling import biased, filtered_probs, request_key
 from v4jax.fields import FieldError, is_int
 from v4jax.model import layers as L
 from v4jax.model.attention import pending_of
@@ -180,7 +180,9 @@ def purpose(keys, i: int):
 
 def proposal(logits, sm, keys, sampled: bool):
     """A draft token [B] from the MTP block's logits [B, V], and its distribution [B, V] (None if no row samples):
-    greedy rows take the argmax, sampled rows draw from the logits filtered as their own sampling filters them."""
+    greedy rows take the argmax, sampled rows draw from the logits filtered as their own sampling filters them
+    (their logit bias added first, as the target's)."""
+    logits = biased(logits, sm.bias_ids, sm.bias)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampled:
         return greedy, None

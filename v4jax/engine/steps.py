@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from v4jax import cache as C
@@ -29,7 +30,8 @@ from v4jax.model import RunOptions
 from v4jax.engine import dspark as DS
 from v4jax.engine import spec as SP
 from v4jax.engine.programs import in_background
-from v4jax.engine.sampling import filtered_probs, sample, top_alternatives
+from v4jax.engine.sampling import biased, filtered_probs, sample, top_alternatives
+from v4jax.fields import MAX_LOGIT_BIAS
 from v4jax.model.transformer import last_valid
 
 MAX_STOP = 8  # stop token ids per request held on device (EOS included)
@@ -98,6 +100,23 @@ class SamplingState:
     sample_index: jax.Array  # int32, the request's position in its batch (part of the sampling key)
     token_index: jax.Array  # int32, index of the token to be sampled next
     min_p: jax.Array  # f32, 0 = off
+    bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32, the tokens of the row's logit bias (-1 = none)
+    bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32, their biases
+
+    @staticmethod
+    def neutral(n: int) -> "SamplingState":
+        """n greedy rows of no filter and no bias (host arrays): what rows no request fills hold."""
+        z = lambda dt=np.int32: np.zeros(n, dt)  # noqa: E731
+        return SamplingState(z(np.float32), np.ones(n, np.float32), z(), z(), z(), z(), z(np.float32),
+                             np.full((n, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((n, MAX_LOGIT_BIAS), np.float32))
+
+    def set_row(self, i: int, params, seed: int, sample_index: int, token_index: int) -> None:
+        """Row i (of host arrays) from a request's SamplingParams and its sampling key's parts."""
+        self.temperature[i], self.top_p[i], self.top_k[i] = params.temperature, params.top_p, max(params.top_k, 0)
+        self.seed[i], self.sample_index[i], self.token_index[i] = seed, sample_index, token_index
+        self.min_p[i] = params.min_p
+        for j, (t, b) in enumerate(params.logit_bias):
+            self.bias_ids[i, j], self.bias[i, j] = t, b
 
 
 @jax.tree_util.register_dataclass
@@ -204,8 +223,9 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     if ends is not None:
         rows = _boundary_rows(spec, ends.reshape(-1), ends.reshape(-1) >= 0, jnp.repeat(swa_table, ends.shape[1], 0))
         store, pools = save_recorded_boundaries(store, pools, rows.reshape(ends.shape))
-    tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.min_p, samp.seed,
-                                      samp.sample_index, samp.token_index, spec.any_sampled, spec.top_logprobs)
+    tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.min_p, samp.bias_ids,
+                                      samp.bias, samp.seed, samp.sample_index, samp.token_index, spec.any_sampled,
+                                      spec.top_logprobs)
     if drafter is not None:
         pools = drafter.prefill(model, spec.cfg, spec.layout, pools, streams, taps, batch, tok, page_table, swa_table,
                                 spec.opts)
@@ -264,8 +284,9 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         if spec.save_boundaries:
             store = save_boundary_states(store, pools, None, _boundary_rows(spec, st.pos + 1, st.active, swa_table))
         sm = st.sampling
-        nxt, lp, top_ids, top_lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.min_p, sm.seed,
-                                          sm.sample_index, sm.token_index, spec.any_sampled, spec.top_logprobs)
+        nxt, lp, top_ids, top_lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.min_p, sm.bias_ids,
+                                          sm.bias, sm.seed, sm.sample_index, sm.token_index, spec.any_sampled,
+                                          spec.top_logprobs)
         out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
                            logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
                            stopped=out.stopped | (st.active & jnp.any(nxt[:, None] == st.stop_ids, axis=-1)),
@@ -329,11 +350,13 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         streams, vpools, taps = verified if drafter.taps else (*verified, None)
         logits = model.logits_from_streams(streams)  # [s, d+1, V]
         # accept (greedy): the drafts up to the first the model would not have chosen, then the model's own token
-        target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        bias = lambda a: jnp.broadcast_to(a[:, None], (s, d + 1) + a.shape[1:])  # noqa: E731 - every position
+        chosen = biased(logits, bias(sm.bias_ids), bias(sm.bias))  # what tokens are chosen from (log-probs: raw)
+        target = jnp.argmax(chosen, axis=-1).astype(jnp.int32)
         n_acc = jnp.sum(jnp.cumprod(drafts == target[:, :d], axis=1), axis=1)
         if spec.any_sampled:  # sampled rows: the rejection rule
             keys = SP.token_keys(sm, d + 1)
-            p = jax.vmap(lambda lg: filtered_probs(lg, sm.temperature, sm.top_p, sm.top_k, sm.min_p), 1, 1)(logits)
+            p = jax.vmap(lambda lg: filtered_probs(lg, sm.temperature, sm.top_p, sm.top_k, sm.min_p), 1, 1)(chosen)
             u = jax.vmap(jax.vmap(jax.random.uniform))(SP.purpose(keys[:, :d], 2))
             n_smp, t_smp = SP.accept_sampled(p, q, drafts, u, SP.purpose(keys, 3))
             n_acc = jnp.where(greedy, n_acc, n_smp)

@@ -128,8 +128,6 @@ def _unsupported(body: dict) -> None:
         v = body.get(name)
         if (v is not None and v != neutral) or isinstance(v, bool):
             raise bad(name, f"'{name}' is not supported (only {neutral})")
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "'logit_bias' is not supported")
     if body.get("tools"):
         raise bad("tools", "'tools' is not supported")
     rf = body.get("response_format")
@@ -169,7 +167,7 @@ def _sampling(body: dict, max_tokens: int, *, logprobs: int | None) -> SamplingP
         raise bad("stop_token_ids", "'stop_token_ids' must be a list of token ids", "invalid_type")
     kw = dict(max_tokens=max_tokens, temperature=get_number(body, "temperature", 1.0),
               top_p=get_number(body, "top_p", 1.0), top_k=get_int(body, "top_k", 0),
-              min_p=get_number(body, "min_p", 0.0),
+              min_p=get_number(body, "min_p", 0.0), logit_bias=_logit_bias(body),
               seed=get_int(body, "seed", None), stop_token_ids=stop_ids or (), logprobs=logprobs is not None,
               top_logprobs=logprobs or 0, ignore_eos=get_bool(body, "ignore_eos", False))
     try:
@@ -177,6 +175,22 @@ def _sampling(body: dict, max_tokens: int, *, logprobs: int | None) -> SamplingP
     except ValueError as e:  # its messages start with the field's name
         name = str(e).split()[0]
         raise bad(name if name in kw else None, str(e)) from None
+
+
+def _logit_bias(body: dict) -> dict:
+    """OpenAI's `logit_bias`: an object of token ids (as strings, or ints) to biases -> {int: number}."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "'logit_bias' must be an object of token ids to biases", "invalid_type")
+    out = {}
+    for k, b in v.items():
+        t = k if _is_int(k) else (int(k) if isinstance(k, str) and re.fullmatch(r"\d{1,10}", k) else None)
+        if t is None:
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids, got {k!r}"[:200])
+        out[t] = b
+    return out
 
 
 def _max_tokens(body: dict, names=("max_tokens",), lo: int = 1):
