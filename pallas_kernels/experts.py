@@ -364,8 +364,8 @@ def _routed_experts_fp4_pairs(x, weights, experts, w1, w2, w3, limit, w2_input, 
     common = dict(n_exp=n_exp, k=k, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     a1, a3 = _fp4_pairs_call("v4_experts_up_fp4_pairs", layer, ex, *split(x), [(c1f, s1f), (c3f, s3f)],
                              n_out=n_inner, tokens=True, block=up, **common)
-    live = ((ex >= 0) & (ex < n_exp))[:, None]
-    h2 = w2_input(swiglu(a1, a3, limit), jnp.where(live, weights.reshape(-1, 1), 0.0)).astype(x.dtype)  # [P, I]
+    # a pair of no expert has a1 = a3 = 0 (its programs write zeros), so h = 0 and it adds nothing
+    h2 = w2_input(swiglu(a1, a3, limit), weights.reshape(-1, 1)).astype(x.dtype)  # [P, I]
     (y,) = _fp4_pairs_call("v4_experts_down_fp4_pairs", layer, ex, *split(h2), [(c2f, s2f)], n_out=d,
                            tokens=False, block=down, **common)
     return jnp.sum(y.reshape(m, k, d), axis=1)

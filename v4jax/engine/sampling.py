@@ -45,7 +45,7 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
     ids = _token_ids("logit_bias", [t for t, _ in pairs])
     if len(set(ids)) != len(ids):
         raise FieldError("logit_bias", "logit_bias names a token id twice")
-    vals = [check_field("logit_bias[]", float(v) if is_int(v) else v, field="logit_bias") for _, v in pairs]
+    vals = [check_field("logit_bias[]", v, field="logit_bias") for _, v in pairs]
     return tuple(sorted(zip(ids, vals)))
 
 

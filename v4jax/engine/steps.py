@@ -115,8 +115,9 @@ class SamplingState:
         self.temperature[i], self.top_p[i], self.top_k[i] = params.temperature, params.top_p, max(params.top_k, 0)
         self.seed[i], self.sample_index[i], self.token_index[i] = seed, sample_index, token_index
         self.min_p[i] = params.min_p
-        for j, (t, b) in enumerate(params.logit_bias):
-            self.bias_ids[i, j], self.bias[i, j] = t, b
+        if params.logit_bias:
+            ids, vals = zip(*params.logit_bias)
+            self.bias_ids[i, :len(ids)], self.bias[i, :len(ids)] = ids, vals
 
 
 @jax.tree_util.register_dataclass
