@@ -176,3 +176,17 @@ def e2m1_to_f32(code):
     e, m = (c >> 1) & 3, c & 1
     bits = jnp.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((c & 8) << 28)
     return lax.bitcast_convert_type(bits.astype(jnp.uint32), F32)
+
+
+def fp8_round_block(x):
+    """The release's act_quant of one 128-value block in kernel registers: x f32 [..., 128] -> the values
+    e4m3(clip(x / s)) * s, s = 2^ceil(log2(max(amax, 1e-4) / 448)) per row (v4jax.model.quant.fp8_roundtrip's,
+    bit for bit). The scale comes from amax's bits, not a division (Triton's f32 divide is not correctly rounded):
+    with amax = 1.m x 2^E, s = 2^(E-8) if 1.m <= 1.75 (448 = 1.75 x 2^8) else 2^(E-7), and x / s is x times 2^-e,
+    exact."""
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), jnp.float32(1e-4))
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    e = (bits >> 23) - 135 + jnp.where((bits & 0x7FFFFF) > 0x600000, 1, 0)
+    s = lax.bitcast_convert_type((e + 127) << 23, F32)
+    inv = lax.bitcast_convert_type((127 - e) << 23, F32)
+    return jnp.clip(x * inv, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(F32) * s

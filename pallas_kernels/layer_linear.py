@@ -23,7 +23,10 @@ pallas_kernels.experts).
   scales [O/128, D/128]): the kernel reads the e4m3 bytes, widens them to x's dtype in registers (exact: e4m3 has 3
   mantissa bits) and multiplies each 128-column chunk's partial sums by its block's power-of-two scale, so it reads
   half the bytes of the bf16 weight and its products are those of the dequantized weight (x arrives rounded to
-  FP8 by the caller, the release's `act_quant`; only the order of the f32 sums differs).
+  FP8 by the caller, the release's `act_quant`; only the order of the f32 sums differs). With `act_quant` the kernel
+  rounds x itself, each 128-column chunk as it loads it (`_common.fp8_round_block`, bit for bit the jnp rounding):
+  in XLA the rounding is a reduce and an elementwise launch per projection, 5-6 of flash-1gpu's 106 launches a
+  layer in the release formats (0.7 ms of a 16.6 ms step on the H100).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import mm_nt, next_pow2, pow2_block as _pow2_block, ue8m0_to_f32
+from ._common import fp8_round_block, mm_nt, next_pow2, pow2_block as _pow2_block, ue8m0_to_f32
 from ._compat import TritonCompilerParams, backend
 
 F32 = jnp.float32
@@ -51,65 +54,76 @@ MIN_PROGRAMS = 264  # two per SM of the H200's 132
 SCALE_BLOCK = 128  # the release's FP8 weight blocks: one ue8m0 scale per 128 x 128
 
 
-def supported(x, w, groups: int = 1, scaled: bool = False) -> bool:
+def supported(x, w, groups: int = 1, scaled: bool = False, act_quant: bool = False) -> bool:
     """At most MAX_TOKENS tokens; O / groups and D divisible by power-of-two blocks of >= 16 (`scaled`, FP8 weights
-    with block scales: O / groups and D whole scale blocks)."""
+    with block scales: O / groups and D whole scale blocks; `act_quant`: D whole 128-column blocks)."""
     n_out, d = w.shape[-2:]
     m = x.size // (x.shape[-1] * groups)
-    if scaled and ((n_out // groups) % SCALE_BLOCK or d % SCALE_BLOCK):
+    if (scaled and (n_out // groups) % SCALE_BLOCK) or ((scaled or act_quant) and d % SCALE_BLOCK):
         return False
     return (m <= MAX_TOKENS and n_out % groups == 0 and _pow2_block(n_out // groups, ROWS) is not None
             and _pow2_block(d, COLS) is not None)
 
 
-def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks, scaled):
-    if scaled:  # one weight, its layer's scale bytes [O/128, D/128]
-        scale_ref, *w_refs, y_ref = refs
-    else:
-        *w_refs, y_ref = refs
+def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks, scale_rows, act_quant):
+    n_w = len(n_outs)
+    if scale_rows is None:
+        s_refs, w_refs, y_ref = (None,) * n_w, refs[:n_w], refs[n_w]
+    else:  # FP8 weights: each one's scale bytes [(n *) O/128, D/128] (scale_rows: a layer's rows of a stack's, or 0)
+        s_refs, w_refs, y_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
     j, s = pl.program_id(0), pl.program_id(1)
     cdt = x_ref.dtype
     gemv = x_ref.shape[1] == 1
+    layer = layer_ref[0]
 
-    def project(w_ref, row0, grp):  # this block's rows row0 .. of w [n*O, D] against x[grp]
+    def project(k, row0, grp):  # weight k's rows row0 .. (of the layer's [O_k, D]) against x[grp]
+        w_ref, s_ref = w_refs[k], s_refs[k]
+
         def body(c, acc):
             col = (s * chunks + c) * cols
-            w = w_ref[pl.ds(row0, rows), pl.ds(col, cols)]
+            w = w_ref[pl.ds(layer * n_outs[k] + row0, rows), pl.ds(col, cols)]
+            xc = x_ref[grp, 0, pl.ds(col, cols)] if gemv else x_ref[grp, :, pl.ds(col, cols)]
+            if act_quant:  # cols == 128: one block of each row (exact in cdt: 3 mantissa bits)
+                xc = fp8_round_block(xc.astype(F32)).astype(cdt)
             if gemv:  # y_ref is [rows]
-                part = jnp.sum(x_ref[grp, 0, pl.ds(col, cols)].astype(F32)[None, :] * w.astype(F32), axis=1)
+                part = jnp.sum(xc.astype(F32)[None, :] * w.astype(F32), axis=1)
             else:
-                part = mm_nt(x_ref[grp, :, pl.ds(col, cols)], w.astype(cdt))
-            if scaled:  # rows j*rows .. lie in one 128-row block (rows <= 128), cols in one 128-column block
-                part = part * ue8m0_to_f32(scale_ref[j * rows // SCALE_BLOCK, col // SCALE_BLOCK])
+                part = mm_nt(xc, w.astype(cdt))
+            if s_ref is not None:  # rows row0 .. lie in one 128-row block (rows <= 128), cols in one 128-column block
+                part = part * ue8m0_to_f32(s_ref[layer * scale_rows[k] + row0 // SCALE_BLOCK, col // SCALE_BLOCK])
             return acc + part
 
         y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))
 
-    if len(w_refs) == 1:
-        project(w_refs[0], layer_ref[0] * n_outs[0] + j * rows, j * rows // group_rows)
+    if n_w == 1:
+        project(0, j * rows, j * rows // group_rows)
         return
-    for w_ref, start, n_out in zip(w_refs, starts, n_outs):  # blocks start .. start + n_out / rows: this weight's
+    for k, (start, n_out) in enumerate(zip(starts, n_outs)):  # blocks start .. start + n_out / rows: weight k's
         @pl.when((j >= start) & (j < start + n_out // rows))
-        def _(w_ref=w_ref, start=start, n_out=n_out):
-            project(w_ref, layer_ref[0] * n_out + (j - start) * rows, 0)
+        def _(k=k, start=start):
+            project(k, (j - start) * rows, 0)
 
 
-def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs, scale=None):
-    """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch (`scale`: ws is one FP8 weight,
-    scale its layer's ue8m0 block scales)."""
+def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs, scales=None,
+          act_quant=False):
+    """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch (`scales`: ws are FP8 weights,
+    scales their ue8m0 block scales, each a layer's or its stack's; `act_quant`: x rounded to FP8 in 1 x 128 blocks
+    first)."""
     if interpret is None:
         interpret = backend() == "cpu"
-    scaled = scale is not None
-    if (not all(supported(x, w, groups, scaled) for w in ws) or len({w.shape[-1] for w in ws}) != 1
-            or (scaled and len(ws) != 1)):
+    scaled = scales is not None
+    if (not all(supported(x, w, groups, scaled, act_quant) for w in ws) or len({w.shape[-1] for w in ws}) != 1
+            or (scaled and len(scales) != len(ws))):
         raise ValueError(f"x {x.shape}, w {[w.shape for w in ws]}, {groups} groups: at most {MAX_TOKENS} tokens, one "
-                         f"input width and power-of-two blocks of at least 16 (FP8: one weight, whole 128-blocks)")
+                         f"input width and power-of-two blocks of at least 16 (FP8: whole 128-blocks, a scale each)")
     d = x.shape[-1]
     n_outs = tuple(w.shape[-2] for w in ws)
     rows = _pow2_block(math.gcd(*n_outs) // groups, rows)
     cols = _pow2_block(d, cols)
     if scaled:  # a chunk inside one scale block
-        rows, cols = min(rows, SCALE_BLOCK), min(cols, SCALE_BLOCK)
+        rows = min(rows, SCALE_BLOCK)
+    if scaled or act_quant:  # a chunk is one 128-column block (of the scales, of x's rounding)
+        cols = SCALE_BLOCK
     m = x.size // (d * groups)
     tb = 1 if m == 1 else max(16, next_pow2(m))
     x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
@@ -124,10 +138,13 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     kw = dict(interpret=True) if interpret else dict(
         compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=num_stages))
-    extra = [] if scale is None else [lax.bitcast_convert_type(scale, jnp.uint8)]
+    # the scales of a stack are read at the layer's rows in place (sliced, each FP8 projection's were a launch of
+    # their own: 7.5 of a flash-slice layer's 116 in the release formats, H100 profile)
+    extra = [] if not scaled else [lax.bitcast_convert_type(a, jnp.uint8).reshape(-1, a.shape[-1]) for a in scales]
+    scale_rows = tuple(a.shape[-2] if a.ndim == 3 else 0 for a in scales) if scaled else None
     parts = pl.pallas_call(
         functools.partial(_kernel, starts=starts, n_outs=n_outs, group_rows=n_outs[0] // groups, rows=rows,
-                          cols=cols, chunks=n_chunks // splits, scaled=scaled),
+                          cols=cols, chunks=n_chunks // splits, scale_rows=scale_rows, act_quant=act_quant),
         out_shape=jax.ShapeDtypeStruct((splits, tb, total), F32), grid=(total // rows, splits),
         in_specs=[full(layer), full(x2)] + [full(a) for a in extra + wfs],
         out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)),
@@ -137,22 +154,28 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
     return y if tb == m else y[:m]
 
 
-def layer_linear(x, w, layer=None, groups: int = 1, *, scale=None, interpret=None, num_warps: int = 4,
-                 num_stages: int = 2, rows: int = ROWS, cols: int = COLS, min_programs: int = MIN_PROGRAMS):
+def layer_linear(x, w, layer=None, groups: int = 1, *, scale=None, act_quant: bool = False, interpret=None,
+                 num_warps: int = 4, num_stages: int = 2, rows: int = ROWS, cols: int = COLS,
+                 min_programs: int = MIN_PROGRAMS):
     """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
-    interpreter on CPU); with `groups`, group by group; with `scale` (ue8m0 [O/128, D/128], layer `layer`'s), w is
-    e4m3 in 128 x 128 blocks (see the module doc). Shapes must pass `supported`."""
-    y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs, scale)
+    interpreter on CPU); with `groups`, group by group; with `scale` (ue8m0 [O/128, D/128], layer `layer`'s, or the
+    stack's [n, O/128, D/128], read at `layer`), w is e4m3 in 128 x 128 blocks; with `act_quant`, x rounded to FP8
+    as the release does first (see the module doc).
+    Shapes must pass `supported`."""
+    y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs,
+              None if scale is None else [scale], act_quant)
     n_out = w.shape[-2]
     if groups > 1:
         return y.reshape(*x.shape[:-2], groups, n_out // groups)
     return y.reshape(*x.shape[:-1], n_out)
 
 
-def layer_linears(x, ws, layer=None, *, interpret=None, num_warps: int = 4, num_stages: int = 2, rows: int = ROWS,
-                  cols: int = COLS, min_programs: int = MIN_PROGRAMS):
+def layer_linears(x, ws, layer=None, *, scales=None, act_quant: bool = False, interpret=None, num_warps: int = 4,
+                  num_stages: int = 2, rows: int = ROWS, cols: int = COLS, min_programs: int = MIN_PROGRAMS):
     """[x @ w[layer].T for w in ws] in f32, in one launch (projections of one input; every w [O_k, D] or a stack
-    [n, O_k, D] of the same n and D, each passing `supported`)."""
-    y = _call(x, list(ws), layer, 1, interpret, num_warps, num_stages, rows, cols, min_programs)
+    [n, O_k, D] of the same n and D, each passing `supported`; `scales`: FP8 weights, one ue8m0 scale array each as
+    `layer_linear` takes it; `act_quant`: x rounded to FP8 first)."""
+    y = _call(x, list(ws), layer, 1, interpret, num_warps, num_stages, rows, cols, min_programs,
+              None if scales is None else list(scales), act_quant)
     cuts = [sum(w.shape[-2] for w in ws[:k]) for k in range(len(ws) + 1)]
     return [y[:, a:b].reshape(*x.shape[:-1], b - a) for a, b in zip(cuts, cuts[1:])]

@@ -23,7 +23,8 @@
 #              the 128K prefill through generate
 #   defaults   LLM.generate at default options on a 32-slot flash-slice engine: the warm-up's programs and time,
 #              batch 1 / 32 at 4K, the 128K prefill (PREFILL_CHUNK=N another chunk)
-#   ab BASE [slice|quick|prefill|burst|1gpu]  the decode and prefill rows of `slice` (`quick`: its decode rows at 4K;
+#   ab BASE [slice|quick|prefill|burst|1gpu]  the decode and prefill rows of `slice` (`quick`: its decode rows at 4K,
+#              QUANT=fp8 in the release's formats, PROFILE=1 with kernels;
 #              `prefill`: its 128K prefill; `burst`: 32 fresh 4K prompts through LLM.generate at default options;
 #              `1gpu`: flash-1gpu's decode rows) in a second tree BASE (e.g.
 #              `git archive COMMIT -- . ':!v4jax/default_model' | tar -x -C base`) and in this one, one after the other
@@ -406,6 +407,9 @@ ab)
   imports
   base=${2:?usage: bash scripts/h200.sh ab BASE_DIR [slice|quick|prefill|burst|1gpu]}
   what=${3:-slice}
+  # QUANT=fp8: the decode rows (quick, 1gpu) in the release's formats (FP8 / FP4 weights, KV=fp8 entries); PROFILE=1
+  # adds each row's kernels
+  quant="${QUANT:+--quantization $QUANT --kv-cache-dtype ${KV:-fp8}} ${PROFILE:+--profile}"
   for tree in "$base" .; do
     name=$([ "$tree" = . ] && echo new || echo base)
     (cd "$tree" && imports) || exit 1
@@ -414,7 +418,7 @@ ab)
       stamp "$name: flash-slice decode at 4K"
       (cd "$tree" && PYTHONPATH=. timeout 150 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 \
         --contexts 4K --long-b1 "" --hf off --iters 5 --gen-iters 3 --attention-impl pallas --deadline-s 140 \
-        --out "$dir/decode" 2>&1 | quiet | grep "^|" | tail -3)
+        $quant --out "$dir/decode" 2>&1 | quiet | grep "^|" | tail -3)
     elif [ "$what" = slice ]; then
       stamp "$name: flash-slice decode"
       (cd "$tree" && PYTHONPATH=. timeout 120 python3 -W ignore -m v4jax.bench decode --model flash-slice --batches 1,32 \
@@ -438,7 +442,7 @@ ab)
       stamp "$name: flash-1gpu decode"
       (cd "$tree" && PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 250 python3 -W ignore -m v4jax.bench \
         decode --model flash-1gpu --batches 1,32 --contexts 4K,128K --long-b1 "" --hf off --iters 3 --gen-iters 2 \
-        --attention-impl pallas --deadline-s 240 --out "$dir/decode" 2>&1 | quiet | grep "^|" | tail -5)
+        --attention-impl pallas --deadline-s 240 $quant --out "$dir/decode" 2>&1 | quiet | grep "^|" | tail -5)
     fi
   done
   python3 -m v4jax.bench.table "$out/ab-base=base" "$out/ab-new=new"

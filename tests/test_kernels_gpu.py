@@ -241,6 +241,24 @@ def test_layer_linears_gpu(M, outs):
         _close(y, ref, 1e-4)
 
 
+@pytest.mark.parametrize("M,outs", [(1, (1024, 512)), (32, (2048, 2048))])
+def test_layer_linears_fp8_gpu(M, outs):
+    # the release's FP8 wq_a / wkv and shared w1 / w3: one launch, each weight's scale stack read at the layer, x
+    # rounded to FP8 in the kernel
+    from v4jax.model import quant
+    LL = importlib.import_module("pallas_kernels.layer_linear")
+    kx, *kw = jax.random.split(jax.random.key(4), len(outs) + 1)
+    x = jax.random.normal(kx, (M, 4096), jnp.float32).astype(jnp.bfloat16)
+    ws = [quant.Quantized(*quant.quantize(jax.random.normal(k, (3, o, 4096), jnp.float32) * 4096 ** -0.5, "fp8"),
+                          "fp8") for k, o in zip(kw, outs)]
+    ys = jax.jit(lambda x, vs, ss, i: LL.layer_linears(x, vs, i, scales=ss, act_quant=True))(
+        x, [w.values for w in ws], [w.scale for w in ws], jnp.int32(2))
+    xq = quant.fp8_roundtrip(x, 128).astype(jnp.float32)
+    for y, w in zip(ys, ws):
+        ref = jnp.einsum("md,od->mo", xq, w[2].astype(jnp.float32), precision="highest")
+        _close(y, ref, 1e-4)
+
+
 @pytest.mark.parametrize("M", [1, 37, 8192])
 def test_hc_post_gpu(M):
     # mHC's expansion: decode batches (one token; 37, past a block) and a prefill chunk, bf16 as in the model
@@ -293,17 +311,23 @@ def test_grouped_experts_as_stored_gpu():
     assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 2e-2 * np.max(np.abs(ref))
 
 
-@pytest.mark.parametrize("M,O,D,G,n", [(1, 1024, 4096, 1, 4), (32, 512, 4096, 1, 4), (1, 8192, 4096, 8, 3),
-                                       (32, 8192, 4096, 8, 3)])
-def test_layer_linear_fp8_gpu(M, O, D, G, n):
-    """e4m3 stacks with 128x128 ue8m0 scales as stored (widened in registers): the dequantized matmul's sums."""
+@pytest.mark.parametrize("M,O,D,G,n,act_quant", [(1, 1024, 4096, 1, 4, False), (32, 512, 4096, 1, 4, False),
+                                                 (1, 8192, 4096, 8, 3, False), (32, 8192, 4096, 8, 3, False),
+                                                 (1, 1024, 4096, 1, 4, True), (32, 512, 4096, 1, 4, True)])
+def test_layer_linear_fp8_gpu(M, O, D, G, n, act_quant):
+    """e4m3 stacks with 128x128 ue8m0 scales as stored (widened in registers): the dequantized matmul's sums; with
+    act_quant the kernel rounds x to FP8 itself (Triton's f32 -> e4m3 conversion), as quant.fp8_roundtrip does."""
     from v4jax.model import quant
     LL = importlib.import_module("pallas_kernels.layer_linear")
-    kx, kw = jax.random.split(jax.random.key(2))
-    x = quant.fp8_roundtrip(jax.random.normal(kx, (M, G, D) if G > 1 else (M, D), jnp.float32), 128)
+    kx, kw, km = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (M, G, D) if G > 1 else (M, D), jnp.float32)
+    x = x * jnp.repeat(jnp.exp2(jax.random.randint(km, (*x.shape[:-1], D // 128), -3, 4).astype(jnp.float32)),
+                       128, -1)  # every 128-block its own scale
+    xin = x.astype(jnp.bfloat16) if act_quant else None
+    x = quant.fp8_roundtrip(xin if act_quant else x, 128).astype(jnp.float32)
     w = quant.Quantized(*quant.quantize(jax.random.normal(kw, (n, O, D), jnp.float32) * D ** -0.5, "fp8"), "fp8")
-    out = jax.jit(lambda x, v, s, i: LL.layer_linear(x, v, i, groups=G, scale=s[i]))(
-        x.astype(jnp.bfloat16), w.values, w.scale, jnp.int32(n - 1))
+    out = jax.jit(lambda x, v, s, i: LL.layer_linear(x, v, i, groups=G, scale=s[i], act_quant=act_quant))(
+        xin if act_quant else x.astype(jnp.bfloat16), w.values, w.scale, jnp.int32(n - 1))
     wl = w[n - 1].astype(jnp.float32).reshape(G, O // G, D)
     ref = jnp.einsum("mgd,grd->mgr", x.reshape(M, G, D), wl, precision="highest")
     _close(out.reshape(ref.shape), ref, 1e-4)

@@ -223,17 +223,22 @@ def _swapped_kernels_case(tmp_path, monkeypatch):
     write_official_checkpoint(tmp_path, cfg, H.random_official_tensors(cfg, seed=6, include_mtp=False), fp8=True,
                               fp4_experts=True, bf16=False)
     ids = np.random.default_rng(4).integers(2, cfg.vocab_size, 12).tolist()
-    calls = {"scaled": [], "fp4": []}
+    calls = {"scaled": [], "fp4": [], "act_quant": [], "grouped": []}
 
     def swap():
         real = pallas_linear.layer_linear
         monkeypatch.setattr(pallas_linear, "layer_linear", lambda x, w, *a, **kw: calls["scaled"].append(
-            kw.get("scale") is not None) or real(x, w, *a, **kw))
+            kw.get("scale") is not None and kw["scale"].ndim == 3) or calls["act_quant"].append(
+            (a[1] > 1, kw.get("act_quant"))) or real(x, w, *a, **kw))
         real_fp4 = pallas_experts.routed_experts_fp4
         monkeypatch.setattr(pallas_experts, "routed_experts_fp4", lambda x, *a, **kw: calls["fp4"].append(
             x.shape[0]) or real_fp4(x, *a, **kw))
+        real_many = pallas_linear.layer_linears
+        monkeypatch.setattr(pallas_linear, "layer_linears", lambda x, ws, *a, **kw: calls["grouped"].append(
+            (len(ws), kw.get("scales") is not None, kw.get("act_quant"))) or real_many(x, ws, *a, **kw))
         monkeypatch.setitem(ops.OPS, "xla", dataclasses.replace(ops.XLA, linear=ops._linear_pallas,
-                                                               experts=ops._experts_pallas))
+                                                               experts=ops._experts_pallas,
+                                                               project=ops._project_pallas))
     return str(tmp_path), ids, calls, swap
 
 
@@ -244,7 +249,11 @@ def test_fp8_linear_kernel_reads_the_stacks_as_stored(tmp_path, monkeypatch):
     ref = LLM(path, **OPTS).logits(ids)
     swap()
     got = LLM(path, **OPTS).logits(ids)
-    assert calls["scaled"] and all(calls["scaled"])  # every stacked projection through the kernel, as stored
+    # every stacked projection through the kernel, as stored, its scales read from their stack in place; every one
+    # but the grouped wo_a rounds its input in the kernel
+    assert calls["scaled"] and all(calls["scaled"])
+    assert {q for _, q in calls["act_quant"]} == {True, False}
+    assert all(grouped != q for grouped, q in calls["act_quant"])
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
@@ -258,6 +267,8 @@ def test_fp4_experts_kernel_in_the_engine(tmp_path, monkeypatch):
     swap()
     out = LLM(path, **OPTS).generate([ids], sp)[0]
     assert 1 in calls["fp4"] and max(calls["fp4"]) > 1  # a decode step's routed experts and the prompt chunk's
+    # the FP8 pairs of one input in one launch each (wq_a and wkv, the shared expert's w1 and w3), x rounded there
+    assert (2, True, True) in calls["grouped"] and all(q == sc for _, sc, q in calls["grouped"])
     assert out.token_ids == ref.token_ids
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
 

@@ -475,13 +475,18 @@ class Attention(nnx.Module):
         if self.indexer is not None:
             groups["indexer compressor"] = [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
             groups["weights_proj"] = [self.indexer.weights_proj]
-        groups = {name: ms for name, ms in groups.items() if all(m.scale is None for m in ms)}  # stored: Linear's
-        got = iter(ops.project(x, [m.weight.get_value() for ms in groups.values() for m in ms]))
+        # the release's FP8 weights (wq_a and wkv as stored: x rounded to FP8 in the kernel) in a launch of their own
+        stored = {name: ms for name, ms in groups.items() if any(m.scale is not None for m in ms)}
+        groups = {name: ms for name, ms in groups.items() if name not in stored}
         pre = {}
-        for name, ms in groups.items():
-            ys = [next(got) for _ in ms]
-            if all(y is not None for y in ys):
-                pre[name] = tuple(ys) if len(ys) > 1 else ys[0]
+        for launch, act_quant in ((groups, False), (stored, True)):
+            ms_all = [m for ms in launch.values() for m in ms]
+            scales = [m.scale.get_value() for m in ms_all] if act_quant else None
+            got = iter(ops.project(x, [m.weight.get_value() for m in ms_all], scales, act_quant))
+            for name, ms in launch.items():
+                ys = [next(got) for _ in ms]
+                if all(y is not None for y in ys):
+                    pre[name] = tuple(ys) if len(ys) > 1 else ys[0]
         for name in ("wq_a", "wkv"):
             if name in pre:
                 pre[name] = pre[name].astype(x.dtype)

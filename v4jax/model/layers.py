@@ -429,12 +429,15 @@ class Linear(nnx.Module):
     def __call__(self, x, opts=None, groups: int = 1):
         """opts: the forward's RunOptions (v4jax.model.transformer); groups > 1: the grouped form of `linear`
         (x [..., G, in])."""
-        if self.fp8 and (self.scale is not None or (opts is not None and opts.quant_sim)):
-            x = quant.fp8_roundtrip(x, 128)
+        act_quant = self.fp8 and (self.scale is not None or (opts is not None and opts.quant_sim))
         w = self.weight.get_value()
-        scale = None if self.scale is None else self.scale[...]  # a layer's scales (small: sliced in the loop)
         if isinstance(w, LayerOf):  # inside the layer loop, off a mesh: the forward's ops table reads it in place
-            return opts.ops.linear(x, w.stack, w.index, groups, scale)
+            scale = None if self.scale is None else self.scale.get_value()  # the stack's scales, read in place too
+            scale = scale.stack if isinstance(scale, LayerOf) else scale
+            return opts.ops.linear(x, w.stack, w.index, groups, scale, act_quant)  # (a kernel rounds x itself)
+        scale = None if self.scale is None else self.scale[...]
+        if act_quant:
+            x = quant.fp8_roundtrip(x, 128)
         if scale is not None:  # the jnp reference: dequantized inside the matmul
             return linear(x, quant.Quantized(w[...], scale, "fp8"), groups)
         return linear(x, self.weight[...], groups)

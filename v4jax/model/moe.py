@@ -171,10 +171,13 @@ class SharedExpert(nnx.Module):
     def __call__(self, x, limit, opts, project=None):
         """project: the ops table's `project` (w1 and w3 in one launch where it takes them)."""
         # The current official revision clamps the shared expert too (reference §9.3).
-        if self.w1.scale is not None:  # as stored: Linear's reference matmul
-            project = XLA.project
-        xq = quant.fp8_roundtrip(x, 128) if opts.quant_sim else x  # as Linear rounds the input of w1 and w3
-        h1, h3 = (project or XLA.project)(xq, [self.w1.weight.get_value(), self.w3.weight.get_value()])
+        ws = [self.w1.weight.get_value(), self.w3.weight.get_value()]
+        if self.w1.scale is not None:  # as stored: x rounded to FP8 in the kernel
+            scales = [self.w1.scale.get_value(), self.w3.scale.get_value()]
+            h1, h3 = (project or XLA.project)(x, ws, scales, act_quant=True)
+        else:
+            xq = quant.fp8_roundtrip(x, 128) if opts.quant_sim else x  # as Linear rounds the input of w1 and w3
+            h1, h3 = (project or XLA.project)(xq, ws)
         h1 = self.w1(x, opts) if h1 is None else h1.astype(x.dtype)  # rounded as Linear returns it
         h3 = self.w3(x, opts) if h3 is None else h3.astype(x.dtype)
         h = L.swiglu(h1.astype(F32), h3.astype(F32), limit)

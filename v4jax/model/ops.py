@@ -34,15 +34,16 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       layer's experts are used, else [E, ...]; w1/w2/w3 may be quant.Quantized (kept as stored); form: the XLA
       form where the XLA forms run (None: by size); act_quant: the release's FP8 rounding of both matmuls'
       inputs (the kernels do not round: the XLA forms run it).
-  project(x, ws) -> [[..., O_k] f32 or None]: x @ w.T for several weights of one input in one launch, each
-      w an L.LayerOf of a layer stack [n, O_k, D] (None for a weight the kernel does not take: the caller
-      projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule).
+  project(x, ws, scales=None, act_quant=False) -> [[..., O_k] f32 or None]: x @ w.T for several weights of one
+      input in one launch, each w an L.LayerOf of a layer stack [n, O_k, D] (None for a weight the kernel does not
+      take: the caller projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule);
+      scales: FP8 weights, the L.LayerOf of each one's block scales, act_quant as `linear`'s.
   hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post).
-  linear(x, w, layer, groups, scale=None) -> [..., O] in x's dtype: x @ w[layer].T with f32 accumulation for a
-      layer stack w [n, O, D] (v4jax.model.layers.linear, groups included); with `scale` (layer `layer`'s ue8m0
-      block scales), w is the release's e4m3 stack, x already rounded to FP8 (layers.Linear) but for the grouped
-      wo_a (groups > 1), whose input the release does not round; off a mesh only (on one the projections are
-      XLA's, partitioned by the rules).
+  linear(x, w, layer, groups, scale=None, act_quant=False) -> [..., O] in x's dtype: x @ w[layer].T with f32
+      accumulation for a layer stack w [n, O, D] (v4jax.model.layers.linear, groups included); with `scale` (the
+      ue8m0 block scales, the stack's [n, O/128, D/128] or layer `layer`'s), w is the release's e4m3 stack;
+      act_quant: x is rounded to FP8 in 1 x 128 blocks first (the release's act_quant, which layers.Linear asks for
+      but for the grouped wo_a); off a mesh only (on one the projections are XLA's, partitioned by the rules).
 The kernels are read from their modules at call time (tests patch them to count calls).
 
 Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
@@ -317,47 +318,62 @@ def _experts_tpu(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, 
     return _experts_xla(x, weights, experts, w1, w2, w3, limit, layer, form, act_quant)
 
 
-def _linear_xla(x, w, layer, groups=1, scale=None):
+def _layer_scale(scale, w, layer):
+    """Layer `layer`'s block scales from a stack's [n, O/128, D/128] (a layer's [O/128, D/128] as given)."""
+    return L.layer_slice(scale, layer) if scale is not None and scale.ndim == w.ndim else scale
+
+
+def _linear_xla(x, w, layer, groups=1, scale=None, act_quant=False):
+    if act_quant:
+        x = quant.fp8_roundtrip(x, 128)
+    scale = _layer_scale(scale, w, layer)
     w = L.layer_slice(w, layer)
     return L.linear(x, w if scale is None else quant.Quantized(w, scale, "fp8"), groups)
 
 
-def _linear_pallas(x, w, layer, groups=1, scale=None):
+def _linear_pallas(x, w, layer, groups=1, scale=None, act_quant=False):
     """pallas_kernels.layer_linear for a decode step's few tokens (the layer's weight read from the stack in
     place; FP8 weights as stored) on GPU and, interpreted, on CPU; XLA's matmul for the rest. On the H200 the XLA
     form of an FP8 weight (the layer's slice dequantized, then a bf16 matmul) made a flash-slice decode step 2x
     slower than bf16 weights (3.16 against 1.57 ms at batch 1, 4K). A prefill chunk keeps it: XLA fuses the
     widening into its bf16 GEMM (Flash's projections at 8192 tokens: 0.05-1.1 ms, ~700 TFLOP/s), where a
     block-scaled FP8 GEMM in Pallas (e4m3 tensor-core dots, measured and removed) took 2-3x as long (250-330
-    TFLOP/s)."""
-    scaled = scale is not None
-    if pallas_linear.supported(x, w, groups, scaled=scaled):
-        return pallas_linear.layer_linear(x, w, layer, groups, scale=scale).astype(x.dtype)
-    return _linear_xla(x, w, layer, groups, scale)
+    TFLOP/s). The kernel rounds x to FP8 itself (act_quant)."""
+    if pallas_linear.supported(x, w, groups, scaled=scale is not None, act_quant=act_quant):
+        return pallas_linear.layer_linear(x, w, layer, groups, scale=scale, act_quant=act_quant).astype(x.dtype)
+    return _linear_xla(x, w, layer, groups, scale, act_quant)
 
 
-def _linear_tpu(x, w, layer, groups=1, scale=None):
+def _linear_tpu(x, w, layer, groups=1, scale=None, act_quant=False):
     """On a TPU: FP8 weights as stored through pallas_kernels.fp8_linear_tpu (decode and prefill alike; XLA-TPU
     widens the weight into HBM before its matmul wherever the weight is large, libtpu AOT: 134-403 MB of
     temporaries per Flash projection on v5e / v6e, every one on v5p); XLA's matmul for bf16 weights."""
     if scale is not None and pallas_fp8_linear_tpu.supported(x, w, groups):
-        return pallas_fp8_linear_tpu.fp8_linear(x, w, layer, groups, scale=scale).astype(x.dtype)
-    return _linear_xla(x, w, layer, groups, scale)
+        x = quant.fp8_roundtrip(x, 128) if act_quant else x
+        return pallas_fp8_linear_tpu.fp8_linear(x, w, layer, groups, scale=_layer_scale(scale, w, layer)
+                                                ).astype(x.dtype)
+    return _linear_xla(x, w, layer, groups, scale, act_quant)
 
 
-def _project_xla(x, ws):
+def _project_xla(x, ws, scales=None, act_quant=False):
     return [None] * len(ws)
 
 
-def _project_pallas(x, ws):
+def _project_pallas(x, ws, scales=None, act_quant=False):
     """pallas_kernels.layer_linear.layer_linears over the weights it takes, in one launch: on the H200 a CSA
     layer's six projections of the attention input ran in 13 launches and 31 us at batch 1, in one (with its
-    split-D sum) and 13 us (v4jax bench kernels --sweep fused_projections)."""
-    takes = [isinstance(w, L.LayerOf) and pallas_linear.supported(x, w.stack) for w in ws]
+    split-D sum) and 13 us (v4jax bench kernels --sweep fused_projections). FP8 weights (scales) with their scale
+    stacks read in place and x rounded in the kernel."""
+    scales = [None] * len(ws) if scales is None else scales
+    takes = [isinstance(w, L.LayerOf) and (sc is None) == (scales[0] is None)
+             and (sc is None or isinstance(sc, L.LayerOf))
+             and pallas_linear.supported(x, w.stack, scaled=sc is not None, act_quant=act_quant)
+             for w, sc in zip(ws, scales)]
     if sum(takes) < 2:
         return [None] * len(ws)
+    stored = [sc.stack for sc, t in zip(scales, takes) if t and sc is not None]
     got = iter(pallas_linear.layer_linears(x, [w.stack for w, t in zip(ws, takes) if t],
-                                           ws[takes.index(True)].index))
+                                           ws[takes.index(True)].index, scales=stored or None, act_quant=act_quant))
     return [next(got) if t else None for t in takes]
 
 

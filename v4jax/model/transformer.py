@@ -77,13 +77,13 @@ def _is_router_rows(path) -> bool:
 def _layer_of(path, stack, li, on_mesh: bool):
     """What layer li of a Block state's leaf is inside the layer loop. The routed experts' weights and the router's
     hash tables and selection biases stay whole (the MoE reads layer li's own) and, off a mesh, a Linear's weight
-    [n, O, D] becomes L.LayerOf (the ops table's `linear` reads it in place): on the H200 a slice fed to a kernel or
-    a matmul that cannot fuse it is a copy every step (all experts of a layer: 2.1 ms of a 4.8 ms flash-slice step
-    at batch 32). The rest is sliced (on a mesh the projections are XLA's, partitioned by the rules, and the
-    weights enter shard_maps as arrays)."""
+    [n, O, D] (and its FP8 block scales) becomes L.LayerOf (the ops table's `linear` reads it in place): on the H200
+    a slice fed to a kernel or a matmul that cannot fuse it is a copy every step (all experts of a layer: 2.1 ms of
+    a 4.8 ms flash-slice step at batch 32). The rest is sliced (on a mesh the projections are XLA's, partitioned
+    by the rules, and the weights enter shard_maps as arrays)."""
     if _is_expert_weight(path) or _is_router_rows(path):
         return stack
-    if not on_mesh and getattr(path[-2], "key", None) == "weight" and stack.ndim == 3:
+    if not on_mesh and getattr(path[-2], "key", None) in ("weight", "scale") and stack.ndim == 3:
         return L.LayerOf(stack, li)
     return L.layer_slice(stack, li)
 
