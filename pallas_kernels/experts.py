@@ -275,20 +275,28 @@ def _fp4_down_kernel(layer_ref, offs_ref, he_ref, ho_ref, w2_ref, s2_ref, y_ref,
 # of 15 masked rows), on each code's scale gathered from L1 and on moving the decoded tile into the dot's
 # operand layout: H100, Flash's sizes, 16 experts, one token: the up kernel read 53.5 MB in 106 us (525 GB/s) with
 # 202 registers a thread and 10 % of the warp slots active (Nsight Compute, `NCU=experts_fp4 bash scripts/h200.sh
-# ncu`). A weight is read once per pair, so this form takes the calls where pairs do not outnumber the experts.
-# H100, Flash's sizes, ms a call (`python -m v4jax.bench kernels --sweep fp4_experts`), expert form -> pair form:
-# 16 experts, 1 token 0.176 -> 0.110; 256 experts, 1 token 0.268 -> 0.110, 4 tokens 0.595 -> 0.397, 32 tokens
-# 3.99 -> 2.85; where pairs outnumber the experts the pair form loses: 16 experts, 4 tokens 0.304 -> 0.395, 32
-# tokens 0.541 -> 2.82. Blocks of 16 and 64 rows (8 warps) were within 5 % of 32 rows.
+# ncu`). A weight is read once per pair, so this form takes the calls where pairs are at most twice the experts.
+# Each code is widened through f16 bit placement (five integer operations a code): with the codes decoded as e2m1
+# values (about ten) the form ran at 730 GB/s, bound by that arithmetic, and the f16 placement took it to 1,170.
+# H100, Flash's sizes, ms a call (`python -m v4jax.bench kernels --sweep fp4_experts`), expert form -> pair form
+# (with the e2m1 decode in brackets): 16 experts, 1 token 0.174 -> 0.068 (0.109), 4 tokens 0.300 -> 0.225
+# (0.392), 32 tokens 0.535 -> 1.52 (2.80); 256 experts, 1 token 0.264 -> 0.069 (0.109), 4 tokens 0.584 -> 0.227
+# (0.394), 32 tokens 3.93 -> 1.53 (2.83). Blocks of 16 and 64 rows (8 warps) were within 10 % of 32 rows.
 PAIR_UP, PAIR_DOWN = (32, 8), (32, 8)  # (rows a program, scale blocks a loop step)
 PAIR_PROGRAMS = 1056  # splits of the rows are added up to at least this many programs (8 per SM of 132)
+PAIRS_PER_EXPERT = 2  # "auto" takes the pair form up to this many pairs an expert
 
 
 def _fp4_pair_rows(w_ref, s_ref, row0, blk0, rows, nb, xe, xo):
     """Rows row0 .. row0 + rows of an FP4 stack viewed as codes [R, C / 32, 16] and scales [R, C / 32], scale
     blocks blk0 .. blk0 + nb, against a token's even and odd columns of those blocks [nb, 16] f32 -> [rows] f32."""
     b = w_ref[pl.ds(row0, rows), pl.ds(blk0, nb), :].astype(jnp.int32)  # [rows, nb, 16]
-    part = jnp.sum(e2m1_to_f32(b & 15) * xe[None] + e2m1_to_f32(b >> 4) * xo[None], axis=2)  # exact products
+    # each code's bits placed in an f16 (e2m1's exponent and mantissa under f16's, its sign on f16's): the code's
+    # value times 2^-14 exactly (e = 0: f16's subnormals), five integer operations a code and one widening
+    f32 = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(F32)
+    lo = f32(((b & 7) << 9) | ((b & 8) << 12))
+    hi = f32(((b & 0x70) << 5) | ((b & 0x80) << 8))
+    part = jnp.sum(lo * xe[None] + hi * xo[None], axis=2) * 2.0 ** 14  # exact products, sums in f32
     return jnp.sum(part * ue8m0_to_f32(s_ref[pl.ds(row0, rows), pl.ds(blk0, nb)]), axis=1)
 
 
@@ -391,10 +399,12 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     PTX on four bytes a register) with each 32-column block's scale applied to its dot; 16 experts at one token
     0.176 against 0.268 (0.231 in PTX), 256 at one 0.268 against 0.260 (PTX), 16 at 32 tokens 0.542 against
     0.435 (PTX, 64 rows a program; 0.682 at 32). Fewer integer operations did not make one token faster: at
-    decode sizes these kernels wait on something other than the decode's arithmetic (455 GB/s at one token).
+    decode sizes these kernels wait on something other than the decode's arithmetic (455 GB/s at one token); the
+    pair form, which does not, takes the f16 placement.
     form: "experts" (a program an expert and a block of rows, the tokens in a dot tile), "pairs" (a program a
-    (token, expert) pair and a block of rows, no dot: see PAIR_UP), or "auto": pairs where the pairs (M * k) do not
-    outnumber the experts, the measured crossing (one token: 1.6x faster at 16 experts, 2.4x at 256)."""
+    (token, expert) pair and a block of rows, no dot: see PAIR_UP), or "auto": pairs where the pairs (M * k) are at
+    most twice the experts, by the measured crossing (one token: 2.6x faster at 16 experts, 3.8x at 256; 16 experts
+    at 4 tokens 1.3x faster, at 32 2.8x slower)."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     c1 = w1[0]
@@ -405,7 +415,7 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
         raise ValueError(f"{m} tokens (at most {MAX_TOKENS}), FP4 expert codes {c1.shape}: not for these kernels")
     if form not in ("auto", "pairs", "experts"):
         raise ValueError(f"form must be 'auto', 'pairs' or 'experts', got {form!r}")
-    if form == "pairs" or (form == "auto" and m * k <= n_exp):
+    if form == "pairs" or (form == "auto" and m * k <= PAIRS_PER_EXPERT * n_exp):
         return _routed_experts_fp4_pairs(x, weights, experts, w1, w2, w3, limit, w2_input, layer=layer,
                                          interpret=interpret, num_warps=num_warps, num_stages=num_stages,
                                          up=up or PAIR_UP, down=down or PAIR_DOWN)
