@@ -603,6 +603,31 @@ def test_bench_serve_against_the_server(served, tmp_path):
     assert ("programs compiled while measured" in md) == bool(cw["programs_compiled"])
 
 
+def test_bench_serve_waits_for_background_compiles_after_its_warm_up(monkeypatch):
+    """After the warm-up requests, bench serve measures only once the server compiles nothing in the background
+    (its /metrics gauge), up to --warmup-settle-s; a server that does not say is not waited for."""
+    from types import SimpleNamespace
+
+    from v4jax.bench import serve as bench
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(bench.asyncio, "sleep", lambda s: real_sleep(0))
+
+    class Server:
+        def __init__(self, gauges):
+            self.gauges, self.asked = list(gauges), 0
+
+        async def get(self, path):
+            self.asked += 1
+            g = self.gauges.pop(0) if len(self.gauges) > 1 else self.gauges[0]
+            return SimpleNamespace(text="" if g is None else f"v4jax_programs_compiling {g}\n")
+
+    busy = Server([2, 2, 1, 0, 0])
+    assert asyncio.run(bench._settle(busy, 60.0)) is not None and busy.asked == 4
+    forever = Server([1])
+    assert asyncio.run(bench._settle(forever, 0.0)) is not None and forever.asked == 1  # the limit ends the wait
+    assert asyncio.run(bench._settle(Server([None]), 60.0)) is None
+
+
 def test_bench_serve_long_prompts_among_decoding_streams(served, tmp_path):
     """`v4jax bench serve`'s second class: long prompts arriving on their own schedule while short streams decode;
     per class TTFT / TPOT / ITL, and the short streams' ITL split by whether a long request was waiting for its

@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step-s", type=float, default=0.05, help="seconds per trace step (replay arrivals)")
     p.add_argument("--warmup-requests", type=int, default=0, help="requests of the same shapes sent and awaited "
                    "first, not measured (they compile what the measured run uses)")
+    p.add_argument("--warmup-settle-s", type=float, default=180.0, help="after the warm-up, wait up to this long "
+                   "for the server's background compiles to end (its exact programs, which the warm-up's steps ran "
+                   "without on covering ones), so that the measured run is the steady state; 0: do not wait")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--seed", type=int, default=0, help="arrivals, lengths and token ids")
     p.add_argument("--out", default=None, help="directory for serve_bench.json and serve_bench.md")
@@ -286,6 +289,9 @@ def markdown(rep: dict) -> str:
            f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {s['total_throughput']:.1f} | "
            f"{ms(s['ttft_s'])} | {ms(s['tpot_s'])} | {sec(s['e2e_s'])} | {reuse} |")
     lines = [head, "|" + "---|" * (head.count("|") - 1), row]
+    if rep.get("warmup_settled_s"):
+        lines.append(f"\nafter the warm-up: {rep['warmup_settled_s']:.1f} s waited for the server's background "
+                     "compiles to end")
     cw = rep.get("compiled_while_measured")
     if cw and cw["programs_compiled"]:
         waited = cw["programs_compiled"] - cw.get("background", 0)
@@ -355,6 +361,19 @@ def _delta(before: dict, after: dict, keys: Sequence[str], kind=int) -> dict | N
     return {k: kind(after[k] - before[k]) for k in keys}
 
 
+async def _settle(client, limit_s: float) -> float | None:
+    """Wait (up to limit_s) until the server compiles nothing in the background; the seconds waited (None: the
+    server does not say what it compiles)."""
+    t0 = time.monotonic()
+    while True:
+        compiling = (await _server_counters(client)).get("compiling")
+        if compiling is None:
+            return None
+        if not compiling or time.monotonic() - t0 >= limit_s:
+            return time.monotonic() - t0
+        await asyncio.sleep(0.5)
+
+
 async def run(a) -> dict:
     import httpx
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
@@ -363,6 +382,7 @@ async def run(a) -> dict:
         models = (await client.get("/v1/models")).raise_for_status().json()["data"]
         model = a.model or models[0]["id"]
         rng = random.Random(a.seed)
+        settled_s = None
         if a.warmup_requests:
             # the long class too (two at most), arriving while the short ones decode: their mixed steps compile
             warm = argparse.Namespace(**{**vars(a), "num_requests": a.warmup_requests, "rate": math.inf,
@@ -371,6 +391,7 @@ async def run(a) -> dict:
             bad = [r.error for r in res if r.error]
             if bad:
                 raise SystemExit(f"warm-up failed: {bad[0]}")
+            settled_s = await _settle(client, a.warmup_settle_s)
         before = await _server_counters(client)
         results = await (_replayed(client, a, model) if a.replay else _synthetic(client, a, model, rng))
         after = await _server_counters(client)
@@ -394,7 +415,8 @@ async def run(a) -> dict:
                     "e2e_s": None if r.end is None else r.end - r.sent, "error": r.error} for r in results]
     classes = summarize_classes(results) if any(r.cls == "long" for r in results) else None
     return {"load": load, "model": model, "url": a.url, "summary": summarize(results), "classes": classes,
-            "prefix_cache": pc, "compiled_while_measured": compiled, "requests": per_request,
+            "prefix_cache": pc, "compiled_while_measured": compiled, "warmup_settled_s": settled_s,
+            "requests": per_request,
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k != "api_key"}}
 
 
