@@ -392,13 +392,15 @@ EOF
       | grep -v "^ \|^{\|^}" | tail -5
   done
   # LONG_NUM > 0: LONG_STREAMS streams decoding while LONG_NUM prompts of LONG_PROMPT tokens arrive among them
-  # (the streams' ITL while a long prompt prefills against otherwise)
+  # (the streams' ITL while a long prompt prefills against otherwise); on an H100 16 streams of 256 tokens end in
+  # under a second, so the long prompts come from 0.2 s (from 1 s they arrived after the streams had ended)
   if [ "${LONG_NUM:-0}" -gt 0 ]; then
     stamp "bench serve: ${LONG_STREAMS:-16} streams, $LONG_NUM prompts of ${LONG_PROMPT:-1920} among them"
     timeout ${SERVE_S:-90} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
       --num-requests "${LONG_STREAMS:-16}" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
-      --long-num "$LONG_NUM" --long-prompt-len "${LONG_PROMPT:-1920}" --long-output-len 16 --long-rate 4 \
-      --long-start 1 --seed 1000 --out "$out/long" 2>&1 | grep -v "^ \|^{\|^}" | tail -8
+      --long-num "$LONG_NUM" --long-prompt-len "${LONG_PROMPT:-1920}" --long-output-len 16 --long-rate 8 \
+      --long-start 0.2 --warmup-requests "${LONG_STREAMS:-16}" --warmup-settle-s ${SETTLE_S:-60} --seed 1000 \
+      --out "$out/long" 2>&1 | grep -v "^ \|^{\|^}" | tail -8
   fi
   stamp "SIGTERM"
   kill -TERM "$pid"
