@@ -598,8 +598,11 @@ def test_bench_serve_against_the_server(served, tmp_path):
     # the programs the server compiled while measured (/metrics before and after), named under the table if any
     cw = rep["compiled_while_measured"]
     assert cw["programs_compiled"] >= 0 and (cw["compile_seconds"] > 0) == (cw["programs_compiled"] > 0)
+    # the engine thread's steps while measured (/metrics): their wall seconds and the device's share of them
+    es = rep["engine_steps"]
+    assert es["steps"] > 0 and es["step_seconds"] >= es["device_wait_seconds"] > 0
     md = bench.markdown(rep)
-    assert md.count("\n") == (4 if cw["programs_compiled"] else 2)
+    assert md.count("\n") == (6 if cw["programs_compiled"] else 4) and "\nengine: " in md
     assert ("programs compiled while measured" in md) == bool(cw["programs_compiled"])
 
 

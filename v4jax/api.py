@@ -731,8 +731,9 @@ class LLM:
 
     def stats(self) -> dict:
         """Pools (used / total pages), prefix cache (queried and hit tokens), request counts (`rejected`: by
-        the request check, in generate or at the engine) and the weights' bytes (`bytes`, and `by_format`: "fp8",
-        "fp4" values with their scales, other arrays by dtype)."""
+        the request check, in generate or at the engine), the engine's steps (`steps`: how many, their wall seconds
+        and the part spent waiting on the device) and the weights' bytes (`bytes`, and `by_format`: "fp8", "fp4"
+        values with their scales, other arrays by dtype)."""
         from v4jax import memory as M
         core = self.engine
         with self._cond:

@@ -61,9 +61,11 @@ def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
     t0 = time.perf_counter()
     llm.generate(fresh(), sp(1))
     one_s = time.perf_counter() - t0
+    steps0 = llm.stats()["steps"]
     t0 = time.perf_counter()
     events = [(time.perf_counter(), i, len(toks)) for i, toks, _ in llm.generate(fresh(), sp(1 + new), stream=True)]
     all_s = time.perf_counter() - t0
+    steps = {k: v - steps0[k] for k, v in llm.stats()["steps"].items()}  # the engine steps of that call
     decode_s = all_s - one_s
     steady_ms, steady_steps = steady_step_ms(events, batch, 1 + new)
     # the same prompts again, their pages in the prefix cache: every request starts within a step or two, so a
@@ -78,6 +80,9 @@ def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
             "wall_s": all_s, "decode_steps_timed": new, "ms_per_step": decode_s * 1e3 / new,
             "tok_per_s": batch * new / decode_s if decode_s > 0 else None,
             "steady_ms_per_step": steady_ms, "steady_steps": steady_steps,
+            # a server's engine steps compare with these (v4jax bench serve's "engine:" line)
+            "engine_step_ms": 1e3 * steps["seconds"] / max(steps["steps"], 1),
+            "engine_device_wait_ms": 1e3 * steps["device_wait_seconds"] / max(steps["steps"], 1),
             "cached_steady_ms_per_step": hit_ms, "cached_steady_steps": hit_steps,
             "tokens": sum(n for _, _, n in events),
             "prefill_tflop": prefill_flops(llm.config, context, batch)["total"] / 1e12,
@@ -164,6 +169,10 @@ def markdown(data: dict) -> str:
                          f"{f(r.get('cached_steady_ms_per_step'))} ({r.get('cached_steady_steps', 0)} steps) | "
                          f"{f(r.get('tok_per_s'), '{:.0f}')} | {r['decode_steps_timed']} | "
                          f"{f(r.get('roofline_bytes', 0) / 1e9)} | {roof(r)} |")
+    steps = [r for r in data["rows"] if "engine_step_ms" in r]
+    if steps:
+        lines += ["", "Engine steps of the timed call (ms a step, of it waiting on the device): " + "; ".join(
+            f"batch {r['batch']}: {r['engine_step_ms']:.2f}, {r['engine_device_wait_ms']:.2f}" for r in steps)]
     return "\n".join(lines) + "\n"
 
 

@@ -289,6 +289,9 @@ def markdown(rep: dict) -> str:
            f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {s['total_throughput']:.1f} | "
            f"{ms(s['ttft_s'])} | {ms(s['tpot_s'])} | {sec(s['e2e_s'])} | {reuse} |")
     lines = [head, "|" + "---|" * (head.count("|") - 1), row]
+    if (es := rep.get("engine_steps")) and es["steps"]:
+        lines.append(f"\nengine: {es['steps']:.0f} steps, {1e3 * es['step_seconds'] / es['steps']:.2f} ms a step, of it "
+                     f"{1e3 * es['device_wait_seconds'] / es['steps']:.2f} waiting on the device")
     if rep.get("warmup_settled_s"):
         lines.append(f"\nafter the warm-up: {rep['warmup_settled_s']:.1f} s waited for the server's background "
                      "compiles to end")
@@ -342,7 +345,10 @@ _COUNTERS = {"queried_tokens": "v4jax_prefix_cache_queried_tokens_total",
              "compile_seconds": "v4jax_program_compile_seconds_total",
              "background": "v4jax_programs_compiled_background_total",
              "substituted_steps": "v4jax_steps_substituted_total",
-             "compiling": "v4jax_programs_compiling"}
+             "compiling": "v4jax_programs_compiling",
+             "steps": "v4jax_engine_steps_total",
+             "step_seconds": "v4jax_engine_step_seconds_total",
+             "device_wait_seconds": "v4jax_engine_device_wait_seconds_total"}
 
 
 async def _server_counters(client) -> dict:
@@ -396,6 +402,9 @@ async def run(a) -> dict:
         results = await (_replayed(client, a, model) if a.replay else _synthetic(client, a, model, rng))
         after = await _server_counters(client)
     pc = _delta(before, after, ("queried_tokens", "hit_tokens"))
+    # the engine thread's steps while measured: wall and device-wait seconds (the rest is its host side, which
+    # shares the GIL with the server's other threads)
+    engine = _delta(before, after, ("steps", "step_seconds", "device_wait_seconds"), float)
     # programs the server compiled while measured: each one stalled every stream for its compile, unless it was
     # compiled in the background while covering programs ran the steps (substituted_steps)
     compiled = _delta(before, after, ("programs_compiled", "compile_seconds"), float)
@@ -416,6 +425,7 @@ async def run(a) -> dict:
     classes = summarize_classes(results) if any(r.cls == "long" for r in results) else None
     return {"load": load, "model": model, "url": a.url, "summary": summarize(results), "classes": classes,
             "prefix_cache": pc, "compiled_while_measured": compiled, "warmup_settled_s": settled_s,
+            "engine_steps": engine,
             "requests": per_request,
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k != "api_key"}}
 

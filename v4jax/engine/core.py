@@ -129,6 +129,10 @@ class EngineCore:
         self._finished: list[RequestDelta] = []  # aborts, reported by the next step()
         self._ids = itertools.count()
         self.counts = {"rejected": 0}  # requests refused at add_request (finished and aborted: the scheduler's)
+        # engine steps, their wall seconds and the part spent waiting on the device for a call's outputs: the rest
+        # is the host's (scheduling, dispatch, the deltas), so a driver that steps slower than LLM.generate shows
+        # whether its host side or the device takes the time (the server's threads share the GIL with this one)
+        self.step_time = {"steps": 0, "seconds": 0.0, "device_wait_seconds": 0.0}
         # speculative decoding: draft steps of the slots (each proposes draft_tokens), drafts accepted, by position
         self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                             "accepted_by_position": [0] * self.layout.draft_tokens}
@@ -343,7 +347,7 @@ class EngineCore:
             deltas += self._collect(self._flight)
         self._flight = flight
         if any(e == r.n_tokens for r, _, e in plan.prefill):
-            tok, lp, top = jax.device_get(prefill_out)
+            tok, lp, top = self._device_get(prefill_out)
             done = sch.finish_prefill(plan.prefill, tok, lp, top)
             for d in done:  # what an export hands on with the state: the first token's log-prob and alternatives
                 if d.finish_reason is None and sch.requests[d.request_id].prefill_only:
@@ -355,7 +359,10 @@ class EngineCore:
         if self.compile_hooks is not None and not self.has_unfinished_requests():
             self.compile_hooks, (_, after) = None, self.compile_hooks
             after()
-        if (seconds := time.perf_counter() - t0) > SLOW_STEP_S:
+        seconds = time.perf_counter() - t0
+        self.step_time["steps"] += 1
+        self.step_time["seconds"] += seconds
+        if seconds > SLOW_STEP_S:
             log.info("an engine step took %.1f s (dispatching %s; reading the decode call before)", seconds,
                      ", ".join(_described(*ran) for ran in self._step_programs) or "nothing")
         return deltas
@@ -434,14 +441,22 @@ class EngineCore:
         """Every decode call's row count (warm-up compiles each)."""
         return sorted({self._slot_bucket(i) for i in range(self.layout.max_slots)})
 
+    def _device_get(self, tree):
+        """jax.device_get, its wait counted in step_time."""
+        t0 = time.perf_counter()
+        try:
+            return jax.device_get(tree)
+        finally:
+            self.step_time["device_wait_seconds"] += time.perf_counter() - t0
+
     def _collect(self, flight: _InFlight) -> list[RequestDelta]:
         """Wait for a dispatched call (one device_get) and advance its requests (its outputs' row b is slot b, and
         every running slot is below its row count)."""
         out = flight.out
         top = (out.top_ids, out.top_logprobs) if out.top_ids.shape[-1] else None  # read only where computed
         spec = (out.drafts, out.accepted) if self.layout.draft_tokens else None
-        toks, lps, n_out, stopped, still, top, spec = jax.device_get((out.tokens, out.logprobs, out.n_out, out.stopped,
-                                                                      flight.state.active, top, spec))
+        toks, lps, n_out, stopped, still, top, spec = self._device_get((out.tokens, out.logprobs, out.n_out,
+                                                                        out.stopped, flight.state.active, top, spec))
         if spec is not None:
             slots = [i for i, _ in flight.running]
             drafts, accepted = spec[0][slots], spec[1][slots]
@@ -638,7 +653,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         """Pools (pages or slots in use and in all, and their bytes, from the layout's bytes per unit), per data
-        shard on a mesh, the prefix cache's counters and the requests'."""
+        shard on a mesh, the prefix cache's counters, the requests' and the steps' (`step_time`)."""
         kv, sch = self.kv, self.scheduler
         in_use = sch.slots_in_use()
         pools = kv.usage(in_use)
@@ -656,6 +671,7 @@ class EngineCore:
             "programs": {"compiled": S.compiled_programs(), "compile_seconds": S.compile_seconds(),
                          "background": S.compiled_programs(background=True), **self.programs.counts()},
             "spec_decode": dict(self.spec_decode, accepted_by_position=list(self.spec_decode["accepted_by_position"])),
+            "steps": dict(self.step_time),
             "requests": {
                 "running": len(sch.running()), "prefilling": len(sch.prefilling()), "waiting": len(sch.waiting),
                 "finished": sch.n_finished, "aborted": sch.n_aborted, "preempted": sch.n_preempted,

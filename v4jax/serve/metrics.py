@@ -101,6 +101,13 @@ class _EngineCollector:
                                   "compiled in the background", value=pg.get("substituted_steps", 0))
         yield GaugeMetricFamily("v4jax_programs_compiling", "Programs compiling in the background now",
                                 value=pg.get("compiling", 0))
+        st = s.get("steps", {})
+        yield CounterMetricFamily("v4jax_engine_steps", "Engine steps (each a decode call and a prefill step at "
+                                  "most)", value=st.get("steps", 0))
+        yield CounterMetricFamily("v4jax_engine_step_seconds", "Wall seconds of those steps",
+                                  value=st.get("seconds", 0.0))
+        yield CounterMetricFamily("v4jax_engine_device_wait_seconds", "Of those, seconds waiting on the device for a "
+                                  "call's outputs (the rest is the host's)", value=st.get("device_wait_seconds", 0.0))
         sd = s.get("spec_decode", {})
         yield CounterMetricFamily("v4jax_spec_decode_num_drafts", "Speculative steps of the decode slots (each "
                                   "drafts num_speculative_tokens tokens)", value=sd.get("num_drafts", 0))
