@@ -396,7 +396,7 @@ EOF
   # under a second, so the long prompts come from 0.2 s (from 1 s they arrived after the streams had ended)
   if [ "${LONG_NUM:-0}" -gt 0 ]; then
     stamp "bench serve: ${LONG_STREAMS:-16} streams, $LONG_NUM prompts of ${LONG_PROMPT:-1920} among them"
-    timeout ${SERVE_S:-90} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
+    timeout ${SERVE_S:-150} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
       --num-requests "${LONG_STREAMS:-16}" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
       --long-num "$LONG_NUM" --long-prompt-len "${LONG_PROMPT:-1920}" --long-output-len 16 --long-rate 8 \
       --long-start 0.2 --warmup-requests "${LONG_STREAMS:-16}" --warmup-settle-s ${SETTLE_S:-60} --seed 1000 \
@@ -407,6 +407,25 @@ EOF
   for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
   if kill -0 "$pid" 2>/dev/null; then stamp "server still running 30 s after SIGTERM"; kill -9 "$pid"; fi
   wait "$pid"; stamp "server exit code $?"
+  # the server against LLM.generate per batch, both end to end (generate: tokens over the wall of one call,
+  # prefill included), with each one's engine ms a step
+  python3 - "$out" $STREAMS <<'EOF'
+import json, os, sys
+out, streams = sys.argv[1], [int(n) for n in sys.argv[2:]]
+gen = {r["batch"]: r for r in json.load(open(os.path.join(out, "generate", "generate.json")))["rows"] if "wall_s" in r}
+print("| streams | server out tok/s | LLM.generate out tok/s | server / generate | engine ms a step, server / generate |")
+print("|---:|---:|---:|---:|---|")
+for n in streams:
+    path = os.path.join(out, f"s{n}", "serve_bench.json")
+    if n not in gen or not os.path.exists(path):
+        continue
+    rep, g = json.load(open(path)), gen[n]
+    srv, ref = rep["summary"]["output_throughput"], g["tokens"] / g["wall_s"]
+    es = rep.get("engine_steps") or {}
+    eng = f"{1e3 * es['step_seconds'] / es['steps']:.2f}" if es.get("steps") else "-"
+    ge = f"{g['engine_step_ms']:.2f}" if "engine_step_ms" in g else "-"
+    print(f"| {n} | {srv:,.0f} | {ref:,.0f} | {srv / ref:.0%} | {eng} / {ge} |")
+EOF
   ;;
 ab)
   imports
