@@ -389,7 +389,7 @@ EOF
     timeout ${SERVE_S:-150} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
       --num-requests "$n" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
       --warmup-requests "$n" --warmup-settle-s ${SETTLE_S:-60} --seed "$n" --out "$out/s$n" 2>&1 \
-      | grep -v "^ \|^{\|^}" | tail -5
+      | grep -v "^ \|^{\|^}\|^$" | tail -6
   done
   # LONG_NUM > 0: LONG_STREAMS streams decoding while LONG_NUM prompts of LONG_PROMPT tokens arrive among them
   # (the streams' ITL while a long prompt prefills against otherwise); on an H100 16 streams of 256 tokens end in
