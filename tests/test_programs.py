@@ -32,7 +32,8 @@ def test_exact_program_without_substitution():
     assert book.choose(exact) == exact and not compiled
 
 
-def test_cheapest_cover_runs_while_the_exact_program_compiles():
+def test_cheapest_cover_runs_while_the_exact_program_compiles(caplog):
+    caplog.set_level("INFO", logger="v4jax.engine")
     book, compiled, release = _book()
     covers = [Program("decode", SAMPLED, 4, 0, 8), Program("decode", SAMPLED, 2, 0, 8),
               Program("decode", SAMPLED, 2, 0, 4), Program("prefill", SAMPLED, 2, 64, 8)]
@@ -47,6 +48,9 @@ def test_cheapest_cover_runs_while_the_exact_program_compiles():
     book.wait()
     assert compiled == [(exact, True)]  # on a background thread
     assert book.choose(exact) == exact and book.counts()["substituted_steps"] == 2
+    # the server's log names each shape compiled in the background
+    assert [r.getMessage().split(",")[0] for r in caplog.records if "background" in r.getMessage()] == [
+        "compiled in the background: decode rows 1"]
 
 
 def test_without_background_compiles_the_covers_run_every_step():

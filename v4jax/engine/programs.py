@@ -29,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -185,7 +186,7 @@ class ProgramBook:
             # reference: the book holds its engine, pools included, which must not live until exit.)
             threading._register_atexit(_close_if_alive, weakref.ref(self))
         self._pending[program] = f = self._executor.submit(self._compile, program)
-        f.add_done_callback(lambda _: self._done(program))
+        f.add_done_callback(lambda _, asked=time.monotonic(): self._done(program, asked))
 
     def close(self) -> None:
         """Drop the background compiles still queued (those running end); no more are started."""
@@ -194,13 +195,16 @@ class ProgramBook:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _done(self, program: Program) -> None:
+    def _done(self, program: Program, asked: float) -> None:
         with self._lock:
             f = self._pending.pop(program)
             if f.cancelled():
                 return
             if f.exception() is None:
                 (self._compiled if self.agreed else self._ready).add(program)
+                # which shapes a server meets after its warm-up, and how long covers ran their steps
+                log.info("compiled in the background: %s, ready %.1f s after a step asked for it", program,
+                         time.monotonic() - asked)
             else:  # the step's own call compiles it then, and raises there if it must
                 log.warning("background compile of %s failed: %s", program, f.exception())
 
