@@ -480,6 +480,8 @@ class Attention(nnx.Module):
         groups = {name: ms for name, ms in groups.items() if name not in stored}
         pre = {}
         for launch, act_quant in ((groups, False), (stored, True)):
+            if not launch:
+                continue
             ms_all = [m for ms in launch.values() for m in ms]
             scales = [m.scale.get_value() for m in ms_all] if act_quant else None
             got = iter(ops.project(x, [m.weight.get_value() for m in ms_all], scales, act_quant))

@@ -364,16 +364,15 @@ def _project_pallas(x, ws, scales=None, act_quant=False):
     layer's six projections of the attention input ran in 13 launches and 31 us at batch 1, in one (with its
     split-D sum) and 13 us (v4jax bench kernels --sweep fused_projections). FP8 weights (scales) with their scale
     stacks read in place and x rounded in the kernel."""
-    scales = [None] * len(ws) if scales is None else scales
-    takes = [isinstance(w, L.LayerOf) and (sc is None) == (scales[0] is None)
-             and (sc is None or isinstance(sc, L.LayerOf))
-             and pallas_linear.supported(x, w.stack, scaled=sc is not None, act_quant=act_quant)
-             for w, sc in zip(ws, scales)]
+    scaled = scales is not None
+    scales = scales if scaled else [None] * len(ws)
+    takes = [isinstance(w, L.LayerOf) and (not scaled or isinstance(sc, L.LayerOf))
+             and pallas_linear.supported(x, w.stack, scaled=scaled, act_quant=act_quant) for w, sc in zip(ws, scales)]
     if sum(takes) < 2:
         return [None] * len(ws)
-    stored = [sc.stack for sc, t in zip(scales, takes) if t and sc is not None]
-    got = iter(pallas_linear.layer_linears(x, [w.stack for w, t in zip(ws, takes) if t],
-                                           ws[takes.index(True)].index, scales=stored or None, act_quant=act_quant))
+    pick = lambda xs: [a.stack for a, t in zip(xs, takes) if t]  # noqa: E731
+    got = iter(pallas_linear.layer_linears(x, pick(ws), ws[takes.index(True)].index,
+                                           scales=pick(scales) if scaled else None, act_quant=act_quant))
     return [next(got) if t else None for t in takes]
 
 
