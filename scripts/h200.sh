@@ -179,7 +179,7 @@ slice)
   stamp "flash-slice generate"
   timeout 270 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
     --prefill 32K,128K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 230 \
-    --out "$out/flash-slice/generate" 2>&1 | quiet | tail -8
+    --out "$out/flash-slice/generate" 2>&1 | quiet | tail -12
   python3 -m v4jax.bench.table "$out/flash-slice"
   ;;
 1gpu)
@@ -192,7 +192,7 @@ slice)
   stamp "flash-1gpu generate"
   timeout 310 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1,32 --contexts 4K \
     --prefill 32K --new 256 --prefill-chunk 8192 --attention-impl pallas --deadline-s 225 \
-    --out "$out/flash-1gpu/generate" 2>&1 | quiet | tail -12
+    --out "$out/flash-1gpu/generate" 2>&1 | quiet | tail -16
   stamp "flash-1gpu decode"
   XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 240 python3 -W ignore -m v4jax.bench decode \
     --model flash-1gpu --batches 1,32 --contexts 4K,32K,128K \
@@ -234,7 +234,7 @@ precision)
     timeout ${ROW_S:-150} python3 -W ignore -m v4jax.bench generate --model "$MODEL" --max-num-seqs 32 \
       ${CTX_LEN:+--max-model-len $CTX_LEN} --quantization $q --kv-cache-dtype $kv --batches ${BATCHES:-1,32} \
       --contexts ${CONTEXTS:-4K} ${PREFILL:+--prefill $PREFILL} --new ${NEW:-160} --out "$out/p_${q}_${kv}" 2>&1 \
-      | quiet | tail -5
+      | quiet | tail -8
   done
   ;;
 spec)
@@ -360,7 +360,7 @@ load)
   PROMPT=${PROMPT:-1024}; NEW=${NEW:-256}; PORT=${PORT:-8123}
   stamp "LLM.generate: batches ${STREAMS// /,} x $PROMPT tokens, $NEW new"
   timeout ${GEN_S:-330} python3 -W ignore -m v4jax.bench generate --model "$MODEL" $ENGINE_ARGS --cache on \
-    --batches "${STREAMS// /,}" --contexts "$PROMPT" --new "$NEW" --out "$out/generate" 2>&1 | quiet | tail -9
+    --batches "${STREAMS// /,}" --contexts "$PROMPT" --new "$NEW" --out "$out/generate" 2>&1 | quiet | tail -13
   stamp "starting v4jax serve $MODEL"
   python3 -W ignore -m v4jax.cli serve $MODEL --port "$PORT" --no-access-log $ENGINE_ARGS > "$out/server.log" 2>&1 &
   pid=$!
@@ -413,8 +413,10 @@ EOF
 import json, os, sys
 out, streams = sys.argv[1], [int(n) for n in sys.argv[2:]]
 gen = {r["batch"]: r for r in json.load(open(os.path.join(out, "generate", "generate.json")))["rows"] if "wall_s" in r}
-print("| streams | server out tok/s | LLM.generate out tok/s | server / generate | engine ms a step, server / generate |")
-print("|---:|---:|---:|---:|---|")
+print("| streams | server out tok/s | LLM.generate out tok/s | server / generate | engine ms a step, server / generate "
+      "| steps (prefill / decode), server / generate |")
+print("|---:|---:|---:|---:|---|---|")
+mix = lambda e: f"{e['steps']:.0f} ({e['prefill_steps']:.0f} / {e['decode_calls']:.0f})" if "prefill_steps" in e else "-"
 for n in streams:
     path = os.path.join(out, f"s{n}", "serve_bench.json")
     if n not in gen or not os.path.exists(path):
@@ -424,7 +426,7 @@ for n in streams:
     es = rep.get("engine_steps") or {}
     eng = f"{1e3 * es['step_seconds'] / es['steps']:.2f}" if es.get("steps") else "-"
     ge = f"{g['engine_step_ms']:.2f}" if "engine_step_ms" in g else "-"
-    print(f"| {n} | {srv:,.0f} | {ref:,.0f} | {srv / ref:.0%} | {eng} / {ge} |")
+    print(f"| {n} | {srv:,.0f} | {ref:,.0f} | {srv / ref:.0%} | {eng} / {ge} | {mix(es)} / {mix(g.get('engine_steps', {}))} |")
 EOF
   ;;
 ab)
@@ -529,7 +531,7 @@ table)
   # (each row's first pass compiles its shapes, ~25 s: the 128K prefill row needs ~170 s from the start)
   timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
     --prefill 128K --new 64 --prefill-chunk 8192 --attention-impl pallas --deadline-s 180 --out "$out/gen_slice" \
-    2>&1 | quiet | tail -8
+    2>&1 | quiet | tail -12
   stamp "flash-1gpu decode at 4K / 128K"
   XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction timeout 160 python3 -W ignore -m v4jax.bench decode \
     --model flash-1gpu --batches 1,32 --contexts 4K,128K \
@@ -651,7 +653,7 @@ depth1)
   imports
   stamp "flash-1gpu generate"
   timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-1gpu --batches 1 --contexts 4K --new 32 \
-    --out "$out/g1" 2>&1 | quiet | tail -12
+    --out "$out/g1" 2>&1 | quiet | tail -16
   stamp "flash-1gpu decode"
   timeout 330 python3 -W ignore -m v4jax.bench decode --model flash-1gpu --batches 1,32 --contexts 4K,128K \
     --long-b1 "" --hf off --iters 5 --gen-iters 2 --profile --deadline-s 300 --out "$out/d1" 2>&1 | quiet \
@@ -682,7 +684,7 @@ depth2)
     --hf off --iters 5 --gen-iters 0 --profile --sinkhorn-unroll --out "$out/d2s" 2>&1 | quiet | grep "^|" | tail -2
   stamp "flash-slice generate"
   timeout 200 python3 -W ignore -m v4jax.bench generate --model flash-slice --batches 1,32 --contexts 4K \
-    --prefill 128K --new 32 --deadline-s 180 --out "$out/g2" 2>&1 | quiet | tail -10
+    --prefill 128K --new 32 --deadline-s 180 --out "$out/g2" 2>&1 | quiet | tail -14
   ;;
 serve)
   imports

@@ -132,6 +132,11 @@ def test_decode_row_over_cached_prompts_decodes_together():
     assert row["cached_steady_steps"] >= 4 and row["cached_steady_ms_per_step"] > 0
     # the timed call's engine steps: wall and device-wait ms a step (LLM.stats()["steps"])
     assert row["engine_step_ms"] >= row["engine_device_wait_ms"] > 0
+    # and what they dispatched: the 4 prompts of 600 tokens in two chunks each (512 and 88), at most a step each
+    # (a step's budget is 512 tokens), then decode calls of up to all 4 (decode_steps=4: 4 tokens a call)
+    es = row["engine_steps"]
+    assert es["prefill_rows"] == 8 and 4 <= es["prefill_steps"] <= 8, es
+    assert es["decode_calls"] >= 16 // 4 and 1 <= es["decode_rows"] / es["decode_calls"] <= 4, es
 
 
 @pytest.mark.parametrize("run,doc_name", [("h200-594c918", "BENCHMARKS.md"),

@@ -601,6 +601,9 @@ def test_bench_serve_against_the_server(served, tmp_path):
     # the engine thread's steps while measured (/metrics): their wall seconds and the device's share of them
     es = rep["engine_steps"]
     assert es["steps"] > 0 and es["step_seconds"] >= es["device_wait_seconds"] > 0
+    # what they dispatched: each request's prompt (5-8 tokens) one prefill row, and decode calls for its tokens
+    assert es["prefill_rows"] == 8 and 1 <= es["prefill_steps"] <= 8 and es["decode_calls"] >= 1, es
+    assert es["decode_rows"] >= es["decode_calls"], es
     md = bench.markdown(rep)
     assert md.count("\n") == (6 if cw["programs_compiled"] else 4) and "\nengine: " in md
     assert ("programs compiled while measured" in md) == bool(cw["programs_compiled"])

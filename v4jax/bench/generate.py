@@ -83,6 +83,7 @@ def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
             # a server's engine steps compare with these (v4jax bench serve's "engine:" line)
             "engine_step_ms": 1e3 * steps["seconds"] / max(steps["steps"], 1),
             "engine_device_wait_ms": 1e3 * steps["device_wait_seconds"] / max(steps["steps"], 1),
+            "engine_steps": steps,
             "cached_steady_ms_per_step": hit_ms, "cached_steady_steps": hit_steps,
             "tokens": sum(n for _, _, n in events),
             "prefill_tflop": prefill_flops(llm.config, context, batch)["total"] / 1e12,
@@ -171,8 +172,12 @@ def markdown(data: dict) -> str:
                          f"{f(r.get('roofline_bytes', 0) / 1e9)} | {roof(r)} |")
     steps = [r for r in data["rows"] if "engine_step_ms" in r]
     if steps:
-        lines += ["", "Engine steps of the timed call (ms a step, of it waiting on the device): " + "; ".join(
-            f"batch {r['batch']}: {r['engine_step_ms']:.2f}, {r['engine_device_wait_ms']:.2f}" for r in steps)]
+        from v4jax.bench.serve import engine_line
+        lines += ["", "Engine steps of the timed call:"] + [
+            f"- batch {r['batch']}, {r['context']}: " + (engine_line(r["engine_steps"]) if "engine_steps" in r else
+                                                        f"{r['engine_step_ms']:.2f} ms a step, of it "
+                                                        f"{r['engine_device_wait_ms']:.2f} waiting on the device")
+            for r in steps]
     return "\n".join(lines) + "\n"
 
 

@@ -290,8 +290,7 @@ def markdown(rep: dict) -> str:
            f"{ms(s['ttft_s'])} | {ms(s['tpot_s'])} | {sec(s['e2e_s'])} | {reuse} |")
     lines = [head, "|" + "---|" * (head.count("|") - 1), row]
     if (es := rep.get("engine_steps")) and es["steps"]:
-        lines.append(f"\nengine: {es['steps']:.0f} steps, {1e3 * es['step_seconds'] / es['steps']:.2f} ms a step, of it "
-                     f"{1e3 * es['device_wait_seconds'] / es['steps']:.2f} waiting on the device")
+        lines.append("\nengine: " + engine_line(es))
     if rep.get("warmup_settled_s"):
         lines.append(f"\nafter the warm-up: {rep['warmup_settled_s']:.1f} s waited for the server's background "
                      "compiles to end")
@@ -332,6 +331,21 @@ def class_table(reps: Sequence[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def engine_line(es: dict) -> str:
+    """An engine's steps over a run (LLM.stats()["steps"]'s difference, or /metrics'), in one line: their wall
+    and device-wait ms a step, and what they dispatched: prefill steps with their rows, decode calls with the
+    requests they advanced, each on average (the same requests arriving together and apart differ there)."""
+    n = es["steps"]
+    seconds = es.get("step_seconds", es.get("seconds", 0.0))
+    line = (f"{n:.0f} steps, {1e3 * seconds / n:.2f} ms a step, of it {1e3 * es['device_wait_seconds'] / n:.2f} "
+            "waiting on the device")
+    if "prefill_steps" in es:
+        p, d = es["prefill_steps"], es["decode_calls"]
+        line += (f"; {p:.0f} prefill steps" + (f" of {es['prefill_rows'] / p:.1f} rows" if p else "")
+                 + f", {d:.0f} decode calls" + (f" of {es['decode_rows'] / d:.1f} requests" if d else ""))
+    return line
+
+
 def _counter(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + " "):
@@ -348,7 +362,11 @@ _COUNTERS = {"queried_tokens": "v4jax_prefix_cache_queried_tokens_total",
              "compiling": "v4jax_programs_compiling",
              "steps": "v4jax_engine_steps_total",
              "step_seconds": "v4jax_engine_step_seconds_total",
-             "device_wait_seconds": "v4jax_engine_device_wait_seconds_total"}
+             "device_wait_seconds": "v4jax_engine_device_wait_seconds_total",
+             "prefill_steps": "v4jax_engine_prefill_steps_total",
+             "prefill_rows": "v4jax_engine_prefill_rows_total",
+             "decode_calls": "v4jax_engine_decode_calls_total",
+             "decode_rows": "v4jax_engine_decode_rows_total"}
 
 
 async def _server_counters(client) -> dict:
@@ -405,6 +423,9 @@ async def run(a) -> dict:
     # the engine thread's steps while measured: wall and device-wait seconds (the rest is its host side, which
     # shares the GIL with the server's other threads)
     engine = _delta(before, after, ("steps", "step_seconds", "device_wait_seconds"), float)
+    if engine is not None:  # what the steps dispatched (a server before these counters has none)
+        engine.update(_delta(before, after, ("prefill_steps", "prefill_rows", "decode_calls", "decode_rows"), float)
+                      or {})
     # programs the server compiled while measured: each one stalled every stream for its compile, unless it was
     # compiled in the background while covering programs ran the steps (substituted_steps)
     compiled = _delta(before, after, ("programs_compiled", "compile_seconds"), float)

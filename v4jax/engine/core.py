@@ -131,8 +131,11 @@ class EngineCore:
         self.counts = {"rejected": 0}  # requests refused at add_request (finished and aborted: the scheduler's)
         # engine steps, their wall seconds and the part spent waiting on the device for a call's outputs: the rest
         # is the host's (scheduling, dispatch, the deltas), so a driver that steps slower than LLM.generate shows
-        # whether its host side or the device takes the time (the server's threads share the GIL with this one)
-        self.step_time = {"steps": 0, "seconds": 0.0, "device_wait_seconds": 0.0}
+        # whether its host side or the device takes the time (the server's threads share the GIL with this one);
+        # and what the steps dispatched (prefill steps and their rows, decode calls and their running requests), so
+        # the same requests arriving together (LLM.generate) and apart (a server's clients) compare step by step
+        self.step_time = {"steps": 0, "seconds": 0.0, "device_wait_seconds": 0.0, "prefill_steps": 0,
+                          "prefill_rows": 0, "decode_calls": 0, "decode_rows": 0}
         # speculative decoding: draft steps of the slots (each proposes draft_tokens), drafts accepted, by position
         self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                             "accepted_by_position": [0] * self.layout.draft_tokens}
@@ -374,6 +377,8 @@ class EngineCore:
     def _dispatch_decode(self, plan: DecodePlan | None, prev: _InFlight | None) -> _InFlight | None:
         if plan is None:
             return None
+        self.step_time["decode_calls"] += 1
+        self.step_time["decode_rows"] += len(plan.running)
         sch = self.scheduler
         s = self.layout.max_slots
         z = lambda dt=np.int32: np.zeros(s, dt)
@@ -484,6 +489,8 @@ class EngineCore:
         without rows."""
         if not plans:
             return None
+        self.step_time["prefill_steps"] += 1
+        self.step_time["prefill_rows"] += len(plans)
         # One program per prefill shape and sampling form, the sampling one: its full-vocabulary sort of at most
         # MAX_PREFILL_ROWS rows is small beside a prefill step, and a greedy-only twin of every shape doubled what
         # warm-up compiles. The top-N variant only where a row ends its prompt (only that row's token is read).

@@ -108,6 +108,14 @@ class _EngineCollector:
                                   value=st.get("seconds", 0.0))
         yield CounterMetricFamily("v4jax_engine_device_wait_seconds", "Of those, seconds waiting on the device for a "
                                   "call's outputs (the rest is the host's)", value=st.get("device_wait_seconds", 0.0))
+        yield CounterMetricFamily("v4jax_engine_prefill_steps", "Prefill steps dispatched",
+                                  value=st.get("prefill_steps", 0))
+        yield CounterMetricFamily("v4jax_engine_prefill_rows", "Prompt chunks those prefill steps ran (a row each)",
+                                  value=st.get("prefill_rows", 0))
+        yield CounterMetricFamily("v4jax_engine_decode_calls", "Decode calls dispatched",
+                                  value=st.get("decode_calls", 0))
+        yield CounterMetricFamily("v4jax_engine_decode_rows", "Running requests those decode calls advanced (summed "
+                                  "over the calls)", value=st.get("decode_rows", 0))
         sd = s.get("spec_decode", {})
         yield CounterMetricFamily("v4jax_spec_decode_num_drafts", "Speculative steps of the decode slots (each "
                                   "drafts num_speculative_tokens tokens)", value=sd.get("num_drafts", 0))
