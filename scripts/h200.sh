@@ -87,7 +87,8 @@
 #              run: TESTS=0 ROWS=tiny:2048:2:600 DEVICE_PAGES=8 PROFILE=1 bash scripts/h200.sh hisparse
 #   load       LLM.generate and `v4jax serve` (carry [".whl"]) on the same 64-slot engine options, 1 / 8 / 32 / 64
 #              prompts (streams) of 1024 tokens, 256 new -> $OUT/generate, $OUT/s<N>; LONG_NUM=4 adds LONG_STREAMS
-#              streams with LONG_NUM prompts of LONG_PROMPT tokens arriving among them -> $OUT/long; CPU dry run: SKIP_WHEELS=1
+#              streams with LONG_NUM prompts of LONG_PROMPT tokens arriving among them -> $OUT/long; SWITCH_MS="5 0.5"
+#              a server per Python thread switch interval (ms; others -> $OUT/switch_<MS>); CPU dry run: SKIP_WHEELS=1
 #              MODEL=tiny ENGINE_ARGS="--max-num-seqs 8 --max-model-len 512 --dtype float32" STREAMS="1 4" PROMPT=64
 #              NEW=16 VOCAB=500 bash scripts/h200.sh load
 #   pd         prefill/decode disaggregation on one GPU (carry [".whl"]): `v4jax bench pd` (one request's state between
@@ -361,10 +362,19 @@ load)
   stamp "LLM.generate: batches ${STREAMS// /,} x $PROMPT tokens, $NEW new"
   timeout ${GEN_S:-330} python3 -W ignore -m v4jax.bench generate --model "$MODEL" $ENGINE_ARGS --cache on \
     --batches "${STREAMS// /,}" --contexts "$PROMPT" --new "$NEW" --out "$out/generate" 2>&1 | quiet | tail -13
-  stamp "starting v4jax serve $MODEL"
-  python3 -W ignore -m v4jax.cli serve $MODEL --port "$PORT" --no-access-log $ENGINE_ARGS > "$out/server.log" 2>&1 &
+  # SWITCH_MS="5 0.5": one server per value of Python's thread switch interval (5 ms is CPython's default), each
+  # under the same streams. A thread that returns from a blocking call (the engine thread's wait on the device)
+  # waits for the GIL until the holder's interval ends: on a 2-core CPU, with two threads doing 3 ms of Python work
+  # at a time, a 10 ms sleep woke 2.6 ms late on average at 5 ms and 0.95 ms at 0.5 ms. At 64 streams the server's
+  # engine steps took 9.4 ms longer than LLM.generate's, 6.3 of them "on the device": how much of that is the GIL
+  first=1
+  for sw in ${SWITCH_MS:-5}; do
+  if [ "$sw" = 5 ]; then sdir=$out; else sdir=$out/switch_$sw; mkdir -p "$sdir"; fi
+  stamp "starting v4jax serve $MODEL (thread switch interval $sw ms)"
+  python3 -W ignore -c "import sys; sys.setswitchinterval($sw / 1e3); from v4jax.cli import main; sys.exit(main())" \
+    serve $MODEL --port "$PORT" --no-access-log $ENGINE_ARGS > "$sdir/server.log" 2>&1 &
   pid=$!
-  python3 - "$PORT" "$pid" <<'EOF' || { stamp "server did not come up"; tail -20 "$out/server.log"; kill -9 "$pid"; exit 1; }
+  python3 - "$PORT" "$pid" <<'EOF' || { stamp "server did not come up"; tail -20 "$sdir/server.log"; kill -9 "$pid"; exit 1; }
 import os, sys, time, httpx
 port, pid = int(sys.argv[1]), int(sys.argv[2])
 deadline = time.monotonic() + 120
@@ -388,20 +398,22 @@ EOF
     # measured 32 streams with 3 still compiling: TTFT p50 2.5 s against 0.47 at 64): up to SETTLE_S for them first
     timeout ${SERVE_S:-150} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
       --num-requests "$n" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
-      --warmup-requests "$n" --warmup-settle-s ${SETTLE_S:-60} --seed "$n" --out "$out/s$n" 2>&1 \
+      --warmup-requests "$n" --warmup-settle-s ${SETTLE_S:-60} --seed "$n" --out "$sdir/s$n" 2>&1 \
       | grep -v "^ \|^{\|^}\|^$" | tail -6
   done
-  # LONG_NUM > 0: LONG_STREAMS streams decoding while LONG_NUM prompts of LONG_PROMPT tokens arrive among them
-  # (the streams' ITL while a long prompt prefills against otherwise); on an H100 16 streams of 256 tokens end in
-  # under a second, so the long prompts come from 0.2 s (from 1 s they arrived after the streams had ended)
-  if [ "${LONG_NUM:-0}" -gt 0 ]; then
+  # LONG_NUM > 0 (the first server only): LONG_STREAMS streams decoding while LONG_NUM prompts of LONG_PROMPT
+  # tokens arrive among them (the streams' ITL while a long prompt prefills against otherwise); on an H100 16
+  # streams of 256 tokens end in under a second, so the long prompts come from 0.2 s (from 1 s they arrived after
+  # the streams had ended)
+  if [ "${LONG_NUM:-0}" -gt 0 ] && [ $first = 1 ]; then
     stamp "bench serve: ${LONG_STREAMS:-16} streams, $LONG_NUM prompts of ${LONG_PROMPT:-1920} among them"
     timeout ${SERVE_S:-150} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
       --num-requests "${LONG_STREAMS:-16}" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
       --long-num "$LONG_NUM" --long-prompt-len "${LONG_PROMPT:-1920}" --long-output-len 16 --long-rate 8 \
       --long-start 0.2 --warmup-requests "${LONG_STREAMS:-16}" --warmup-settle-s ${SETTLE_S:-60} --seed 1000 \
-      --out "$out/long" 2>&1 | grep -v "^ \|^{\|^}" | tail -8
+      --out "$sdir/long" 2>&1 | grep -v "^ \|^{\|^}" | tail -8
   fi
+  first=0
   stamp "SIGTERM"
   kill -TERM "$pid"
   for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
@@ -409,16 +421,17 @@ EOF
   wait "$pid"; stamp "server exit code $?"
   # the server against LLM.generate per batch, both end to end (generate: tokens over the wall of one call,
   # prefill included), with each one's engine ms a step
-  python3 - "$out" $STREAMS <<'EOF'
+  echo "thread switch interval $sw ms:"
+  python3 - "$out" "$sdir" $STREAMS <<'EOF'
 import json, os, sys
-out, streams = sys.argv[1], [int(n) for n in sys.argv[2:]]
+out, sdir, streams = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3:]]
 gen = {r["batch"]: r for r in json.load(open(os.path.join(out, "generate", "generate.json")))["rows"] if "wall_s" in r}
 print("| streams | server out tok/s | LLM.generate out tok/s | server / generate | engine ms a step, server / generate "
       "| steps (prefill / decode), server / generate |")
 print("|---:|---:|---:|---:|---|---|")
 mix = lambda e: f"{e['steps']:.0f} ({e['prefill_steps']:.0f} / {e['decode_calls']:.0f})" if "prefill_steps" in e else "-"
 for n in streams:
-    path = os.path.join(out, f"s{n}", "serve_bench.json")
+    path = os.path.join(sdir, f"s{n}", "serve_bench.json")
     if n not in gen or not os.path.exists(path):
         continue
     rep, g = json.load(open(path)), gen[n]
@@ -428,6 +441,7 @@ for n in streams:
     ge = f"{g['engine_step_ms']:.2f}" if "engine_step_ms" in g else "-"
     print(f"| {n} | {srv:,.0f} | {ref:,.0f} | {srv / ref:.0%} | {eng} / {ge} | {mix(es)} / {mix(g.get('engine_steps', {}))} |")
 EOF
+  done
   ;;
 ab)
   imports
