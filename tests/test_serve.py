@@ -291,6 +291,102 @@ def test_chat_streamed_and_not_with_n(served, client):
     assert chunks[-1].usage.prompt_tokens == len(want) and want[0] == 0  # BOS written by the template
 
 
+# ---- tool calls: the model's DSML blocks as OpenAI tool_calls ----
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}TOOLS:\n{% for t in tools %}{{ t['function'] | tojson }}\n{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] | upper }}:\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}CALL {{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}"
+    "{% endfor %}{% if m.get('tool_call_id') %} ({{ m['tool_call_id'] }}){% endif %}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+_BAR = "\uff5c"
+DSML_REPLY = ("Let me check.\n\n"
+              f'<{_BAR}DSML{_BAR}function_calls>\n<{_BAR}DSML{_BAR}invoke name="get_weather">\n'
+              f'<{_BAR}DSML{_BAR}parameter name="city" string="true">Paris</{_BAR}DSML{_BAR}parameter>\n'
+              f'<{_BAR}DSML{_BAR}parameter name="days" string="false">3</{_BAR}DSML{_BAR}parameter>\n'
+              f'</{_BAR}DSML{_BAR}invoke>\n</{_BAR}DSML{_BAR}function_calls>')
+
+
+@pytest.fixture
+def scripted(served, monkeypatch):
+    """The chat template swapped for one that renders tools, and each request's sequence answered with the given
+    text in the given pieces (the model here writes no DSML): the HTTP layer, its parsing and the client are real.
+    Returns the list to fill with the pieces, and the prompts the requests brought."""
+    from v4jax.serve import orchestrator, streams
+    codec = served.state.codec
+    monkeypatch.setattr(codec, "template", ChatTemplate(TOOLS_TEMPLATE, codec.template.special_tokens))
+    pieces, prompts = [], []
+
+    def submit(state, prep, route=None):
+        prompts.append(prep.prompts[0])
+        stream = orchestrator.RequestStream("scripted", 1, asyncio.get_running_loop())
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            stream.queue.put_nowait(orchestrator.SeqOutput(0, piece, [k], [-0.5], "stop" if last else None))
+        return stream
+    monkeypatch.setattr(streams, "submit", submit)
+    return types.SimpleNamespace(pieces=pieces, prompts=prompts, codec=codec)
+
+
+def test_tool_calls_through_the_openai_client(scripted, client):
+    scripted.pieces[:] = [DSML_REPLY]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], max_tokens=64)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Let me check."
+    [call] = ch.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    # the tools reached the prompt through the template, as it renders them
+    want = scripted.codec.encode_rendered(scripted.codec.template.render(msgs, tools=[WEATHER_TOOL]))
+    assert scripted.prompts[-1] == want and "TOOLS:" in scripted.codec.decode(want)
+
+    # the next turn: the call (arguments a JSON string, as the client sends it) and its result, back to the template
+    # with the arguments as an object
+    turn2 = msgs + [ch.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."}]
+    scripted.pieces[:] = ["Sunny", ", 21 C."]
+    r2 = client.chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER_TOOL], max_tokens=64)
+    assert r2.choices[0].message.content == "Sunny, 21 C." and r2.choices[0].finish_reason == "stop"
+    assert not r2.choices[0].message.tool_calls
+    rendered = scripted.codec.decode(scripted.prompts[-1])
+    assert 'CALL get_weather {"city": "Paris", "days": 3}' in rendered and f"({call.id})" in rendered
+
+    # tool_choice "none": the block is text, as the model wrote it
+    scripted.pieces[:] = [DSML_REPLY]
+    r3 = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], tool_choice="none",
+                                        max_tokens=64)
+    assert r3.choices[0].message.content == DSML_REPLY and r3.choices[0].finish_reason == "stop"
+
+
+def test_tool_calls_streamed_in_pieces(scripted, client):
+    # cut inside the opener, inside an invoke and inside a parameter
+    cuts = [5, 16, 20, 40, 75, 130, len(DSML_REPLY) - 3]
+    scripted.pieces[:] = [DSML_REPLY[a:b] for a, b in zip([0] + cuts, cuts + [len(DSML_REPLY)])]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                                 tools=[WEATHER_TOOL], max_tokens=64, stream=True))
+    content, calls, reasons = "", {}, []
+    for c in chunks:
+        d = c.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            got = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            got["name"] += tc.function.name or ""
+            got["arguments"] += tc.function.arguments or ""
+        reasons.append(c.choices[0].finish_reason)
+    assert content == "Let me check." and reasons[-1] == "tool_calls" and not any(reasons[:-1])
+    assert [(v["name"], json.loads(v["arguments"])) for v in calls.values()] == \
+        [("get_weather", {"city": "Paris", "days": 3})]
+    # text that only looked like the start of a block is sent once it cannot be one
+    scripted.pieces[:] = ["a < b, and <", _BAR + "DS", "M is not it."]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "?"}],
+                                                 tools=[WEATHER_TOOL], max_tokens=64, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "a < b, and <" + _BAR + "DSM is not it."
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 # ---- JetStream's endpoints with httpx ----
 def test_jetstream_generate_streams_text_and_ids(served):
     ref = served.refs[0]
@@ -450,7 +546,12 @@ MALFORMED = [  # (path, body: dict | bytes, headers, status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600}, {},
      400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, {},
-     400, "tools"),
+     400, "tools[0]"),
+    # a well-formed tool, but the default model's template never reads 'tools'
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, "tools"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400,
+     "tools"),
     ("/v1/generate", {"text_content": {"text": "x"}}, {}, 400, "max_tokens"),
     ("/v1/generate", {"max_tokens": 4}, {}, 400, "text_content"),
     ("/v1/generate", {"max_tokens": 4, "text_content": {"text": "x"}, "token_content": {"token_ids": [1]}}, {}, 400,

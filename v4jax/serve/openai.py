@@ -6,7 +6,8 @@ logits (before temperature / top-p / top-k): of each chosen token, and of the N 
 position (`logprobs: N` for completions, `top_logprobs: N` for chat; up to v4jax.fields.MAX_TOP_LOGPROBS).
 `echo: true` (completions) starts each choice with its prompt; with `logprobs`, the prompt's tokens are scored by
 one teacher-forced forward on the engine thread (the first token has none: nothing predicts it), and
-`max_tokens: 0` returns the prompt alone: what evaluation harnesses (lm-eval's `loglikelihood`) send."""
+`max_tokens: 0` returns the prompt alone: what evaluation harnesses (lm-eval's `loglikelihood`) send. Chat with
+`tools`: the model's DSML tool-call blocks come back as `tool_calls` (v4jax.serve.tools)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from v4jax.serve import streams as S
+from v4jax.serve import tools as T
 from v4jax.serve.orchestrator import ShuttingDown
 from v4jax.serve.protocol import ApiError, Prepared, parse_chat, parse_completion
 
@@ -196,8 +198,12 @@ def router(state) -> APIRouter:
         for c in choices:
             lp = {"content": _Logprobs(state.codec, prep.logprobs).chat(c.token_ids, c.logprobs, c.top_logprobs),
                   "refusal": None} if prep.logprobs is not None else None
-            ch = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                  "finish_reason": finish_reason(c.finish_reason)}
+            content, calls = T.parse(c.text, prep.parallel_tool_calls) if prep.tool_calls else (c.text, [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.openai() for call in calls]
+            ch = {"index": c.index, "message": message, "logprobs": lp,
+                  "finish_reason": "tool_calls" if calls else finish_reason(c.finish_reason)}
             if prep.return_token_ids:
                 ch["prompt_token_ids"], ch["token_ids"] = _prompt_of(prep, c.index), c.token_ids
             out.append(ch)
@@ -262,20 +268,33 @@ def router(state) -> APIRouter:
     def _chat_events(rid, prep, stream, deadline):
         lps = [_Logprobs(state.codec, prep.logprobs or 0) for _ in range(stream.n_seqs)]
         started = [False] * stream.n_seqs
+        parsers = [T.StreamParser(prep.parallel_tool_calls) for _ in range(stream.n_seqs)] if prep.tool_calls else None
 
         def choice_of(out):
             delta = {}
             if not started[out.index]:
                 started[out.index] = True
                 delta["role"] = "assistant"
-            if out.text or "role" in delta:
-                delta["content"] = out.text
+            text, calls, called = out.text, [], False
+            if parsers is not None:  # text that may open a tool-call block waits until it does or cannot
+                p = parsers[out.index]
+                before = len(p.calls)
+                text, calls = p.feed(out.text)
+                if out.finish_reason is not None:
+                    text += p.finish()
+                calls = [c.openai(index=before + k) for k, c in enumerate(calls)]
+                called = bool(p.calls)
+            if text or "role" in delta:
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
             if not delta and not out.token_ids and out.finish_reason is None:
                 return None
             lp = {"content": lps[out.index].chat(out.token_ids, out.logprobs, out.top_logprobs), "refusal": None} \
                 if prep.logprobs is not None else None
+            reason = finish_reason(out.finish_reason)
             return {"index": out.index, "delta": delta, "logprobs": lp,
-                    "finish_reason": finish_reason(out.finish_reason)}
+                    "finish_reason": "tool_calls" if called and reason is not None else reason}
         return _events(rid, prep, stream, deadline, "chat.completion.chunk", choice_of)
 
     return r

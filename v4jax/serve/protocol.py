@@ -14,6 +14,7 @@ from typing import Any
 
 from v4jax.fields import INT32_MAX, INT32_MIN, RULES, utf8_error
 from v4jax.engine.sampling import SamplingParams
+from v4jax.serve.tools import ToolsError, message_tool_calls, renders_tools, request_tools
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -109,6 +110,8 @@ class Prepared:
     echo: bool = False  # /v1/completions: each choice starts with its prompt (and, with logprobs, the prompt's)
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
     prompt_texts: list[str] | None = None  # with echo: each prompt as the client sent it (ids: decoded)
+    tool_calls: bool = False  # chat with tools: the model's DSML tool-call blocks are read (v4jax.serve.tools)
+    parallel_tool_calls: bool = True  # else only the first call is kept
 
 
 @dataclasses.dataclass
@@ -128,8 +131,6 @@ def _unsupported(body: dict) -> None:
         v = body.get(name)
         if (v is not None and v != neutral) or isinstance(v, bool):
             raise bad(name, f"'{name}' is not supported (only {neutral})")
-    if body.get("tools"):
-        raise bad("tools", "'tools' is not supported")
     rf = body.get("response_format")
     if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
         raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
@@ -237,6 +238,8 @@ def _n(body: dict, limits, n_prompts: int) -> int:
 
 def parse_completion(body: dict, codec, limits, check) -> Prepared:
     _unsupported(body)
+    if body.get("tools"):
+        raise bad("tools", "'tools' is a /v1/chat/completions field")
     p = body.get("prompt")
     if isinstance(p, str) or _token_ids(p):
         raw = [p]
@@ -325,18 +328,33 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
         if role not in ROLES:
             raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}; got "
                       f"{_show(role)}")
-        msg = {"role": role, "content": _message_text(m, i)}
+        calls = role == "assistant" and m.get("tool_calls") not in (None, [])
+        msg = {"role": role, "content": "" if calls and m.get("content") is None else _message_text(m, i)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        try:
+            if calls:
+                msg["tool_calls"] = message_tool_calls(m, i)
+        except ToolsError as e:
+            raise bad(e.param, str(e)) from None
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
         clean.append(msg)
     if codec.template is None or not codec.has_tokenizer:
         raise bad("messages", "this model has no chat template (tokenizer_config.json 'chat_template'): use "
                   "/v1/completions")
+    try:
+        tools, read_calls, parallel = request_tools(body)
+    except ToolsError as e:
+        raise bad(e.param, str(e)) from None
+    if tools is not None and not renders_tools(codec.template.source):
+        raise bad("tools", "this model's chat template does not render tools (it never reads 'tools'): they would "
+                  "not reach the prompt")
     add_gen = get_bool(body, "add_generation_prompt", True)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
-    taken = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    taken = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools"})
     if taken:
         raise bad("chat_template_kwargs", f"'chat_template_kwargs' cannot set {taken[0]!r} (a field of the request)")
     for k, v in kwargs.items():
@@ -345,7 +363,8 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
                       f"be a string, got {_show(v)}", "invalid_type")
     from v4jax.serve.chat import TemplateError
     try:
-        rendered = codec.template.render(clean, add_generation_prompt=add_gen, **kwargs)
+        rendered = codec.template.render(clean, add_generation_prompt=add_gen,
+                                         **({"tools": tools} if tools is not None else {}), **kwargs)
     except TemplateError as e:
         raise bad("chat_template_kwargs" if kwargs else "messages", str(e)) from None
     except Exception as e:  # the template's own code failed on these values (e.g. a number where it adds text)
@@ -369,7 +388,7 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     params = [_sampling(body, mts[0], logprobs=(top or 0) if want_lp else None)]
     _checked([ids], params, check, name, "messages")
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
-                    get_bool(body, "return_token_ids", False))
+                    get_bool(body, "return_token_ids", False), tool_calls=read_calls, parallel_tool_calls=parallel)
 
 
 _GENERATE_FIELDS = {"max_tokens", "text_content", "token_content", "metadata", "num_samples"}
