@@ -118,6 +118,8 @@ def test_an_assistant_messages_calls_reach_the_template_as_objects():
 
 
 def test_templates_that_render_tools_are_told_apart():
-    assert T.renders_tools("{% for t in tools %}{{ t['function']['name'] }}{% endfor %}{{ messages }}")
-    assert T.renders_tools("{% if tools is defined and tools %}x{% endif %}")
-    assert not T.renders_tools("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    from v4jax.serve.chat import ChatTemplate
+    reads = lambda src: ChatTemplate(src, {}).reads("tools")
+    assert reads("{% for t in tools %}{{ t['function']['name'] }}{% break %}{% endfor %}{{ messages }}")
+    assert reads("{% if tools is defined and tools %}x{% endif %}")
+    assert not reads("{% for m in messages %}{{ m['content'] }}{% endfor %}")

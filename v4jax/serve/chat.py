@@ -65,6 +65,11 @@ class ChatTemplate:
             src = DEFAULT_MODEL_TEMPLATE
         return cls(src, special) if src is not None else None
 
+    def reads(self, name: str) -> bool:
+        """Whether the template reads the variable `name` (a template that never reads `tools` would drop them)."""
+        from jinja2 import meta
+        return name in meta.find_undeclared_variables(_environment().parse(self.source))
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         import jinja2
         try:
@@ -84,12 +89,17 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@functools.lru_cache(maxsize=8)
-def _compiled(source: str):
+@functools.lru_cache(maxsize=1)
+def _environment():
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str):
+    return _environment().from_string(source)

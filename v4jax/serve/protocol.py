@@ -14,7 +14,7 @@ from typing import Any
 
 from v4jax.fields import INT32_MAX, INT32_MIN, RULES, utf8_error
 from v4jax.engine.sampling import SamplingParams
-from v4jax.serve.tools import ToolsError, message_tool_calls, renders_tools, request_tools
+from v4jax.serve.tools import ToolsError, message_tool_calls, request_tools
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -347,7 +347,7 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
         tools, read_calls, parallel = request_tools(body)
     except ToolsError as e:
         raise bad(e.param, str(e)) from None
-    if tools is not None and not renders_tools(codec.template.source):
+    if tools is not None and not codec.template.reads("tools"):
         raise bad("tools", "this model's chat template does not render tools (it never reads 'tools'): they would "
                   "not reach the prompt")
     add_gen = get_bool(body, "add_generation_prompt", True)

@@ -1,4 +1,4 @@
-"""Tool calls (OpenAI's `tools`): the request's tools checked and handed to the chat template, and the model's
+"""Tool calls (OpenAI's `tools`): the request's tools checked for the chat template, and the model's
 DSML tool-call blocks read back out of its text as OpenAI `tool_calls`.
 
 DeepSeek V3.2 and V4 write a call as DSML markup (DeepSeek's markup language; `｜` is the fullwidth bar U+FF5C):
@@ -189,10 +189,3 @@ def _partial_opener(text: str) -> int:
     n = next((n for n in range(min(len(text), max(map(len, _OPENERS)) - 1), 0, -1)
               if any(o.startswith(text[-n:]) for o in _OPENERS)), 0)
     return len(text) - len(text[:len(text) - n].rstrip())
-
-
-def renders_tools(template_source: str) -> bool:
-    """Whether a chat template reads the `tools` variable (else tools would silently not reach the prompt)."""
-    import jinja2
-    from jinja2 import meta
-    return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template_source))
