@@ -297,7 +297,7 @@ TOOLS_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | upper }}:\n{{ m['content'] }}"
     "{% for c in m.get('tool_calls', []) %}CALL {{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}"
     "{% endfor %}{% if m.get('tool_call_id') %} ({{ m['tool_call_id'] }}){% endif %}\n\n{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
+    "{% if add_generation_prompt %}ASSISTANT:\n{% if thinking %}<think>{% endif %}{% endif %}")
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
@@ -385,6 +385,35 @@ def test_tool_calls_streamed_in_pieces(scripted, client):
                                                  tools=[WEATHER_TOOL], max_tokens=64, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "a < b, and <" + _BAR + "DSM is not it."
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_thinking_returns_the_reasoning_apart(scripted, client):
+    """chat_template_kwargs {"thinking": true} (a switch this template reads): the text up to </think> comes back
+    as reasoning_content, the rest as the answer, with its tool calls; streamed the same."""
+    reply = "The user wants weather: call the tool.</think>" + DSML_REPLY
+    scripted.pieces[:] = [reply]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    think = {"chat_template_kwargs": {"thinking": True}}
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], max_tokens=64,
+                                       extra_body=think)
+    m = r.choices[0].message
+    assert m.reasoning_content == "The user wants weather: call the tool." and m.content == "Let me check."
+    assert [c.function.name for c in m.tool_calls] == ["get_weather"] and r.choices[0].finish_reason == "tool_calls"
+    assert scripted.codec.decode(scripted.prompts[-1]).endswith("ASSISTANT:\n<think>")
+    scripted.pieces[:] = [reply[:9], reply[9:45], reply[45:70], reply[70:]]  # </think> split across pieces
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], max_tokens=64,
+                                                 stream=True, extra_body=think))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == \
+        "The user wants weather: call the tool."
+    assert "".join(d.content or "" for d in deltas) == "Let me check."
+    assert [tc.function.name for d in deltas for tc in d.tool_calls or []] == ["get_weather"]
+    # not asked: the text is the answer as written (the block still read as a call)
+    scripted.pieces[:] = [reply]
+    m = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], max_tokens=64
+                                       ).choices[0].message
+    assert getattr(m, "reasoning_content", None) is None
+    assert m.content == "The user wants weather: call the tool.</think>Let me check."
 
 
 # ---- JetStream's endpoints with httpx ----

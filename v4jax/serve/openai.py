@@ -7,7 +7,8 @@ position (`logprobs: N` for completions, `top_logprobs: N` for chat; up to v4jax
 `echo: true` (completions) starts each choice with its prompt; with `logprobs`, the prompt's tokens are scored by
 one teacher-forced forward on the engine thread (the first token has none: nothing predicts it), and
 `max_tokens: 0` returns the prompt alone: what evaluation harnesses (lm-eval's `loglikelihood`) send. Chat with
-`tools`: the model's DSML tool-call blocks come back as `tool_calls` (v4jax.serve.tools)."""
+`tools`: the model's DSML tool-call blocks come back as `tool_calls` (v4jax.serve.tools); in thinking mode its
+reasoning as `reasoning_content` (v4jax.serve.reasoning)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from v4jax.serve import reasoning as R
 from v4jax.serve import streams as S
 from v4jax.serve import tools as T
 from v4jax.serve.orchestrator import ShuttingDown
@@ -198,8 +200,12 @@ def router(state) -> APIRouter:
         for c in choices:
             lp = {"content": _Logprobs(state.codec, prep.logprobs).chat(c.token_ids, c.logprobs, c.top_logprobs),
                   "refusal": None} if prep.logprobs is not None else None
-            content, calls = T.parse(c.text, prep.parallel_tool_calls) if prep.tool_calls else (c.text, [])
+            reasoning, text = R.split(c.text) if prep.reasoning else (None, c.text)
+            content, calls = T.parse(text, prep.parallel_tool_calls) if prep.tool_calls and text is not None \
+                else (text, [])
             message = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = [call.openai() for call in calls]
             ch = {"index": c.index, "message": message, "logprobs": lp,
@@ -269,6 +275,7 @@ def router(state) -> APIRouter:
         lps = [_Logprobs(state.codec, prep.logprobs or 0) for _ in range(stream.n_seqs)]
         started = [False] * stream.n_seqs
         parsers = [T.StreamParser(prep.parallel_tool_calls) for _ in range(stream.n_seqs)] if prep.tool_calls else None
+        splitters = [R.StreamSplitter() for _ in range(stream.n_seqs)] if prep.reasoning else None
 
         def choice_of(out):
             delta = {}
@@ -276,10 +283,16 @@ def router(state) -> APIRouter:
                 started[out.index] = True
                 delta["role"] = "assistant"
             text, calls, called = out.text, [], False
+            if splitters is not None:  # the reasoning first, up to </think>
+                thought, text = splitters[out.index].feed(text)
+                if out.finish_reason is not None:
+                    thought += splitters[out.index].finish()
+                if thought:
+                    delta["reasoning_content"] = thought
             if parsers is not None:  # text that may open a tool-call block waits until it does or cannot
                 p = parsers[out.index]
                 before = len(p.calls)
-                text, calls = p.feed(out.text)
+                text, calls = p.feed(text)
                 if out.finish_reason is not None:
                     text += p.finish()
                 calls = [c.openai(index=before + k) for k, c in enumerate(calls)]

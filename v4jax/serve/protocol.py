@@ -14,6 +14,7 @@ from typing import Any
 
 from v4jax.fields import INT32_MAX, INT32_MIN, RULES, utf8_error
 from v4jax.engine.sampling import SamplingParams
+from v4jax.serve.reasoning import asked as thinking_asked
 from v4jax.serve.tools import ToolsError, message_tool_calls, request_tools
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -112,6 +113,7 @@ class Prepared:
     prompt_texts: list[str] | None = None  # with echo: each prompt as the client sent it (ids: decoded)
     tool_calls: bool = False  # chat with tools: the model's DSML tool-call blocks are read (v4jax.serve.tools)
     parallel_tool_calls: bool = True  # else only the first call is kept
+    reasoning: bool = False  # chat in thinking mode: the text up to </think> is reasoning (v4jax.serve.reasoning)
 
 
 @dataclasses.dataclass
@@ -388,7 +390,8 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     params = [_sampling(body, mts[0], logprobs=(top or 0) if want_lp else None)]
     _checked([ids], params, check, name, "messages")
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
-                    get_bool(body, "return_token_ids", False), tool_calls=read_calls, parallel_tool_calls=parallel)
+                    get_bool(body, "return_token_ids", False), tool_calls=read_calls, parallel_tool_calls=parallel,
+                    reasoning=thinking_asked(kwargs, codec.template))
 
 
 _GENERATE_FIELDS = {"max_tokens", "text_content", "token_content", "metadata", "num_samples"}
