@@ -416,6 +416,29 @@ def test_thinking_returns_the_reasoning_apart(scripted, client):
     assert m.content == "The user wants weather: call the tool.</think>Let me check."
 
 
+def test_tokenize_and_detokenize(served):
+    """vLLM's /tokenize and /detokenize: a prompt's ids as /v1/completions would run it (BOS as the tokenizer's
+    config asks), a chat's as /v1/chat/completions renders it, and ids back to text."""
+    http = served.http
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True}).json()
+    want = served.llm.encode(PROMPTS[0])
+    assert r["tokens"] == want and r["count"] == len(want) and r["max_model_len"] == served.state.limits.max_model_len
+    assert r["token_strs"] == [served.state.codec.token_text(t) for t in want]
+    plain = http.post("/tokenize", json={"prompt": PROMPTS[0], "add_special_tokens": False}).json()
+    assert plain["tokens"] == want[1:] and plain["token_strs"] is None  # without the BOS the config adds
+    msgs = [{"role": "user", "content": "Hi"}]
+    codec = served.state.codec
+    assert http.post("/tokenize", json={"messages": msgs}).json()["tokens"] == \
+        codec.encode_rendered(codec.template.render(msgs))
+    assert http.post("/detokenize", json={"tokens": want}).json() == {"prompt": served.llm.decode(want)}
+    for path, body, param in [("/tokenize", {"prompt": ""}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/tokenize", {"model": "other", "prompt": "x"}, "model")]:
+        r = http.post(path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 # ---- JetStream's endpoints with httpx ----
 def test_jetstream_generate_streams_text_and_ids(served):
     ref = served.refs[0]

@@ -22,7 +22,8 @@ from v4jax.serve import reasoning as R
 from v4jax.serve import streams as S
 from v4jax.serve import tools as T
 from v4jax.serve.orchestrator import ShuttingDown
-from v4jax.serve.protocol import ApiError, Prepared, parse_chat, parse_completion
+from v4jax.serve.protocol import (ApiError, Prepared, get_bool, parse_chat, parse_completion, parse_detokenize,
+                                  parse_tokenize)
 
 
 class _Logprobs:
@@ -128,6 +129,22 @@ def router(state) -> APIRouter:
         state.check_model(body)
         prep = parse_chat(body, state.codec, state.limits, state.orchestrator.check)
         return await _serve(request, prep, chat=True)
+
+    @r.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: a prompt's (or a chat's) token ids as the server would run them, and the context limit."""
+        body = await S.read_json(request, state.options.max_body_bytes)
+        state.check_model(body)
+        ids = parse_tokenize(body, state.codec)
+        strs = get_bool(body, "return_token_strs", False)
+        return {"count": len(ids), "max_model_len": state.limits.max_model_len, "tokens": ids,
+                "token_strs": [state.codec.token_text(t) for t in ids] if strs else None}
+
+    @r.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await S.read_json(request, state.options.max_body_bytes)
+        state.check_model(body)
+        return {"prompt": parse_detokenize(body, state.codec)}
 
     async def _serve(request, prep: Prepared, chat: bool):
         deadline = time.monotonic() + state.options.request_timeout_s

@@ -315,10 +315,9 @@ def _message_text(m: dict, i: int) -> str:
               "invalid_type")
 
 
-def parse_chat(body: dict, codec, limits, check) -> Prepared:
-    _unsupported(body)
-    if body.get("echo"):
-        raise bad("echo", "'echo' is a /v1/completions field")
+def _chat_prompt(body: dict, codec) -> tuple[list[int], bool, bool, dict]:
+    """A chat's messages (and tools) through the template: (the prompt's ids, whether the model's tool calls are
+    read, parallel_tool_calls, the template's kwargs)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list of messages", "invalid_type")
@@ -378,6 +377,14 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
         ids = codec.encode_rendered(rendered)
     except ValueError as e:
         raise bad("messages", str(e)) from None
+    return ids, read_calls, parallel, kwargs
+
+
+def parse_chat(body: dict, codec, limits, check) -> Prepared:
+    _unsupported(body)
+    if body.get("echo"):
+        raise bad("echo", "'echo' is a /v1/completions field")
+    ids, read_calls, parallel, kwargs = _chat_prompt(body, codec)
     stream, include_usage = _stream(body)
     want_lp = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None)  # bounds: the rule table's
@@ -392,6 +399,37 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
                     get_bool(body, "return_token_ids", False), tool_calls=read_calls, parallel_tool_calls=parallel,
                     reasoning=thinking_asked(kwargs, codec.template))
+
+
+def parse_tokenize(body: dict, codec) -> list[int]:
+    """vLLM's /tokenize: `prompt` text (BOS added as the tokenizer's config asks unless `add_special_tokens` is
+    false), or chat `messages` (and `tools`, `chat_template_kwargs`) rendered by the template, as a chat request's
+    prompt is."""
+    if body.get("messages") is not None:
+        return _chat_prompt(body, codec)[0]
+    p = body.get("prompt")
+    if not isinstance(p, str) or not p:
+        raise bad("prompt", "'prompt' must be a non-empty string (or send 'messages')", "invalid_type")
+    if not codec.has_tokenizer:
+        raise bad("prompt", "this model has no tokenizer")
+    try:
+        return codec.encode(p, "prompt") if get_bool(body, "add_special_tokens", True) else \
+            codec.encode_rendered(p, "prompt")
+    except ValueError as e:
+        raise bad("prompt", str(e)) from None
+
+
+def parse_detokenize(body: dict, codec) -> str:
+    """vLLM's /detokenize: `tokens` (ids of the vocabulary) -> their text, special tokens skipped."""
+    toks = body.get("tokens")
+    if not _token_ids(toks):
+        raise bad("tokens", "'tokens' must be a non-empty list of token ids", "invalid_type")
+    if not codec.has_tokenizer:
+        raise bad("tokens", "this model has no tokenizer")
+    try:
+        return codec.decode(codec.encode(toks, "tokens"))
+    except ValueError as e:
+        raise bad("tokens", str(e)) from None
 
 
 _GENERATE_FIELDS = {"max_tokens", "text_content", "token_content", "metadata", "num_samples"}
