@@ -51,13 +51,17 @@ async def batches(stream: RequestStream, deadline: float) -> AsyncIterator[list[
     """Outputs as they arrive, everything already there taken at once, until every sequence has a
     finish_reason; RequestTimeout past the deadline (time.monotonic)."""
     left = stream.n_seqs
+    loop = asyncio.get_running_loop()
+    # a timeout scope per wait, not a wait_for (a task each): 9.0 against 17.9 us a get on the CPU, paid by the
+    # event loop's thread (which shares the GIL with the engine thread) for every stream's every step
+    at = loop.time() + (deadline - time.monotonic())
     while left:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if loop.time() >= at:
             raise RequestTimeout()
         try:
-            batch = [await asyncio.wait_for(stream.get(), remaining)]
-        except asyncio.TimeoutError:
+            async with asyncio.timeout_at(at):
+                batch = [await stream.get()]
+        except TimeoutError:
             raise RequestTimeout() from None
         while (more := stream.get_nowait()) is not None:
             batch.append(more)
