@@ -70,12 +70,6 @@ class RequestStream:
         self.closed = False  # the client is gone or gave up: outputs are dropped
         self.seq_ids: list[str] = []
 
-    def put(self, out: SeqOutput) -> None:  # from the detokenize thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-        except RuntimeError:  # the event loop is closed: nobody is listening
-            self.closed = True
-
     async def get(self) -> SeqOutput:
         return await self.queue.get()
 
@@ -84,6 +78,26 @@ class RequestStream:
             return self.queue.get_nowait()
         except asyncio.QueueEmpty:
             return None
+
+
+def deliver(outputs: list[tuple[RequestStream, SeqOutput]]) -> None:
+    """Hand outputs to their streams' event loops (from the detokenize thread): one wake-up of a loop for all of
+    a step's outputs, not one per stream (64 streams: 0.42 against 0.76 ms of CPU a step on this CPU, the event
+    loop's thread sharing the GIL with the engine thread)."""
+    by_loop: dict = {}
+    for stream, out in outputs:
+        by_loop.setdefault(stream.loop, []).append((stream, out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            for stream, _ in items:
+                stream.closed = True
+
+
+def _put_all(items) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
 
 
 @dataclasses.dataclass(eq=False)
@@ -128,6 +142,7 @@ class Orchestrator:
         self.error: BaseException | None = None  # what stopped the engine thread, if it died
         self._engine_thread = threading.Thread(target=self._engine_loop, name="v4jax-engine", daemon=True)
         self._detok_thread = threading.Thread(target=self._detok_loop, name="v4jax-detokenize", daemon=True)
+        self._outbox: list = []  # the detokenize thread's outputs of the step at hand (deliver)
 
     # ---- lifecycle ----
     def start(self) -> "Orchestrator":
@@ -320,6 +335,7 @@ class Orchestrator:
             res = self._results.get()
             if res is None:
                 return
+            self._outbox = []  # the step's outputs, delivered together
             try:
                 for rid, msg in res.errors.items():
                     self._refused(rid, msg)
@@ -327,6 +343,12 @@ class Orchestrator:
                     self._advance(d, res.time)
             except Exception:  # a bug here must not leave every stream hanging
                 log.exception("detokenize thread: a step's results could not be processed")
+            finally:
+                self._flush()
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        deliver(outbox)
 
     def _refused(self, rid: str, msg: str) -> None:
         with self._lock:
@@ -335,9 +357,10 @@ class Orchestrator:
             return
         if seq.client_reason is None:
             seq.client_reason = "error"
-            seq.stream.put(SeqOutput(seq.index, "", [], [], "error", error=msg))
+            self._outbox.append((seq.stream, SeqOutput(seq.index, "", [], [], "error", error=msg)))
         if self.metrics is not None:  # counted before in_flight drops (see _advance)
             self.metrics.finished.labels(finish_reason="error").inc()
+        self._flush()
         with self._lock:
             if self._seqs.pop(rid, None) is not None:
                 self._in_flight -= 1
@@ -367,12 +390,13 @@ class Orchestrator:
                 if not final:  # a stop string ended it; the engine still runs it
                     self._commands.put(("abort", seq.rid))
             tops = d.new_top_logprobs[:len(pushed.token_ids)]  # those of the tokens that count
-            seq.stream.put(SeqOutput(seq.index, pushed.text, pushed.token_ids, pushed.logprobs, reason,
-                                     top_logprobs=tops))
+            self._outbox.append((seq.stream, SeqOutput(seq.index, pushed.text, pushed.token_ids, pushed.logprobs,
+                                                       reason, top_logprobs=tops)))
         if d.finish_reason is not None:  # the engine has let go: its pages are free
             # Counted before in_flight drops, so whoever sees in_flight == 0 also sees every finish counted.
             if m is not None:
                 m.finished.labels(finish_reason=seq.client_reason or "abort").inc()
+            self._flush()  # its last output on its way before in_flight drops
             with self._lock:
                 self._seqs.pop(seq.rid, None)
                 self._in_flight -= 1
