@@ -20,6 +20,19 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.
                 960.0, 1920.0)
 
 
+
+# EngineCore.stats()["steps"]: key, metric, help
+_ENGINE_STEPS = (
+    ("steps", "v4jax_engine_steps", "Engine steps (each a decode call and a prefill step at most)"),
+    ("seconds", "v4jax_engine_step_seconds", "Wall seconds of those steps"),
+    ("device_wait_seconds", "v4jax_engine_device_wait_seconds",
+     "Of those, seconds waiting on the device for a call's outputs (the rest is the host's)"),
+    ("prefill_steps", "v4jax_engine_prefill_steps", "Prefill steps dispatched"),
+    ("prefill_rows", "v4jax_engine_prefill_rows", "Prompt chunks those prefill steps ran (a row each)"),
+    ("decode_calls", "v4jax_engine_decode_calls", "Decode calls dispatched"),
+    ("decode_rows", "v4jax_engine_decode_rows", "Running requests those decode calls advanced (summed over the calls)"),
+)
+
 class _EngineCollector:
     """Pools, prefix cache and request counts from the engine's stats() snapshot."""
 
@@ -102,20 +115,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("v4jax_programs_compiling", "Programs compiling in the background now",
                                 value=pg.get("compiling", 0))
         st = s.get("steps", {})
-        yield CounterMetricFamily("v4jax_engine_steps", "Engine steps (each a decode call and a prefill step at "
-                                  "most)", value=st.get("steps", 0))
-        yield CounterMetricFamily("v4jax_engine_step_seconds", "Wall seconds of those steps",
-                                  value=st.get("seconds", 0.0))
-        yield CounterMetricFamily("v4jax_engine_device_wait_seconds", "Of those, seconds waiting on the device for a "
-                                  "call's outputs (the rest is the host's)", value=st.get("device_wait_seconds", 0.0))
-        yield CounterMetricFamily("v4jax_engine_prefill_steps", "Prefill steps dispatched",
-                                  value=st.get("prefill_steps", 0))
-        yield CounterMetricFamily("v4jax_engine_prefill_rows", "Prompt chunks those prefill steps ran (a row each)",
-                                  value=st.get("prefill_rows", 0))
-        yield CounterMetricFamily("v4jax_engine_decode_calls", "Decode calls dispatched",
-                                  value=st.get("decode_calls", 0))
-        yield CounterMetricFamily("v4jax_engine_decode_rows", "Running requests those decode calls advanced (summed "
-                                  "over the calls)", value=st.get("decode_rows", 0))
+        for key, name, doc in _ENGINE_STEPS:
+            yield CounterMetricFamily(name, doc, value=st.get(key, 0))
         sd = s.get("spec_decode", {})
         yield CounterMetricFamily("v4jax_spec_decode_num_drafts", "Speculative steps of the decode slots (each "
                                   "drafts num_speculative_tokens tokens)", value=sd.get("num_drafts", 0))

@@ -121,12 +121,14 @@ def _value(raw: str, as_string: str | None):
         return raw
 
 
-def _calls(block: str) -> list[ToolCall]:
+def _calls(block: str, start: int = 0) -> tuple[list[ToolCall], int]:
+    """The invokes closed in block from `start` on, and where the last one ends."""
     calls = []
-    for name, body in _INVOKE.findall(block):
-        args = {k: _value(v, s) for k, s, v in _PARAM.findall(body)}
-        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False)))
-    return calls
+    for m in _INVOKE.finditer(block, start):
+        args = {k: _value(v, s) for k, s, v in _PARAM.findall(m.group(2))}
+        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", m.group(1), json.dumps(args, ensure_ascii=False)))
+        start = m.end()
+    return calls, start
 
 
 def _opener_at(text: str) -> int:
@@ -138,7 +140,7 @@ def _opener_at(text: str) -> int:
 def parse(text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
     """A whole message: (its content, or None when it is only calls; its calls)."""
     at = _opener_at(text)
-    calls = _calls(text[at:]) if at >= 0 else []
+    calls = _calls(text, at)[0] if at >= 0 else []
     if not calls:
         return text, []
     content = text[:at].rstrip()
@@ -155,6 +157,7 @@ class StreamParser:
         self.held = ""  # after the sent content: a possible opener's start, or the open block
         self.in_block = False
         self.calls: list[ToolCall] = []
+        self.read_to = 0  # in held: where the last invoke read ends (each one is parsed once)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.held += text
@@ -170,8 +173,7 @@ class StreamParser:
         return "", self._closed()
 
     def _closed(self) -> list[ToolCall]:
-        found = _calls(self.held)
-        new = found[len(self.calls):]
+        new, self.read_to = _calls(self.held, self.read_to)
         if not self.parallel:
             new = new[:max(0, 1 - len(self.calls))]
         self.calls += new
