@@ -68,7 +68,25 @@ async def batches(stream: RequestStream, deadline: float) -> AsyncIterator[list[
         left -= sum(out.finish_reason is not None for out in batch)
         if not left:
             stream.closed = True  # nothing more will come: closing it later aborts nothing
-        yield batch
+        yield merged(batch)
+
+
+def merged(batch: list[SeqOutput]) -> list[SeqOutput]:
+    """A sequence's outputs that waited together as one (vLLM merges a lagging stream's deltas too): a client the
+    event loop fell behind on gets one event for them, not one per engine step, so the loop catches up instead of
+    spending the GIL on a send per step. Errors stay outputs of their own."""
+    out: list[SeqOutput] = []
+    last: dict[int, int] = {}  # sequence index -> its latest output's position in out
+    for o in batch:
+        i = last.get(o.index)
+        prev = None if i is None else out[i]
+        if prev is None or prev.error or o.error or prev.finish_reason is not None:
+            last[o.index] = len(out)
+            out.append(o)
+            continue
+        out[i] = SeqOutput(o.index, prev.text + o.text, prev.token_ids + o.token_ids, prev.logprobs + o.logprobs,
+                           o.finish_reason, top_logprobs=prev.top_logprobs + o.top_logprobs)
+    return out
 
 
 async def outputs(stream: RequestStream, deadline: float) -> AsyncIterator[SeqOutput]:
