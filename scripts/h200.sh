@@ -392,14 +392,19 @@ while time.monotonic() < deadline:
 sys.exit(1)
 EOF
   stamp "server up"
+  # the event loop runs on the server's main thread: its CPU seconds over each load (utime + stime of task $pid)
+  loop_cpu() { awk -v hz="$(getconf CLK_TCK)" '{sub(/.*\) /, ""); print ($12 + $13) / hz}' "/proc/$pid/task/$pid/stat"; }
   for n in $STREAMS; do
     stamp "bench serve: $n streams"
+    lc0=$(loop_cpu); lt0=$(date +%s.%N)
     # the warm-up's steps ran on covering programs while the exact ones compiled in the background (an H100 run
     # measured 32 streams with 3 still compiling: TTFT p50 2.5 s against 0.47 at 64): up to SETTLE_S for them first
     timeout ${SERVE_S:-150} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
       --num-requests "$n" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
       --warmup-requests "$n" --warmup-settle-s ${SETTLE_S:-60} --seed "$n" --out "$sdir/s$n" 2>&1 \
       | grep -v "^ \|^{\|^}\|^$" | tail -6
+    awk -v c0="$lc0" -v c1="$(loop_cpu)" -v t0="$lt0" -v t1="$(date +%s.%N)" 'BEGIN {printf "event loop thread: " \
+      "%.2f s of CPU in %.1f s (warm-up requests included)\n", c1 - c0, t1 - t0}' | tee -a "$sdir/s$n/loop_cpu.txt"
   done
   # LONG_NUM > 0 (the first server only): LONG_STREAMS streams decoding while LONG_NUM prompts of LONG_PROMPT
   # tokens arrive among them (the streams' ITL while a long prompt prefills against otherwise); on an H100 16
