@@ -354,7 +354,9 @@ load)
   # persistent compilation cache), then `v4jax serve` with the same options, the cache warm, under 1 / 8 / 32 / 64
   # concurrent streams of the same shapes (v4jax bench serve --rate inf); SIGTERM, exit code
   wheels
-  export V4JAX_COMPILATION_CACHE=${V4JAX_COMPILATION_CACHE:-$out/jax_cache}
+  # outside $OUT: a device call brings back only a few of $OUT's files, and the cache's hundreds crowded out the
+  # per-load results
+  export V4JAX_COMPILATION_CACHE=${V4JAX_COMPILATION_CACHE:-/tmp/v4jax-load-cache}
   MODEL=${MODEL-flash-slice}
   ENGINE_ARGS=${ENGINE_ARGS:---max-num-seqs 64 --max-model-len 2048}
   STREAMS=${STREAMS:-1 8 32 64}
