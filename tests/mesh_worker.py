@@ -220,8 +220,7 @@ def tpu_export(meshes, source="tiny"):
         eng = LLM(source, mesh=mesh, attention_impl=impl, **options).engine
         mr, s, b, t = eng.run_options.mesh_rules, eng.layout.max_slots, 2, CONTEXT_OPTIONS["prefill_chunk"]
         z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
-        state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
-                              S.SamplingState.neutral(s))
+        state = S.DecodeState(z(s), z(s), z(s, bool), z(s), S.SamplingState.neutral(s))
         batch = S.PrefillBatch(np.zeros((b, t), np.int32), z(b), np.full((b,), t, np.int32), np.ones((b,), bool),
                                np.arange(b, dtype=np.int32))
         samp = S.SamplingState.neutral(b)

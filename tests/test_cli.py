@@ -76,6 +76,7 @@ def test_argument_errors_exit_2(capsys, no_model_load, argv):
     (["generate", "--top-p", "0"], "top_p must be a finite number in (0, 1]"),
     (["generate", "--seed", str(2**40)], "seed must be an integer in"),
     (["generate", "--stop-token-ids", "-3"], "stop_token_ids"),
+    (["generate", "--min-tokens", "20"], "min_tokens (20) must be at most max_tokens (16)"),
     (["generate", ""], "a prompt is empty"),
     (["generate", "--model", "no/such/dir", "hi"], "'no/such/dir' is neither a checkpoint directory nor a preset"),
     (["memory", "--model", "no/such/dir"], "neither a preset"),

@@ -290,9 +290,9 @@ def test_min_p_cuts_below_its_share_of_the_top():
     probs = filtered_probs(logits, one(1.0), one(0.4), one(0, jnp.int32), one(0.0))
     np.testing.assert_allclose(np.asarray(probs[0]), [0, 1, 0, 0])  # top-p alone, unchanged by min_p = 0
     n = 256
-    no_bias = (jnp.full((n, 1), -1, jnp.int32), jnp.zeros((n, 1)))
-    draw = lambda mp: np.asarray(sample(jnp.repeat(logits, n, 0), jnp.ones(n), jnp.ones(n), jnp.zeros(n, jnp.int32),
-                                        jnp.full(n, mp), *no_bias, jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32),
+    rows = jnp.repeat(logits, n, 0)
+    draw = lambda mp: np.asarray(sample(rows, rows, jnp.ones(n), jnp.ones(n), jnp.zeros(n, jnp.int32),
+                                        jnp.full(n, mp), jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32),
                                         jnp.arange(n, dtype=jnp.int32), True)[0])
     assert set(draw(0.5).tolist()) == {1, 3} and set(draw(0.0).tolist()) == {0, 1, 2, 3}
 
@@ -314,6 +314,45 @@ def test_logit_bias_steers_the_choice_not_the_logprobs(tiny_llm):
     assert tiny_llm.generate([p], SamplingParams(logit_bias={forced: 100.0}, **hot))[0].token_ids == [forced] * 6
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny_llm.generate([p], SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def _masked_greedy(llm, prompt, n, stop, min_tokens):
+    """The greedy rollout by teacher-forced forwards with `stop` never chosen before min_tokens tokens, ending
+    after it (the reference for min_tokens)."""
+    seq = []
+    for i in range(n):
+        lg = np.array(llm.logits(list(prompt) + seq)[-1])
+        if i < min_tokens:
+            lg[stop] = -np.inf
+        seq.append(int(lg.argmax()))
+        if seq[-1] == stop:
+            break
+    return seq
+
+
+def test_min_tokens_holds_the_stop_ids_back(tiny_llm):
+    """With min_tokens m the stop ids are never drawn before m tokens (greedy: the masked teacher-forced rollout;
+    sampled: the same tokens as a -100 logit bias on them, the same keys), and end the request after; the
+    log-probs stay raw. max_tokens below min_tokens is refused."""
+    p = [5, 6, 7, 8]
+    free = tiny_llm.generate([p], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    stop = max(set(free), key=free.count)  # the token it emits most
+    m = free.index(stop) + 3
+    want = _masked_greedy(tiny_llm, p, 12, stop, m)
+    assert stop not in want[:m]
+    sp = dict(max_tokens=12, ignore_eos=True, stop_token_ids=[stop], logprobs=True)
+    out = tiny_llm.generate([p], SamplingParams(temperature=0.0, min_tokens=m, **sp))[0]
+    assert out.token_ids == want
+    raw = jax.nn.log_softmax(jnp.asarray(tiny_llm.logits(p + out.token_ids)[len(p) - 1:-1]), axis=-1)
+    np.testing.assert_allclose(out.logprobs, np.asarray(raw[np.arange(len(want)), want]), atol=1e-4)
+    assert tiny_llm.generate([p], SamplingParams(temperature=0.0, **sp))[0].token_ids == free[:free.index(stop) + 1]
+    for seed in range(3):
+        hot = dict(temperature=1.5, seed=seed, max_tokens=m, ignore_eos=True)
+        held = tiny_llm.generate([p], SamplingParams(min_tokens=m, stop_token_ids=[stop], **hot))[0].token_ids
+        banned = tiny_llm.generate([p], SamplingParams(logit_bias={stop: -100.0}, **hot))[0].token_ids
+        assert held == banned and stop not in held
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
 
 
 def test_stream_events_concatenate_to_result(tiny_llm):

@@ -132,8 +132,7 @@ def test_the_call_updates_the_pools_in_place(llm4):
     def n(dt=np.int32):
         return np.zeros((s,), dt)
 
-    state = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
-                          S.SamplingState.neutral(s))
+    state = S.DecodeState(n(), n(), n(bool), n(), S.SamplingState.neutral(s))
     state = eng.steps.carry(state, state, n(bool))
     donated = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((eng.pools, eng.store)))
     for rows in eng._slot_buckets():

@@ -154,6 +154,19 @@ def test_stop_strings_match_across_tokens_and_are_never_sent():
     assert all("xyz"[:2] not in p.text for p in out[:-1])
 
 
+def test_stop_strings_count_from_min_tokens_on():
+    """vLLM's rule: before min_tokens tokens a stop string is text like any other; from then on a stop string
+    ending in new text stops the sequence."""
+    toks = ["a", "STOP", "b", "c", "STOP", "d"]
+    decode = lambda ids: "".join(toks[i] for i in ids)
+    st = SequenceText(decode, stop=["STOP"], min_tokens=3)
+    out = [st.push([i]) for i in range(6)]
+    assert "".join(p.text for p in out) == "aSTOPbc" and out[4].stopped and out[4].token_ids == [4]
+    assert not any(p.stopped for p in out[:4])
+    st = SequenceText(decode, stop=["STOP"])
+    assert st.push([0, 1, 2]).stopped
+
+
 def test_chat_templates_render_as_transformers_does(tmp_path):
     tpl = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 % 2 == 1 %}"
            "{{ raise_exception('roles must alternate') }}{% endif %}"
@@ -203,6 +216,22 @@ def test_logit_bias_reaches_the_sampler(served, client):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
                                   logit_bias={"17": 100}, extra_body={"return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == [17] * 4
+
+
+def test_min_tokens_reaches_the_sampler(served, client):
+    """vLLM's `min_tokens`: the greedy completion's first token as a stop id ends it at once; with min_tokens it is
+    held back until then, and a stop string of the reference's text counts only from min_tokens on."""
+    first = served.refs[0].token_ids[0]
+    ask = lambda **extra: client.completions.create(  # noqa: E731
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"return_token_ids": True, "stop_token_ids": [first], **extra}).choices[0]
+    assert ask().model_extra["token_ids"] == [first]
+    held = ask(min_tokens=MAX_TOKENS)
+    assert first not in held.model_extra["token_ids"] and len(held.model_extra["token_ids"]) == MAX_TOKENS
+    text = served.refs[0].text
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                    stop=[text[:2]], extra_body={"min_tokens": MAX_TOKENS}).choices[0]
+    assert cut.text == text and cut.finish_reason == "length"
 
 
 def test_streamed_completion_with_usage(served, client):
@@ -570,7 +599,8 @@ MALFORMED = [  # (path, body: dict | bytes, headers, status, param)
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": -1}, {}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, {}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, {}, 400, "repetition_penalty"),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, {}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 8, "max_tokens": 4}, {}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, {}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, {}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 150}}, {}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, {}, 400, "logit_bias"),

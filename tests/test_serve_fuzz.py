@@ -217,6 +217,7 @@ COMMON = {
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans(),
     "presence_penalty": st.just(0),
+    "min_tokens": st.integers(0, 4),
     "frequency_penalty": st.just(0.0),
     "logit_bias": st.just({}),
     "response_format": st.just({"type": "text"}),

@@ -164,6 +164,26 @@ def test_logit_bias_in_the_verify_step():
 
 
 @pytest.mark.slow
+def test_min_tokens_in_the_verify_step():
+    """min_tokens holds the stop id back at each verified position as plain decoding does: greedy, the same tokens
+    as the engine without speculation (drafts of the stop id rejected before min_tokens); sampled, no stop id
+    before min_tokens."""
+    llm, plain = _spec_llm(3), LLM("tiny", **OPTIONS)
+    (p,) = _prompts(LENS[:1], llm.config.vocab_size)
+    free = plain.generate([p], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids
+    stop = free[1]
+    m = free.index(stop) + 4
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], min_tokens=m)
+    want = plain.generate([p], sp)[0].token_ids
+    assert stop not in want[:m]
+    assert llm.generate([p], sp)[0].token_ids == want
+    for seed in range(3):
+        hot = SamplingParams(max_tokens=m, temperature=1.5, seed=seed, ignore_eos=True, stop_token_ids=[stop],
+                             min_tokens=m)
+        assert stop not in llm.generate([p], hot)[0].token_ids
+
+
+@pytest.mark.slow
 def test_sampled_seeded_reproducible():
     """A seeded sampled request (the rejection rule) gives the same tokens again, beside a greedy one whose tokens
     stay the teacher-forced ones."""

@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-token-ids", type=_int_list, default=None, metavar="IDS",
                    help="comma-separated token ids that end a request (default: none; EOS always does)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+    g.add_argument("--min-tokens", type=int, default=sp.min_tokens,
+                   help="tokens generated before EOS or a stop token id may end a request; 0 = off")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context limit, prompt + generated tokens (default: the model's)")
     g.add_argument("--attention-impl", default=None, choices=["xla", "pallas"],
@@ -292,7 +294,7 @@ def _generate(args) -> int:
     # Everything that can be checked without the model is checked first: bad flags fail at once.
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_token_ids=args.stop_token_ids or (),
-                        ignore_eos=args.ignore_eos)
+                        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens)
     if args.model is not None and args.model not in PRESETS and not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r} is neither a checkpoint directory nor a preset "
                                 f"({', '.join(sorted(PRESETS))})")

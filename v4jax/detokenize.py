@@ -51,10 +51,15 @@ class Pushed:
 
 
 class SequenceText:
-    def __init__(self, decode: Decode | None, stop: Sequence[str] = ()):
+    """min_tokens: stop strings count only in text decoded from this many tokens on (vLLM's rule: a stop string
+    whose last character came earlier is not looked for again)."""
+
+    def __init__(self, decode: Decode | None, stop: Sequence[str] = (), min_tokens: int = 0):
         self.detok = IncrementalDetokenizer(decode) if decode is not None else None
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.min_tokens = min_tokens
+        self.n_tokens = 0  # tokens pushed so far
         self.text = ""  # everything decoded so far (cut at a stop string)
         self.sent = 0  # characters of self.text already returned
 
@@ -63,6 +68,7 @@ class SequenceText:
         if self.detok is None:
             return Pushed("", ids, lps, False)
         for i, t in enumerate(ids):
+            self.n_tokens += 1
             if self._extend(self.detok.push(t)):
                 return self._release(ids[:i + 1], lps[:i + 1], stopped=True)
         if final and self._extend(self.detok.flush()):
@@ -75,6 +81,8 @@ class SequenceText:
             return False
         start = max(self.sent, len(self.text) - self.hold)  # an earlier start would have been found before
         self.text += piece
+        if self.n_tokens < self.min_tokens:
+            return False
         hits = [p for p in (self.text.find(s, start) for s in self.stop) if p >= 0]
         if hits:
             self.text = self.text[:min(hits)]

@@ -57,6 +57,7 @@ BOOL = Rule("bool")
 RULES: dict[str, Rule] = {
     # SamplingParams (and the server's fields of the same names)
     "max_tokens": Int(1),
+    "min_tokens": Int(0),
     "temperature": Float(0, FLOAT32_MAX),
     "top_p": Float(0, 1, lo_open=True),
     "top_k": Int(-1, note="(0 or -1 = off)"),

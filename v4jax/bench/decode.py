@@ -351,7 +351,6 @@ class JaxDecodeBench:
         eng, s = self.engine, self.engine.layout.max_slots
         z = lambda dt=np.int32: np.zeros(s, dt)
         state = S.DecodeState(z(), np.full(s, held, np.int32), np.ones(s, bool), np.full(s, 1 << 20, np.int32),
-                              np.full((s, S.MAX_STOP), -1, np.int32),
                               dataclasses.replace(S.SamplingState.neutral(s), seed=np.arange(s, dtype=np.int32),
                                                   sample_index=np.arange(s, dtype=np.int32)))
         state = eng.steps.carry(state, state, z(bool))

@@ -138,8 +138,7 @@ def engine_steps(eng, chunk: int) -> dict:
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
     s = eng.layout.max_slots
     z = lambda n, dt=np.int32: np.zeros((n,), dt)  # noqa: E731
-    state = S.DecodeState(z(s), z(s), z(s, bool), z(s), np.full((s, S.MAX_STOP), -1, np.int32),
-                          S.SamplingState.neutral(s))
+    state = S.DecodeState(z(s), z(s), z(s, bool), z(s), S.SamplingState.neutral(s))
     pt, swa = eng.kv.decode_tables(2)
     samp = S.SamplingState.neutral(1)
     batch = S.PrefillBatch(np.zeros((1, chunk), np.int32), z(1), z(1), z(1, bool), z(1))
@@ -235,8 +234,7 @@ def plan(preset_name: str, topology: str, mesh_spec: str, slots: int, context: i
     A = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
     i32 = jnp.int32
     samp = lambda n: jax.tree.map(lambda a: A(a.shape, a.dtype), S.SamplingState.neutral(n))  # noqa: E731
-    state = S.DecodeState(A((slots,), i32), A((slots,), i32), A((slots,), jnp.bool_), A((slots,), i32),
-                          A((slots, S.MAX_STOP), i32), samp(slots))
+    state = S.DecodeState(A((slots,), i32), A((slots,), i32), A((slots,), jnp.bool_), A((slots,), i32), samp(slots))
     batch = S.PrefillBatch(A((1, chunk), i32), A((1,), i32), A((1,), i32), A((1,), jnp.bool_), A((1,), i32))
     steps = {
         "decode": (functools.partial(S._decode, spec),

@@ -384,7 +384,6 @@ class EngineCore:
         z = lambda dt=np.int32: np.zeros(s, dt)
         tokens, pos, rem, active = z(), z(), z(), z(bool)
         samp = S.SamplingState.neutral(s)
-        stop = np.full((s, S.MAX_STOP), -1, np.int32)
         carried = z(bool)
         for r in sch.prefilling() + sch.prefilled():
             pos[r.slot] = r.computed  # where it stands: its compressor state is left as it is
@@ -393,10 +392,9 @@ class EngineCore:
             carried[i] = i in plan.carried
             tokens[i], pos[i], active[i] = r.output[-1], r.fed, True
             rem[i] = r.params.max_tokens - len(r.output)
-            samp.set_row(i, r.params, r.seed, r.sample_index, len(r.output))
-            stop[i, :len(r.stop_ids)] = r.stop_ids
+            samp.set_row(i, r.params, r.seed, r.sample_index, len(r.output), r.stop_ids)
         # Fresh numpy arrays, never mutated afterwards: jit transfers them itself.
-        fresh = S.DecodeState(tokens, pos, active, rem, stop, samp)
+        fresh = S.DecodeState(tokens, pos, active, rem, samp)
         # always through the (tiny) merge, so the decode step sees device arrays every time (numpy and device
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
@@ -513,7 +511,7 @@ class EngineCore:
             sp = req.params
             chunk[i, :e0 - s0] = req.token_slice(s0, e0)
             start[i], n_valid[i], slot[i], fresh[i] = s0, e0 - s0, req.slot, s0 == 0
-            samp.set_row(i, sp, req.seed, req.sample_index, len(req.output))
+            samp.set_row(i, sp, req.seed, req.sample_index, len(req.output), req.stop_ids)
         pt, swa = self.kv.prefill_tables([r.slot for r, _, _ in plans], n_rows, program.pages)
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
         self.pools, self.store, tok, lp, top = self.steps.prefill(program.spec, self._leaves, self.pools, self.store,
@@ -599,8 +597,7 @@ class EngineCore:
             return self._merged_example
         s = self.layout.max_slots
         n = lambda dt=np.int32: np.zeros((s,), dt)
-        st = S.DecodeState(n(), n(), n(bool), n(), np.full((s, S.MAX_STOP), -1, np.int32),
-                           S.SamplingState.neutral(s))
+        st = S.DecodeState(n(), n(), n(bool), n(), S.SamplingState.neutral(s))
         self._merged_example = self.steps.carry(st, st, n(bool))
         return self._merged_example
 

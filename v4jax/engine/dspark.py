@@ -11,7 +11,7 @@ What the drafter computes (v4jax.model.transformer: DSparkStage, Transformer.dsp
            positions a-W+1 .. a; no causal mask inside the block; then its MoE, with mHC around both
   head     y = the last layer's hc_head collapse; base logits = head(norm(y)), one row per block slot
   Markov   draft j = proposal(base_j + markov_w2 @ markov_w1[prev_j]), prev_0 = t, prev_{j+1} = draft j (greedy rows:
-           the argmax; sampled rows: a draw from the biased logits filtered as their sampling filters them, whose
+           the argmax; sampled rows: a draw from the steered logits filtered as their sampling filters them, whose
            distribution is the q of the rejection rule)
   confidence  proj([y_j, markov_w1[prev_j]]) per draft (a logit; sigmoid = the head's estimate that draft j survives
            given the ones before it)
@@ -126,7 +126,7 @@ def propose(model, cfg, layout, ring, tokens, pos, live, k: int, swa_table, opts
     for j in range(k):
         e = head.markov_head.embed(prev)
         conf.append(head.confidence_head(y[:, j], e))
-        prev, q = SP.proposal(base[:, j] + head.markov_head.bias(e), sm, keys[:, j], sampled)
+        prev, q = SP.proposal(base[:, j] + head.markov_head.bias(e), sm, keys[:, j], sampled, j)
         drafts.append(prev)
         qs.append(q)
     drafts = jnp.stack(drafts, axis=1)

@@ -68,14 +68,20 @@ class SamplingParams:
     # OpenAI's / vLLM's logit_bias: {token id: bias in [-100, 100]} added to the logits the token is chosen from
     # (greedy included); the reported log-probs stay those of the raw logits. Held as sorted (id, bias) pairs.
     logit_bias: dict | tuple = ()
+    # vLLM's min_tokens: the stop ids (EOS unless ignore_eos, and stop_token_ids) are never drawn before this many
+    # tokens, and the server's stop strings count only from then on
+    min_tokens: int = 0
 
     def __post_init__(self):
         # Every check runs here, at construction, by the rule table (v4jax.fields: int32 bounds, finite floats,
         # real bools): a bad value never reaches the engine (where it would fail late, e.g. as an int32 overflow
         # on its thread) or gets silently coerced (a string of digits, a float token id).
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos", "top_logprobs",
-                     "min_p"):
+                     "min_p", "min_tokens"):
             object.__setattr__(self, name, check_field(name, getattr(self, name)))
+        if self.min_tokens > self.max_tokens:
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                                           f"({self.max_tokens})")
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=True")
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
@@ -103,20 +109,35 @@ def biased(logits, bias_ids, bias):
     return flat.at[rows, ids].add(vals, mode="drop").reshape(logits.shape)
 
 
-def sample(logits, temperature, top_p, top_k, min_p, bias_ids, bias, seeds, request_index, token_index,
+def steered(logits, sm, ahead=0):
+    """What a row's token is chosen from: logits [B, V] (or [B, P, V] for P positions, `ahead` [1, P] their
+    offsets from sm.token_index) with the row's logit bias added and, while its token index is below its
+    min_tokens, its stop ids masked. sm: the rows' sampling state (v4jax.engine.steps.SamplingState: bias_ids /
+    bias [B, N], stop_ids [B, S], min_tokens and token_index [B])."""
+    extra = logits.ndim - 2  # position axes between the row and the vocabulary
+    row = lambda a: a.reshape(a.shape[:1] + (1,) * extra + a.shape[1:])  # noqa: E731 - [B, ...] -> every position
+    lead = logits.shape[:-1]
+    ids = jnp.broadcast_to(row(sm.bias_ids), lead + sm.bias_ids.shape[1:])
+    out = biased(logits, ids, jnp.broadcast_to(row(sm.bias), lead + sm.bias.shape[1:]))
+    held = row(sm.token_index) + ahead < row(sm.min_tokens)              # [B, (P)]
+    stops = jnp.where(held[..., None], jnp.broadcast_to(row(sm.stop_ids), lead + sm.stop_ids.shape[1:]), -1)
+    return biased(out, stops, jnp.full(stops.shape, -jnp.inf, F32))      # -1: adds nothing
+
+
+def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_index, token_index,
            any_sampled: bool, n_top: int = 0):
-    """One token per row. logits [B, V] f32; temperature/top_p/min_p [B] f32, top_k [B] int32 (0 = off),
-    bias_ids [B, N] int32 / bias [B, N] f32 the logit bias the token is chosen with (-1: none),
-    seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B] f32, top_ids [B, n_top]
-    int32, top_logprobs [B, n_top] f32), logprobs being log-softmax of the raw logits at the chosen token and the
-    top pair the n_top most likely tokens by the same log-softmax (ties: lower index first). temperature == 0 is
-    greedy (ties: lower index).
+    """One token per row. logits [B, V] f32 (raw: the log-probs are theirs); chosen [B, V] what the token is chosen
+    from (`steered`: the logit bias added, stop ids held back before min_tokens); temperature/top_p/min_p [B] f32,
+    top_k [B] int32 (0 = off), seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B]
+    f32, top_ids [B, n_top] int32, top_logprobs [B, n_top] f32), logprobs being log-softmax of the raw logits at
+    the chosen token and the top pair the n_top most likely tokens by the same log-softmax (ties: lower index
+    first). temperature == 0 is greedy (ties: lower index).
     any_sampled: whether some row has temperature > 0 (False: no full-vocabulary sort). The caller knows: a
     device-side branch (`lax.cond`) would copy its predicate to the host and wait there on GPU. n_top is static
     for the same reason: 0 in the programs most steps run, MAX_TOP_LOGPROBS in those of steps where a request
     asked for alternatives."""
     raw = logits.astype(F32)
-    logits = biased(raw, bias_ids, bias)  # what the token is chosen from; the log-probs are the raw logits'
+    logits = chosen.astype(F32)
     v = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

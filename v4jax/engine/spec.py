@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from v4jax import cache as C
 from v4jax.config import CSA, ModelConfig, layer_stacks
-from v4jax.engine.sampling import biased, filtered_probs, request_key
+from v4jax.engine.sampling import filtered_probs, request_key, steered
 from v4jax.fields import FieldError, is_int
 from v4jax.model import layers as L
 from v4jax.model.attention import pending_of
@@ -178,11 +178,11 @@ def purpose(keys, i: int):
     return jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, i)))(keys)
 
 
-def proposal(logits, sm, keys, sampled: bool):
-    """A draft token [B] from the MTP block's logits [B, V], and its distribution [B, V] (None if no row samples):
-    greedy rows take the argmax, sampled rows draw from the logits filtered as their own sampling filters them
-    (their logit bias added first, as the target's)."""
-    logits = biased(logits, sm.bias_ids, sm.bias)
+def proposal(logits, sm, keys, sampled: bool, ahead: int):
+    """A draft token [B] from the MTP block's logits [B, V] for the token `ahead` of each row's next, and its
+    distribution [B, V] (None if no row samples): greedy rows take the argmax, sampled rows draw from the logits
+    filtered as their own sampling filters them (steered first, as the target's)."""
+    logits = steered(logits, sm, ahead)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampled:
         return greedy, None
@@ -269,7 +269,7 @@ def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, sw
     y, mpool = model.mtp_cached(d.hidden, d.tokens, meta, mpool, opts)
     y = jnp.take_along_axis(y, jnp.maximum(n - 1, 0)[:, None, None, None], axis=1)[:, 0]
     keys = purpose(token_keys(sm, k), 1) if sampled else jnp.zeros((live.shape[0], k), jnp.uint32)
-    first, q0 = proposal(model.mtp_head(y), sm, keys[:, 0], sampled)
+    first, q0 = proposal(model.mtp_head(y), sm, keys[:, 0], sampled, 0)
 
     def step(carry, i):
         y, tok, swa = carry
@@ -277,7 +277,7 @@ def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, sw
                            swa_table, 1, rows)
         y, p = model.mtp_cached(y[:, None], tok[:, None], meta, C.LayerPool(swa=swa), opts)
         y = y[:, 0]
-        tok, q = proposal(model.mtp_head(y), sm, jnp.take(keys, i + 1, axis=1), sampled)
+        tok, q = proposal(model.mtp_head(y), sm, jnp.take(keys, i + 1, axis=1), sampled, i + 1)
         return (y, tok, p.swa), (tok, q)
 
     swa = mpool.swa

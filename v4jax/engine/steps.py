@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from v4jax.model import RunOptions
 from v4jax.engine import dspark as DS
 from v4jax.engine import spec as SP
 from v4jax.engine.programs import in_background
-from v4jax.engine.sampling import biased, filtered_probs, sample, top_alternatives
+from v4jax.engine.sampling import filtered_probs, sample, steered, top_alternatives
 from v4jax.fields import MAX_LOGIT_BIAS
 from v4jax.model.transformer import last_valid
 
@@ -102,19 +102,24 @@ class SamplingState:
     min_p: jax.Array  # f32, 0 = off
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32, the tokens of the row's logit bias (-1 = none)
     bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32, their biases
+    stop_ids: jax.Array  # [B, MAX_STOP] int32, the tokens that end the row (-1 = none)
+    min_tokens: jax.Array  # int32, the token index from which the stop ids may be drawn
 
     @staticmethod
     def neutral(n: int) -> "SamplingState":
-        """n greedy rows of no filter and no bias (host arrays): what rows no request fills hold."""
+        """n greedy rows of no filter, no bias and no stop ids (host arrays): what rows no request fills hold."""
         z = lambda dt=np.int32: np.zeros(n, dt)  # noqa: E731
         return SamplingState(z(np.float32), np.ones(n, np.float32), z(), z(), z(), z(), z(np.float32),
-                             np.full((n, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((n, MAX_LOGIT_BIAS), np.float32))
+                             np.full((n, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((n, MAX_LOGIT_BIAS), np.float32),
+                             np.full((n, MAX_STOP), -1, np.int32), z())
 
-    def set_row(self, i: int, params, seed: int, sample_index: int, token_index: int) -> None:
-        """Row i (of host arrays) from a request's SamplingParams and its sampling key's parts."""
+    def set_row(self, i: int, params, seed: int, sample_index: int, token_index: int,
+                stop_ids: Sequence[int]) -> None:
+        """Row i (of host arrays) from a request's SamplingParams, its sampling key's parts and its stop ids."""
         self.temperature[i], self.top_p[i], self.top_k[i] = params.temperature, params.top_p, max(params.top_k, 0)
         self.seed[i], self.sample_index[i], self.token_index[i] = seed, sample_index, token_index
-        self.min_p[i] = params.min_p
+        self.min_p[i], self.min_tokens[i] = params.min_p, params.min_tokens
+        self.stop_ids[i, :len(stop_ids)] = stop_ids
         if params.logit_bias:
             ids, vals = zip(*params.logit_bias)
             self.bias_ids[i, :len(ids)], self.bias[i, :len(ids)] = ids, vals
@@ -130,8 +135,7 @@ class DecodeState:
     pos: jax.Array  # [S] int32, its position (for an inactive slot: where its request stands)
     active: jax.Array  # [S] bool
     remaining: jax.Array  # [S] int32, tokens it may still generate
-    stop_ids: jax.Array  # [S, MAX_STOP] int32 (-1 = none)
-    sampling: SamplingState
+    sampling: SamplingState  # its stop ids too
 
 
 @jax.tree_util.register_dataclass
@@ -224,8 +228,8 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     if ends is not None:
         rows = _boundary_rows(spec, ends.reshape(-1), ends.reshape(-1) >= 0, jnp.repeat(swa_table, ends.shape[1], 0))
         store, pools = save_recorded_boundaries(store, pools, rows.reshape(ends.shape))
-    tok, lp, top_ids, top_lp = sample(logits, samp.temperature, samp.top_p, samp.top_k, samp.min_p, samp.bias_ids,
-                                      samp.bias, samp.seed, samp.sample_index, samp.token_index, spec.any_sampled,
+    tok, lp, top_ids, top_lp = sample(logits, steered(logits, samp), samp.temperature, samp.top_p, samp.top_k,
+                                      samp.min_p, samp.seed, samp.sample_index, samp.token_index, spec.any_sampled,
                                       spec.top_logprobs)
     if drafter is not None:
         pools = drafter.prefill(model, spec.cfg, spec.layout, pools, streams, taps, batch, tok, page_table, swa_table,
@@ -285,20 +289,20 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         if spec.save_boundaries:
             store = save_boundary_states(store, pools, None, _boundary_rows(spec, st.pos + 1, st.active, swa_table))
         sm = st.sampling
-        nxt, lp, top_ids, top_lp = sample(logits, sm.temperature, sm.top_p, sm.top_k, sm.min_p, sm.bias_ids,
-                                          sm.bias, sm.seed, sm.sample_index, sm.token_index, spec.any_sampled,
+        nxt, lp, top_ids, top_lp = sample(logits, steered(logits, sm), sm.temperature, sm.top_p, sm.top_k,
+                                          sm.min_p, sm.seed, sm.sample_index, sm.token_index, spec.any_sampled,
                                           spec.top_logprobs)
+        is_stop = jnp.any(nxt[:, None] == sm.stop_ids, axis=-1)
         out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
                            logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
-                           stopped=out.stopped | (st.active & jnp.any(nxt[:, None] == st.stop_ids, axis=-1)),
+                           stopped=out.stopped | (st.active & is_stop),
                            top_ids=out.top_ids.at[:, i].set(top_ids),
                            top_logprobs=out.top_logprobs.at[:, i].set(top_lp), drafts=out.drafts,
                            accepted=out.accepted)
-        is_stop = jnp.any(nxt[:, None] == st.stop_ids, axis=-1)
         full = (st.remaining <= 1) | (st.pos + 2 >= spec.max_model_len)
         adv = st.active.astype(jnp.int32)
         st = DecodeState(tokens=jnp.where(st.active, nxt, st.tokens), pos=st.pos + adv,
-                         active=st.active & ~is_stop & ~full, remaining=st.remaining - adv, stop_ids=st.stop_ids,
+                         active=st.active & ~is_stop & ~full, remaining=st.remaining - adv,
                          sampling=dataclasses.replace(sm, token_index=sm.token_index + adv))
         return pools, store, st, out
 
@@ -351,8 +355,7 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         streams, vpools, taps = verified if drafter.taps else (*verified, None)
         logits = model.logits_from_streams(streams)  # [s, d+1, V]
         # accept (greedy): the drafts up to the first the model would not have chosen, then the model's own token
-        bias = lambda a: jnp.broadcast_to(a[:, None], (s, d + 1) + a.shape[1:])  # noqa: E731 - every position
-        chosen = biased(logits, bias(sm.bias_ids), bias(sm.bias))  # what tokens are chosen from (log-probs: raw)
+        chosen = steered(logits, sm, j)  # what tokens are chosen from at each position (log-probs: raw)
         target = jnp.argmax(chosen, axis=-1).astype(jnp.int32)
         n_acc = jnp.sum(jnp.cumprod(drafts == target[:, :d], axis=1), axis=1)
         if spec.any_sampled:  # sampled rows: the rejection rule
@@ -370,7 +373,7 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
                 jnp.arange(s), st.pos)
             n_acc = jnp.sum(jnp.cumprod(u < spec.forced_acceptance, axis=1), axis=1).astype(n_acc.dtype)
             target = target.at[:, :d].set(jnp.where(j[:, :d] < n_acc[:, None], drafts, target[:, :d]))
-        is_stop = jnp.any(target[:, :, None] == st.stop_ids[:, None, :], axis=-1)  # [s, d+1]
+        is_stop = jnp.any(target[:, :, None] == sm.stop_ids[:, None, :], axis=-1)  # [s, d+1]
         first_stop = jnp.min(jnp.where(is_stop, j, d + 1), axis=1)
         cap = jnp.maximum(1, jnp.minimum(jnp.minimum(k - out.n_out, st.remaining), spec.max_model_len - st.pos - 1))
         n = jnp.where(live, jnp.minimum(jnp.minimum(n_acc + 1, cap), first_stop + 1), 0)
@@ -404,7 +407,7 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         full = (remaining <= 0) | (pos + 1 >= spec.max_model_len)
         last = jnp.take_along_axis(target, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
         st = DecodeState(tokens=jnp.where(live, last, st.tokens), pos=pos,
-                         active=st.active & ~(live & (stopped | full)), remaining=remaining, stop_ids=st.stop_ids,
+                         active=st.active & ~(live & (stopped | full)), remaining=remaining,
                          sampling=dataclasses.replace(sm, token_index=sm.token_index + n))
         return pools, store, st, out
 

@@ -207,7 +207,7 @@ class Orchestrator:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 for j in range(n):
                     seq_id = f"{rid}-{i * n + j}"
-                    seq = _Seq(seq_id, stream, i * n + j, len(p), SequenceText(self.decode, stop), now)
+                    seq = _Seq(seq_id, stream, i * n + j, len(p), SequenceText(self.decode, stop, sp.min_tokens), now)
                     self._seqs[seq_id] = seq
                     stream.seq_ids.append(seq_id)
                     self._commands.put(("add", seq_id, list(p), sp, j, route))

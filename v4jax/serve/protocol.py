@@ -128,8 +128,7 @@ def _unsupported(body: dict) -> None:
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "'suffix' is not supported")
     # vLLM's sampling extras that would change the tokens: refused unless neutral, never silently ignored
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                          ("min_tokens", 0)):
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
         v = body.get(name)
         if (v is not None and v != neutral) or isinstance(v, bool):
             raise bad(name, f"'{name}' is not supported (only {neutral})")
@@ -172,7 +171,8 @@ def _sampling(body: dict, max_tokens: int, *, logprobs: int | None) -> SamplingP
               top_p=get_number(body, "top_p", 1.0), top_k=get_int(body, "top_k", 0),
               min_p=get_number(body, "min_p", 0.0), logit_bias=_logit_bias(body),
               seed=get_int(body, "seed", None), stop_token_ids=stop_ids or (), logprobs=logprobs is not None,
-              top_logprobs=logprobs or 0, ignore_eos=get_bool(body, "ignore_eos", False))
+              top_logprobs=logprobs or 0, ignore_eos=get_bool(body, "ignore_eos", False),
+              min_tokens=get_int(body, "min_tokens", 0))
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # its messages start with the field's name
