@@ -167,6 +167,15 @@ def test_stop_strings_count_from_min_tokens_on():
     assert st.push([0, 1, 2]).stopped
 
 
+def test_stop_strings_kept_in_the_text_on_request():
+    """vLLM's include_stop_str_in_output: the text ends after the stop string, the earliest one found."""
+    toks = ["Hel", "lo, w", "or", "ld! ", "Bye"]
+    decode = lambda ids: "".join(toks[i] for i in ids)
+    st = SequenceText(decode, stop=["! B", "world"], include_stop=True)
+    sent = [st.push([i]) for i in range(5)]
+    assert "".join(p.text for p in sent) == "Hello, world" and sent[3].stopped
+
+
 def test_chat_templates_render_as_transformers_does(tmp_path):
     tpl = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 % 2 == 1 %}"
            "{{ raise_exception('roles must alternate') }}{% endif %}"
@@ -232,6 +241,19 @@ def test_min_tokens_reaches_the_sampler(served, client):
     cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                     stop=[text[:2]], extra_body={"min_tokens": MAX_TOKENS}).choices[0]
     assert cut.text == text and cut.finish_reason == "length"
+
+
+def test_include_stop_str_in_output(served, client):
+    """A stop string of the reference's text ends the completion before it, or with `include_stop_str_in_output`
+    after it."""
+    text = served.refs[0].text
+    stop = text[3:6]
+    at = text.index(stop)
+    ask = lambda **extra: client.completions.create(  # noqa: E731
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stop=[stop], extra_body=extra).choices[0]
+    assert ask().text == text[:at]
+    kept = ask(include_stop_str_in_output=True)
+    assert kept.text == text[:at + len(stop)] and kept.finish_reason == "stop"
 
 
 def test_streamed_completion_with_usage(served, client):

@@ -52,11 +52,14 @@ class Pushed:
 
 class SequenceText:
     """min_tokens: stop strings count only in text decoded from this many tokens on (vLLM's rule: a stop string
-    whose last character came earlier is not looked for again)."""
+    whose last character came earlier is not looked for again). include_stop: the text ends after the stop string
+    that ended it instead of before (vLLM's include_stop_str_in_output)."""
 
-    def __init__(self, decode: Decode | None, stop: Sequence[str] = (), min_tokens: int = 0):
+    def __init__(self, decode: Decode | None, stop: Sequence[str] = (), min_tokens: int = 0,
+                 include_stop: bool = False):
         self.detok = IncrementalDetokenizer(decode) if decode is not None else None
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.min_tokens = min_tokens
         self.n_tokens = 0  # tokens pushed so far
@@ -83,9 +86,10 @@ class SequenceText:
         self.text += piece
         if self.n_tokens < self.min_tokens:
             return False
-        hits = [p for p in (self.text.find(s, start) for s in self.stop) if p >= 0]
+        hits = [(p, len(s)) for p, s in ((self.text.find(s, start), s) for s in self.stop) if p >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, length = min(hits, key=lambda h: h[0])  # the earliest; at one place, the first listed
+            self.text = self.text[:at + length if self.include_stop else at]
             return True
         return False
 

@@ -191,9 +191,10 @@ class Orchestrator:
         self.engine.check(prompt_ids, params)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], *, n: int = 1,
-               stop: Sequence[str] = (), route: dict | None = None) -> RequestStream:
+               stop: Sequence[str] = (), include_stop: bool = False, route: dict | None = None) -> RequestStream:
         """Queue n sequences per prompt (sequence i * n + j samples prompt i with sample index j). Must be called
-        from the event loop that will read the stream. `route`: the engine's add_request's (disaggregation)."""
+        from the event loop that will read the stream. `stop` / `include_stop`: the stop strings and whether the
+        text keeps the one that ended it (SequenceText). `route`: the engine's add_request's (disaggregation)."""
         if not self.accepting:
             raise ShuttingDown()
         count = len(prompts) * n
@@ -207,7 +208,8 @@ class Orchestrator:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 for j in range(n):
                     seq_id = f"{rid}-{i * n + j}"
-                    seq = _Seq(seq_id, stream, i * n + j, len(p), SequenceText(self.decode, stop, sp.min_tokens), now)
+                    text = SequenceText(self.decode, stop, sp.min_tokens, include_stop)
+                    seq = _Seq(seq_id, stream, i * n + j, len(p), text, now)
                     self._seqs[seq_id] = seq
                     stream.seq_ids.append(seq_id)
                     self._commands.put(("add", seq_id, list(p), sp, j, route))

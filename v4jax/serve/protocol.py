@@ -114,6 +114,7 @@ class Prepared:
     tool_calls: bool = False  # chat with tools: the model's DSML tool-call blocks are read (v4jax.serve.tools)
     parallel_tool_calls: bool = True  # else only the first call is kept
     reasoning: bool = False  # chat in thinking mode: the text up to </think> is reasoning (v4jax.serve.reasoning)
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the text keeps the stop string that ended it
 
 
 @dataclasses.dataclass
@@ -292,7 +293,8 @@ def parse_completion(body: dict, codec, limits, check) -> Prepared:
     if echo:
         texts = [x if isinstance(x, str) else codec.decode(ids) for x, ids in zip(raw, prompts)]
     return Prepared(prompts, params, n, stop, stream, include_usage, logprobs,
-                    get_bool(body, "return_token_ids", False), echo, prompt_only, texts)
+                    get_bool(body, "return_token_ids", False), echo, prompt_only, texts,
+                    include_stop=get_bool(body, "include_stop_str_in_output", False))
 
 
 def _message_text(m: dict, i: int) -> str:
@@ -398,7 +400,8 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     _checked([ids], params, check, name, "messages")
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
                     get_bool(body, "return_token_ids", False), tool_calls=read_calls, parallel_tool_calls=parallel,
-                    reasoning=thinking_asked(kwargs, codec.template))
+                    reasoning=thinking_asked(kwargs, codec.template),
+                    include_stop=get_bool(body, "include_stop_str_in_output", False))
 
 
 def parse_tokenize(body: dict, codec) -> list[int]:

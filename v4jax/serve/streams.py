@@ -37,7 +37,8 @@ async def read_json(request, limit: int) -> dict:
 
 def submit(state, prep: Prepared, route: dict | None = None) -> RequestStream:
     try:
-        return state.orchestrator.submit(prep.prompts, prep.params, n=prep.n, stop=prep.stop, route=route)
+        return state.orchestrator.submit(prep.prompts, prep.params, n=prep.n, stop=prep.stop,
+                                         include_stop=prep.include_stop, route=route)
     except Overloaded:
         state.metrics.rejected.labels(reason="queue_full").inc()
         raise ApiError(429, f"the server is at capacity ({state.orchestrator.capacity} sequences running or "
