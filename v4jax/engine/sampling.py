@@ -116,12 +116,13 @@ def steered(logits, sm, ahead=0):
     bias [B, N], stop_ids [B, S], min_tokens and token_index [B])."""
     extra = logits.ndim - 2  # position axes between the row and the vocabulary
     row = lambda a: a.reshape(a.shape[:1] + (1,) * extra + a.shape[1:])  # noqa: E731 - [B, ...] -> every position
-    lead = logits.shape[:-1]
-    ids = jnp.broadcast_to(row(sm.bias_ids), lead + sm.bias_ids.shape[1:])
-    out = biased(logits, ids, jnp.broadcast_to(row(sm.bias), lead + sm.bias.shape[1:]))
+    every = lambda a: jnp.broadcast_to(row(a), logits.shape[:-1] + a.shape[1:])  # noqa: E731
     held = row(sm.token_index) + ahead < row(sm.min_tokens)              # [B, (P)]
-    stops = jnp.where(held[..., None], jnp.broadcast_to(row(sm.stop_ids), lead + sm.stop_ids.shape[1:]), -1)
-    return biased(out, stops, jnp.full(stops.shape, -jnp.inf, F32))      # -1: adds nothing
+    stops = jnp.where(held[..., None], every(sm.stop_ids), -1)           # -1: adds nothing
+    # one scatter for both (as the bias alone was): the stop ids' -inf after the bias columns
+    ids = jnp.concatenate([every(sm.bias_ids), stops], axis=-1)
+    vals = jnp.concatenate([every(sm.bias), jnp.full(stops.shape, -jnp.inf, F32)], axis=-1)
+    return biased(logits, ids, vals)
 
 
 def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_index, token_index,
