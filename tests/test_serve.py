@@ -266,6 +266,16 @@ def test_streamed_completion_with_usage(served, client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_streamed_usage_on_every_chunk(served, client):
+    """vLLM's `continuous_usage_stats`: every chunk carries the usage so far, the last one the whole."""
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    used = [c.usage.completion_tokens for c in chunks]
+    assert used == sorted(used) and used[-1] == MAX_TOKENS and all(u > 0 for u in used)
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
 def test_token_prompts_lists_of_prompts_and_n(served, client):
     ids = [r.prompt_token_ids for r in served.refs]
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0, n=2,

@@ -243,7 +243,7 @@ def router(state) -> APIRouter:
         def chunk(choice):
             c = {**head, "choices": [choice]}
             if prep.include_usage:
-                c["usage"] = None
+                c["usage"] = _usage(prep, n_tokens) if prep.continuous_usage else None
             return S.sse(c)
 
         try:

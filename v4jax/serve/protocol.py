@@ -115,6 +115,7 @@ class Prepared:
     parallel_tool_calls: bool = True  # else only the first call is kept
     reasoning: bool = False  # chat in thinking mode: the text up to </think> is reasoning (v4jax.serve.reasoning)
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the text keeps the stop string that ended it
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far on every chunk
 
 
 @dataclasses.dataclass
@@ -151,16 +152,19 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in v if s)
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage): vLLM's `continuous_usage_stats` puts the usage so far on every
+    chunk, with `include_usage` only."""
     stream = get_bool(body, "stream", False)
     so = body.get("stream_options")
     if so is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(so, dict):
         raise bad("stream_options", "'stream_options' must be an object", "invalid_type")
     if not stream:
         raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    return stream, get_bool(so, "include_usage", False)
+    usage = get_bool(so, "include_usage", False)
+    return stream, usage, usage and get_bool(so, "continuous_usage_stats", False)
 
 
 def _sampling(body: dict, max_tokens: int, *, logprobs: int | None) -> SamplingParams:
@@ -260,7 +264,7 @@ def parse_completion(body: dict, codec, limits, check) -> Prepared:
             prompts.append(codec.encode(x, where))
         except (ValueError, TypeError) as e:
             raise bad("prompt", str(e)) from None
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     lp = body.get("logprobs")
     if lp is True or lp is False:  # some clients send chat's boolean form here
         lp = 0 if lp else None
@@ -294,7 +298,8 @@ def parse_completion(body: dict, codec, limits, check) -> Prepared:
         texts = [x if isinstance(x, str) else codec.decode(ids) for x, ids in zip(raw, prompts)]
     return Prepared(prompts, params, n, stop, stream, include_usage, logprobs,
                     get_bool(body, "return_token_ids", False), echo, prompt_only, texts,
-                    include_stop=get_bool(body, "include_stop_str_in_output", False))
+                    include_stop=get_bool(body, "include_stop_str_in_output", False),
+                    continuous_usage=continuous_usage)
 
 
 def _message_text(m: dict, i: int) -> str:
@@ -387,7 +392,7 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     if body.get("echo"):
         raise bad("echo", "'echo' is a /v1/completions field")
     ids, read_calls, parallel, kwargs = _chat_prompt(body, codec)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     want_lp = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None)  # bounds: the rule table's
     if top is not None and not want_lp:
@@ -401,7 +406,8 @@ def parse_chat(body: dict, codec, limits, check) -> Prepared:
     return Prepared([ids], params, n, stop, stream, include_usage, (top or 0) if want_lp else None,
                     get_bool(body, "return_token_ids", False), tool_calls=read_calls, parallel_tool_calls=parallel,
                     reasoning=thinking_asked(kwargs, codec.template),
-                    include_stop=get_bool(body, "include_stop_str_in_output", False))
+                    include_stop=get_bool(body, "include_stop_str_in_output", False),
+                    continuous_usage=continuous_usage)
 
 
 def parse_tokenize(body: dict, codec) -> list[int]:
