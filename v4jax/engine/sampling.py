@@ -122,7 +122,7 @@ def steered(logits, sm, ahead=0):
     # one scatter for both (as the bias alone was): the stop ids' -inf after the bias columns
     ids = jnp.concatenate([every(sm.bias_ids), stops], axis=-1)
     vals = jnp.concatenate([every(sm.bias), jnp.full(stops.shape, -jnp.inf, F32)], axis=-1)
-    return biased(logits, ids, vals)
+    return biased(logits.astype(F32), ids, vals)
 
 
 def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_index, token_index,
