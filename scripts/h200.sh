@@ -21,6 +21,7 @@
 #   prefill    the prefill kernels' GPU tests, the experts sweep (v4jax bench kernels --sweep prefill_experts;
 #              SWEEP=0 skips), a profile of a 128K flash-slice prompt (v4jax bench generate --profile-prefill),
 #              the 128K prefill through generate
+#   prefillkv  a profile of the 128K flash-slice prefill per cache entry format (KVS="auto fp8"; QUANT: weights)
 #   defaults   LLM.generate at default options on a 32-slot flash-slice engine: the warm-up's programs and time,
 #              batch 1 / 32 at 4K, the 128K prefill (PREFILL_CHUNK=N another chunk)
 #   ab BASE [slice|quick|prefill|burst|1gpu]  the decode and prefill rows of `slice` (`quick`: its decode rows at 4K,
@@ -577,6 +578,17 @@ prefill)
     --prefill 128K --new 16 --prefill-chunk 8192 --attention-impl pallas --deadline-s 160 --out "$out/gen_slice" \
     > "$out/gen_slice.log" 2>&1
   echo "rc=$?"; grep -i "check fail\|^F[0-9]\|error\|Traceback\|^|" "$out/gen_slice.log" | grep -v "^E[0-9]" | head -20
+  ;;
+prefillkv)
+  imports
+  # where the 128K prefill's time goes with each cache entry format (KVS), flash-slice, chunk 8192, one profile a
+  # format in the same call (v4jax bench generate --profile-prefill)
+  for kv in ${KVS:-auto fp8}; do
+    stamp "128K flash-slice prefill profile, kv_cache_dtype $kv"
+    timeout ${PROFILE_S:-280} python3 -W ignore -m v4jax.bench generate --profile-prefill --model flash-slice \
+      --prefill 128K --prefill-chunk 8192 --attention-impl pallas --quantization ${QUANT:-none} --kv-cache-dtype $kv \
+      2>&1 | quiet | tee "$out/profile_prefill_$kv.txt" | head -${TAIL:-30}
+  done
   ;;
 sweep)
   imports

@@ -219,7 +219,7 @@ def generate_main(argv=None) -> int:
         from v4jax.api import EngineOptions
         return profile_prefill(a.model, (_parse_ints(a.prefill) or (131072,))[0],
                                a.prefill_chunk or EngineOptions.prefill_chunk,
-                               a.attention_impl, a.dtype)
+                               a.attention_impl, a.dtype, a.quantization, a.kv_cache_dtype)
     if a.repeat_check:
         return repeat_check(a.model, a.attention_impl, a.dtype)
     import jax
@@ -301,16 +301,19 @@ def generate_main(argv=None) -> int:
     return 0
 
 
-def profile_prefill(model: str, prompt: int, chunk: int, impl: str, dtype: str = "bfloat16") -> int:
-    """`--profile-prefill` (see the module's docstring)."""
+def profile_prefill(model: str, prompt: int, chunk: int, impl: str, dtype: str = "bfloat16",
+                    quantization: str | None = None, kv_cache_dtype: str | None = None) -> int:
+    """`--profile-prefill` (see the module's docstring); quantization / kv_cache_dtype as the LLM's (None: its
+    default)."""
     import jax
     import numpy as np
 
     from v4jax import LLM, SamplingParams
     from v4jax.bench.profile import summarize
 
+    chosen = {k: v for k, v in (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype)) if v}
     llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=prompt + chunk, prefill_chunk=chunk,
-              attention_impl=impl, enable_prefix_caching=False)
+              attention_impl=impl, enable_prefix_caching=False, **chosen)
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     fresh = lambda: [rng.integers(2, llm.config.vocab_size, prompt).tolist()]  # noqa: E731
@@ -339,7 +342,7 @@ def profile_prefill(model: str, prompt: int, chunk: int, impl: str, dtype: str =
                             if isinstance(x, jax.Array) else x, seen["args"][1:])
     hlo = jitted.lower(seen["args"][0], *abstract).compile().as_text()
     prof = summarize(lambda: llm.generate(fresh(), sp), repeats=1, top=40, hlo_text=hlo)
-    print(json.dumps({"model": model, "prompt": prompt, "chunk": chunk, "impl": impl, "first_s": first,
+    print(json.dumps({"model": model, "prompt": prompt, "chunk": chunk, "impl": impl, **chosen, "first_s": first,
                       "second_s": second, "wall_s": wall, "compiled_variants": jitted._cache_size(),
                       "kernels": prof.get("kernels"), "kernel_ms": prof.get("kernel_ms"),
                       "copy_ms": prof.get("copy_ms")}))
