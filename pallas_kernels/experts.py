@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,13 +128,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
     layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
     w1f, w3f, w2f = w1.reshape(-1, d), w3.reshape(-1, d), w2.reshape(-1, n_inner)
 
-    flat_e = experts.reshape(-1).astype(jnp.int32)
-    flat_e = jnp.where((flat_e >= 0) & (flat_e < n_exp), flat_e, n_exp)  # no expert: sorted last
-    order = jnp.argsort(flat_e, stable=True)  # pairs sorted by expert
-    sorted_e = flat_e[order]
-    offs = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                            jnp.cumsum(jnp.bincount(flat_e, length=n_exp + 1)).astype(jnp.int32)])
-    sorted_tok = (order // k).astype(jnp.int32)
+    pairs = _group_pairs(experts, n_exp)
 
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     kw = dict(interpret=True) if interpret else dict(
@@ -141,19 +136,17 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
     h = pl.pallas_call(
         functools.partial(_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=ur, cols=uc, tb=tb, limit=limit),
         out_shape=jax.ShapeDtypeStruct((n_exp, tb, n_inner), x.dtype), grid=(n_exp, n_inner // ur),
-        in_specs=[full(layer), full(offs), full(sorted_tok), full(x), full(w1f), full(w3f)],
+        in_specs=[full(layer), full(pairs.offs), full(pairs.tokens), full(x), full(w1f), full(w3f)],
         out_specs=pl.BlockSpec((None, tb, ur), lambda e, j: (e, 0, j)), name="v4_experts_up", **kw,
-    )(layer, offs, sorted_tok, x, w1f, w3f)
+    )(layer, pairs.offs, pairs.tokens, x, w1f, w3f)
     y = pl.pallas_call(
         functools.partial(_down_kernel, n_exp=n_exp, n_out=d, rows=dr, cols=dc, tb=tb),
         out_shape=jax.ShapeDtypeStruct((n_exp, tb, d), F32), grid=(n_exp, d // dr),
-        in_specs=[full(layer), full(offs), pl.BlockSpec((None, tb, n_inner), lambda e, j: (e, 0, 0)), full(w2f)],
+        in_specs=[full(layer), full(pairs.offs), pl.BlockSpec((None, tb, n_inner), lambda e, j: (e, 0, 0)),
+                  full(w2f)],
         out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down", **kw,
-    )(layer, offs, h, w2f)
-    # Pair r of the sorted list is row r - offs[e] of expert e's tile; back to (token, k) order for the combine.
-    y_sorted = y[jnp.minimum(sorted_e, n_exp - 1), jnp.arange(m * k) - offs[sorted_e]]  # [M*k, D]
-    y_sorted = jnp.where((sorted_e < n_exp)[:, None], y_sorted, 0.0)  # rows of no expert were never written
-    y_pairs = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, d)
+    )(layer, pairs.offs, h, w2f)
+    y_pairs = pairs.outputs(y).reshape(m, k, d)
     return jnp.sum(y_pairs * weights[..., None], axis=1)  # f32 multiply-add (a matmul would round to TF32)
 
 
@@ -167,34 +160,48 @@ FP4_BLOCK = 32  # values per scale along a weight row (16 bytes)
 FP4_UP, FP4_DOWN = (32, 256), (32, 256)
 
 
-def _sort_pairs(experts, n_exp):
-    """Pairs (token, expert) sorted by expert, those of no expert (ids outside [0, E)) last: (order [M*k], sorted
-    ids [M*k] (E = none), offs [E + 2] (expert e's pairs are offs[e] .. offs[e+1]), each sorted pair's token)."""
+class ExpertPairs(NamedTuple):
+    """The pairs (token, expert) of a step grouped by expert, in the order a stable sort by expert gives, the pairs
+    of no expert (ids outside [0, E)) last. P = M * k pairs in (token, k) order."""
+    ids: jax.Array     # [P] int32: each pair's expert, E for none
+    slot: jax.Array    # [P] int32: each pair's row in its expert's tile (its earlier pairs of the same expert)
+    order: jax.Array   # [P] int32: the pair at each place of the grouped list
+    offs: jax.Array    # [E + 2] int32: expert e's pairs are places offs[e] .. offs[e + 1]
+    tokens: jax.Array  # [P] int32: the token of the pair at each place
+
+    def weights(self, weights, tb: int):
+        """Each (expert, tile row) pair's routing weight [E, TB, 1]; rows past the expert's count weigh 0."""
+        n_exp = self.offs.shape[0] - 2
+        n_pairs = weights.size
+        pair = jnp.minimum(self.offs[:n_exp, None] + jnp.arange(tb)[None, :], n_pairs - 1)
+        live = jnp.arange(tb)[None, :] < (self.offs[1:n_exp + 1] - self.offs[:n_exp])[:, None]
+        return jnp.where(live, weights.reshape(-1)[self.order][pair], 0.0)[..., None]
+
+    def outputs(self, y):
+        """The experts' tiles y [E, TB, D] read back in (token, k) order [P, D]: a pair's row is its slot in its
+        expert's tile; pairs of no expert give 0 (their rows were never written)."""
+        n_exp = y.shape[0]
+        rows = y[jnp.minimum(self.ids, n_exp - 1), self.slot]
+        return jnp.where((self.ids < n_exp)[:, None], rows, 0.0)
+
+
+def _group_pairs(experts, n_exp) -> ExpertPairs:
+    """experts [M, k] -> ExpertPairs, by comparing every pair with every other (P x P, P <= MAX_TOKENS * k) rather
+    than sorting: a pair's place is the pairs of lower experts plus its expert's earlier pairs, exactly a stable
+    sort's. A decode step's XLA sort of the ids was a kernel of its own in every layer (flash-slice, one token: 11
+    sorts a step, 51 us), and the scatter putting the outputs back in (token, k) order another; here one gather
+    does that."""
     k = experts.shape[1]
-    flat_e = experts.reshape(-1).astype(jnp.int32)
-    flat_e = jnp.where((flat_e >= 0) & (flat_e < n_exp), flat_e, n_exp)
-    order = jnp.argsort(flat_e, stable=True)
-    offs = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                            jnp.cumsum(jnp.bincount(flat_e, length=n_exp + 1)).astype(jnp.int32)])
-    return order, flat_e[order], offs, (order // k).astype(jnp.int32)
-
-
-def _slot_weights(weights, order, offs, n_exp, tb):
-    """Each (expert, slot) pair's routing weight [E, TB, 1]; slots past the expert's count weigh 0 (never read)."""
-    n_pairs = weights.size
-    pair = jnp.minimum(offs[:n_exp, None] + jnp.arange(tb)[None, :], n_pairs - 1)
-    live = jnp.arange(tb)[None, :] < (offs[1:n_exp + 1] - offs[:n_exp])[:, None]
-    return jnp.where(live, weights.reshape(-1)[order][pair], 0.0)[..., None]
-
-
-def _sum_pairs(y, order, sorted_e, offs, m, k):
-    """The experts' outputs y [E, TB, D] back in (token, k) order, summed over k (unweighted: the routing weights
-    are inside w2's input) -> [M, D] f32. Pair r of the sorted list is row r - offs[e] of expert e's tile."""
-    n_exp, d = y.shape[0], y.shape[-1]
-    y_sorted = y[jnp.minimum(sorted_e, n_exp - 1), jnp.arange(m * k) - offs[sorted_e]]
-    y_sorted = jnp.where((sorted_e < n_exp)[:, None], y_sorted, 0.0)  # rows of no expert were never written
-    y_pairs = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, d)
-    return jnp.sum(y_pairs, axis=1)
+    ids = experts.reshape(-1).astype(jnp.int32)
+    ids = jnp.where((ids >= 0) & (ids < n_exp), ids, n_exp)
+    p = ids.shape[0]
+    at = jnp.arange(p, dtype=jnp.int32)
+    same = ids[None, :] == ids[:, None]                                           # [P, P]: pair j, pair i
+    slot = jnp.sum(same & (at[None, :] < at[:, None]), axis=1, dtype=jnp.int32)
+    offs = jnp.sum(ids[None, :] < jnp.arange(n_exp + 2, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+    place = offs[ids] + slot                                                      # a permutation of 0 .. P-1
+    order = jnp.sum(jnp.where(place[None, :] == at[:, None], at[None, :], 0), axis=1, dtype=jnp.int32)
+    return ExpertPairs(ids=ids, slot=slot, order=order, offs=offs, tokens=order // k)
 
 
 def _fp4_flat(layer, *weights):
@@ -425,7 +432,8 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     tb = max(16, next_pow2(m))
     layer, (c1f, s1f), (c2f, s2f), (c3f, s3f) = _fp4_flat(layer, w1, w2, w3)
 
-    order, sorted_e, offs, sorted_tok = _sort_pairs(experts, n_exp)
+    pairs = _group_pairs(experts, n_exp)
+    offs = pairs.offs
 
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     kw = dict(interpret=True) if interpret else dict(
@@ -434,10 +442,10 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
     h = pl.pallas_call(
         functools.partial(_fp4_up_kernel, n_exp=n_exp, n_inner=n_inner, rows=ur, cb=ucb, tb=tb, limit=limit),
         out_shape=jax.ShapeDtypeStruct((n_exp, tb, n_inner), F32), grid=(n_exp, n_inner // ur),
-        in_specs=[full(a) for a in (layer, offs, sorted_tok, xe, xo, c1f, s1f, c3f, s3f)],
+        in_specs=[full(a) for a in (layer, offs, pairs.tokens, xe, xo, c1f, s1f, c3f, s3f)],
         out_specs=pl.BlockSpec((None, tb, ur), lambda e, j: (e, 0, j)), name="v4_experts_up_fp4", **kw,
-    )(layer, offs, sorted_tok, xe, xo, c1f, s1f, c3f, s3f)
-    h2 = w2_input(h, _slot_weights(weights, order, offs, n_exp, tb)).astype(x.dtype)  # [E, TB, I]
+    )(layer, offs, pairs.tokens, xe, xo, c1f, s1f, c3f, s3f)
+    h2 = w2_input(h, pairs.weights(weights, tb)).astype(x.dtype)  # [E, TB, I]
     he, ho = h2[..., 0::2], h2[..., 1::2]
     y = pl.pallas_call(
         functools.partial(_fp4_down_kernel, n_exp=n_exp, n_out=d, rows=dr, cb=dcb),
@@ -446,4 +454,4 @@ def routed_experts_fp4(x, weights, experts, w1, w2, w3, limit, w2_input, *, laye
                   pl.BlockSpec((None, tb, n_inner // 2), lambda e, j: (e, 0, 0)), full(c2f), full(s2f)],
         out_specs=pl.BlockSpec((None, tb, dr), lambda e, j: (e, 0, j)), name="v4_experts_down_fp4", **kw,
     )(layer, offs, he, ho, c2f, s2f)
-    return _sum_pairs(y, order, sorted_e, offs, m, k)
+    return jnp.sum(pairs.outputs(y).reshape(m, k, d), axis=1)  # unweighted: the weights are inside w2's input

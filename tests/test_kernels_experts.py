@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pallas_kernels import _compat
 from v4jax.model import layers as L
@@ -53,6 +54,28 @@ def test_pairs_of_no_expert_add_nothing():
     ref = np.asarray(L.routed_experts(x, jnp.where(ex >= 0, wt, 0.0), jnp.maximum(ex, 0), w1, w2, w3, 1.5,
                                       form="gather"))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 6), st.integers(1, 9), st.data())
+def test_pairs_grouped_as_a_stable_sort_groups_them(m, k, n_exp, data):
+    """The kernels' grouping of (token, expert) pairs by comparison equals a stable sort by expert, pairs of no
+    expert (negative or out-of-range ids, another shard's) last, and each pair's slot reads its output back."""
+    ex = np.array(data.draw(st.lists(st.integers(-2, n_exp + 1), min_size=m * k, max_size=m * k)),
+                  np.int32).reshape(m, k)
+    got = X._group_pairs(jnp.asarray(ex), n_exp)
+    flat = np.where((ex >= 0) & (ex < n_exp), ex, n_exp).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    np.testing.assert_array_equal(got.order, order)
+    np.testing.assert_array_equal(got.ids, flat)
+    np.testing.assert_array_equal(got.tokens, order // k)
+    np.testing.assert_array_equal(got.offs, np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=n_exp + 1))]))
+    tiles = np.full((n_exp, m * k, 1), -1.0, np.float32)   # each expert's tile row r holds its r-th pair's place
+    for place, pair in enumerate(order):
+        if flat[pair] < n_exp:
+            tiles[flat[pair], place - got.offs[flat[pair]], 0] = pair
+    back = np.asarray(got.outputs(jnp.asarray(tiles)))[:, 0]
+    np.testing.assert_array_equal(back, np.where(flat < n_exp, np.arange(m * k), 0))
 
 
 def test_matches_reference_bf16():
