@@ -46,14 +46,15 @@ def _engine_for(llm, **opts):
     llm._engine = None
 
 
-def decode_row(llm, batch: int, context: int, new: int, rng) -> dict:
-    """What a user sees: `batch` random prompts of `context` tokens through `LLM.generate` (greedy, ignore_eos),
+def decode_row(llm, batch: int, context: int, new: int, rng, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """What a user sees: `batch` random prompts of `context` tokens through `LLM.generate` (greedy unless
+    `temperature` > 0; ignore_eos),
     once with max_tokens=1 (prefill and the first token) and once with max_tokens=1+new, each on fresh prompts of
     the same lengths (no prefix hits) after a first pass that compiles every program the row uses. Decode ms/step =
     (time(1 + new) - time(1)) / new: one step is one new token for every request. The 1 + new call streams, and
     its events' times give the steady rate (`steady_step_ms`)."""
     from v4jax.engine.sampling import SamplingParams
-    sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    sp = lambda n: SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p, ignore_eos=True)
     fresh = lambda: [rng.integers(2, llm.config.vocab_size, context).tolist() for _ in range(batch)]
     t0 = time.perf_counter()
     llm.generate(fresh(), sp(1 + new))
@@ -190,6 +191,9 @@ def generate_main(argv=None) -> int:
     ap.add_argument("--prefill", default="", help="more contexts at batch 1 only (e.g. 128K)")
     ap.add_argument("--new", type=int, default=48, help="new tokens per request in a decode row")
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.0, help="the decode rows' sampling (default greedy; "
+                    "1.0 is vLLM's and OpenAI's default)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the decode rows' top-p (with --temperature)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the LLM's")
     ap.add_argument("--attention-impl", default=None, choices=("xla", "pallas"), help="default: the LLM's")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="one engine of this many slots for every row (the "
@@ -287,7 +291,7 @@ def generate_main(argv=None) -> int:
         try:
             if not a.max_num_seqs:
                 _engine_for(llm, max_num_seqs=b, max_model_len=c + a.new + 2 * a.k)
-            row = decode_row(llm, b, c, a.new, rng)
+            row = decode_row(llm, b, c, a.new, rng, a.temperature, a.top_p)
         except Exception as e:  # noqa: BLE001 - a row that fails is a result too
             row = {"batch": b, "context": c, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         if not a.max_num_seqs:

@@ -108,6 +108,9 @@ class EngineCore:
         # XLA:GPU resolves by copying the predicate to the host and waiting: the host then cannot prepare the next
         # step while the device runs this one)
         self.greedy_spec = dataclasses.replace(self.spec, any_sampled=False)
+        # decode steps whose sampled rows cut by neither top_k nor top_p (vLLM's and OpenAI's defaults): no
+        # full-vocabulary sort either (sampling.kept); its results are the sampling form's for such rows
+        self.plain_spec = dataclasses.replace(self.spec, any_cut=False)
         # the same two with the top-N alternatives per token, for steps where a request asked for them
         # (SamplingParams.top_logprobs); compiled at their first use, not by warmup()
         self.top_specs = {spec.any_sampled: dataclasses.replace(spec, top_logprobs=MAX_TOP_LOGPROBS)
@@ -118,7 +121,8 @@ class EngineCore:
         # top-N alternatives (the cover's form: the alternatives are read only for the requests that asked)
         top = self.top_specs[True]
         self.programs = ProgramBook(self._compile_program, {
-            self.greedy_spec: (self.greedy_spec, self.spec, self.top_specs[False], top),
+            self.greedy_spec: (self.greedy_spec, self.plain_spec, self.spec, self.top_specs[False], top),
+            self.plain_spec: (self.plain_spec, self.spec, top),
             self.spec: (self.spec, top),
             self.top_specs[False]: (self.top_specs[False], top)})
         # device bytes of temporaries of each program compiled ahead of time (XLA's memory analysis): what a step
@@ -398,7 +402,8 @@ class EngineCore:
         # always through the (tiny) merge, so the decode step sees device arrays every time (numpy and device
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
-        spec = self._spec_for(samp.temperature, any(r.params.top_logprobs for r in plan.running))
+        spec = self._spec_for(samp.temperature, samp.top_p, samp.top_k,
+                              any(r.params.top_logprobs for r in plan.running))
         exact = Program("decode", spec, self._slot_bucket(max(r.slot for r in plan.running)), 0,
                         self._page_bucket(plan.upto))
         program = self.programs.choose(exact)
@@ -426,7 +431,9 @@ class EngineCore:
             form = self.top_specs[True] if req.params.top_logprobs and s + step >= n else self.spec
             out.append(Program("prefill", form, _pow2(len(left)), bucket, self._page_bucket(s + bucket)))
         if req.params.max_tokens > 1 and not req.prefill_only:   # (a prefill server hands decoding on)
-            form = self._spec_for(np.array([req.params.temperature]), bool(req.params.top_logprobs))
+            pr = req.params
+            form = self._spec_for(np.array([pr.temperature]), np.array([pr.top_p]), np.array([pr.top_k]),
+                                  bool(pr.top_logprobs))
             sch = self.scheduler
             rows = self._slot_bucket(max(r.slot for r in sch.running() + sch.prefilling() + [req]))
             out.append(Program("decode", form, rows, 0, self._page_bucket(min(n + self.k, self.max_model_len))))
@@ -473,13 +480,16 @@ class EngineCore:
     def _page_bucket(self, upto: int) -> int:
         return min(_pow2(-(-upto // self.layout.page_size)), self.layout.max_pages_per_seq)
 
-    def _spec_for(self, temperature, top_logprobs: bool = False) -> S.StepSpec:
-        """The step's program: the sampling one when a row of it samples, else the greedy-only one; with the top-N
-        alternatives when a request of the step asked for them."""
-        sampled = bool((temperature > 0).any())
+    def _spec_for(self, temperature, top_p, top_k, top_logprobs: bool = False) -> S.StepSpec:
+        """The step's program: the sampling one when a row of it samples (without the top-k / top-p sort when no
+        sampled row cuts by them), else the greedy-only one; with the top-N alternatives when a request of the step
+        asked for them."""
+        sampled = temperature > 0
         if top_logprobs:
-            return self.top_specs[sampled]
-        return self.spec if sampled else self.greedy_spec
+            return self.top_specs[bool(sampled.any())]
+        if not sampled.any():
+            return self.greedy_spec
+        return self.spec if (sampled & ((top_k > 0) | (top_p < 1))).any() else self.plain_spec
 
     def _dispatch_prefill(self, plans: list[tuple[Request, int, int]]):
         """Dispatch one prefill step (a chunk of each of up to MAX_PREFILL_ROWS requests, as rows of one batch);
@@ -566,7 +576,8 @@ class EngineCore:
                              in named])
 
     def _named_specs(self) -> dict:
-        return {"sampled": self.spec, "greedy": self.greedy_spec, "top_sampled": self.top_specs[True],
+        return {"sampled": self.spec, "plain": self.plain_spec, "greedy": self.greedy_spec,
+                "top_sampled": self.top_specs[True],
                 "top_greedy": self.top_specs[False]}
 
     def _compile_program(self, program: Program) -> None:
@@ -619,10 +630,11 @@ class EngineCore:
                 for rb, cb in self._prefill_shapes() if nb >= self._page_bucket(cb)]
 
     def _decode_programs(self) -> list[Program]:
-        """The decode call at every slot bucket x page bucket, sampling and greedy-only."""
+        """The decode call at every slot bucket x page bucket, sampling (with and without the top-k / top-p cut)
+        and greedy-only."""
         return [Program("decode", spec, rows, 0, nb)
                 for nb, rows in itertools.product(self._page_buckets(), self._slot_buckets())
-                for spec in (self.spec, self.greedy_spec)]
+                for spec in (self.spec, self.plain_spec, self.greedy_spec)]
 
     def _cover_programs(self) -> list[Program]:
         """The fewest programs that cover every step: per prefill row count its longest chunk, and the decode call

@@ -1,14 +1,15 @@
 """Which step programs are compiled, which one a step runs, and the missing ones compiled in the background.
 
 A step's exact program is fixed by its shape: prefill rows x chunk length x page-table width, decode slots x
-page-table width, and its form (sampling or greedy-only, with or without top-N alternatives). A program at least
+page-table width, and its form (greedy-only, or sampling with or without the top-k / top-p cut's sort; with or
+without top-N alternatives). A program at least
 as large in every dimension runs the step correctly: rows past the step's are empty, tokens past a row's
 `n_valid` and page-table columns past a request's pages are masked, and a sampling program's greedy rows take the
 argmax. So do other requests sharing a step already: a request's tokens do not depend on the bucket it ran in.
 
 Once warm-up has compiled a cover (for each prefill row count, the longest chunk at the widest table; the decode
 call over every slot at the widest table, in the sampling form with the top-N alternatives and greedy-only: 6
-programs for flash-slice with 16 slots, against 242 in all), a step
+programs for flash-slice with 16 slots, against well over 200 in all), a step
 whose exact program is not compiled runs on the cheapest compiled one that covers it, while the exact program
 compiles on a background thread and takes over from the next step on. On an H200 a flash-slice
 program took ~15 s to compile (a step, milliseconds): a new shape after `/health` said ready stalled every
@@ -50,7 +51,8 @@ class Program:
     pages: int  # page-table width
 
     def __str__(self) -> str:
-        form = ("sampling" if self.spec.any_sampled else "greedy") + (", top-N" if self.spec.top_logprobs else "")
+        form = ("greedy" if not self.spec.any_sampled else "sampling" if self.spec.any_cut else "sampling, no cut") \
+            + (", top-N" if self.spec.top_logprobs else "")
         return (f"{self.kind} rows {self.rows}" + (f" x {self.chunk}" if self.chunk else "")
                 + f", {self.pages} pages ({form})")
 
@@ -61,7 +63,8 @@ class Program:
     def cost(self) -> tuple:
         # the tokens a step computes, then the table it reads; the greedy-only form before the sampling one, and
         # either before its twin with the top-N alternatives
-        return self.rows * max(self.chunk, 1), self.pages, self.spec.top_logprobs > 0, self.spec.any_sampled
+        return (self.rows * max(self.chunk, 1), self.pages, self.spec.top_logprobs > 0, self.spec.any_sampled,
+                self.spec.any_cut)
 
 
 _worker = threading.local()

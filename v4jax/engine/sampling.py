@@ -126,36 +126,27 @@ def steered(logits, sm, ahead=0):
 
 
 def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_index, token_index,
-           any_sampled: bool, n_top: int = 0):
+           any_sampled: bool, n_top: int = 0, any_cut: bool = True):
     """One token per row. logits [B, V] f32 (raw: the log-probs are theirs); chosen [B, V] what the token is chosen
     from (`steered`: the logit bias added, stop ids held back before min_tokens); temperature/top_p/min_p [B] f32,
     top_k [B] int32 (0 = off), seeds/request_index/token_index [B] int32. Returns (tokens [B] int32, logprobs [B]
     f32, top_ids [B, n_top] int32, top_logprobs [B, n_top] f32), logprobs being log-softmax of the raw logits at
     the chosen token and the top pair the n_top most likely tokens by the same log-softmax (ties: lower index
-    first). temperature == 0 is greedy (ties: lower index).
-    any_sampled: whether some row has temperature > 0 (False: no full-vocabulary sort). The caller knows: a
-    device-side branch (`lax.cond`) would copy its predicate to the host and wait there on GPU. n_top is static
-    for the same reason: 0 in the programs most steps run, MAX_TOP_LOGPROBS in those of steps where a request
-    asked for alternatives."""
+    first). temperature == 0 is greedy (ties: lower index); a sampled row draws from `kept` tokens, by its key,
+    in vocabulary order (so a row draws the same token whatever the other rows of its step ask for).
+    any_sampled: whether some row has temperature > 0; any_cut: whether some sampled row cuts by top_k or top_p
+    (False: no full-vocabulary sort, see `kept`). The caller knows both: a device-side branch (`lax.cond`) would
+    copy its predicate to the host and wait there on GPU. n_top is static for the same reason: 0 in the programs
+    most steps run, MAX_TOP_LOGPROBS in those of steps where a request asked for alternatives."""
     raw = logits.astype(F32)
     logits = chosen.astype(F32)
-    v = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled():
-        order = jnp.argsort(-logits, axis=-1, stable=True)  # descending; ties keep the lower index first
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        scaled = sorted_logits / jnp.maximum(temperature, 1e-6)[:, None]
-        rank = jnp.arange(v)[None, :]
-        k = jnp.where(top_k > 0, top_k, v)[:, None]
-        keep = (rank < k) & _above_min_p(scaled, min_p)
-        probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
-        cum_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = keep & (cum_before < top_p[:, None])  # the smallest prefix whose mass reaches top_p
-        masked = jnp.where(keep, scaled, -jnp.inf)
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        masked = jnp.where(kept(logits, scaled, top_p, top_k, min_p, any_cut), scaled, -jnp.inf)
         keys = jax.vmap(request_key)(seeds, request_index, token_index)
-        choice = jax.vmap(jax.random.categorical)(keys, masked)
-        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
     tokens = jnp.where(temperature > 0, sampled(), greedy) if any_sampled else greedy
     all_logprobs = jax.nn.log_softmax(raw, axis=-1)
@@ -164,25 +155,36 @@ def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_inde
     return tokens, logprobs, top_ids, top_logprobs
 
 
-def _above_min_p(scaled_sorted, min_p):
-    """[B, V] bool: the tokens (sorted, most likely first) whose probability is at least min_p [B] times the most
-    likely one's: p / p_max = exp(s - s_max), so compared in logits (min_p 0: log 0 = -inf keeps every token)."""
-    return scaled_sorted >= scaled_sorted[:, :1] + jnp.log(min_p)[:, None]
+def kept(logits, scaled, top_p, top_k, min_p, any_cut: bool = True):
+    """[B, V] bool in vocabulary order: the tokens a sampled row may draw. logits [B, V] f32 set the order (most
+    likely first, ties: the lower id first), scaled [B, V] are them over the temperature. vLLM's order of filters:
+    min-p (a token whose probability is below min_p times the most likely one's goes), then the top_k most likely
+    (0: all), then the smallest prefix of those whose mass reaches top_p (top_p >= 1: all). Each keeps a prefix of
+    the order, so the result is a prefix too: a token is kept when it comes no later than the prefix's last.
+    any_cut False (no row cuts by top_k or top_p): min-p alone, which needs no sort. A sort of the vocabulary is a
+    kernel of its own over [B, V] (129,280 ids a row for Flash); sampling at vLLM's and OpenAI's defaults
+    (temperature 1, no top-k or top-p) paid it every step."""
+    # p / p_max = exp(s - s_max), so compared in logits (min_p 0: log 0 = -inf keeps every token)
+    keep = scaled >= jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    if not any_cut:
+        return keep
+    v = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1, stable=True)  # descending; ties keep the lower id first
+    in_order = jnp.take_along_axis(keep, order, axis=-1)
+    in_order &= jnp.arange(v)[None, :] < jnp.where(top_k > 0, top_k, v)[:, None]
+    probs = jax.nn.softmax(jnp.where(in_order, jnp.take_along_axis(scaled, order, axis=-1), -jnp.inf), axis=-1)
+    in_order &= (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (top_p >= 1)[:, None]
+    last = jnp.take_along_axis(order, jnp.maximum(jnp.sum(in_order, axis=-1) - 1, 0)[:, None], axis=-1)  # [B, 1]
+    at = jnp.take_along_axis(logits, last, axis=-1)
+    return (logits > at) | ((logits == at) & (jnp.arange(v)[None, :] <= last))
 
 
-def filtered_probs(logits, temperature, top_p, top_k, min_p):
-    """The distribution `sample` draws a row's token from: logits [B, V] f32 scaled by temperature, cut by min-p
-    and to top-k, then to the smallest prefix whose mass reaches top_p (ties: the lower index first). Returns
-    [B, V] f32 in vocabulary order. Rows with temperature 0 get a near one-hot of the argmax (unused: they are
-    greedy)."""
-    b, v = logits.shape
-    order = jnp.argsort(-logits, axis=-1, stable=True)
-    scaled = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperature, 1e-6)[:, None]
-    keep = (jnp.arange(v)[None, :] < jnp.where(top_k > 0, top_k, v)[:, None]) & _above_min_p(scaled, min_p)
-    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
-    keep = keep & (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None])
-    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
-    return jnp.zeros_like(probs).at[jnp.arange(b)[:, None], order].set(probs)
+def filtered_probs(logits, temperature, top_p, top_k, min_p, any_cut: bool = True):
+    """The distribution `sample` draws a row's token from: logits [B, V] f32 scaled by temperature, cut by min-p,
+    top-k and top-p (`kept`). Returns [B, V] f32 in vocabulary order. Rows with temperature 0 get a near one-hot of
+    the argmax (unused: they are greedy)."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    return jax.nn.softmax(jnp.where(kept(logits, scaled, top_p, top_k, min_p, any_cut), scaled, -jnp.inf), axis=-1)
 
 
 def top_alternatives(all_logprobs, n: int):

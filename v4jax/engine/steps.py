@@ -72,6 +72,8 @@ class StepSpec:
     # whether some row of the step samples (temperature > 0); False compiles a greedy-only step (the host knows
     # the step's requests, so the device never branches on it)
     any_sampled: bool = True
+    # whether some sampled row cuts by top_k or top_p (False: no full-vocabulary sort; sampling.kept)
+    any_cut: bool = True
     # most likely alternatives computed per sampled token: 0, or MAX_TOP_LOGPROBS in the programs of steps where a
     # request asked for them. A top-20 over a 129K vocabulary cost nothing measurable on CPU up to batch 32 (a
     # fifth more than the chosen token's log-softmax at batch 128), but XLA may lower a top-k that wide to a sort
@@ -230,7 +232,7 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
         store, pools = save_recorded_boundaries(store, pools, rows.reshape(ends.shape))
     tok, lp, top_ids, top_lp = sample(logits, steered(logits, samp), samp.temperature, samp.top_p, samp.top_k,
                                       samp.min_p, samp.seed, samp.sample_index, samp.token_index, spec.any_sampled,
-                                      spec.top_logprobs)
+                                      spec.top_logprobs, spec.any_cut)
     if drafter is not None:
         pools = drafter.prefill(model, spec.cfg, spec.layout, pools, streams, taps, batch, tok, page_table, swa_table,
                                 spec.opts)
@@ -291,7 +293,7 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         sm = st.sampling
         nxt, lp, top_ids, top_lp = sample(logits, steered(logits, sm), sm.temperature, sm.top_p, sm.top_k,
                                           sm.min_p, sm.seed, sm.sample_index, sm.token_index, spec.any_sampled,
-                                          spec.top_logprobs)
+                                          spec.top_logprobs, spec.any_cut)
         is_stop = jnp.any(nxt[:, None] == sm.stop_ids, axis=-1)
         out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
                            logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
@@ -360,7 +362,8 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         n_acc = jnp.sum(jnp.cumprod(drafts == target[:, :d], axis=1), axis=1)
         if spec.any_sampled:  # sampled rows: the rejection rule
             keys = SP.token_keys(sm, d + 1)
-            p = jax.vmap(lambda lg: filtered_probs(lg, sm.temperature, sm.top_p, sm.top_k, sm.min_p), 1, 1)(chosen)
+            p = jax.vmap(lambda lg: filtered_probs(lg, sm.temperature, sm.top_p, sm.top_k, sm.min_p, spec.any_cut),
+                         1, 1)(chosen)
             u = jax.vmap(jax.vmap(jax.random.uniform))(SP.purpose(keys[:, :d], 2))
             n_smp, t_smp = SP.accept_sampled(p, q, drafts, u, SP.purpose(keys, 3))
             n_acc = jnp.where(greedy, n_acc, n_smp)

@@ -1,0 +1,77 @@
+"""The sampler's filters (v4jax.engine.sampling.kept) against a reference written from their definition, and the
+program form without the top-k / top-p sort against the one with it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from v4jax.engine.sampling import filtered_probs, kept, sample
+
+
+def reference_kept(logits, temperature, top_p, top_k, min_p):
+    """One row, in numpy: the vocabulary sorted (most likely first, ties: lower id first), min-p on the
+    temperature-scaled values, the first top_k, then the smallest prefix whose mass (f32 cumsum) reaches top_p."""
+    v = logits.shape[0]
+    order = sorted(range(v), key=lambda i: (-logits[i], i))
+    scaled = (logits / np.float32(max(temperature, 1e-6))).astype(np.float32)
+    s = scaled[order]
+    keep = s >= s[0] + np.log(np.float32(min_p)) if min_p > 0 else np.ones(v, bool)
+    keep &= np.arange(v) < (top_k if top_k > 0 else v)
+    if top_p < 1:
+        probs = np.asarray(jax.nn.softmax(jnp.where(jnp.asarray(keep), jnp.asarray(s), -jnp.inf)))
+        keep &= np.asarray(jnp.cumsum(jnp.asarray(probs)) - probs) < top_p
+    out = np.zeros(v, bool)
+    out[np.array(order)[keep]] = True
+    return out
+
+
+# logits drawn from few values, so that ties (the order's lower-id rule) are common; -inf as a banned id
+values = st.sampled_from([-np.inf, -3.0, -1.0, 0.0, 0.5, 2.0, 2.0001])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(values, min_size=2, max_size=24), st.sampled_from([0.5, 1.0, 1.7]),
+       st.sampled_from([0.05, 0.3, 0.8, 0.99, 1.0]), st.integers(0, 6), st.sampled_from([0.0, 0.1, 0.6]))
+def test_kept_is_the_sorted_prefix(row, temperature, top_p, top_k, min_p):
+    logits = np.array(row, np.float32)
+    if not np.isfinite(logits).any():
+        logits[0] = 0.0
+    lg = jnp.asarray(logits)[None]
+    one = lambda x, dt=jnp.float32: jnp.array([x], dt)  # noqa: E731
+    scaled = lg / temperature
+    got = np.asarray(kept(lg, scaled, one(top_p), one(top_k, jnp.int32), one(min_p)))[0]
+    want = reference_kept(logits, temperature, top_p, top_k, min_p)
+    # -inf ids are never drawn whether kept or not
+    finite = np.isfinite(logits)
+    np.testing.assert_array_equal(got & finite, want & finite)
+    if top_k == 0 and top_p >= 1:  # nothing to cut: the form without the sort keeps the same tokens
+        plain = np.asarray(kept(lg, scaled, one(top_p), one(top_k, jnp.int32), one(min_p), any_cut=False))[0]
+        np.testing.assert_array_equal(plain & finite, want & finite)
+
+
+def test_a_row_draws_the_same_token_whatever_its_step_cuts():
+    """A row without top-k / top-p draws the same tokens in a step where another row cuts (the sorting form) as in
+    one where none does (the form without the sort): the draw is in vocabulary order by the row's own key."""
+    b, v = 16, 1000
+    logits = 3.0 * jax.random.normal(jax.random.key(1), (b, v))
+    temperature = jnp.full((b,), 1.0)
+    top_k = jnp.zeros((b,), jnp.int32)
+    min_p = jnp.zeros((b,))
+    seeds = jnp.arange(b, dtype=jnp.int32) + 7
+    zeros = jnp.zeros((b,), jnp.int32)
+    for token_index in range(4):
+        ti = jnp.full((b,), token_index, jnp.int32)
+        plain = sample(logits, logits, temperature, jnp.ones((b,)), top_k, min_p, seeds, zeros, ti, True,
+                       any_cut=False)[0]
+        cut_p = jnp.ones((b,)).at[0].set(0.5)  # row 0 cuts by top-p: the step sorts
+        sorted_form = sample(logits, logits, temperature, cut_p, top_k, min_p, seeds, zeros, ti, True)[0]
+        np.testing.assert_array_equal(np.asarray(plain)[1:], np.asarray(sorted_form)[1:])
+        assert len(set(np.asarray(plain).tolist())) > 1  # the rows do sample
+
+
+def test_filtered_probs_without_the_cut():
+    logits = 2.0 * jax.random.normal(jax.random.key(2), (4, 300))
+    one = lambda x, dt=jnp.float32: jnp.full((4,), x, dt)  # noqa: E731
+    args = (logits, one(0.8), one(1.0), one(0, jnp.int32), one(0.05))
+    np.testing.assert_allclose(np.asarray(filtered_probs(*args, any_cut=False)), np.asarray(filtered_probs(*args)),
+                               rtol=1e-6, atol=1e-7)
