@@ -240,7 +240,8 @@ def test_attention_core_on_byte_pools(rng, monkeypatch, kind, union):
     float pools holding the decoded values with the writes rounded as stored; and split over 4 shards of the context
     axis, as on a mesh, the same outputs and bytes as one device. Both ways of reading the entries: a chunk's rows
     decoded once (the window union and the layer's compressed rows) and read as a pool of their own, or each query's
-    rows decoded as gathered (attention.DECODED_UNION_BYTES = 0)."""
+    rows decoded as gathered (attention.DECODED_UNION_BYTES = 0); likewise the indexer's FP4 keys, decoded once for
+    the step (as for a prefill chunk; KEYS_DECODED_ONCE_ABOVE = 0 here) or by the select op."""
     from test_context import AXIS, _layer_inputs
 
     from sharding import context
@@ -252,6 +253,8 @@ def test_attention_core_on_byte_pools(rng, monkeypatch, kind, union):
     monkeypatch.setattr(A, "_decoded_union", lambda *a: calls.append(1) or decoded_union(*a))
     if not union:
         monkeypatch.setattr(A, "DECODED_UNION_BYTES", 0)
+    else:
+        monkeypatch.setattr(A, "KEYS_DECODED_ONCE_ABOVE", 0)
     q, sink, pools, writes, reads = _layer_inputs(rng, kind, kd=16, ki=32)
     fmt = {"swa": F.Fp8Entry(16, 4), "kv": F.Fp8Entry(16, 4), "idx": F.Fp4Key(32)}
     fmt = {name: f for name, f in fmt.items() if name in pools}
@@ -268,7 +271,8 @@ def test_attention_core_on_byte_pools(rng, monkeypatch, kind, union):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for name, a in got_pools.items():
         np.testing.assert_array_equal(np.asarray(codec[name][1](a)), np.asarray(want_pools[name]))
-    assert len(calls) == (2 if union else 0)  # the window union and the compressed rows
+    # the window union and the compressed rows, and a CSA layer's indexer keys
+    assert len(calls) == ((3 if kind == "csa" else 2) if union else 0)
 
     n = 4
     split = {name: context.RowBlock(() if name == "swa" else (AXIS,), a.shape[1] // (1 if name == "swa" else n))
