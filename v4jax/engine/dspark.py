@@ -88,10 +88,11 @@ class DSparkDrafter:
 
     @staticmethod
     def propose(model, cfg, layout, d, tokens, pos, live, k, page_table, swa_table, rows, opts, sm, sampled,
-                table=None):
+                table=None, cut=True):
         """k drafts [B, k] per row whose next token `tokens` [B] sits at position pos [B] (the rings hold the keys
         up to pos-1), their distributions [B, k, V] (None unless `sampled`), and the drafter state after it."""
-        drafts, qs, _ = propose(model, cfg, layout, d.swa, tokens, pos, live, k, swa_table, opts, sm, sampled, table)
+        drafts, qs, _ = propose(model, cfg, layout, d.swa, tokens, pos, live, k, swa_table, opts, sm, sampled, table,
+                                cut)
         return drafts, qs, d
 
     @staticmethod
@@ -104,10 +105,11 @@ class DSparkDrafter:
 DSPARK = DSparkDrafter()
 
 
-def propose(model, cfg, layout, ring, tokens, pos, live, k: int, swa_table, opts, sm, sampled: bool, table=None):
+def propose(model, cfg, layout, ring, tokens, pos, live, k: int, swa_table, opts, sm, sampled: bool, table=None,
+            cut: bool = True):
     """The DSpark block drafted after `tokens` [B] at positions pos [B]: (drafts [B, k], q [B, k, V] or None,
     confidence logits [B, k]). k <= dspark_block_size: the whole block runs (its slots attend to each other), the
-    Markov recurrence stops after k drafts. table: tests only, as spec.draft's."""
+    Markov recurrence stops after k drafts. table: tests only, as spec.draft's; cut: as spec.proposal's."""
     b = tokens.shape[0]
     blk = cfg.dspark_block_size
     anchor = pos - 1
@@ -126,7 +128,7 @@ def propose(model, cfg, layout, ring, tokens, pos, live, k: int, swa_table, opts
     for j in range(k):
         e = head.markov_head.embed(prev)
         conf.append(head.confidence_head(y[:, j], e))
-        prev, q = SP.proposal(base[:, j] + head.markov_head.bias(e), sm, keys[:, j], sampled, j)
+        prev, q = SP.proposal(base[:, j] + head.markov_head.bias(e), sm, keys[:, j], sampled, j, cut)
         drafts.append(prev)
         qs.append(q)
     drafts = jnp.stack(drafts, axis=1)

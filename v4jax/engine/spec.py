@@ -178,15 +178,16 @@ def purpose(keys, i: int):
     return jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, i)))(keys)
 
 
-def proposal(logits, sm, keys, sampled: bool, ahead: int):
+def proposal(logits, sm, keys, sampled: bool, ahead: int, cut: bool = True):
     """A draft token [B] from the MTP block's logits [B, V] for the token `ahead` of each row's next, and its
     distribution [B, V] (None if no row samples): greedy rows take the argmax, sampled rows draw from the logits
-    filtered as their own sampling filters them (steered first, as the target's)."""
+    filtered as their own sampling filters them (steered first, as the target's). cut: whether some sampled row
+    cuts by top-k / top-p (the step's form, sampling.kept)."""
     logits = steered(logits, sm, ahead)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampled:
         return greedy, None
-    q = filtered_probs(logits, sm.temperature, sm.top_p, sm.top_k, sm.min_p)
+    q = filtered_probs(logits, sm.temperature, sm.top_p, sm.top_k, sm.min_p, cut)
     drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
     return jnp.where(sm.temperature > 0, drawn, greedy), q
 
@@ -235,9 +236,9 @@ class MTPDrafter:
 
     @staticmethod
     def propose(model, cfg, layout, d, tokens, pos, live, k, page_table, swa_table, rows, opts, sm, sampled,
-                table=None):
+                table=None, cut=True):
         drafts, q, swa = draft(model, cfg, layout, d, pos, live, k, page_table, swa_table, rows, opts, sm, sampled,
-                               table)
+                               table, cut)
         return drafts, q, dataclasses.replace(d, swa=swa)
 
     @staticmethod
@@ -254,13 +255,14 @@ MTP = MTPDrafter()
 
 
 def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, swa_table, rows, opts, sm,
-          sampled: bool, table=None):
+          sampled: bool, table=None, cut: bool = True):
     """k draft tokens [B, k] per row (slot b = row b) whose next token sits at position pos [B]: the MTP block over
     the positions it has not seen (its drafter state: the main streams up to pos-1), then k-1 steps on its own
     output streams and drafts. Rows not `live` write nothing. Greedy rows draft the argmax, sampled rows draw from
     the MTP block's distribution filtered as their sampling filters (sm: their SamplingState). Returns (drafts,
     their distributions [B, k, V] (None unless `sampled`), the MTP window pool swa).
-    table: tests only, [B, max positions] tokens to draft instead (drafts of position p+1.. read table[b, p+1..])."""
+    table: tests only, [B, max positions] tokens to draft instead (drafts of position p+1.. read table[b, p+1..]).
+    cut: as `proposal`'s."""
     t = d.hidden.shape[1]
     mpool = C.LayerPool(swa=d.swa)
     ok = live & (d.count > 0) & (d.start + d.count == pos)
@@ -269,7 +271,7 @@ def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, sw
     y, mpool = model.mtp_cached(d.hidden, d.tokens, meta, mpool, opts)
     y = jnp.take_along_axis(y, jnp.maximum(n - 1, 0)[:, None, None, None], axis=1)[:, 0]
     keys = purpose(token_keys(sm, k), 1) if sampled else jnp.zeros((live.shape[0], k), jnp.uint32)
-    first, q0 = proposal(model.mtp_head(y), sm, keys[:, 0], sampled, 0)
+    first, q0 = proposal(model.mtp_head(y), sm, keys[:, 0], sampled, 0, cut)
 
     def step(carry, i):
         y, tok, swa = carry
@@ -277,7 +279,7 @@ def draft(model, cfg, layout, d: C.DraftState, pos, live, k: int, page_table, sw
                            swa_table, 1, rows)
         y, p = model.mtp_cached(y[:, None], tok[:, None], meta, C.LayerPool(swa=swa), opts)
         y = y[:, 0]
-        tok, q = proposal(model.mtp_head(y), sm, jnp.take(keys, i + 1, axis=1), sampled, i + 1)
+        tok, q = proposal(model.mtp_head(y), sm, jnp.take(keys, i + 1, axis=1), sampled, i + 1, cut)
         return (y, tok, p.swa), (tok, q)
 
     swa = mpool.swa

@@ -348,7 +348,7 @@ def _spec_decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_
         live = st.active & (out.n_out < k)
         greedy = sm.temperature <= 0
         drafts, q, dstate = drafter.propose(model, cfg, lay, pools.draft, st.tokens, st.pos, live, d, page_table,
-                                            swa_table, rows, spec.opts, sm, spec.any_sampled, table)
+                                            swa_table, rows, spec.opts, sm, spec.any_sampled, table, spec.any_cut)
         # verify the slot's next token and the drafts, the compressor states kept (SP.with_pending)
         fed = jnp.concatenate([st.tokens[:, None], drafts], axis=1)  # [s, d+1]
         meta = C.make_meta(cfg, lay, st.pos, live.astype(jnp.int32) * (d + 1), jnp.zeros((s,), bool), None,
