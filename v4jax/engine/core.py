@@ -111,20 +111,21 @@ class EngineCore:
         # decode steps whose sampled rows cut by neither top_k nor top_p (vLLM's and OpenAI's defaults): no
         # full-vocabulary sort either (sampling.kept); its results are the sampling form's for such rows
         self.plain_spec = dataclasses.replace(self.spec, any_cut=False)
-        # the same two with the top-N alternatives per token, for steps where a request asked for them
+        # the same three with the top-N alternatives per token, for steps where a request asked for them
         # (SamplingParams.top_logprobs); compiled at their first use, not by warmup()
-        self.top_specs = {spec.any_sampled: dataclasses.replace(spec, top_logprobs=MAX_TOP_LOGPROBS)
-                          for spec in (self.spec, self.greedy_spec)}
+        self.top_specs = {spec: dataclasses.replace(spec, top_logprobs=MAX_TOP_LOGPROBS)
+                          for spec in (self.spec, self.plain_spec, self.greedy_spec)}
         self.steps = S.JittedSteps.make(run_options.mesh_rules)
         # the compiled step programs, and the one each step runs (a covering one while its own compiles, after
         # warm-up): a greedy-only step may run on its sampling twin, and any step on the sampling form with the
         # top-N alternatives (the cover's form: the alternatives are read only for the requests that asked)
-        top = self.top_specs[True]
+        top, top_plain, top_greedy = (self.top_specs[s] for s in (self.spec, self.plain_spec, self.greedy_spec))
         self.programs = ProgramBook(self._compile_program, {
-            self.greedy_spec: (self.greedy_spec, self.plain_spec, self.spec, self.top_specs[False], top),
-            self.plain_spec: (self.plain_spec, self.spec, top),
+            self.greedy_spec: (self.greedy_spec, self.plain_spec, self.spec, top_greedy, top_plain, top),
+            self.plain_spec: (self.plain_spec, self.spec, top_plain, top),
             self.spec: (self.spec, top),
-            self.top_specs[False]: (self.top_specs[False], top)})
+            top_plain: (top_plain, top),
+            top_greedy: (top_greedy, top_plain, top)})
         # device bytes of temporaries of each program compiled ahead of time (XLA's memory analysis): what a step
         # needs beside the weights and pools, which the caller checks against what is free (v4jax.memory)
         self.step_temporaries: dict[Program, int] = {}
@@ -428,7 +429,7 @@ class EngineCore:
         step, n, out = max(e - s for _, s, e in plans), req.n_tokens, []
         for s in range(end, n, step):
             bucket = chunk_bucket(min(step, n - s))
-            form = self.top_specs[True] if req.params.top_logprobs and s + step >= n else self.spec
+            form = self.top_specs[self.spec] if req.params.top_logprobs and s + step >= n else self.spec
             out.append(Program("prefill", form, _pow2(len(left)), bucket, self._page_bucket(s + bucket)))
         if req.params.max_tokens > 1 and not req.prefill_only:   # (a prefill server hands decoding on)
             pr = req.params
@@ -485,11 +486,11 @@ class EngineCore:
         sampled row cuts by them), else the greedy-only one; with the top-N alternatives when a request of the step
         asked for them."""
         sampled = temperature > 0
-        if top_logprobs:
-            return self.top_specs[bool(sampled.any())]
         if not sampled.any():
-            return self.greedy_spec
-        return self.spec if (sampled & ((top_k > 0) | (top_p < 1))).any() else self.plain_spec
+            base = self.greedy_spec
+        else:
+            base = self.spec if (sampled & ((top_k > 0) | (top_p < 1))).any() else self.plain_spec
+        return self.top_specs[base] if top_logprobs else base
 
     def _dispatch_prefill(self, plans: list[tuple[Request, int, int]]):
         """Dispatch one prefill step (a chunk of each of up to MAX_PREFILL_ROWS requests, as rows of one batch);
@@ -506,7 +507,7 @@ class EngineCore:
         furthest = max(s for _, s, _ in plans)
         bucket = chunk_bucket(max(e - s for _, s, e in plans))
         # a row's table reaches past its chunk's compiled length (a covering program's longer chunk too)
-        exact = Program("prefill", self.top_specs[True] if top_n else self.spec, _pow2(len(plans)), bucket,
+        exact = Program("prefill", self.top_specs[self.spec] if top_n else self.spec, _pow2(len(plans)), bucket,
                         self._page_bucket(furthest + bucket))
         self.programs.ahead(self._programs_ahead(plans, exact))
         program = self.programs.choose(exact, fits=lambda p: p.pages >= self._page_bucket(furthest + p.chunk))
@@ -577,8 +578,8 @@ class EngineCore:
 
     def _named_specs(self) -> dict:
         return {"sampled": self.spec, "plain": self.plain_spec, "greedy": self.greedy_spec,
-                "top_sampled": self.top_specs[True],
-                "top_greedy": self.top_specs[False]}
+                "top_sampled": self.top_specs[self.spec], "top_plain": self.top_specs[self.plain_spec],
+                "top_greedy": self.top_specs[self.greedy_spec]}
 
     def _compile_program(self, program: Program) -> None:
         """Compile one step program ahead of time on arguments of its shape (the pools are only read for their
@@ -645,7 +646,7 @@ class EngineCore:
         longest = {}
         for rb, cb in self._prefill_shapes():
             longest[rb] = max(longest.get(rb, 0), cb)
-        form = self.top_specs[True]
+        form = self.top_specs[self.spec]
         return ([Program("prefill", form, rb, cb, widest) for rb, cb in sorted(longest.items())]
                 + [Program("decode", spec, max(self._slot_buckets()), 0, widest) for spec in (form, self.greedy_spec)])
 
