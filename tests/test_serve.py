@@ -536,9 +536,9 @@ def test_jetstream_sample_ending_on_eos_is_whole(served, monkeypatch):
     """Unseeded samples get fresh seeds; pinned here to one that, with the default model, draws EOS as the first
     token of sample 1 of PROMPTS[0] (about 1 sample in 10,000 does): that sample is the single EOS."""
     eos = served.llm.engine.cfg.eos_token_id
-    monkeypatch.setattr(SamplingParams, "resolved_seed", lambda self: 4007 if self.seed is None else self.seed)
+    monkeypatch.setattr(SamplingParams, "resolved_seed", lambda self: 16658 if self.seed is None else self.seed)
     ids = _jetstream_samples(served, served.refs[0].prompt_token_ids, 2)
-    assert ids[1] == [eos], f"seed 4007 no longer draws EOS first for sample 1 (model or sampler changed): {ids}"
+    assert ids[1] == [eos], f"seed 16658 no longer draws EOS first for sample 1 (model or sampler changed): {ids}"
     assert all(_whole_sample(x, eos) for x in ids), ids
 
 
