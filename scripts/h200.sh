@@ -353,7 +353,8 @@ load)
   # The server against its own engine, same batches, one call (carry [".whl"]): LLM.generate on one 64-slot
   # engine at default options with 1 / 8 / 32 / 64 prompts of 1024 tokens and 256 new (its programs go into the
   # persistent compilation cache), then `v4jax serve` with the same options, the cache warm, under 1 / 8 / 32 / 64
-  # concurrent streams of the same shapes (v4jax bench serve --rate inf); SIGTERM, exit code
+  # concurrent streams of the same shapes (v4jax bench serve --rate inf); SIGTERM, exit code. Greedy;
+  # TEMPERATURE=1 samples as vLLM's and OpenAI's defaults, in both
   wheels
   # outside $OUT: a device call brings back only a few of $OUT's files, and the cache's hundreds crowded out the
   # per-load results
@@ -364,7 +365,8 @@ load)
   PROMPT=${PROMPT:-1024}; NEW=${NEW:-256}; PORT=${PORT:-8123}
   stamp "LLM.generate: batches ${STREAMS// /,} x $PROMPT tokens, $NEW new"
   timeout ${GEN_S:-330} python3 -W ignore -m v4jax.bench generate --model "$MODEL" $ENGINE_ARGS --cache on \
-    --batches "${STREAMS// /,}" --contexts "$PROMPT" --new "$NEW" --out "$out/generate" 2>&1 | quiet | tail -13
+    --batches "${STREAMS// /,}" --contexts "$PROMPT" --new "$NEW" ${TEMPERATURE:+--temperature $TEMPERATURE} \
+    --out "$out/generate" 2>&1 | quiet | tail -13
   # SWITCH_MS="5 0.5": one server per value of Python's thread switch interval (5 ms is CPython's default), each
   # under the same streams. A thread that returns from a blocking call (the engine thread's wait on the device)
   # waits for the GIL until the holder's interval ends: on a 2-core CPU, with two threads doing 3 ms of Python work
@@ -404,7 +406,7 @@ EOF
     # measured 32 streams with 3 still compiling: TTFT p50 2.5 s against 0.47 at 64): up to SETTLE_S for them first
     timeout ${SERVE_S:-150} python3 -W ignore -m v4jax.cli bench serve --url "http://127.0.0.1:$PORT" --rate inf \
       --num-requests "$n" --prompt-len "$PROMPT" --output-len "$NEW" --vocab ${VOCAB:-129280} \
-      --warmup-requests "$n" --warmup-settle-s ${SETTLE_S:-60} --seed "$n" --out "$sdir/s$n" 2>&1 \
+      ${TEMPERATURE:+--temperature $TEMPERATURE} --warmup-requests "$n" --warmup-settle-s ${SETTLE_S:-60} --seed "$n" --out "$sdir/s$n" 2>&1 \
       | grep -v "^ \|^{\|^}\|^$" | tail -6
     awk -v c0="$lc0" -v c1="$(loop_cpu)" -v t0="$lt0" -v t1="$(date +%s.%N)" 'BEGIN {printf "event loop thread: " \
       "%.2f s of CPU in %.1f s (warm-up requests included)\n", c1 - c0, t1 - t0}' | tee -a "$sdir/s$n/loop_cpu.txt"
