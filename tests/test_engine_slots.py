@@ -164,7 +164,7 @@ def test_cover_warmup_no_step_waits(monkeypatch):
     # steps of one row of 32 or two of 16; page tables of one page or two (the cover's)
     llm = LLM("tiny", max_num_seqs=2, **{**OPTIONS, "prefill_chunk": 32, "max_model_len": 512})
     eng = llm.engine
-    assert eng.warmup(cover_only=True) == 4
+    assert eng.warmup(cover_only=True) == 5
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 500, n).tolist() for n in (71, 7, 40)]
     # greedy, sampled, and greedy with top-3 alternatives (the cover's form has them)
@@ -222,9 +222,9 @@ def test_warmup_checks_each_steps_memory_and_a_step_out_of_memory_says_what_to_l
     from v4jax import memory as M
     from v4jax.engine import StepMemoryError
     llm = LLM("tiny", max_num_seqs=2, **{**OPTIONS, "prefill_chunk": 32, "max_model_len": 512})
-    assert llm.warmup() == 4  # the device (host RAM here) has room: no error
+    assert llm.warmup() == 5  # the device (host RAM here) has room: no error
     temps = {str(p): b for p, b in llm.engine.step_temporaries.items()}
-    assert len(temps) == 4 and all(b > 0 for b in temps.values()), temps
+    assert len(temps) == 5 and all(b > 0 for b in temps.values()), temps
     name, need = max(temps.items(), key=lambda kv: kv[1])
     monkeypatch.setattr(M, "device_free_bytes", lambda device=None, in_use=0: (need - 1, "a test limit"))
     option = "prefill_chunk" if name.startswith("prefill") else "max_num_seqs"
@@ -232,7 +232,7 @@ def test_warmup_checks_each_steps_memory_and_a_step_out_of_memory_says_what_to_l
     with pytest.raises(M.DeviceMemoryError, match=want):
         llm.warmup()
     monkeypatch.setattr(M, "device_free_bytes", lambda device=None, in_use=0: (need, "a test limit"))
-    assert llm.warmup() == 4
+    assert llm.warmup() == 5
 
     def out_of_memory(plans):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 5.25GiB with "

@@ -8,8 +8,8 @@ as large in every dimension runs the step correctly: rows past the step's are em
 argmax. So do other requests sharing a step already: a request's tokens do not depend on the bucket it ran in.
 
 Once warm-up has compiled a cover (for each prefill row count, the longest chunk at the widest table; the decode
-call over every slot at the widest table, in the sampling form with the top-N alternatives and greedy-only: 6
-programs for flash-slice with 16 slots, against well over 200 in all), a step
+call over every slot at the widest table, in the sampling form with the top-N alternatives, without the top-k /
+top-p cut and greedy-only: 7 programs for flash-slice with 16 slots, against well over 200 in all), a step
 whose exact program is not compiled runs on the cheapest compiled one that covers it, while the exact program
 compiles on a background thread and takes over from the next step on. On an H200 a flash-slice
 program took ~15 s to compile (a step, milliseconds): a new shape after `/health` said ready stalled every
