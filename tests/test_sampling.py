@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from v4jax.engine.sampling import filtered_probs, kept, sample
+from v4jax.engine.sampling import filtered_probs, kept, sample, top_alternatives
 
 
 def reference_kept(logits, temperature, top_p, top_k, min_p):
@@ -75,3 +75,18 @@ def test_filtered_probs_without_the_cut():
     args = (logits, one(0.8), one(1.0), one(0, jnp.int32), one(0.05))
     np.testing.assert_allclose(np.asarray(filtered_probs(*args, any_cut=False)), np.asarray(filtered_probs(*args)),
                                rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 45), st.integers(0, 3), st.data())
+def test_top_alternatives_in_selections_equal_one_top_k(n, batch, data):
+    """The top-N alternatives taken TOP_K_SELECTION at a time (XLA:GPU's top-k kernel's limit; wider is a sort)
+    equal one lax.top_k of n: the same ids and values, ties to the lower id, over rows with many equal values."""
+    v = 64
+    rows = np.array(data.draw(st.lists(st.sampled_from([-7.0, -3.5, -3.0, -1.25, 0.0]), min_size=(batch + 1) * v,
+                                       max_size=(batch + 1) * v)), np.float32).reshape(batch + 1, v)
+    x = jnp.asarray(rows)
+    vals, ids = top_alternatives(x, n)
+    want_vals, want_ids = jax.lax.top_k(x, n)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
