@@ -1,7 +1,8 @@
 """What the sampler costs a decode step: `sample` over a Flash-sized vocabulary, jitted as the engine runs it,
 greedy; sampled at temperature 1 with no filter (vLLM's and OpenAI's default) in the form without the top-k / top-p
 sort ("plain") and in the form with it ("sorted"); and with top-p 0.9; per batch, with kernel time from a
-profiler trace on a GPU. Prints one line a case and writes JSON lines to --out.
+profiler trace on a GPU; "top20": greedy with the 20 most likely alternatives (top_logprobs=20). Prints one line
+a case and writes JSON lines to --out.
 
   python scripts/sampling_probe.py --batches 1,8,32,64 --vocab 129280 --out sampling.jsonl
 """
@@ -21,10 +22,12 @@ from v4jax.engine import sampling
 def case(b: int, v: int, form: str):
     ks = jax.random.split(jax.random.key(0), 2)
     logits = 4.0 * jax.random.normal(ks[0], (b, v), jnp.float32)
-    temperature = jnp.full((b,), 0.0 if form == "greedy" else 1.0, jnp.float32)
+    temperature = jnp.full((b,), 0.0 if form in ("greedy", "top20") else 1.0, jnp.float32)
     top_p = jnp.full((b,), 0.9 if form == "top_p" else 1.0, jnp.float32)
     zeros_i, zeros_f = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32)
-    fn = jax.jit(functools.partial(sampling.sample, any_sampled=form != "greedy", any_cut=form != "plain"))
+    greedy = form in ("greedy", "top20")
+    fn = jax.jit(functools.partial(sampling.sample, any_sampled=not greedy, any_cut=form != "plain",
+                                   n_top=20 if form == "top20" else 0))
     args = (logits, logits, temperature, top_p, zeros_i, zeros_f, zeros_i, jnp.arange(b, dtype=jnp.int32), zeros_i)
     return lambda: fn(*args)
 
@@ -33,7 +36,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--vocab", type=int, default=129280)
-    ap.add_argument("--forms", default="greedy,plain,sorted,top_p")
+    ap.add_argument("--forms", default="greedy,plain,sorted,top_p,top20")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
