@@ -110,6 +110,24 @@ def test_no_recompilation_after_warmup(tiny_llm):
     assert eng.compiled_variants() == warmed
 
 
+def test_default_sampling_decodes_without_the_vocabulary_sort(tiny_llm):
+    """A decode step whose sampled requests cut by neither top-k nor top-p (vLLM's and OpenAI's defaults) runs the
+    form without the full-vocabulary sort; a step where one sampled request cuts runs the sorting form (a greedy
+    row's top-p / top-k do not count: it never samples)."""
+    eng = tiny_llm.engine
+    f = lambda *v: np.array(v, np.float32)  # noqa: E731
+    i = lambda *v: np.array(v, np.int32)  # noqa: E731
+    assert eng._spec_for(f(1.0, 0.0), f(1.0, 0.5), i(0, 3)) is eng.plain_spec
+    assert eng._spec_for(f(1.0, 0.7), f(1.0, 0.9), i(0, 0)) is eng.spec
+    assert eng._spec_for(f(0.0, 0.7), f(1.0, 1.0), i(0, 40)) is eng.spec
+    assert eng._spec_for(f(0.0, 0.0), f(0.5, 1.0), i(0, 0)) is eng.greedy_spec
+    assert eng._spec_for(f(1.0), f(1.0), i(0), top_logprobs=True) is eng.top_specs[eng.plain_spec]
+    pt, swa = eng.kv.decode_tables(1, eng.layout.max_slots)
+    sorts = lambda spec: eng.steps.decode.lower(spec, eng._leaves, eng.pools, eng.store,  # noqa: E731
+                                                eng._decode_state_merge(), pt, swa).as_text().count("stablehlo.sort")
+    assert sorts(eng.plain_spec) == sorts(eng.greedy_spec) < sorts(eng.spec)
+
+
 def test_prefill_step_has_no_device_branch(tiny_llm, monkeypatch):
     # a prefill step runs the sampling program whether or not its rows sample (one program per shape for warm-up
     # to compile); it has no device-side branch (on GPU a lax.cond waits on the host for its predicate)

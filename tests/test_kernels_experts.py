@@ -78,6 +78,12 @@ def test_pairs_grouped_as_a_stable_sort_groups_them(m, k, n_exp, data):
     np.testing.assert_array_equal(back, np.where(flat < n_exp, np.arange(m * k), 0))
 
 
+
+def test_pairs_grouped_without_a_sort_or_a_scatter():
+    text = jax.jit(lambda e: X._group_pairs(e, 16)).lower(jnp.zeros((4, 6), jnp.int32)).as_text()
+    assert "stablehlo.sort" not in text and "stablehlo.scatter" not in text
+
+
 def test_matches_reference_bf16():
     args = _case(2, 3, 8, 64, 128, jnp.bfloat16)
     out = np.asarray(X.routed_experts(*args, 7.0, interpret=True))

@@ -90,3 +90,10 @@ def test_top_alternatives_in_selections_equal_one_top_k(n, batch, data):
     want_vals, want_ids = jax.lax.top_k(x, n)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
+
+
+def test_top_alternatives_ask_for_no_top_k_wider_than_the_selection_kernel():
+    import re
+    text = jax.jit(lambda x: top_alternatives(x, 20)).lower(jnp.zeros((2, 2048))).as_text()
+    widths = [int(k) for k in re.findall(r"top_k\([^)]*k = (\d+)\)", text)]
+    assert sorted(widths) == [4, 16], widths
