@@ -188,9 +188,9 @@ class ExpertPairs(NamedTuple):
 def _group_pairs(experts, n_exp) -> ExpertPairs:
     """experts [M, k] -> ExpertPairs, by comparing every pair with every other (P x P, P <= MAX_TOKENS * k) rather
     than sorting: a pair's place is the pairs of lower experts plus its expert's earlier pairs, exactly a stable
-    sort's. A decode step's XLA sort of the ids was a kernel of its own in every layer (flash-slice, one token: 11
-    sorts a step, 51 us), and the scatter putting the outputs back in (token, k) order another; here one gather
-    does that."""
+    sort's. The XLA sort of the ids was a kernel of its own in every layer's decode step, and the scatter putting
+    the outputs back in (token, k) order another; here one gather does that (H100, flash-slice at one token, an
+    8-step call: sorts 80 -> 48, scatters 72 -> 8)."""
     k = experts.shape[1]
     ids = experts.reshape(-1).astype(jnp.int32)
     ids = jnp.where((ids >= 0) & (ids < n_exp), ids, n_exp)

@@ -2,10 +2,11 @@
 
 A step's exact program is fixed by its shape: prefill rows x chunk length x page-table width, decode slots x
 page-table width, and its form (greedy-only, or sampling with or without the top-k / top-p cut's sort; with or
-without top-N alternatives). A program at least
-as large in every dimension runs the step correctly: rows past the step's are empty, tokens past a row's
-`n_valid` and page-table columns past a request's pages are masked, and a sampling program's greedy rows take the
-argmax. So do other requests sharing a step already: a request's tokens do not depend on the bucket it ran in.
+without top-N alternatives). A program at least as large in every dimension runs the step correctly: rows past
+the step's are empty, tokens past a row's `n_valid` and page-table columns past a request's pages are masked, a
+sampling program's greedy rows take the argmax, and the cut's form draws for rows that ask for no cut what the
+form without it draws. So do other requests sharing a step already: a request's tokens do not depend on the
+bucket it ran in.
 
 Once warm-up has compiled a cover (for each prefill row count, the longest chunk at the widest table; the decode
 call over every slot at the widest table, in the sampling form with the top-N alternatives, without the top-k /
@@ -61,8 +62,8 @@ class Program:
                 and self.rows >= other.rows and self.chunk >= other.chunk and self.pages >= other.pages)
 
     def cost(self) -> tuple:
-        # the tokens a step computes, then the table it reads; the greedy-only form before the sampling one, and
-        # either before its twin with the top-N alternatives
+        # the tokens a step computes, then the table it reads; the greedy-only form before the sampling ones (the
+        # one without the cut first), and each before its twin with the top-N alternatives
         return (self.rows * max(self.chunk, 1), self.pages, self.spec.top_logprobs > 0, self.spec.any_sampled,
                 self.spec.any_cut)
 

@@ -76,8 +76,8 @@ class StepSpec:
     any_cut: bool = True
     # most likely alternatives computed per sampled token: 0, or MAX_TOP_LOGPROBS in the programs of steps where a
     # request asked for them. A top-20 over a 129K vocabulary cost nothing measurable on CPU up to batch 32 (a
-    # fifth more than the chosen token's log-softmax at batch 128), but XLA may lower a top-k that wide to a sort
-    # of each row on GPU: the programs most steps run leave it out, as the greedy ones leave out the sampling sort
+    # fifth more than the chosen token's log-softmax at batch 128); on a GPU it is two selection kernels
+    # (sampling.top_alternatives), still work the programs most steps run leave out
     top_logprobs: int = 0
     # tests only: with speculative decoding, drafts read from this [slots, positions] token table instead of the
     # drafter (right or wrong on purpose, so that every acceptance path runs)
