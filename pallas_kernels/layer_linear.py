@@ -65,7 +65,8 @@ def supported(x, w, groups: int = 1, scaled: bool = False, act_quant: bool = Fal
             and _pow2_block(d, COLS) is not None)
 
 
-def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks, scale_rows, act_quant):
+def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks, scale_rows, act_quant,
+            tile_sum=False):
     n_w = len(n_outs)
     if scale_rows is None:
         s_refs, w_refs, y_ref = (None,) * n_w, refs[:n_w], refs[n_w]
@@ -85,6 +86,8 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
             xc = x_ref[grp, 0, pl.ds(col, cols)] if gemv else x_ref[grp, :, pl.ds(col, cols)]
             if act_quant:  # cols == 128: one block of each row (exact in cdt: 3 mantissa bits)
                 xc = fp8_round_block(xc.astype(F32)).astype(cdt)
+            if gemv and tile_sum:  # products summed per column across chunks, over the row once at the end
+                return acc + xc.astype(F32)[None, :] * w.astype(F32)
             if gemv:  # y_ref is [rows]
                 part = jnp.sum(xc.astype(F32)[None, :] * w.astype(F32), axis=1)
             else:
@@ -93,7 +96,10 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
                 part = part * ue8m0_to_f32(s_ref[layer * scale_rows[k] + row0 // SCALE_BLOCK, col // SCALE_BLOCK])
             return acc + part
 
-        y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))
+        if gemv and tile_sum:
+            y_ref[...] = jnp.sum(lax.fori_loop(0, chunks, body, jnp.zeros((rows, cols), F32)), axis=1)
+        else:
+            y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))
 
     if n_w == 1:
         project(0, j * rows, j * rows // group_rows)
@@ -105,7 +111,7 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
 
 
 def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs, scales=None,
-          act_quant=False):
+          act_quant=False, one_token="sum"):
     """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch (`scales`: ws are FP8 weights,
     scales their ue8m0 block scales, each a layer's or its stack's; `act_quant`: x rounded to FP8 in 1 x 128 blocks
     first)."""
@@ -125,7 +131,7 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
     if scaled or act_quant:  # a chunk is one 128-column block (of the scales, of x's rounding)
         cols = SCALE_BLOCK
     m = x.size // (d * groups)
-    tb = 1 if m == 1 else max(16, next_pow2(m))
+    tb = 1 if m == 1 and one_token != "dot" else max(16, next_pow2(m))
     x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
     layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
     wfs = [w.reshape(-1, d) for w in ws]
@@ -144,7 +150,8 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
     scale_rows = tuple(a.shape[-2] if a.ndim == 3 else 0 for a in scales) if scaled else None
     parts = pl.pallas_call(
         functools.partial(_kernel, starts=starts, n_outs=n_outs, group_rows=n_outs[0] // groups, rows=rows,
-                          cols=cols, chunks=n_chunks // splits, scale_rows=scale_rows, act_quant=act_quant),
+                          cols=cols, chunks=n_chunks // splits, scale_rows=scale_rows, act_quant=act_quant,
+                          tile_sum=one_token == "tile" and not scaled),
         out_shape=jax.ShapeDtypeStruct((splits, tb, total), F32), grid=(total // rows, splits),
         in_specs=[full(layer), full(x2)] + [full(a) for a in extra + wfs],
         out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)),
@@ -156,14 +163,14 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
 
 def layer_linear(x, w, layer=None, groups: int = 1, *, scale=None, act_quant: bool = False, interpret=None,
                  num_warps: int = 4, num_stages: int = 2, rows: int = ROWS, cols: int = COLS,
-                 min_programs: int = MIN_PROGRAMS):
+                 min_programs: int = MIN_PROGRAMS, one_token: str = "sum"):
     """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
     interpreter on CPU); with `groups`, group by group; with `scale` (ue8m0 [O/128, D/128], layer `layer`'s, or the
     stack's [n, O/128, D/128], read at `layer`), w is e4m3 in 128 x 128 blocks; with `act_quant`, x rounded to FP8
     as the release does first (see the module doc).
     Shapes must pass `supported`."""
     y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs,
-              None if scale is None else [scale], act_quant)
+              None if scale is None else [scale], act_quant, one_token)
     n_out = w.shape[-2]
     if groups > 1:
         return y.reshape(*x.shape[:-2], groups, n_out // groups)

@@ -27,6 +27,8 @@ is reported, not fatal.
                                                                                  -> OUT/kv_formats.json
   --sweep stored_weights      decode-sized projections (e4m3) and routed experts (FP4) as the release stores them,
                               against bf16                                       -> OUT/stored_weights.json
+  --sweep streaming           the decode's weight-streaming kernels (projections at one token in three forms, the
+                              routed experts) against XLA's matmul on the same bytes -> OUT/streaming.json
   --sweep fp4_experts         the FP4 routed experts a program an expert (dots) against a program a pair (token,
                               expert; no dot), over blocks and warps, at 1 / 4 / 32 tokens -> OUT/fp4_experts.json
 
@@ -989,13 +991,90 @@ def fp4_experts(a, out_dir: str) -> int:
     return 0
 
 
+# ---- --sweep streaming ----------------------------------------------------------------------------------------------
+
+def streaming(a, out_dir: str) -> int:
+    """The decode step's weight-streaming kernels against XLA's matmul reading the same bytes: GB/s of the
+    few-token projection (pallas_kernels.layer_linear; at one token its three forms: a sum over each chunk's row,
+    the products summed per column and over the row once, the token padded to a 16-row tensor-core dot) and of the
+    routed experts (pallas_kernels.experts) over blocks, warps and stages, beside `x @ w.T` on separate weights of
+    each shape (XLA's own GEMV / GEMM fusion, autotuned: the LM head read 3.0 TB/s on an H100 where these kernels
+    read 2.5). Each case reads a stack of layers past the L2 -> OUT/streaming.json."""
+    from pallas_kernels import experts as X
+    from pallas_kernels import layer_linear as LL
+    from v4jax.bench.profile import summarize
+
+    log = _RowLog(os.path.join(out_dir, "streaming.json"))
+
+    def timed(row, fn, args, mb, per):
+        try:
+            s = summarize(lambda: jax.block_until_ready(fn(*args)), repeats=2, top=4)
+            us = s["kernel_ms"] * 1e3 / per
+        except Exception as e:  # noqa: BLE001 - a block shape Triton refuses: say so, go on
+            log.failed(row, e, str(row))
+            return
+        log.add(dict(row, us=us, gbps=mb / us * 1e3, kernels=s["kernels"] / per))
+        print(f"{row}: {us:.1f} us, {mb / us * 1e3:.0f} GB/s", flush=True)
+
+    shapes = [("wq_b", 32768, 1024, 1), ("wo_b", 4096, 8192, 1), ("wo_a", 8192, 4096, 8), ("wq_a", 1024, 4096, 1)]
+    if a.small:
+        shapes = [("small", 64, 256, 1)]
+    one = [("sum", 64, 256, 4, 2), ("sum", 64, 256, 4, 3), ("sum", 64, 256, 8, 3), ("sum", 32, 512, 4, 3),
+           ("tile", 16, 256, 4, 2), ("tile", 16, 512, 4, 2), ("tile", 32, 256, 4, 2), ("tile", 16, 512, 4, 3),
+           ("tile", 32, 256, 8, 3), ("tile", 16, 1024, 8, 3), ("tile", 32, 512, 8, 3),
+           ("dot", 64, 256, 4, 2), ("dot", 64, 256, 4, 3), ("dot", 32, 256, 4, 3), ("dot", 16, 512, 4, 3),
+           ("dot", 64, 128, 4, 4), ("dot", 32, 512, 8, 3)]
+    many = [("dot", 64, 256, 4, 2), ("dot", 64, 256, 4, 3), ("dot", 64, 256, 4, 4), ("dot", 32, 256, 4, 3),
+            ("dot", 64, 512, 8, 3), ("dot", 128, 128, 8, 3)]
+    if a.small:
+        one, many = [("sum", 16, 128, 4, 2), ("tile", 16, 128, 4, 2), ("dot", 16, 128, 4, 2)], [("dot", 16, 128, 4, 2)]
+    for (name, o, d, g), m in itertools.product(shapes, [1, 32]):
+        layers = 2 if a.small else max(4, -(-(256 << 20) // (o * d * 2)))
+        k = jax.random.split(jax.random.key(o + d + m), 2)
+        w = (0.05 * jax.random.normal(k[0], (layers, o, d), F32)).astype(BF16)
+        x = jax.random.normal(k[1], (m, g, d) if g > 1 else (m, d), BF16)
+        mb = o * d * 2 / 1e6
+        for form, r, c, nw, ns in (one if m == 1 else many):
+            def run(x, w, r=r, c=c, nw=nw, ns=ns, g=g, layers=layers, form=form):
+                def body(i, acc):
+                    y = LL.layer_linear(x, w, i, g, rows=r, cols=c, num_warps=nw, num_stages=ns, one_token=form)
+                    return acc + y.reshape(-1)[:8].astype(F32)
+                return lax.fori_loop(0, layers, body, jnp.zeros((8,), F32))
+            timed(dict(kernel="layer_linear", shape=name, tokens=m, form=form, rows=r, cols=c, warps=nw, stages=ns),
+                  jax.jit(run), (x, w), mb, layers)
+        ws = [w[i] for i in range(layers)]  # separate arrays: XLA's fusion reads each from HBM, no slice
+        xf = x.reshape(m, g, d)
+
+        def xla(xf, ws, g=g):
+            outs = [jnp.einsum("mgd,god->mgo", xf, wi.reshape(g, -1, wi.shape[-1]),
+                               preferred_element_type=F32) for wi in ws]
+            return sum(o.reshape(-1)[:8] for o in outs)
+        timed(dict(kernel="layer_linear", shape=name, tokens=m, form="xla"), jax.jit(xla), (xf, ws), mb, layers)
+        del w, ws
+    ecfg = [((16, 512), (16, 512), 4, 2), ((16, 512), (16, 512), 4, 3), ((16, 512), (16, 512), 4, 4),
+            ((32, 256), (32, 256), 4, 3), ((16, 1024), (16, 1024), 4, 3), ((16, 512), (16, 512), 8, 3),
+            ((32, 512), (32, 512), 8, 3)]
+    if not a.small:
+        for m in (1, 32):
+            x, wt, ex, w1, w2, w3 = experts_case(m, 6, 16, 2048, 4096)
+            pairs = len(set(np.asarray(ex).reshape(-1).tolist()))
+            mb = pairs * 3 * 2048 * 4096 * 2 / 1e6
+            for up, down, nw, ns in ecfg:
+                timed(dict(kernel="experts", tokens=m, up=up, down=down, warps=nw, stages=ns),
+                      jax.jit(lambda *args, up=up, down=down, nw=nw, ns=ns: X.routed_experts(
+                          *args, 10.0, up=up, down=down, num_warps=nw, num_stages=ns)), (x, wt, ex, w1, w2, w3), mb, 1)
+            del w1, w2, w3
+    return 0
+
+
 SWEEPS = {"layer_linear": layer_linear, "fused_projections": fused_projections, "hc_post": hc_post,
           "experts": experts, "prefill_experts": prefill_experts, "topk_prefill": topk_prefill,
           "attention_prefill": attention_prefill, "indexer_prefill": indexer_prefill,
-          "stored_weights": stored_weights, "kv_formats": kv_formats, "fp4_experts": fp4_experts}
+          "stored_weights": stored_weights, "kv_formats": kv_formats, "fp4_experts": fp4_experts,
+          "streaming": streaming}
 # the sweeps with a --small form
 SMALL_SWEEPS = ("layer_linear", "fused_projections", "hc_post", "kv_formats",
-                "attention_prefill")
+                "attention_prefill", "streaming")
 
 
 def sweep(a, out_dir: str) -> int:
