@@ -1,4 +1,4 @@
-"""mHC's Sinkhorn normalisation (reference §5) as one kernel.
+"""mHC's Sinkhorn normalisation (reference §5) as one kernel, and on GPUs all of mHC's weights from its mix.
 
 XLA runs the loop as one small reduce fusion and one divide fusion per half-step: 2 x 19 iterations x 2 per
 layer (hc_attn and hc_ffn), about 80 launches of a few microseconds each over [tokens, 4, 4] floats (measured on
@@ -9,6 +9,11 @@ Here the N*N entries of each token are N*N separate vectors of a block of tokens
 entry-major, [N*N, M]), and the whole loop runs on them in registers: one launch per mHC. The arithmetic is the
 reference's (v4jax.model.layers.sinkhorn), in the same order (sums over the row or column left to right), so the
 result matches it to rounding.
+
+`hc_weights` takes one step more on GPUs: from each token's mix (the (2 + N) * N values of fn @ x) to its pre, post
+and Sinkhorn-normalised comb in one launch, reading the mix and writing the weights in the model's token-major
+layout. Around `sinkhorn` XLA ran the sigmoids, the softmax and the kernel's transposes as five more launches per mHC
+(H100 profile, flash-slice at batch 1: 40 of the step's ~310 launches, ~50 us of 1.8 ms).
 """
 from __future__ import annotations
 
@@ -17,10 +22,11 @@ import operator
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from . import _compat
-from ._compat import TritonCompilerParams, interpret_arg
+from ._compat import TritonCompilerParams, interpret_arg, pltriton
 
 BLOCK = 128  # tokens per program on TPU: one lane row
 # on GPU a thread runs one token's serial iterations: 32 tokens per one-warp program (H200, v4jax bench kernels
@@ -78,3 +84,49 @@ def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None =
                          out_shape=jax.ShapeDtypeStruct((n * n, mp), jnp.float32),
                          grid=(mp // block,), in_specs=[spec], out_specs=spec, name="v4_sinkhorn", **kw)(x)
     return out[:, :m].T.reshape(comb.shape)
+
+
+def _weights_kernel(mix_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, n: int, iters: int, eps: float,
+                    m: int, block: int):
+    """Tokens block*i .. of the flat mix [M * C] (C = (2 + N) * N) -> their flat pre, post [M * N], comb [M * N * N];
+    the reference's arithmetic (v4jax.model.layers.hc_weights), one token per thread."""
+    tok = pl.program_id(0) * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+    ok = tok < m
+    t = jnp.where(ok, tok, 0)
+    c = (2 + n) * n
+    mix = lambda k: pltriton.load(mix_ref.at[t * c + k], mask=ok, other=0.0) * scale_ref[min(k // n, 2)] + base_ref[k]
+    # a lane past the tokens stores to an index past the output (dropped: the interpreter's scatter would let a
+    # masked lane's duplicate index write over a real one)
+    put = lambda ref, w, k, v: pltriton.store(ref.at[jnp.where(ok, t * w + k, m * w)], v, mask=ok)  # noqa: E731
+    for k in range(n):
+        put(pre_ref, n, k, jax.nn.sigmoid(mix(k)) + eps)
+        put(post_ref, n, k, 2.0 * jax.nn.sigmoid(mix(n + k)))
+    comb = []
+    for i in range(n):  # jax.nn.softmax over each row of comb
+        row = [mix(2 * n + i * n + j) for j in range(n)]
+        top = functools.reduce(jnp.maximum, row)
+        e = [jnp.exp(v - top) for v in row]
+        total = functools.reduce(operator.add, e)
+        comb += [v / total + eps for v in e]
+    for k, v in enumerate(normalise(comb, n, iters, eps)):
+        put(comb_ref, n * n, k, v)
+
+
+def hc_weights(mix, scale, base, n: int, iters: int, eps: float, *, interpret=None, block: int = GPU_BLOCK,
+               num_warps: int = 1):
+    """v4jax.model.layers.hc_weights (same signature) as one Triton kernel (interpret=None: interpreted on CPU):
+    mix [..., (2 + N) * N] f32, scale [3], base [(2 + N) * N] -> (pre [..., N], post [..., N], comb [..., N, N])."""
+    if interpret is None:
+        interpret = _compat.backend() == "cpu"
+    *lead, c = mix.shape
+    m = mix.size // c
+    full = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
+    args = (mix.reshape(-1).astype(jnp.float32), scale.astype(jnp.float32), base.astype(jnp.float32))
+    shapes = [jax.ShapeDtypeStruct((m * k,), jnp.float32) for k in (n, n, n * n)]
+    kw = dict(interpret=True) if interpret else dict(
+        compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=1))
+    pre, post, comb = pl.pallas_call(
+        functools.partial(_weights_kernel, n=n, iters=iters, eps=eps, m=m, block=block),
+        out_shape=shapes, grid=(-(-m // block),), in_specs=[full(a) for a in args],
+        out_specs=[full(sh) for sh in shapes], name="v4_hc_weights", **kw)(*args)
+    return pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n)

@@ -163,5 +163,5 @@ def test_engine_steps_lower_for_cuda_with_every_triton_module_verified(monkeypat
     experts = ("v4_experts_up_fp4", "v4_experts_down_fp4") if quantization == "fp8" else ("v4_experts_up",
                                                                                            "v4_experts_down")
     want = {"v4_sparse_attention_gpu", "v4_dense_prefix_attention_gpu", "v4_indexer_scores_gpu",
-            "v4_topk_redo_overflow", "v4_compressor_state_gpu", "v4_sinkhorn", "v4_hc_post", *experts}
+            "v4_topk_redo_overflow", "v4_compressor_state_gpu", "v4_hc_weights", "v4_hc_post", *experts}
     assert want <= kernels, sorted(kernels)

@@ -117,17 +117,22 @@ def _hc_mix(x, fn, eps):
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HI) * inv
 
 
-def hc_pre(x, fn, base, scale, cfg: ModelConfig, normalise=None):
-    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]). `normalise(comb, iters,
-    eps)` is the Sinkhorn implementation (default `sinkhorn`, the jnp reference)."""
-    n, eps = cfg.hc_mult, cfg.hc_eps
-    mix = _hc_mix(x, fn, cfg.norm_eps)
+def hc_weights(mix, scale, base, n: int, iters: int, eps: float, normalise=None):
+    """mHC's weights from its mix [..., (2 + N) * N] f32: (pre [..., N], post [..., N], comb [..., N, N]), comb
+    Sinkhorn-normalised by `normalise(comb, iters, eps)` (default `sinkhorn`, the jnp reference)."""
     base = base.astype(F32)
     pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
     post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = mix[..., 2 * n:].reshape(*mix.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
     comb = jax.nn.softmax(comb, axis=-1) + eps
-    comb = (normalise or sinkhorn)(comb, cfg.hc_sinkhorn_iters, eps)
+    return pre, post, (normalise or sinkhorn)(comb, iters, eps)
+
+
+def hc_pre(x, fn, base, scale, cfg: ModelConfig, weights=None):
+    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]). `weights` takes
+    `hc_weights`' arguments (default `hc_weights`, the jnp reference)."""
+    mix = _hc_mix(x, fn, cfg.norm_eps)
+    pre, post, comb = (weights or hc_weights)(mix, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
     u = jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
     return u, post, comb
 

@@ -27,7 +27,8 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       lse [B, T, H] the log of the softmax denominator, -inf where nothing is valid and there is no sink), what
       shards merge (the kernels' partial states cost a write and a read of o in f32, so only then). entry_format:
       the entries' byte format where swa and kv store bytes (pallas_kernels.kv_format.Fp8Entry).
-  sinkhorn(comb, iters, eps) -> comb: mHC's Sinkhorn normalisation of comb [..., N, N] f32.
+  hc_weights(mix, scale, base, n, iters, eps) -> (pre [..., N], post [..., N], comb [..., N, N]): mHC's weights
+      from its mix [..., (2 + N) * N] f32, comb Sinkhorn-normalised (v4jax.model.layers.hc_weights).
   experts(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False) -> [M, D] f32: the
       routed experts' weighted sum (v4jax.model.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of
       another shard's expert, weight 0); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the
@@ -92,7 +93,7 @@ class Ops:
     compress: Callable
     select: Callable
     attend: Callable
-    sinkhorn: Callable
+    hc_weights: Callable
     experts: Callable
     linear: Callable
     project: Callable
@@ -246,8 +247,10 @@ def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_
                                                    entry_format=entry_format)
 
 
-def _sinkhorn_pallas(comb, iters, eps):
-    """pallas_kernels.sinkhorn: the whole loop in one launch (XLA runs it as ~80 small kernels per layer).
+def _hc_weights_pallas(mix, scale, base, n, iters, eps):
+    """pallas_kernels.sinkhorn.hc_weights: mHC's sigmoids, softmax and Sinkhorn loop in one launch, in the model's
+    layout (XLA ran the loop as ~80 small kernels per layer; around the Sinkhorn kernel alone, its transposes and
+    the sigmoids and softmax were five launches more per mHC).
     Measured and not kept: one Triton kernel for all of mHC's collapse after its matmul (the streams' RMS, the
     sigmoids, the softmax, this loop and the collapse; one program per 4 tokens reading the streams twice in chunks
     of 1024) took 10 us a launch at batch 1 and 23 us at 32 on the H200, against ~16 us for XLA's ten kernels: its
@@ -255,8 +258,14 @@ def _sinkhorn_pallas(comb, iters, eps):
     batch 32 was 5-6 % slower. Nor two launches for all of it, the matmul included (the mix split over 32 programs,
     then one program running this loop while the others summed the streams): H100, Flash's width, 50 / 48 / 78 /
     122 us of kernels a call at 1 / 8 / 32 / 64 tokens against 12 / 18 / 19 / 24 us for XLA's eight launches with
-    this kernel (the f32 matmul and the loop's serial divides; docs/results/h100-prefill-first/bench_hc_pre.json)."""
-    return pallas_sinkhorn.sinkhorn(comb, iters, eps)
+    the Sinkhorn kernel (the f32 matmul and the loop's serial divides; docs/results/h100-prefill-first/
+    bench_hc_pre.json). This kernel reads no streams: only the (2 + N) * N values of each token's mix."""
+    return pallas_sinkhorn.hc_weights(mix, scale, base, n, iters, eps)
+
+
+def _hc_weights_tpu(mix, scale, base, n, iters, eps):
+    """On a TPU: XLA's sigmoids and softmax, then pallas_kernels.sinkhorn's loop (Mosaic, tokens along the lanes)."""
+    return L.hc_weights(mix, scale, base, n, iters, eps, normalise=pallas_sinkhorn.sinkhorn)
 
 
 def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False):
@@ -387,14 +396,14 @@ def _hc_post_pallas(f, x, post, comb):
     return pallas_hc_post.hc_post(f2, x2, post.reshape(-1, n), comb.reshape(-1, n, n)).reshape(x.shape)
 
 
-XLA = Ops("xla", _compress_xla, _select_xla, _attend_xla, L.sinkhorn, _experts_xla, _linear_xla, _project_xla,
+XLA = Ops("xla", _compress_xla, _select_xla, _attend_xla, L.hc_weights, _experts_xla, _linear_xla, _project_xla,
           L.hc_post)
-PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _sinkhorn_pallas, _experts_pallas,
+PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _hc_weights_pallas, _experts_pallas,
              _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True)
 OPS = {"xla": XLA, "pallas": PALLAS}
-TRITON_ONLY = ("experts", "linear", "project", "hc_post")  # entries of PALLAS whose kernels are written for Triton
+TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_weights")  # entries of PALLAS whose kernels are written for Triton
 # of those, the entries a TPU has its own kernels for (weights as stored)
-TPU_OWN = {"experts": _experts_tpu, "linear": _linear_tpu}
+TPU_OWN = {"experts": _experts_tpu, "linear": _linear_tpu, "hc_weights": _hc_weights_tpu}
 
 
 def _backend() -> str:

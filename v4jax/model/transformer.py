@@ -90,7 +90,7 @@ def _layer_of(path, stack, li, on_mesh: bool):
 
 def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
     """The ops table of a step on a mesh. The experts run per shard on the shard's experts (routed_experts); a
-    table of Pallas calls (ops.per_shard) also runs compress and sinkhorn per shard, on the step's rows: split as
+    table of Pallas calls (ops.per_shard) also runs compress and hc_weights per shard, on the step's rows: split as
     the slots are (over `data`) when row b is slot b, whole on every shard otherwise. select and attend run
     inside attention_core's shard_map (Attention._attend_pools)."""
     from jax.sharding import PartitionSpec as P
@@ -98,7 +98,7 @@ def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
     if not ops.per_shard:
         return dataclasses.replace(ops, experts=experts)
 
-    def by_row(b):  # every argument and result of compress and sinkhorn is [B, ...]
+    def by_row(b):  # every argument and result of compress and hc_weights is [B, ...]
         return P(mesh_rules.spec(("slots",), (b,))[0] if rows_are_slots else None)
 
     def compress(comp, x, meta, st_kv, st_sc, rope, proj=None):
@@ -114,16 +114,17 @@ def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
         return on_shards(local, mesh_rules, (P(), rows, rows, rows, rows, rows), rows)(weights, x, meta, st_kv,
                                                                                         st_sc, proj)
 
-    def sinkhorn(comb, iters, eps):
-        rows = by_row(comb.shape[0])
-        return on_shards(lambda c: ops.sinkhorn(c, iters, eps), mesh_rules, rows, rows)(comb)
+    def hc_weights(mix, scale, base, n, iters, eps):
+        rows = by_row(mix.shape[0])
+        return on_shards(lambda m, s, b: ops.hc_weights(m, s, b, n, iters, eps), mesh_rules, (rows, P(), P()),
+                         rows)(mix, scale, base)
 
     def hc_post(f, x, post, comb):
         rows = by_row(x.shape[0])
         return on_shards(ops.hc_post, mesh_rules, rows, rows)(f, x, post, comb)
 
     # `project` stays: on a mesh the weights are arrays, not LayerOf, and it takes none of them
-    return dataclasses.replace(ops, compress=compress, sinkhorn=sinkhorn, hc_post=hc_post, experts=experts)
+    return dataclasses.replace(ops, compress=compress, hc_weights=hc_weights, hc_post=hc_post, experts=experts)
 
 
 class Block(nnx.Module):
@@ -144,16 +145,16 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer_id, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, layer_id, rngs=rngs, dtype=dtype, experts_storage=experts_storage)
 
-    def hc_attn(self, x, sinkhorn=None):
-        return L.hc_pre(x, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...], self.cfg, sinkhorn)
+    def hc_attn(self, x, weights=None):
+        return L.hc_pre(x, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...], self.cfg, weights)
 
-    def hc_ffn(self, x, sinkhorn=None):
-        return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg, sinkhorn)
+    def hc_ffn(self, x, weights=None):
+        return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg, weights)
 
     def ffn_part(self, x, token_ids, opts, ops: Ops | None = None, layer=None, hashed=None):
         """ops: the cached path's ops table (None: the reference maths of the uncached forward); layer, hashed:
         see MoE."""
-        u, post, comb = self.hc_ffn(x, None if ops is None else ops.sinkhorn)
+        u, post, comb = self.hc_ffn(x, None if ops is None else ops.hc_weights)
         if ops is None:
             y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, layer=layer, hashed=hashed)
             return L.hc_post(y, x, post, comb), experts
@@ -161,7 +162,7 @@ class Block(nnx.Module):
         return ops.hc_post(y, x, post, comb), experts
 
     def cached(self, x, meta, token_ids, pool, li, ops: Ops, opts: RunOptions, hashed=None):
-        u, post, comb = self.hc_attn(x, ops.sinkhorn)
+        u, post, comb = self.hc_attn(x, ops.hc_weights)
         a, pool = self.attn.cached(self.attn_norm(u), meta, pool, li, ops, opts)
         x = ops.hc_post(a, x, post, comb)
         return self.ffn_part(x, token_ids, opts, ops, li, hashed)[0], pool
@@ -581,7 +582,7 @@ class Transformer(nnx.Module):
         ops, mtp = opts.ops, self.mtp[0]
         x = mtp.streams_in(self.embed.weight[...][next_ids], hidden, opts)
         blk = mtp.block
-        u, post, comb = blk.hc_attn(x, ops.sinkhorn)
+        u, post, comb = blk.hc_attn(x, ops.hc_weights)
         a, pool = blk.attn.cached(blk.attn_norm(u), meta, pool, 0, ops, opts)
         x = ops.hc_post(a, x, post, comb)
         return blk.ffn_part(x, next_ids, opts, ops)[0], pool
@@ -615,7 +616,7 @@ class Transformer(nnx.Module):
             blk = stage.block
             attn = blk.attn
             cos, sin = attn.rope(positions)
-            u, post, comb = blk.hc_attn(x, ops.sinkhorn)
+            u, post, comb = blk.hc_attn(x, ops.hc_weights)
             h = blk.attn_norm(u)
             q, _ = attn.queries(h, cos, sin, opts)
             keys = jnp.concatenate([ctx.astype(q.dtype), attn.window_kv(h, cos, sin, opts)], axis=1)
