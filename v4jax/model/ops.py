@@ -401,8 +401,9 @@ XLA = Ops("xla", _compress_xla, _select_xla, _attend_xla, L.hc_weights, _experts
 PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _hc_weights_pallas, _experts_pallas,
              _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True)
 OPS = {"xla": XLA, "pallas": PALLAS}
-TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_weights")  # entries of PALLAS whose kernels are written for Triton
-# of those, the entries a TPU has its own kernels for (weights as stored)
+# entries of PALLAS whose kernels are written for Triton
+TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_weights")
+# of those, the entries a TPU has its own kernels for (weights as stored; Sinkhorn's loop in Mosaic)
 TPU_OWN = {"experts": _experts_tpu, "linear": _linear_tpu, "hc_weights": _hc_weights_tpu}
 
 
