@@ -86,24 +86,23 @@ def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None =
     return out[:, :m].T.reshape(comb.shape)
 
 
-def _weights_kernel(mix_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, n: int, iters: int, eps: float,
-                    m: int, block: int):
-    """Tokens block*i .. of the flat mix [M * C] (C = (2 + N) * N) -> their flat pre, post [M * N], comb [M * N * N];
-    the reference's arithmetic (v4jax.model.layers.hc_weights), one token per thread."""
+def _weights_kernel(z_ref, pre_ref, post_ref, comb_ref, *, n: int, iters: int, eps: float, m: int, block: int):
+    """Tokens block*i .. of the flat logits z [M * C] (C = (2 + N) * N: mix * scale + base) -> their flat pre, post
+    [M * N], comb [M * N * N]; the reference's arithmetic (v4jax.model.layers.hc_weights), one token per thread."""
     tok = pl.program_id(0) * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
     ok = tok < m
     t = jnp.where(ok, tok, 0)
     c = (2 + n) * n
-    mix = lambda k: pltriton.load(mix_ref.at[t * c + k], mask=ok, other=0.0) * scale_ref[min(k // n, 2)] + base_ref[k]
+    z = lambda k: pltriton.load(z_ref.at[t * c + k], mask=ok, other=0.0)  # noqa: E731
     # a lane past the tokens stores to an index past the output (dropped: the interpreter's scatter would let a
     # masked lane's duplicate index write over a real one)
     put = lambda ref, w, k, v: pltriton.store(ref.at[jnp.where(ok, t * w + k, m * w)], v, mask=ok)  # noqa: E731
     for k in range(n):
-        put(pre_ref, n, k, jax.nn.sigmoid(mix(k)) + eps)
-        put(post_ref, n, k, 2.0 * jax.nn.sigmoid(mix(n + k)))
+        put(pre_ref, n, k, jax.nn.sigmoid(z(k)) + eps)
+        put(post_ref, n, k, 2.0 * jax.nn.sigmoid(z(n + k)))
     comb = []
     for i in range(n):  # jax.nn.softmax over each row of comb
-        row = [mix(2 * n + i * n + j) for j in range(n)]
+        row = [z(2 * n + i * n + j) for j in range(n)]
         top = functools.reduce(jnp.maximum, row)
         e = [jnp.exp(v - top) for v in row]
         total = functools.reduce(operator.add, e)
@@ -115,18 +114,22 @@ def _weights_kernel(mix_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *
 def hc_weights(mix, scale, base, n: int, iters: int, eps: float, *, interpret=None, block: int = GPU_BLOCK,
                num_warps: int = 1):
     """v4jax.model.layers.hc_weights (same signature) as one Triton kernel (interpret=None: interpreted on CPU):
-    mix [..., (2 + N) * N] f32, scale [3], base [(2 + N) * N] -> (pre [..., N], post [..., N], comb [..., N, N])."""
+    mix [..., (2 + N) * N] f32, scale [3], base [(2 + N) * N] -> (pre [..., N], post [..., N], comb [..., N, N]).
+    The affine map of the mix (scale, base) stays in XLA, in the fusion that makes the mix: handed to the kernel,
+    the layer's slices of the scale and base stacks were a copy each per mHC."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
     *lead, c = mix.shape
     m = mix.size // c
-    full = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
-    args = (mix.reshape(-1).astype(jnp.float32), scale.astype(jnp.float32), base.astype(jnp.float32))
-    shapes = [jax.ShapeDtypeStruct((m * k,), jnp.float32) for k in (n, n, n * n)]
+    f32 = jnp.float32
+    scale = jnp.repeat(scale.astype(f32), jnp.array([n, n, n * n]), total_repeat_length=c)
+    z = (mix.astype(f32) * scale + base.astype(f32)).reshape(-1)
+    shapes = [jax.ShapeDtypeStruct((m * k,), f32) for k in (n, n, n * n)]
+    full = lambda sh: pl.BlockSpec(sh.shape, lambda i: (0,) * len(sh.shape))  # noqa: E731
     kw = dict(interpret=True) if interpret else dict(
         compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=1))
     pre, post, comb = pl.pallas_call(
         functools.partial(_weights_kernel, n=n, iters=iters, eps=eps, m=m, block=block),
-        out_shape=shapes, grid=(-(-m // block),), in_specs=[full(a) for a in args],
-        out_specs=[full(sh) for sh in shapes], name="v4_hc_weights", **kw)(*args)
+        out_shape=shapes, grid=(-(-m // block),), in_specs=[full(z)], out_specs=[full(sh) for sh in shapes],
+        name="v4_hc_weights", **kw)(z)
     return pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n)
