@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", parents=[common], formatter_class=_Formatter,
                        help="benchmarks (decode, generate, kernels, mesh, pd, replay, serve, spec, startup, table, "
-                            "tpu-aot, tpu-plan)",
+                            "tpu-aot, tpu-plan, gpu-launches)",
                        description="Benchmarks. Each subcommand has its own flags: `v4jax bench decode -h`.")
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK", title="benchmarks")
     for name, text in (("decode", "decode step time and tokens/s against the roofline (v4jax.bench)"),
@@ -205,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("tpu-aot", ("every Pallas TPU kernel and the engine's steps compiled for a TPU with libtpu on "
                                     "a CPU machine (v4jax.bench.tpu_aot)")),
                        ("tpu-plan", ("a preset's engine steps compiled for a TPU pod slice: memory per device "
-                                     "(v4jax.bench.tpu_aot)"))):
+                                     "(v4jax.bench.tpu_aot)")),
+                       ("gpu-launches", ("the launches of a preset's decode step on an H100, counted from XLA:GPU's "
+                                         "program compiled on a CPU machine (v4jax.bench.gpu_launches)"))):
         # Everything after the name, -h included, goes to the benchmark's own parser.
         p = bsub.add_parser(name, add_help=False, allow_abbrev=False, help=text, description=text)
         p.set_defaults(func=_bench, passthrough=True)
@@ -395,7 +397,8 @@ BENCHMARKS = {"decode": ("v4jax.bench.decode", "decode_main"), "generate": ("v4j
               "pd": ("v4jax.bench.pd", "main"), "hisparse": ("v4jax.bench.hisparse", "main"),
               "spec": ("v4jax.bench.spec", "spec_main"), "startup": ("v4jax.bench.startup", "main"),
               "table": ("v4jax.bench.table", "main"), "tpu-aot": ("v4jax.bench.tpu_aot", "aot_main"),
-              "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main")}
+              "tpu-plan": ("v4jax.bench.tpu_aot", "plan_main"),
+              "gpu-launches": ("v4jax.bench.gpu_launches", "main")}
 
 
 def _convert(args) -> int:

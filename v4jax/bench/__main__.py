@@ -1,4 +1,4 @@
-"""python -m v4jax.bench {decode,generate,kernels,mesh,replay,serve,table,tpu-aot,tpu-plan,memory} [options]: the same
+"""python -m v4jax.bench {decode,generate,kernels,mesh,replay,serve,table,tpu-aot,tpu-plan,gpu-launches,memory} [options]: the same
 as `v4jax bench NAME` (and `v4jax memory` for memory)."""
 import importlib
 import sys
