@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - the HLO lines are as XLA prints them
 """The launch counter of `v4jax bench gpu-launches` (v4jax.bench.gpu_launches) on a hand-written optimized HLO: a
 step loop of unknown trip count around a layer loop of known trip count, fusions, a Pallas kernel, a library call,
 a copy and a conditional. (Compiling for an H100 needs the CUDA plugin: a separate install, see its module doc.)"""

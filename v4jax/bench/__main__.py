@@ -1,5 +1,5 @@
-"""python -m v4jax.bench {decode,generate,kernels,mesh,replay,serve,table,tpu-aot,tpu-plan,gpu-launches,memory} [options]: the same
-as `v4jax bench NAME` (and `v4jax memory` for memory)."""
+"""python -m v4jax.bench {decode,generate,kernels,mesh,replay,serve,table,tpu-aot,tpu-plan,gpu-launches,memory}
+[options]: the same as `v4jax bench NAME` (and `v4jax memory` for memory)."""
 import importlib
 import sys
 
