@@ -172,6 +172,17 @@ def test_sinkhorn_gpu(shape):
     _close(jax.jit(lambda c: SK.sinkhorn(c, 20, 1e-6))(comb), L.sinkhorn(comb, 20, 1e-6), 1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (32, 1), (3, 300)])
+def test_hc_weights_gpu(shape):
+    SK = importlib.import_module("pallas_kernels.sinkhorn")
+    k = jax.random.split(jax.random.key(0), 3)
+    mix, scale, base = (2.0 * jax.random.normal(k[0], (*shape, 24)), jax.random.normal(k[1], (3,)),
+                        jax.random.normal(k[2], (24,)))
+    got = jax.jit(lambda *a: SK.hc_weights(*a, 4, 20, 1e-6))(mix, scale, base)
+    for g, r in zip(got, L.hc_weights(mix, scale, base, 4, 20, 1e-6)):
+        _close(g, r, 1e-5)
+
+
 @pytest.mark.parametrize("M,k,E,I,D", [(1, 6, 16, 2048, 4096), (5, 6, 64, 2048, 4096), (32, 6, 16, 2048, 4096),
                                        (3, 2, 8, 32, 64)])
 def test_routed_experts_gpu(M, k, E, I, D):
