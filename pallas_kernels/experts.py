@@ -40,9 +40,14 @@ from ._compat import TritonCompilerParams, pltriton
 F32 = jnp.float32
 
 MAX_TOKENS = 64  # tokens per step the kernels take (one [TB, .] tile per expert); more: XLA's grouped forms
-# Block sizes (rows per program, columns per loop step), from an H200 sweep (v4jax bench kernels --sweep experts).
-UP_ROWS, UP_COLS = 16, 512
-DOWN_ROWS, DOWN_COLS = 16, 512
+# Block sizes (rows per program, columns per loop step) and pipeline stages: an H100 sweep of Flash's experts (16 of
+# 3 x 2048 x 4096, 6 chosen a token; `v4jax bench kernels --sweep streaming`): 32 x 256 in 3 stages read 2.66 TB/s at
+# one token and 2.70 at 32 (113.7 / 298.5 us a layer), where 16 x 512 in 2 stages (an earlier H200 sweep's choice)
+# read 2.34 / 2.53 (128.9 / 317.8 us); 4 stages and 8 warps were slower. Past 32 tokens 2 stages (a 64-token x tile
+# per stage).
+UP_ROWS, UP_COLS = 32, 256
+DOWN_ROWS, DOWN_COLS = 32, 256
+STAGES, STAGES_PAST_32 = 3, 2
 
 
 def swiglu(h1, h3, limit):
@@ -109,7 +114,7 @@ def _down_kernel(layer_ref, offs_ref, h_ref, w2_ref, y_ref, *, n_exp, n_out, row
 
 
 def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interpret=None, num_warps: int = 4,
-                   num_stages: int = 2, up=(UP_ROWS, UP_COLS), down=(DOWN_ROWS, DOWN_COLS)):
+                   num_stages: int | None = None, up=(UP_ROWS, UP_COLS), down=(DOWN_ROWS, DOWN_COLS)):
     """sum_k weights[m, k] * FFN_{experts[m, k]}(x[m]) in f32 [M, D] over the pairs of an expert (ids in [0, E)),
     the hidden activation rounded to x's dtype, as two Pallas kernels (Triton on GPU; interpret=None: the HLO
     interpreter on CPU).
@@ -125,6 +130,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
     ur, uc = _pow2_block(n_inner, up[0]), _pow2_block(d, up[1])
     dr, dc = _pow2_block(d, down[0]), _pow2_block(n_inner, down[1])
     tb = max(16, next_pow2(m))
+    num_stages = num_stages or (STAGES if tb <= 32 else STAGES_PAST_32)
     layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
     w1f, w3f, w2f = w1.reshape(-1, d), w3.reshape(-1, d), w2.reshape(-1, n_inner)
 

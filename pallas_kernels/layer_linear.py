@@ -48,6 +48,9 @@ MAX_TOKENS = 64  # rows of x the kernel takes (one [TB, .] tile); more: XLA's ma
 # blocks read 2.9 TB/s on the 64 MB weights (16 x 512, the experts' blocks: 2.3-2.5) and are within 5 % of the best
 # on the rest
 ROWS, COLS = 64, 256
+# one token (the per-column sums of _kernel): 32 x 256 blocks, the best of 17 forms and blocks at one token on an
+# H100 (`--sweep streaming`); 64 rows keep twice the f32 sums in registers
+ONE_TOKEN_ROWS = 32
 MIN_PROGRAMS = 264  # two per SM of the H200's 132
 
 
@@ -65,8 +68,7 @@ def supported(x, w, groups: int = 1, scaled: bool = False, act_quant: bool = Fal
             and _pow2_block(d, COLS) is not None)
 
 
-def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks, scale_rows, act_quant,
-            tile_sum=False):
+def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chunks, scale_rows, act_quant):
     n_w = len(n_outs)
     if scale_rows is None:
         s_refs, w_refs, y_ref = (None,) * n_w, refs[:n_w], refs[n_w]
@@ -76,6 +78,11 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
     cdt = x_ref.dtype
     gemv = x_ref.shape[1] == 1
     layer = layer_ref[0]
+    # one token, weights without scales: the products summed per column across the chunks and over the row once at
+    # the end (H100, Flash's projections, `--sweep streaming`: 26.8-27.6 us a 67 MB layer against 28.0-28.7 with a
+    # sum over each chunk's row, 4 % less; XLA's GEMV on plain weights 26.2-26.8). FP8 weights sum each chunk's
+    # row to scale it by its block's scale.
+    tile_sum = gemv and scale_rows is None
 
     def project(k, row0, grp):  # weight k's rows row0 .. (of the layer's [O_k, D]) against x[grp]
         w_ref, s_ref = w_refs[k], s_refs[k]
@@ -86,7 +93,7 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
             xc = x_ref[grp, 0, pl.ds(col, cols)] if gemv else x_ref[grp, :, pl.ds(col, cols)]
             if act_quant:  # cols == 128: one block of each row (exact in cdt: 3 mantissa bits)
                 xc = fp8_round_block(xc.astype(F32)).astype(cdt)
-            if gemv and tile_sum:  # products summed per column across chunks, over the row once at the end
+            if tile_sum:
                 return acc + xc.astype(F32)[None, :] * w.astype(F32)
             if gemv:  # y_ref is [rows]
                 part = jnp.sum(xc.astype(F32)[None, :] * w.astype(F32), axis=1)
@@ -96,7 +103,7 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
                 part = part * ue8m0_to_f32(s_ref[layer * scale_rows[k] + row0 // SCALE_BLOCK, col // SCALE_BLOCK])
             return acc + part
 
-        if gemv and tile_sum:
+        if tile_sum:
             y_ref[...] = jnp.sum(lax.fori_loop(0, chunks, body, jnp.zeros((rows, cols), F32)), axis=1)
         else:
             y_ref[...] = lax.fori_loop(0, chunks, body, jnp.zeros(y_ref.shape, F32))
@@ -111,7 +118,7 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
 
 
 def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs, scales=None,
-          act_quant=False, one_token="sum"):
+          act_quant=False):
     """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch (`scales`: ws are FP8 weights,
     scales their ue8m0 block scales, each a layer's or its stack's; `act_quant`: x rounded to FP8 in 1 x 128 blocks
     first)."""
@@ -124,14 +131,16 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
                          f"input width and power-of-two blocks of at least 16 (FP8: whole 128-blocks, a scale each)")
     d = x.shape[-1]
     n_outs = tuple(w.shape[-2] for w in ws)
+    m = x.size // (d * groups)
+    if m == 1 and not scaled:
+        rows = min(rows, ONE_TOKEN_ROWS)
     rows = _pow2_block(math.gcd(*n_outs) // groups, rows)
     cols = _pow2_block(d, cols)
     if scaled:  # a chunk inside one scale block
         rows = min(rows, SCALE_BLOCK)
     if scaled or act_quant:  # a chunk is one 128-column block (of the scales, of x's rounding)
         cols = SCALE_BLOCK
-    m = x.size // (d * groups)
-    tb = 1 if m == 1 and one_token != "dot" else max(16, next_pow2(m))
+    tb = 1 if m == 1 else max(16, next_pow2(m))
     x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
     layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
     wfs = [w.reshape(-1, d) for w in ws]
@@ -150,8 +159,7 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
     scale_rows = tuple(a.shape[-2] if a.ndim == 3 else 0 for a in scales) if scaled else None
     parts = pl.pallas_call(
         functools.partial(_kernel, starts=starts, n_outs=n_outs, group_rows=n_outs[0] // groups, rows=rows,
-                          cols=cols, chunks=n_chunks // splits, scale_rows=scale_rows, act_quant=act_quant,
-                          tile_sum=one_token == "tile" and not scaled),
+                          cols=cols, chunks=n_chunks // splits, scale_rows=scale_rows, act_quant=act_quant),
         out_shape=jax.ShapeDtypeStruct((splits, tb, total), F32), grid=(total // rows, splits),
         in_specs=[full(layer), full(x2)] + [full(a) for a in extra + wfs],
         out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)),
@@ -163,14 +171,14 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
 
 def layer_linear(x, w, layer=None, groups: int = 1, *, scale=None, act_quant: bool = False, interpret=None,
                  num_warps: int = 4, num_stages: int = 2, rows: int = ROWS, cols: int = COLS,
-                 min_programs: int = MIN_PROGRAMS, one_token: str = "sum"):
+                 min_programs: int = MIN_PROGRAMS):
     """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
     interpreter on CPU); with `groups`, group by group; with `scale` (ue8m0 [O/128, D/128], layer `layer`'s, or the
     stack's [n, O/128, D/128], read at `layer`), w is e4m3 in 128 x 128 blocks; with `act_quant`, x rounded to FP8
     as the release does first (see the module doc).
     Shapes must pass `supported`."""
     y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs,
-              None if scale is None else [scale], act_quant, one_token)
+              None if scale is None else [scale], act_quant)
     n_out = w.shape[-2]
     if groups > 1:
         return y.reshape(*x.shape[:-2], groups, n_out // groups)

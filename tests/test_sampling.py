@@ -78,10 +78,11 @@ def test_filtered_probs_without_the_cut():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 45), st.integers(0, 3), st.data())
+@given(st.integers(1, 45), st.integers(6, 11), st.data())
 def test_top_alternatives_in_selections_equal_one_top_k(n, batch, data):
-    """The top-N alternatives taken TOP_K_SELECTION at a time (XLA:GPU's top-k kernel's limit; wider is a sort)
-    equal one lax.top_k of n: the same ids and values, ties to the lower id, over rows with many equal values."""
+    """The top-N alternatives taken TOP_K_SELECTION at a time (XLA:GPU's top-k kernel's limit; wider is a sort;
+    from SELECTIONS_FROM_ROWS rows, one top-k below) equal one lax.top_k of n: the same ids and values, ties to the
+    lower id, over rows with many equal values."""
     v = 64
     rows = np.array(data.draw(st.lists(st.sampled_from([-7.0, -3.5, -3.0, -1.25, 0.0]), min_size=(batch + 1) * v,
                                        max_size=(batch + 1) * v)), np.float32).reshape(batch + 1, v)
@@ -93,7 +94,12 @@ def test_top_alternatives_in_selections_equal_one_top_k(n, batch, data):
 
 
 def test_top_alternatives_ask_for_no_top_k_wider_than_the_selection_kernel():
+    """From SELECTIONS_FROM_ROWS rows, selections of at most 16; below, one top-k (measured faster at few rows)."""
     import re
-    text = jax.jit(lambda x: top_alternatives(x, 20)).lower(jnp.zeros((2, 2048))).as_text()
-    widths = [int(k) for k in re.findall(r"top_k\([^)]*k = (\d+)\)", text)]
-    assert sorted(widths) == [4, 16], widths
+    from v4jax.engine.sampling import SELECTIONS_FROM_ROWS as R
+
+    def widths(rows):
+        text = jax.jit(lambda x: top_alternatives(x, 20)).lower(jnp.zeros((rows, 2048))).as_text()
+        return sorted(int(k) for k in re.findall(r"top_k\([^)]*k = (\d+)\)", text))
+    assert widths(R) == widths(4 * R) == [4, 16]
+    assert widths(1) == widths(R - 1) == [20]

@@ -190,16 +190,23 @@ def filtered_probs(logits, temperature, top_p, top_k, min_p, any_cut: bool = Tru
 # XLA:GPU runs a top-k of k <= 16 as a selection kernel and lowers a wider one to a sort of every row (its TopK
 # specializer's limit): the 129,280 ids of a Flash row took 1.6 ms to sort at batch 32 on an H100
 TOP_K_SELECTION = 16
+# ...but the selection kernel's time hardly grows with the rows, a sort's does: the top 20 of 129,280 in selections
+# took 335 us of GPU time at batch 1 and 369 at 32 on an H100, a sort of the rows 80 us at 1 and 1.62 ms at 32
+# (`scripts/sampling_probe.py`). Fewer rows than this: one top-k (the sort).
+SELECTIONS_FROM_ROWS = 8
 
 
 def top_alternatives(all_logprobs, n: int):
     """(log-probs [..., n] f32, token ids [..., n] int32) of the n most likely tokens, most likely first; ties:
-    the lower id first (lax.top_k's order). Selections of at most TOP_K_SELECTION at a time, each after the ones
-    before are masked to -inf: the same tokens as one lax.top_k of n for finite log-probs (log-softmax of finite
-    logits), without the sort a wide top-k is on a GPU."""
+    the lower id first (lax.top_k's order). From SELECTIONS_FROM_ROWS rows, selections of at most TOP_K_SELECTION
+    at a time, each after the ones before are masked to -inf: the same tokens as one lax.top_k of n for finite
+    log-probs (log-softmax of finite logits), without the sort a wide top-k is on a GPU."""
     if n == 0:
         shape = all_logprobs.shape[:-1] + (0,)
         return jnp.zeros(shape, F32), jnp.zeros(shape, jnp.int32)
+    if all_logprobs.size // all_logprobs.shape[-1] < SELECTIONS_FROM_ROWS:
+        vals, ids = jax.lax.top_k(all_logprobs, n)
+        return vals, ids.astype(jnp.int32)
     vals, ids, rest = [], [], all_logprobs
     for start in range(0, n, TOP_K_SELECTION):
         v, i = jax.lax.top_k(rest, min(TOP_K_SELECTION, n - start))
