@@ -37,6 +37,15 @@ def test_hc_post_sweep_small(tmp_path):
     assert [r["tokens"] for r in rows] == [1, 5] and all(r["xla"]["wall_us"] > 0 for r in rows)
 
 
+def test_streaming_sweep_small(tmp_path):
+    """--sweep streaming end to end on CPU: the projection kernel and XLA's matmul run at 1 and 32 tokens, each row
+    written (on CPU a row says there were no GPU events to time)."""
+    assert kernels_main(["--sweep", "streaming", "--small", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "streaming.json").read_text())["rows"]
+    assert [(r["tokens"], r["form"]) for r in rows] == [(1, "kernel"), (1, "xla"), (32, "kernel"), (32, "xla")]
+    assert all("us" in r or "error" in r for r in rows)
+
+
 @pytest.mark.slow   # three forms compiled in interpret mode
 def test_kv_formats_sweep_small(tmp_path):
     """--sweep kv_formats end to end: every form of every case runs, is checked against the reference and timed."""
