@@ -8,8 +8,8 @@ count, where small kernels of a few microseconds each are a step's largest remai
 the time goes"). A count, not a time: XLA autotunes its GEMMs only on a device, so each matmul's launches here are
 its untuned form (a split-K GEMM may be one launch more or less on the GPU).
 
-  python3 -m venv .venv-gpu && . .venv-gpu/bin/activate && pip install -e . "jax[cuda12]==$(python -c \
-      'import jax; print(jax.__version__)')"      # the CUDA plugin and ptxas; ~5.5 GB, no GPU needed
+  python3 -m venv .venv-gpu && . .venv-gpu/bin/activate && pip install -e . && \
+      pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"  # the CUDA plugin, ptxas; ~5.5 GB
   JAX_PLATFORMS=cpu v4jax bench gpu-launches --model flash-slice --slots 16 --context 4096 [--form greedy]
       [--quantization fp8 --kv-cache-dtype fp8] [--hlo FILE] [--json FILE]
 
