@@ -50,13 +50,14 @@ The kernels are read from their modules at call time (tests patch them to count 
 Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
   "xla" everywhere: the jnp maths below and in v4jax.model.layers.
   "pallas" (OPS["pallas"]): the kernels as they run portably (the TPU-style kernels, interpreted on CPU) plus the
-      kernels written for Triton (experts, linear, project, hc_post), interpreted on CPU. On a GPU `compress` also
-      takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes the shapes.
-      On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
-      not fit VMEM): the table takes the XLA table's project and hc_post, named in `Ops.from_xla`, and its own
-      `experts` and `linear` (TPU_OWN): FP4 experts as stored through pallas_kernels.fp4_experts_tpu, bf16
-      experts through pallas_kernels.experts_tpu and FP8 weights as stored through pallas_kernels.fp8_linear_tpu,
-      XLA's forms for the rest.
+      kernels written for Triton (experts, linear, project, hc_post, hc_weights), interpreted on CPU. On a GPU
+      `compress` also takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes
+      the shapes. On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit
+      VMEM): the table takes the XLA table's project and hc_post, named in `Ops.from_xla`, and its own
+      `experts`, `linear` and `hc_weights` (TPU_OWN): FP4 experts as stored through
+      pallas_kernels.fp4_experts_tpu, bf16 experts through pallas_kernels.experts_tpu, FP8 weights as stored
+      through pallas_kernels.fp8_linear_tpu, XLA's forms for the rest; mHC's Sinkhorn loop in Mosaic
+      (pallas_kernels.sinkhorn) after XLA's sigmoids and softmax.
 """
 from __future__ import annotations
 
