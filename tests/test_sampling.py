@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from v4jax.engine.sampling import filtered_probs, kept, sample, top_alternatives
+from v4jax.engine.sampling import SEARCH_FROM_ROWS, filtered_probs, kept, sample, top_alternatives
 
 
 def reference_kept(logits, temperature, top_p, top_k, min_p):
@@ -44,9 +44,61 @@ def test_kept_is_the_sorted_prefix(row, temperature, top_p, top_k, min_p):
     # -inf ids are never drawn whether kept or not
     finite = np.isfinite(logits)
     np.testing.assert_array_equal(got & finite, want & finite)
+    # as many rows as take the search instead of the sort: the same tokens
+    rows = lambda x: jnp.tile(x, (SEARCH_FROM_ROWS,) + (1,) * (x.ndim - 1))  # noqa: E731
+    searched = np.asarray(kept(rows(lg), rows(scaled), rows(one(top_p)), rows(one(top_k, jnp.int32)),
+                               rows(one(min_p))))
+    for row in searched:
+        np.testing.assert_array_equal(row & finite, want & finite)
     if top_k == 0 and top_p >= 1:  # nothing to cut: the form without the sort keeps the same tokens
         plain = np.asarray(kept(lg, scaled, one(top_p), one(top_k, jnp.int32), one(min_p), any_cut=False))[0]
         np.testing.assert_array_equal(plain & finite, want & finite)
+
+
+def test_the_search_keeps_what_the_sort_keeps():
+    """Many rows (the threshold search) against each row alone (the sort), on a 3,000-id vocabulary with rows of
+    every kind of cut: each row's min-p, top-k, top-p and temperature drawn at random; logits rounded to 1/8 so
+    that ties at the thresholds are common. The two sum the top-p mass in different orders: a row may differ only
+    where a token's preceding mass (the sort's) lies within 1e-6 of top_p, and is then left out."""
+    b, v = 48, 3000
+    ks = jax.random.split(jax.random.key(5), 6)
+    logits = jnp.round(8 * 1.5 * jax.random.normal(ks[0], (b, v))) / 8
+    logits = logits.at[3, :7].set(jnp.max(logits[3]))  # a tie at the top
+    logits = logits.at[4].set(0.0)  # a flat row
+    temperature = jax.random.choice(ks[1], jnp.array([0.3, 1.0, 1.5]), (b,))
+    top_p = jax.random.choice(ks[2], jnp.array([0.1, 0.5, 0.9, 0.95, 0.999, 1.0]), (b,))
+    top_k = jax.random.choice(ks[3], jnp.array([0, 0, 1, 5, 50, 2999]), (b,)).astype(jnp.int32)
+    min_p = jax.random.choice(ks[4], jnp.array([0.0, 0.0, 0.05]), (b,))
+    scaled = logits / temperature[:, None]
+    searched = np.asarray(kept(logits, scaled, top_p, top_k, min_p))
+    compared = 0
+    for i in range(b):
+        one = lambda x: x[i:i + 1]  # noqa: E731
+        want = reference_kept(np.asarray(logits[i]), float(temperature[i]), float(top_p[i]), int(top_k[i]),
+                              float(min_p[i]))
+        alone = np.asarray(kept(one(logits), one(scaled), one(top_p), one(top_k), one(min_p)))[0]
+        np.testing.assert_array_equal(alone, want)
+        if _near_the_top_p_boundary(np.asarray(logits[i]), float(temperature[i]), float(top_p[i]), int(top_k[i]),
+                                    float(min_p[i])):
+            continue
+        np.testing.assert_array_equal(searched[i], want, err_msg=f"row {i}")
+        compared += 1
+    assert compared >= b - 4
+    counts = searched.sum(-1)
+    assert (counts < v).all() and (counts > 100).sum() >= 8 and (counts == 1).sum() >= 2  # cuts of every size
+
+
+def _near_the_top_p_boundary(logits, temperature, top_p, top_k, min_p) -> bool:
+    """Whether some token's preceding mass among the min-p and top-k survivors lies within 1e-6 of top_p."""
+    if top_p >= 1:
+        return False
+    order = sorted(range(len(logits)), key=lambda i: (-logits[i], i))
+    scaled = logits[order].astype(np.float64) / temperature
+    w = np.exp(scaled - scaled[0])
+    pre = (w >= min_p) & (np.arange(len(w)) < (top_k if top_k > 0 else len(w)))
+    w = np.where(pre, w, 0)
+    before = (np.cumsum(w) - w) / w.sum()
+    return bool(np.any(pre & (np.abs(before - top_p) < 1e-6)))
 
 
 def test_a_row_draws_the_same_token_whatever_its_step_cuts():

@@ -160,14 +160,28 @@ def kept(logits, scaled, top_p, top_k, min_p, any_cut: bool = True):
     likely first, ties: the lower id first), scaled [B, V] are them over the temperature. vLLM's order of filters:
     min-p (a token whose probability is below min_p times the most likely one's goes), then the top_k most likely
     (0: all), then the smallest prefix of those whose mass reaches top_p (top_p >= 1: all). Each keeps a prefix of
-    the order, so the result is a prefix too: a token is kept when it comes no later than the prefix's last.
-    any_cut False (no row cuts by top_k or top_p): min-p alone, which needs no sort. A sort of the vocabulary is a
-    kernel of its own over [B, V] (129,280 ids a row for Flash); sampling at vLLM's and OpenAI's defaults
-    (temperature 1, no top-k or top-p) paid it every step."""
+    the order, so the result is a prefix too.
+    any_cut False (no row cuts by top_k or top_p): min-p alone, which needs neither a sort nor a search. With a cut,
+    fewer than SEARCH_FROM_ROWS rows sort the vocabulary (`_cut_by_sort`), more search its thresholds
+    (`_cut_by_search`). The two sum the top-p mass in different orders, so where a token's preceding mass lies
+    within float rounding of top_p they may differ on it."""
     # p / p_max = exp(s - s_max), so compared in logits (min_p 0: log 0 = -inf keeps every token)
-    keep = scaled >= jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    s_max = jnp.max(scaled, axis=-1, keepdims=True)
+    keep = scaled >= s_max + jnp.log(min_p)[:, None]
     if not any_cut:
         return keep
+    cut = _cut_by_sort if logits.shape[0] < SEARCH_FROM_ROWS else _cut_by_search
+    return cut(logits, scaled, s_max, keep, top_p, top_k)
+
+
+# A sort of the vocabulary is a kernel of its own over [B, V] (129,280 ids a row for Flash): on an H100 80 us of
+# GPU time at batch 1, 341 us at 8 and 1.62 ms at 32; the threshold search 186 us at 1, 341-393 at 8, 342 at 16
+# and 559 at 32 (`scripts/sampling_probe.py`). From this many rows, the search.
+SEARCH_FROM_ROWS = 16
+
+
+def _cut_by_sort(logits, scaled, s_max, keep, top_p, top_k):
+    """`kept` with a cut, by a sort of each row."""
     v = logits.shape[-1]
     order = jnp.argsort(-logits, axis=-1, stable=True)  # descending; ties keep the lower id first
     in_order = jnp.take_along_axis(keep, order, axis=-1)
@@ -177,6 +191,87 @@ def kept(logits, scaled, top_p, top_k, min_p, any_cut: bool = True):
     last = jnp.take_along_axis(order, jnp.maximum(jnp.sum(in_order, axis=-1) - 1, 0)[:, None], axis=-1)  # [B, 1]
     at = jnp.take_along_axis(logits, last, axis=-1)
     return (logits > at) | ((logits == at) & (jnp.arange(v)[None, :] <= last))
+
+
+def _cut_by_search(logits, scaled, s_max, keep, top_p, top_k):
+    """`kept` with a cut, without a sort: the kept tokens are those from the most likely down to a threshold
+    logit and, of the tokens at the threshold, the first r by id. Each filter's threshold is found by
+    `_threshold`'s radix search over the logits' keys, top-k's by counts and top-p's by masses."""
+    v = logits.shape[-1]
+    keys = _order_keys(logits)
+    weight = jnp.exp(scaled - s_max)  # each token's probability times the softmax's sum
+    # top-k among the min-p survivors (a prefix of the order): the m-th key from the top, and how many of the
+    # tokens at it are in (the first by id). Counts as f32 (exact below 2**24): a pass summing int32 took 30 us
+    # of an H100 at batch 32, f32 22 us
+    m = jnp.minimum(jnp.where(top_k > 0, top_k, v), jnp.sum(keep, axis=-1, dtype=jnp.int32))
+    t_k, above_k = _threshold(keys, jnp.ones_like(weight), m.astype(F32))
+    r_k = m - above_k.astype(jnp.int32)
+    # top-p over those: with M(t) the mass of the kept tokens at keys >= t, the last token kept is the first by
+    # which the mass before it reaches top_p of the whole: at the largest t with M(t) >= top_p * Z
+    inside = jnp.where(keys > t_k[:, None], weight, 0.0)
+    z, _, at_k = _sum_and_tie(inside, keys, weight, t_k)
+    z = z + r_k * at_k
+    t_p, above_p = _threshold(keys, inside, top_p * z, base=(t_k, r_k * at_k))
+    _, n_tied, at_p = _sum_and_tie(None, keys, weight, t_p)
+    # ties at t_p share one weight: the j-th of them (j from 0) is in while the mass before it is below top_p * Z
+    room = jnp.ceil((top_p * z - above_p) / at_p)  # at_p 0 (underflow): inf, all of them
+    r_p = jnp.clip(jnp.nan_to_num(room, posinf=v), 1, v).astype(jnp.int32)
+    r_p = jnp.minimum(r_p, jnp.where(t_p == t_k, r_k, n_tied))
+    # t_p < t_k only by rounding (the mass of all the kept is Z): then top-p cuts nothing
+    cut_p = (top_p < 1) & (t_p >= t_k)
+    t = jnp.where(cut_p, t_p, t_k)
+    r = jnp.where(cut_p, r_p, r_k)
+    at = keys == t[:, None]
+    rank = jnp.cumsum(at, axis=-1, dtype=jnp.int32) - 1  # among the tokens at the threshold, by id
+    return (keys > t[:, None]) | (at & (rank < r[:, None]))
+
+
+def _sum_and_tie(x, keys, weight, t):
+    """In one pass over a row: the sum of x [B, V] (None: 0), and of the tokens whose key is t [B] how many there
+    are and their weight (one weight: their logits are equal)."""
+    at = keys == t[:, None]
+    zero = jnp.zeros((), F32)
+    parts = [jnp.zeros_like(weight) if x is None else x, at.astype(jnp.int32), jnp.where(at, weight, zero)]
+    return jax.lax.reduce(parts, [zero, jnp.zeros((), jnp.int32), zero],
+                          lambda a, b: [a[0] + b[0], a[1] + b[1], jnp.maximum(a[2], b[2])], (1,))
+
+
+# bits of the key a pass of `_threshold` decides: 15 thresholds a pass, 8 passes for a 32-bit key
+RADIX_BITS = 4
+
+
+def _order_keys(logits):
+    """[B, V] uint32 in the order of the float logits (a larger logit, a larger key; -0.0 as +0.0)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(logits == 0, 0.0, logits).astype(F32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _threshold(keys, weight, target, base=None):
+    """The largest t [B] uint32 with F(t) >= target [B], F(t) = sum of `weight` [B, V] (>= 0) over
+    the keys >= t (plus base[1] [B] where t <= base[0]: the part of a tie outside `weight`), and F(t + 1). F falls
+    as t rises, so t is found digit by digit from the top: a pass sums F at the 15 thresholds of the next 4 bits in
+    one reduction (a variadic reduce: each key read once, every sum beside it) and keeps the largest with
+    F >= target."""
+    b = keys.shape[0]
+    low = jnp.zeros((b,), jnp.uint32)
+    above = jnp.zeros((b,), weight.dtype)  # F just past the range still searched
+    zero = jnp.zeros((), weight.dtype)
+    digits = jnp.arange(1, 1 << RADIX_BITS, dtype=jnp.uint32)
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        grid = low[:, None] + (digits << shift)[None, :]  # one array: XLA made 15 launches of 15 scalars
+        ts = [grid[:, d] for d in range(digits.size)]
+        sums = jax.lax.reduce([jnp.where(keys >= t[:, None], weight, zero) for t in ts], [zero] * len(ts),
+                              lambda xs, ys: [x + y for x, y in zip(xs, ys)], (1,))
+        if base is not None:
+            sums = [s + jnp.where(t <= base[0], base[1], zero) for s, t in zip(sums, ts)]
+        # F falls with the digit: the digit is how many of the thresholds keep F >= target; F at the next one up
+        # bounds the range from above
+        ok = [s >= target for s in sums]
+        digit = sum(o.astype(jnp.uint32) for o in ok)
+        for s, o in zip(sums, ok):
+            above = jnp.where(o, above, jnp.maximum(above, s))  # the first failing threshold's F is the largest
+        low = low + (digit << shift)
+    return low, above
 
 
 def filtered_probs(logits, temperature, top_p, top_k, min_p, any_cut: bool = True):
