@@ -1,19 +1,19 @@
-"""mHC's Sinkhorn normalisation (reference §5) as one kernel, and on GPUs all of mHC's weights from its mix.
+"""mHC's weights from its mix as one kernel: on GPUs all of them (`hc_weights`), on TPUs the Sinkhorn
+normalisation (reference §5) after XLA's sigmoids and softmax (`sinkhorn`).
 
-XLA runs the loop as one small reduce fusion and one divide fusion per half-step: 2 x 19 iterations x 2 per
-layer (hc_attn and hc_ffn), about 80 launches of a few microseconds each over [tokens, 4, 4] floats (measured on
+XLA runs the Sinkhorn loop as one small reduce fusion and one divide fusion per half-step: 2 x 19 iterations x 2
+per layer (hc_attn and hc_ffn), about 80 launches of a few microseconds each over [tokens, 4, 4] floats (measured on
 the H200: a third of the decode step's kernels). Unrolling does not help: fusing the unrolled chain recomputes
 each entry's producers per consumer, and the compile grows exponentially with the iterations.
 
-Here the N*N entries of each token are N*N separate vectors of a block of tokens (the input is laid out
-entry-major, [N*N, M]), and the whole loop runs on them in registers: one launch per mHC. The arithmetic is the
-reference's (v4jax.model.layers.sinkhorn), in the same order (sums over the row or column left to right), so the
-result matches it to rounding.
+In both kernels the N*N entries of each token are N*N separate vectors of a block of tokens, and the whole loop runs
+on them in registers: one launch per mHC. The arithmetic is the reference's (v4jax.model.layers.sinkhorn), in the
+same order (sums over the row or column left to right), so the result matches it to rounding.
 
-`hc_weights` takes one step more on GPUs: from each token's mix (the (2 + N) * N values of fn @ x) to its pre, post
-and Sinkhorn-normalised comb in one launch, reading the mix and writing the weights in the model's token-major
-layout. Around `sinkhorn` XLA ran the sigmoids, the softmax and the kernel's transposes as five more launches per mHC
-(H100 profile, flash-slice at batch 1: 40 of the step's ~310 launches, ~50 us of 1.8 ms).
+`hc_weights` goes from each token's mix (the (2 + N) * N values of fn @ x) to its pre, post and Sinkhorn-normalised
+comb in one launch, reading the mix and writing the weights in the model's token-major layout. Around the Sinkhorn
+kernel alone XLA ran the sigmoids, the softmax and the kernel's transposes as five more launches per mHC (H100
+profile, flash-slice at batch 1: 40 of the step's ~310 launches, ~50 us of 1.8 ms).
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from . import _compat
 from ._compat import TritonCompilerParams, interpret_arg, pltriton
 
 BLOCK = 128  # tokens per program on TPU: one lane row
-# on GPU a thread runs one token's serial iterations: 32 tokens per one-warp program (H200, v4jax bench kernels
-# --tune --only sinkhorn: 4.6-4.9 us at 1, 32 and 256 tokens; 128 tokens per one-warp program took 10.6-14.9 us)
+# on GPU a thread runs one token's serial iterations: 32 tokens per one-warp program (H200, the Sinkhorn kernel
+# alone: 4.6-4.9 us at 1, 32 and 256 tokens; 128 tokens per one-warp program took 10.6-14.9 us;
+# `v4jax bench kernels --tune --only hc_weights` sweeps hc_weights')
 GPU_BLOCK = 32
 
 
@@ -57,17 +58,12 @@ def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float):
         o_ref[k, :] = out[k]
 
 
-def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None = None, block: int | None = None,
-             num_warps: int = 1):
-    """The Pallas version of v4jax.model.layers.sinkhorn (same signature): comb [..., N, N] f32, one column
-    normalisation, then iters - 1 (row, column) normalisations. interpret=None: interpret on CPU; gpu=None: a
-    Triton kernel when this process runs on a GPU (set it to lower for another platform). block: tokens per
-    program (a power of two; default GPU_BLOCK on GPU, BLOCK otherwise)."""
+def sinkhorn(comb, iters: int, eps: float, *, interpret=None, block: int = BLOCK):
+    """The TPU (Mosaic) version of v4jax.model.layers.sinkhorn (same signature): comb [..., N, N] f32, one column
+    normalisation, then iters - 1 (row, column) normalisations, tokens along the lanes. interpret=None: interpret
+    on CPU. block: tokens per program (a multiple of 128)."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
-    if gpu is None:
-        gpu = _compat.backend() == "gpu"
-    block = block or (GPU_BLOCK if gpu and not interpret else BLOCK)
     *lead, n, _ = comb.shape
     m = 1
     for d in lead:
@@ -75,11 +71,7 @@ def sinkhorn(comb, iters: int, eps: float, *, interpret=None, gpu: bool | None =
     mp = -(-m // block) * block
     x = jnp.pad(comb.reshape(m, n * n).astype(jnp.float32).T, ((0, 0), (0, mp - m)), constant_values=1.0)
     spec = pl.BlockSpec((n * n, block), lambda i: (0, i))
-    kw = {}
-    if interpret:
-        kw["interpret"] = interpret_arg(interpret, "hlo")
-    elif gpu:
-        kw["compiler_params"] = TritonCompilerParams(num_warps=num_warps, num_stages=1)
+    kw = {"interpret": interpret_arg(interpret, "hlo")} if interpret else {}
     out = pl.pallas_call(functools.partial(_kernel, n=n, iters=iters, eps=eps),
                          out_shape=jax.ShapeDtypeStruct((n * n, mp), jnp.float32),
                          grid=(mp // block,), in_specs=[spec], out_specs=spec, name="v4_sinkhorn", **kw)(x)

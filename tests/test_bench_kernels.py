@@ -22,9 +22,9 @@ def test_kernel_table_small(tmp_path):
 
 
 def test_tune_and_sweep_small(tmp_path):
-    assert kernels_main(["--tune", "--small", "--only", "sinkhorn", "--out", str(tmp_path)]) == 0
+    assert kernels_main(["--tune", "--small", "--only", "hc_weights", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "tune_kernels.json").read_text())["rows"]
-    assert rows and {r["kernel"] for r in rows} == {"sinkhorn"}
+    assert rows and {r["kernel"] for r in rows} == {"hc_weights"}
     assert kernels_main(["--sweep", "fused_projections", "--small", "--out", str(tmp_path)]) == 0
     row = json.loads((tmp_path / "bench_fused_projections.json").read_text())["rows"][0]
     assert row["max_abs_diff"] < 0.5 and {"separate", "fused", "multi"} <= set(row)

@@ -1,5 +1,5 @@
-"""mHC's Sinkhorn kernel (pallas_kernels.sinkhorn) against its jnp reference (the model's), and its lowering for
-TPU (Mosaic) and GPU (Triton) from this CPU machine."""
+"""mHC's kernels (pallas_kernels.sinkhorn: the Sinkhorn loop TPUs run, all of the weights GPUs run) against the
+model's jnp maths, and their lowering for TPU (Mosaic) and GPU (Triton) from this CPU machine."""
 import importlib
 
 import jax
@@ -27,12 +27,10 @@ def test_matches_reference(shape, iters):
     np.testing.assert_allclose(out.sum(-2), 1.0, atol=1e-5)
 
 
-def test_lowers_for_tpu_and_gpu():
+def test_lowers_for_tpu():
     comb = jnp.ones((1, 1, 4, 4), jnp.float32)
-    fn = lambda c: SK.sinkhorn(c, 20, 1e-6, interpret=False, gpu=False)
+    fn = lambda c: SK.sinkhorn(c, 20, 1e-6, interpret=False)  # noqa: E731
     assert "tpu_custom_call" in _compat.export_for_tpu(fn, comb).mlir_module()
-    txt = _compat.lower_for_cuda(lambda c: SK.sinkhorn(c, 20, 1e-6, interpret=False, gpu=True), comb)
-    assert "triton" in txt
 
 
 def _mix(shape, seed=0):

@@ -4,7 +4,7 @@ The block sizes, warps and stages in pallas_kernels/ are the winners of these sw
 BENCHMARKS.md). Each sweep prints one line per config; a config the compiler rejects (registers, shared memory)
 is reported, not fatal.
 
-  --tune [--only topk indexer attention sinkhorn]   decode-sized sweeps with the kernel benchmark's harness
+  --tune [--only topk indexer attention hc_weights]   decode-sized sweeps with the kernel benchmark's harness
                                                     (--harness, --iters, --repeats), and the top-k pipeline's
                                                     stages timed one by one          -> OUT/tune_kernels.json
   --sweep layer_linear        the decode projections (pallas_kernels/layer_linear.py) over blocks, warps, stages
@@ -202,25 +202,29 @@ def attention_sweep(a, interp):
     return rows
 
 
-def sinkhorn_sweep(a, interp):
-    """mHC Sinkhorn at decode sizes: tokens per program and warps (one token is a thread's 20 serial iterations)."""
+def hc_weights_sweep(a, interp):
+    """mHC's weights from its mix at decode sizes (pallas_kernels.sinkhorn.hc_weights): tokens per program and warps
+    (one token is a thread's 20 serial Sinkhorn iterations)."""
     SK = importlib.import_module("pallas_kernels.sinkhorn")
     rows = []
-    grid = [(128, 1)] if a.small else list(itertools.product((32, 64, 128), (1, 2, 4)))
+    grid = [(32, 1)] if a.small else list(itertools.product((32, 64, 128), (1, 2, 4)))
     for m in ((2,) if a.small else (1, 32, 256)):
-        comb = jnp.exp(jax.random.normal(jax.random.key(m), (m, 4, 4), F32))
+        k = jax.random.split(jax.random.key(m), 3)
+        args = (jax.random.normal(k[0], (m, 24), F32), jax.random.normal(k[1], (3,), F32),
+                jax.random.normal(k[2], (24,), F32))
         for block, nw in grid:
             if nw * 32 > block and not a.small:
                 continue
-            fn = functools.partial(SK.sinkhorn, iters=20, eps=1e-6, block=block, num_warps=nw,
+            fn = functools.partial(SK.hc_weights, n=4, iters=20, eps=1e-6, block=block, num_warps=nw,
                                    interpret=interp or None)
-            us = _time(fn, (comb,), a)
-            rows.append(dict(kernel="sinkhorn", shape=f"M={m}", config=dict(block=block, num_warps=nw), us=us))
-            print(f"sinkhorn M={m:4d} block={block:3d} w={nw}: {_us(us)}", flush=True)
+            us = _time(fn, args, a)
+            rows.append(dict(kernel="hc_weights", shape=f"M={m}", config=dict(block=block, num_warps=nw), us=us))
+            print(f"hc_weights M={m:4d} block={block:3d} w={nw}: {_us(us)}", flush=True)
     return rows
 
 
-TUNE = {"topk": topk_stages, "indexer": indexer_sweep, "attention": attention_sweep, "sinkhorn": sinkhorn_sweep}
+TUNE = {"topk": topk_stages, "indexer": indexer_sweep, "attention": attention_sweep,
+        "hc_weights": hc_weights_sweep}
 
 
 def tune(a, out_dir: str) -> int:
