@@ -110,19 +110,10 @@ def apply_rope(x, cos, sin, inverse: bool = False):
 
 
 # ---- mHC (reference §5) -----------------------------------------------------------------------------
-# Up to this many tokens the mix is a multiply-and-sum, not a matmul: XLA:GPU fuses the layer's slice of the fn
-# stack (1.5 MB f32 for Flash) into the sum, where a GEMM took it as a copy of its own, 16 launches a flash-slice
-# decode step at 16-32 rows (`v4jax bench gpu-launches`); on an H100 the jitted call at batch 32 / 4K took 2.76 and
-# 2.73 ms a step against 2.80 (two calls), the engine's within 1 %. At one token XLA already made the matmul a sum.
-MIX_AS_SUM_ROWS = 32
-
-
 def _hc_mix(x, fn, eps):
     """x [..., N, D] -> mix = (fn @ flat(x)) * rsqrt(mean(flat(x)^2) + eps), f32."""
     flat = x.reshape(*x.shape[:-2], -1).astype(F32)
     inv = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
-    if flat.size // flat.shape[-1] <= MIX_AS_SUM_ROWS:
-        return jnp.sum(flat[..., None, :] * fn.astype(F32), axis=-1) * inv
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HI) * inv
 
 
