@@ -373,6 +373,47 @@ def test_min_tokens_holds_the_stop_ids_back(tiny_llm):
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def _penalized_greedy(llm, prompt, n, presence, frequency, repetition):
+    """The greedy rollout by teacher-forced forwards with vLLM's penalties applied to each step's logits (the
+    reference for the penalties)."""
+    from test_sampling import reference_penalized
+    seq = []
+    for _ in range(n):
+        lg = np.array(llm.logits(list(prompt) + seq)[-1])
+        seq.append(int(reference_penalized(lg, list(prompt), seq, presence, frequency, repetition).argmax()))
+    return seq
+
+
+def test_penalties_follow_the_teacher_forced_rollout(tiny_llm):
+    """Presence, frequency and repetition penalties (greedy, several tokens past a decode call and a prompt longer
+    than a prefill chunk) give the rollout of teacher-forced forwards penalized as vLLM does, beside a request
+    without penalties in the same steps (its tokens unchanged); the log-probs stay those of the raw logits. With
+    speculative decoding they are refused."""
+    rng = np.random.default_rng(7)
+    p = rng.integers(2, 60, 40).tolist() + [5, 6, 5, 6]
+    base = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    free = tiny_llm.generate([p], SamplingParams(**base))[0].token_ids
+    changed = 0
+    for pres, freq, rep in ((0.0, 1.5, 1.0), (1.0, 0.0, 1.0), (0.0, 0.0, 1.8), (0.5, 0.5, 1.3), (-2.0, -2.0, 0.5)):
+        want = _penalized_greedy(tiny_llm, p, 10, pres, freq, rep)
+        changed += want != free
+        sp = SamplingParams(presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep, logprobs=True,
+                            **base)
+        out, plain = tiny_llm.generate([p, p], [sp, SamplingParams(**base)])
+        assert out.token_ids == want, (pres, freq, rep)
+        assert plain.token_ids == free
+        raw = jax.nn.log_softmax(jnp.asarray(tiny_llm.logits(p + out.token_ids)[len(p) - 1:-1]), axis=-1)
+        np.testing.assert_allclose(out.logprobs, np.asarray(raw[np.arange(10), want]), atol=1e-4)
+    assert changed >= 2, changed  # the penalties change these rollouts
+    from v4jax.engine.checks import RequestCheck
+    from v4jax.engine.sampling import SamplingParams as SP
+    check = dataclasses.replace(tiny_llm.engine.request_check, speculative=True)
+    with pytest.raises(ValueError, match="frequency_penalty: penalties are not supported with speculative"):
+        check(p, SP(frequency_penalty=0.5))
+    check(p, SP())
+    assert isinstance(check, RequestCheck)
+
+
 def test_stream_events_concatenate_to_result(tiny_llm):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
     sp = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)

@@ -7,8 +7,9 @@ from v4jax.engine.programs import BACKGROUND_THREADS, Program, ProgramBook, in_b
 
 class Form:
     """A stand-in for a StepSpec (hashed by identity, as StepSpec is)."""
-    def __init__(self, any_sampled: bool, top_logprobs: int = 0, any_cut: bool = True):
+    def __init__(self, any_sampled: bool, top_logprobs: int = 0, any_cut: bool = True, any_penalty: bool = False):
         self.any_sampled, self.top_logprobs, self.any_cut = any_sampled, top_logprobs, any_cut
+        self.any_penalty = any_penalty
 
 
 SAMPLED, GREEDY, TOP = Form(True), Form(False), Form(True, 20)
@@ -156,7 +157,7 @@ EXIT_SCRIPT = """
 import sys, time
 from v4jax.engine.programs import Program, ProgramBook
 class Form:
-    any_sampled, top_logprobs, any_cut = True, 0, True
+    any_sampled, top_logprobs, any_cut, any_penalty = True, 0, True, False
 form, log = Form(), sys.argv[1]
 def compile_program(p):
     time.sleep(0.5)

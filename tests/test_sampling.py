@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from v4jax.engine.sampling import SEARCH_FROM_ROWS, filtered_probs, kept, sample, top_alternatives
+from v4jax.engine.sampling import SEARCH_FROM_ROWS, filtered_probs, kept, penalized, sample, top_alternatives
 
 
 def reference_kept(logits, temperature, top_p, top_k, min_p):
@@ -155,3 +155,46 @@ def test_top_alternatives_ask_for_no_top_k_wider_than_the_selection_kernel():
         return sorted(int(k) for k in re.findall(r"top_k\([^)]*k = (\d+)\)", text))
     assert widths(R) == widths(4 * R) == [4, 16]
     assert widths(1) == widths(R - 1) == [20]
+
+
+def reference_penalized(logits, prompt, output, presence, frequency, repetition):
+    """One row, in numpy, vLLM's order: repetition over the prompt's and the output's tokens (positive logits
+    divided, negative multiplied), then frequency x each token's count in the output and presence for each token in
+    it subtracted."""
+    out = logits.astype(np.float64).copy()
+    seen = set(prompt) | set(output)
+    for t in seen:
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    for t in set(output):
+        out[t] -= frequency * output.count(t) + presence
+    return out
+
+
+def test_penalized_against_the_reference():
+    """Rows of every kind of penalty (neutral ones included) over sequences read in a scrambled order with unused
+    positions: the penalized logits against the reference; a neutral row comes back bit for bit."""
+    rng = np.random.default_rng(0)
+    b, v, t = 6, 50, 40
+    logits = rng.normal(size=(b, v)).astype(np.float32) * 3
+    logits[1, 7] = -np.inf  # a banned id stays banned
+    tokens = rng.integers(0, v, (b, t)).astype(np.int32)
+    seen = rng.random((b, t)) < 0.8
+    produced = seen & (rng.random((b, t)) < 0.5)
+    pres = np.array([0.0, 0.5, -1.0, 2.0, 0.0, 0.3], np.float32)
+    freq = np.array([0.0, 0.2, 0.7, -2.0, 0.0, 1.5], np.float32)
+    rep = np.array([1.0, 1.3, 0.6, 2.0, 1.0, 1.0], np.float32)
+
+    class Sm:  # the rows' SamplingState fields penalized reads
+        presence, frequency, repetition = jnp.asarray(pres), jnp.asarray(freq), jnp.asarray(rep)
+
+    got = np.asarray(penalized(jnp.asarray(logits), Sm, jnp.asarray(tokens), jnp.asarray(seen),
+                               jnp.asarray(produced)))
+    for i in range(b):
+        prompt = tokens[i][seen[i] & ~produced[i]].tolist()
+        output = tokens[i][produced[i]].tolist()
+        want = reference_penalized(logits[i], prompt, output, pres[i], freq[i], rep[i])
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(got[0], logits[0])  # neutral
+    np.testing.assert_array_equal(got[4], logits[4])
+    assert got[1, 7] == -np.inf
+    assert not np.array_equal(got[5], logits[5])  # a presence / frequency penalty alone changes the row

@@ -51,12 +51,16 @@ def _start(state: ServerState):
     return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+PENALTIES = dict(presence_penalty=1.0, frequency_penalty=2.0, repetition_penalty=1.5)
+
+
 @pytest.fixture(scope="module")
 def served():
     llm = LLM(max_model_len=512, prefill_chunk=8, decode_steps=2, max_num_seqs=SLOTS)
     # references before the server owns the engine (only its thread may drive it afterwards)
     refs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True))
     alone = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True))[0]
+    penalized = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **PENALTIES))[0]
     streamed = {i: [] for i in range(len(PROMPTS))}
     for i, _, text in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), stream=True):
         streamed[i].append(text)
@@ -66,7 +70,7 @@ def served():
     server, thread, url = _start(state)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     yield types.SimpleNamespace(llm=llm, refs=refs, alone=alone, streamed=streamed, state=state, server=server,
-                                thread=thread, url=url, http=http)
+                                thread=thread, url=url, http=http, penalized=penalized)
     http.close()
     server.shutdown_now()
     thread.join(30)
@@ -225,6 +229,18 @@ def test_logit_bias_reaches_the_sampler(served, client):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
                                   logit_bias={"17": 100}, extra_body={"return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == [17] * 4
+
+
+def test_penalties_reach_the_sampler(served, client):
+    """OpenAI's presence / frequency penalties and vLLM's repetition penalty (an extra field): the greedy completion
+    is LLM.generate's with the same penalties, which differs from the one without."""
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                  presence_penalty=PENALTIES["presence_penalty"],
+                                  frequency_penalty=PENALTIES["frequency_penalty"],
+                                  extra_body={"return_token_ids": True,
+                                              "repetition_penalty": PENALTIES["repetition_penalty"]})
+    assert r.choices[0].model_extra["token_ids"] == served.penalized.token_ids
+    assert served.penalized.token_ids != served.refs[0].token_ids
 
 
 def test_min_tokens_reaches_the_sampler(served, client):
@@ -629,8 +645,9 @@ MALFORMED = [  # (path, body: dict | bytes, headers, status, param)
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, {}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, {}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": -1}, {}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, {}, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, {}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, {}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": "a"}, {}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, {}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 8, "max_tokens": 4}, {}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, {}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, {}, 400, "min_p"),

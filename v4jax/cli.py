@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     g.add_argument("--min-tokens", type=int, default=sp.min_tokens,
                    help="tokens generated before EOS or a stop token id may end a request; 0 = off")
+    g.add_argument("--presence-penalty", type=float, default=sp.presence_penalty,
+                   help="subtracted from the logit of each token the output holds, in [-2, 2]; 0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=sp.frequency_penalty,
+                   help="times each token's count in the output, subtracted from its logit, in [-2, 2]; 0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=sp.repetition_penalty,
+                   help="divides the positive logits of the prompt's and the output's tokens (multiplies the "
+                   "negative ones), in (0, 2]; 1 = off")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context limit, prompt + generated tokens (default: the model's)")
     g.add_argument("--attention-impl", default=None, choices=["xla", "pallas"],
@@ -296,7 +303,9 @@ def _generate(args) -> int:
     # Everything that can be checked without the model is checked first: bad flags fail at once.
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_token_ids=args.stop_token_ids or (),
-                        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens)
+                        ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                        repetition_penalty=args.repetition_penalty)
     if args.model is not None and args.model not in PRESETS and not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r} is neither a checkpoint directory nor a preset "
                                 f"({', '.join(sorted(PRESETS))})")

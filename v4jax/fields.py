@@ -62,6 +62,9 @@ RULES: dict[str, Rule] = {
     "top_p": Float(0, 1, lo_open=True),
     "top_k": Int(-1, note="(0 or -1 = off)"),
     "min_p": Float(0, 1, note="(0 = off)"),
+    "presence_penalty": Float(-2, 2, note="(0 = off)"),  # OpenAI's and vLLM's range
+    "frequency_penalty": Float(-2, 2, note="(0 = off)"),
+    "repetition_penalty": Float(0, 2, lo_open=True, note="(1 = off)"),
     "logit_bias[]": Float(-100, 100),  # OpenAI's range; the ids: "stop_token_ids[]"'s rule
     "seed": Int(INT32_MIN, optional=True, note="(seeds are int32 on device)"),
     "stop_token_ids[]": Int(0),

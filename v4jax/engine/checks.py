@@ -51,12 +51,13 @@ class RequestCheck:
     n_pages: int  # full pages of the whole pool; 0 = dense layout (every slot holds max_model_len: no page rule)
     data_shards: int = 1
     max_stop: int = MAX_STOP
+    speculative: bool = False  # the engine drafts (speculative decoding): penalties are not applied there
 
     @classmethod
     def of(cls, cfg: ModelConfig, layout, max_model_len: int, paged: bool = True) -> "RequestCheck":
         """From an engine's config, pool layout (v4jax.cache.pools.PoolLayout) and context limit."""
         return cls(cfg.vocab_size, max_model_len, cfg.max_seq_len, cfg.eos_token_id, layout.page_size,
-                   layout.n_pages if paged else 0, layout.data_shards)
+                   layout.n_pages if paged else 0, layout.data_shards, speculative=layout.draft_tokens > 0)
 
     @classmethod
     def for_options(cls, cfg: ModelConfig, options, dtype, max_model_len: int,
@@ -80,6 +81,11 @@ class RequestCheck:
         if outside:
             raise RequestError(f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size})",
                                "logit_bias")
+        if self.speculative and params.penalized:
+            name = next(n for n, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1))
+                        if getattr(params, n) != off)
+            raise RequestError(f"{name}: penalties are not supported with speculative decoding (an engine without "
+                               "speculative_config applies them)", name)
         self.check_size(len(ids), params)
 
     def check_size(self, n: int, params: SamplingParams) -> None:

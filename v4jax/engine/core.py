@@ -111,21 +111,29 @@ class EngineCore:
         # decode steps whose sampled rows cut by neither top_k nor top_p (vLLM's and OpenAI's defaults): no
         # full-vocabulary sort either (sampling.kept); its results are the sampling form's for such rows
         self.plain_spec = dataclasses.replace(self.spec, any_cut=False)
+        # steps where a row has a presence / frequency / repetition penalty: the sampling form counting each row's
+        # sequence so far (sampling.penalized); compiled at its first use, not by warmup()
+        self.penalty_spec = dataclasses.replace(self.spec, any_penalty=True)
         # the same three with the top-N alternatives per token, for steps where a request asked for them
         # (SamplingParams.top_logprobs); compiled at their first use, not by warmup()
         self.top_specs = {spec: dataclasses.replace(spec, top_logprobs=MAX_TOP_LOGPROBS)
-                          for spec in (self.spec, self.plain_spec, self.greedy_spec)}
+                          for spec in (self.spec, self.plain_spec, self.greedy_spec, self.penalty_spec)}
         self.steps = S.JittedSteps.make(run_options.mesh_rules)
         # the compiled step programs, and the one each step runs (a covering one while its own compiles, after
-        # warm-up): a greedy-only step may run on its sampling twin, and any step on the sampling form with the
-        # top-N alternatives (the cover's form: the alternatives are read only for the requests that asked)
-        top, top_plain, top_greedy = (self.top_specs[s] for s in (self.spec, self.plain_spec, self.greedy_spec))
+        # warm-up): a greedy-only step may run on its sampling twin, and any step on the sampling form with
+        # penalties and the top-N alternatives (the cover's form: neutral penalties leave the logits as they are,
+        # and the alternatives are read only for the requests that asked)
+        top, top_plain, top_greedy, top_pen = (self.top_specs[s] for s in (self.spec, self.plain_spec,
+                                                                            self.greedy_spec, self.penalty_spec))
         self.programs = ProgramBook(self._compile_program, {
-            self.greedy_spec: (self.greedy_spec, self.plain_spec, self.spec, top_greedy, top_plain, top),
-            self.plain_spec: (self.plain_spec, self.spec, top_plain, top),
-            self.spec: (self.spec, top),
-            top_plain: (top_plain, top),
-            top_greedy: (top_greedy, top_plain, top)})
+            self.greedy_spec: (self.greedy_spec, self.plain_spec, self.spec, top_greedy, top_plain, top, top_pen),
+            self.plain_spec: (self.plain_spec, self.spec, top_plain, top, top_pen),
+            self.spec: (self.spec, top, top_pen),
+            top_plain: (top_plain, top, top_pen),
+            top_greedy: (top_greedy, top_plain, top, top_pen),
+            top: (top, top_pen),
+            self.penalty_spec: (self.penalty_spec, top_pen),
+            top_pen: (top_pen,)})
         # device bytes of temporaries of each program compiled ahead of time (XLA's memory analysis): what a step
         # needs beside the weights and pools, which the caller checks against what is free (v4jax.memory)
         self.step_temporaries: dict[Program, int] = {}
@@ -397,14 +405,15 @@ class EngineCore:
             carried[i] = i in plan.carried
             tokens[i], pos[i], active[i] = r.output[-1], r.fed, True
             rem[i] = r.params.max_tokens - len(r.output)
-            samp.set_row(i, r.params, r.seed, r.sample_index, len(r.output), r.stop_ids)
+            samp.set_row(i, r.params, r.seed, r.sample_index, len(r.output), r.stop_ids, len(r.prompt))
         # Fresh numpy arrays, never mutated afterwards: jit transfers them itself.
         fresh = S.DecodeState(tokens, pos, active, rem, samp)
         # always through the (tiny) merge, so the decode step sees device arrays every time (numpy and device
         # arguments are different signatures to jit, and warm-up compiles one)
         state = self.steps.carry(prev.state if carried.any() else fresh, fresh, carried)
         spec = self._spec_for(samp.temperature, samp.top_p, samp.top_k,
-                              any(r.params.top_logprobs for r in plan.running))
+                              any(r.params.top_logprobs for r in plan.running),
+                              any(r.params.penalized for r in plan.running))
         exact = Program("decode", spec, self._slot_bucket(max(r.slot for r in plan.running)), 0,
                         self._page_bucket(plan.upto))
         program = self.programs.choose(exact)
@@ -434,7 +443,7 @@ class EngineCore:
         if req.params.max_tokens > 1 and not req.prefill_only:   # (a prefill server hands decoding on)
             pr = req.params
             form = self._spec_for(np.array([pr.temperature]), np.array([pr.top_p]), np.array([pr.top_k]),
-                                  bool(pr.top_logprobs))
+                                  bool(pr.top_logprobs), pr.penalized)
             sch = self.scheduler
             rows = self._slot_bucket(max(r.slot for r in sch.running() + sch.prefilling() + [req]))
             out.append(Program("decode", form, rows, 0, self._page_bucket(min(n + self.k, self.max_model_len))))
@@ -481,12 +490,14 @@ class EngineCore:
     def _page_bucket(self, upto: int) -> int:
         return min(_pow2(-(-upto // self.layout.page_size)), self.layout.max_pages_per_seq)
 
-    def _spec_for(self, temperature, top_p, top_k, top_logprobs: bool = False) -> S.StepSpec:
+    def _spec_for(self, temperature, top_p, top_k, top_logprobs: bool = False, penalty: bool = False) -> S.StepSpec:
         """The step's program: the sampling one when a row of it samples (without the top-k / top-p sort when no
-        sampled row cuts by them), else the greedy-only one; with the top-N alternatives when a request of the step
-        asked for them."""
+        sampled row cuts by them), else the greedy-only one; the one with penalties when a request of the step has
+        one; with the top-N alternatives when a request of the step asked for them."""
         sampled = temperature > 0
-        if not sampled.any():
+        if penalty:
+            base = self.penalty_spec
+        elif not sampled.any():
             base = self.greedy_spec
         else:
             base = self.spec if (sampled & ((top_k > 0) | (top_p < 1))).any() else self.plain_spec
@@ -504,10 +515,11 @@ class EngineCore:
         # MAX_PREFILL_ROWS rows is small beside a prefill step, and a greedy-only twin of every shape doubled what
         # warm-up compiles. The top-N variant only where a row ends its prompt (only that row's token is read).
         top_n = any(r.params.top_logprobs and e == r.n_tokens for r, _, e in plans)
+        form = self.penalty_spec if any(r.params.penalized and e == r.n_tokens for r, _, e in plans) else self.spec
         furthest = max(s for _, s, _ in plans)
         bucket = chunk_bucket(max(e - s for _, s, e in plans))
         # a row's table reaches past its chunk's compiled length (a covering program's longer chunk too)
-        exact = Program("prefill", self.top_specs[self.spec] if top_n else self.spec, _pow2(len(plans)), bucket,
+        exact = Program("prefill", self.top_specs[form] if top_n else form, _pow2(len(plans)), bucket,
                         self._page_bucket(furthest + bucket))
         self.programs.ahead(self._programs_ahead(plans, exact))
         program = self.programs.choose(exact, fits=lambda p: p.pages >= self._page_bucket(furthest + p.chunk))
@@ -522,7 +534,7 @@ class EngineCore:
             sp = req.params
             chunk[i, :e0 - s0] = req.token_slice(s0, e0)
             start[i], n_valid[i], slot[i], fresh[i] = s0, e0 - s0, req.slot, s0 == 0
-            samp.set_row(i, sp, req.seed, req.sample_index, len(req.output), req.stop_ids)
+            samp.set_row(i, sp, req.seed, req.sample_index, len(req.output), req.stop_ids, len(req.prompt))
         pt, swa = self.kv.prefill_tables([r.slot for r, _, _ in plans], n_rows, program.pages)
         batch = S.PrefillBatch(chunk, start, n_valid, fresh, slot)
         self.pools, self.store, tok, lp, top = self.steps.prefill(program.spec, self._leaves, self.pools, self.store,
@@ -578,8 +590,9 @@ class EngineCore:
 
     def _named_specs(self) -> dict:
         return {"sampled": self.spec, "plain": self.plain_spec, "greedy": self.greedy_spec,
-                "top_sampled": self.top_specs[self.spec], "top_plain": self.top_specs[self.plain_spec],
-                "top_greedy": self.top_specs[self.greedy_spec]}
+                "penalty": self.penalty_spec, "top_sampled": self.top_specs[self.spec],
+                "top_plain": self.top_specs[self.plain_spec], "top_greedy": self.top_specs[self.greedy_spec],
+                "top_penalty": self.top_specs[self.penalty_spec]}
 
     def _compile_program(self, program: Program) -> None:
         """Compile one step program ahead of time on arguments of its shape (the pools are only read for their
@@ -639,8 +652,9 @@ class EngineCore:
 
     def _cover_programs(self) -> list[Program]:
         """The fewest programs that cover every step: per prefill row count its longest chunk, and the decode call
-        over every slot, all at the widest page table and in the sampling form with the top-N alternatives (so a
-        first request asking for log-prob alternatives waits for no compile either); and the decode call's twins
+        over every slot, all at the widest page table and in the sampling form with penalties and the top-N
+        alternatives (so a first request with a penalty or asking for log-prob alternatives waits for no compile
+        either); and the decode call's twins
         without the top-k / top-p cut and greedy-only, so that sampling at the defaults (what OpenAI clients send)
         and greedy decoding (evaluations, benchmarks) run their lighter forms from the start (the sort alone is
         1.6 ms of a batch-32 flash-slice step on an H100)."""
@@ -648,7 +662,7 @@ class EngineCore:
         longest = {}
         for rb, cb in self._prefill_shapes():
             longest[rb] = max(longest.get(rb, 0), cb)
-        form = self.top_specs[self.spec]
+        form = self.top_specs[self.penalty_spec]
         return ([Program("prefill", form, rb, cb, widest) for rb, cb in sorted(longest.items())]
                 + [Program("decode", spec, max(self._slot_buckets()), 0, widest)
                    for spec in (form, self.plain_spec, self.greedy_spec)])

@@ -53,7 +53,7 @@ class Program:
 
     def __str__(self) -> str:
         form = ("greedy" if not self.spec.any_sampled else "sampling" if self.spec.any_cut else "sampling, no cut") \
-            + (", top-N" if self.spec.top_logprobs else "")
+            + (", penalties" if self.spec.any_penalty else "") + (", top-N" if self.spec.top_logprobs else "")
         return (f"{self.kind} rows {self.rows}" + (f" x {self.chunk}" if self.chunk else "")
                 + f", {self.pages} pages ({form})")
 
@@ -63,9 +63,10 @@ class Program:
 
     def cost(self) -> tuple:
         # the tokens a step computes, then the table it reads; the greedy-only form before the sampling ones (the
-        # one without the cut first), and each before its twin with the top-N alternatives
-        return (self.rows * max(self.chunk, 1), self.pages, self.spec.top_logprobs > 0, self.spec.any_sampled,
-                self.spec.any_cut)
+        # one without the cut first), each before its twin with penalties, and those before their twins with the
+        # top-N alternatives
+        return (self.rows * max(self.chunk, 1), self.pages, self.spec.top_logprobs > 0, self.spec.any_penalty,
+                self.spec.any_sampled, self.spec.any_cut)
 
 
 _worker = threading.local()

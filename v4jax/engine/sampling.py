@@ -71,13 +71,20 @@ class SamplingParams:
     # vLLM's min_tokens: the stop ids (EOS unless ignore_eos, and stop_token_ids) are never drawn before this many
     # tokens, and the server's stop strings count only from then on
     min_tokens: int = 0
+    # OpenAI's / vLLM's penalties on the tokens chosen so far (`penalized`): presence subtracts its value from the
+    # logit of every token the output holds, frequency its value times the token's count there; repetition (vLLM's)
+    # divides the positive logits of every token the prompt or the output holds by it and multiplies the negative
+    # ones. The reported log-probs stay those of the raw logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         # Every check runs here, at construction, by the rule table (v4jax.fields: int32 bounds, finite floats,
         # real bools): a bad value never reaches the engine (where it would fail late, e.g. as an int32 overflow
         # on its thread) or gets silently coerced (a string of digits, a float token id).
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "ignore_eos", "top_logprobs",
-                     "min_p", "min_tokens"):
+                     "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, name, check_field(name, getattr(self, name)))
         if self.min_tokens > self.max_tokens:
             raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens "
@@ -86,6 +93,11 @@ class SamplingParams:
             raise FieldError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=True")
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies (the steps of such requests run the program form with penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def resolved_seed(self) -> int:
         """The request's seed; a fresh random one when unset."""
@@ -123,6 +135,24 @@ def steered(logits, sm, ahead=0):
     ids = jnp.concatenate([every(sm.bias_ids), stops], axis=-1)
     vals = jnp.concatenate([every(sm.bias), jnp.full(stops.shape, -jnp.inf, F32)], axis=-1)
     return biased(logits.astype(F32), ids, vals)
+
+
+def penalized(logits, sm, tokens, seen, produced):
+    """logits [B, V] f32 with each row's penalties applied (vLLM's, after the logit bias): the positive logits of
+    the tokens the row's prompt or output holds divided by its repetition penalty and the negative ones multiplied;
+    then its frequency penalty times each token's count in the output and its presence penalty for each token the
+    output holds subtracted. tokens [B, T] int32: the row's sequence so far (any order); seen [B, T] bool: the
+    positions that hold it; produced [B, T] bool: those of them in the output. sm: the rows' SamplingState
+    (presence, frequency, repetition [B]). Neutral values (0, 0, 1) leave a row's logits as they are, bit for
+    bit."""
+    b, v = logits.shape
+    rows = jnp.arange(b)[:, None]
+    ids = jnp.where(seen, tokens, v)  # out of range: dropped
+    held = jnp.zeros((b, v), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((b, v), F32).at[rows, jnp.where(produced, ids, v)].add(1.0, mode="drop")
+    rep = sm.repetition[:, None]
+    logits = jnp.where(held, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - (sm.frequency[:, None] * counts + sm.presence[:, None] * (counts > 0))
 
 
 def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_index, token_index,

@@ -30,7 +30,7 @@ from v4jax.model import RunOptions
 from v4jax.engine import dspark as DS
 from v4jax.engine import spec as SP
 from v4jax.engine.programs import in_background
-from v4jax.engine.sampling import filtered_probs, sample, steered, top_alternatives
+from v4jax.engine.sampling import filtered_probs, penalized, sample, steered, top_alternatives
 from v4jax.fields import MAX_LOGIT_BIAS
 from v4jax.model.transformer import last_valid
 
@@ -79,6 +79,9 @@ class StepSpec:
     # fifth more than the chosen token's log-softmax at batch 128); on a GPU it is two selection kernels
     # (sampling.top_alternatives), still work the programs most steps run leave out
     top_logprobs: int = 0
+    # whether some row of the step has a presence / frequency / repetition penalty (sampling.penalized: each row's
+    # sequence so far read back from the token pool and counted over the vocabulary, work no other step does)
+    any_penalty: bool = False
     # tests only: with speculative decoding, drafts read from this [slots, positions] token table instead of the
     # drafter (right or wrong on purpose, so that every acceptance path runs)
     draft_table: Any = None
@@ -106,19 +109,28 @@ class SamplingState:
     bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32, their biases
     stop_ids: jax.Array  # [B, MAX_STOP] int32, the tokens that end the row (-1 = none)
     min_tokens: jax.Array  # int32, the token index from which the stop ids may be drawn
+    presence: jax.Array  # f32, presence penalty (0 = off)
+    frequency: jax.Array  # f32, frequency penalty (0 = off)
+    repetition: jax.Array  # f32, repetition penalty (1 = off)
+    prompt_len: jax.Array  # int32, the row's prompt tokens (the output starts there)
 
     @staticmethod
     def neutral(n: int) -> "SamplingState":
-        """n greedy rows of no filter, no bias and no stop ids (host arrays): what rows no request fills hold."""
+        """n greedy rows of no filter, no bias, no stop ids and no penalty (host arrays): what rows no request
+        fills hold."""
         z = lambda dt=np.int32: np.zeros(n, dt)  # noqa: E731
         return SamplingState(z(np.float32), np.ones(n, np.float32), z(), z(), z(), z(), z(np.float32),
                              np.full((n, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((n, MAX_LOGIT_BIAS), np.float32),
-                             np.full((n, MAX_STOP), -1, np.int32), z())
+                             np.full((n, MAX_STOP), -1, np.int32), z(), z(np.float32), z(np.float32),
+                             np.ones(n, np.float32), z())
 
     def set_row(self, i: int, params, seed: int, sample_index: int, token_index: int,
-                stop_ids: Sequence[int]) -> None:
-        """Row i (of host arrays) from a request's SamplingParams, its sampling key's parts and its stop ids."""
+                stop_ids: Sequence[int], prompt_len: int = 0) -> None:
+        """Row i (of host arrays) from a request's SamplingParams, its sampling key's parts, its stop ids and its
+        prompt's length."""
         self.temperature[i], self.top_p[i], self.top_k[i] = params.temperature, params.top_p, max(params.top_k, 0)
+        self.presence[i], self.frequency[i] = params.presence_penalty, params.frequency_penalty
+        self.repetition[i], self.prompt_len[i] = params.repetition_penalty, prompt_len
         self.seed[i], self.sample_index[i], self.token_index[i] = seed, sample_index, token_index
         self.min_p[i], self.min_tokens[i] = params.min_p, params.min_tokens
         self.stop_ids[i, :len(stop_ids)] = stop_ids
@@ -164,6 +176,20 @@ class DecodeOutput:
     # was accepted
     drafts: jax.Array  # [B] int32
     accepted: jax.Array  # [B, d] int32, d drafts a step
+
+
+def _chosen(spec: StepSpec, logits, sm: SamplingState, pools, page_table, last):
+    """What each row's token is chosen from: its logits [B, V] steered (the logit bias, the stop ids held back
+    before min_tokens) and, in a step with penalties, penalized by its sequence so far: positions 0 .. last [B] of
+    the token pool, read through the page table [B, pages]."""
+    chosen = steered(logits, sm)
+    if not spec.any_penalty:
+        return chosen
+    p = spec.layout.page_size
+    seq = pools.tokens[jnp.maximum(page_table, 0)].reshape(page_table.shape[0], -1)  # [B, pages * P]
+    at = jnp.arange(seq.shape[1])[None, :]
+    seen = (at <= last[:, None]) & jnp.repeat(page_table >= 0, p, axis=1)
+    return penalized(chosen, sm, seq, seen, seen & (at >= sm.prompt_len[:, None]))
 
 
 def _write_tokens(spec: StepSpec, pools, token_ids, positions, ok, page_table):
@@ -230,9 +256,10 @@ def _prefill(spec: StepSpec, leaves, pools, store, batch: PrefillBatch, page_tab
     if ends is not None:
         rows = _boundary_rows(spec, ends.reshape(-1), ends.reshape(-1) >= 0, jnp.repeat(swa_table, ends.shape[1], 0))
         store, pools = save_recorded_boundaries(store, pools, rows.reshape(ends.shape))
-    tok, lp, top_ids, top_lp = sample(logits, steered(logits, samp), samp.temperature, samp.top_p, samp.top_k,
-                                      samp.min_p, samp.seed, samp.sample_index, samp.token_index, spec.any_sampled,
-                                      spec.top_logprobs, spec.any_cut)
+    last = batch.start + batch.n_valid - 1  # the chunk's last position: the sequence so far is in the pool
+    tok, lp, top_ids, top_lp = sample(logits, _chosen(spec, logits, samp, pools, page_table, last), samp.temperature,
+                                      samp.top_p, samp.top_k, samp.min_p, samp.seed, samp.sample_index,
+                                      samp.token_index, spec.any_sampled, spec.top_logprobs, spec.any_cut)
     if drafter is not None:
         pools = drafter.prefill(model, spec.cfg, spec.layout, pools, streams, taps, batch, tok, page_table, swa_table,
                                 spec.opts)
@@ -291,9 +318,9 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         if spec.save_boundaries:
             store = save_boundary_states(store, pools, None, _boundary_rows(spec, st.pos + 1, st.active, swa_table))
         sm = st.sampling
-        nxt, lp, top_ids, top_lp = sample(logits, steered(logits, sm), sm.temperature, sm.top_p, sm.top_k,
-                                          sm.min_p, sm.seed, sm.sample_index, sm.token_index, spec.any_sampled,
-                                          spec.top_logprobs, spec.any_cut)
+        nxt, lp, top_ids, top_lp = sample(logits, _chosen(spec, logits, sm, pools, page_table, st.pos),
+                                          sm.temperature, sm.top_p, sm.top_k, sm.min_p, sm.seed, sm.sample_index,
+                                          sm.token_index, spec.any_sampled, spec.top_logprobs, spec.any_cut)
         is_stop = jnp.any(nxt[:, None] == sm.stop_ids, axis=-1)
         out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
                            logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,

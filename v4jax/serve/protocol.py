@@ -129,11 +129,6 @@ def _unsupported(body: dict) -> None:
     """OpenAI fields this server does not implement: refused when set to anything but their neutral value."""
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "'suffix' is not supported")
-    # vLLM's sampling extras that would change the tokens: refused unless neutral, never silently ignored
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        v = body.get(name)
-        if (v is not None and v != neutral) or isinstance(v, bool):
-            raise bad(name, f"'{name}' is not supported (only {neutral})")
     rf = body.get("response_format")
     if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
         raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
@@ -177,7 +172,10 @@ def _sampling(body: dict, max_tokens: int, *, logprobs: int | None) -> SamplingP
               min_p=get_number(body, "min_p", 0.0), logit_bias=_logit_bias(body),
               seed=get_int(body, "seed", None), stop_token_ids=stop_ids or (), logprobs=logprobs is not None,
               top_logprobs=logprobs or 0, ignore_eos=get_bool(body, "ignore_eos", False),
-              min_tokens=get_int(body, "min_tokens", 0))
+              min_tokens=get_int(body, "min_tokens", 0),
+              presence_penalty=get_number(body, "presence_penalty", 0.0),
+              frequency_penalty=get_number(body, "frequency_penalty", 0.0),
+              repetition_penalty=get_number(body, "repetition_penalty", 1.0))
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # its messages start with the field's name
