@@ -46,7 +46,8 @@ def _engine_for(llm, **opts):
     llm._engine = None
 
 
-def decode_row(llm, batch: int, context: int, new: int, rng, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+def decode_row(llm, batch: int, context: int, new: int, rng, temperature: float = 0.0, top_p: float = 1.0,
+               frequency_penalty: float = 0.0) -> dict:
     """What a user sees: `batch` random prompts of `context` tokens through `LLM.generate` (greedy unless
     `temperature` > 0; ignore_eos),
     once with max_tokens=1 (prefill and the first token) and once with max_tokens=1+new, each on fresh prompts of
@@ -54,7 +55,8 @@ def decode_row(llm, batch: int, context: int, new: int, rng, temperature: float 
     (time(1 + new) - time(1)) / new: one step is one new token for every request. The 1 + new call streams, and
     its events' times give the steady rate (`steady_step_ms`)."""
     from v4jax.engine.sampling import SamplingParams
-    sp = lambda n: SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p, ignore_eos=True)
+    sp = lambda n: SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p, ignore_eos=True,  # noqa: E731
+                                  frequency_penalty=frequency_penalty)
     fresh = lambda: [rng.integers(2, llm.config.vocab_size, context).tolist() for _ in range(batch)]
     t0 = time.perf_counter()
     llm.generate(fresh(), sp(1 + new))
@@ -194,6 +196,8 @@ def generate_main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="the decode rows' sampling (default greedy; "
                     "1.0 is vLLM's and OpenAI's default)")
     ap.add_argument("--top-p", type=float, default=1.0, help="the decode rows' top-p (with --temperature)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0,
+                    help="the decode rows' frequency penalty (the program form with penalties)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the LLM's")
     ap.add_argument("--attention-impl", default=None, choices=("xla", "pallas"), help="default: the LLM's")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="one engine of this many slots for every row (the "
@@ -291,7 +295,7 @@ def generate_main(argv=None) -> int:
         try:
             if not a.max_num_seqs:
                 _engine_for(llm, max_num_seqs=b, max_model_len=c + a.new + 2 * a.k)
-            row = decode_row(llm, b, c, a.new, rng, a.temperature, a.top_p)
+            row = decode_row(llm, b, c, a.new, rng, a.temperature, a.top_p, a.frequency_penalty)
         except Exception as e:  # noqa: BLE001 - a row that fails is a result too
             row = {"batch": b, "context": c, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         if not a.max_num_seqs:
