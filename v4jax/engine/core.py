@@ -438,7 +438,9 @@ class EngineCore:
         step, n, out = max(e - s for _, s, e in plans), req.n_tokens, []
         for s in range(end, n, step):
             bucket = chunk_bucket(min(step, n - s))
-            form = self.top_specs[self.spec] if req.params.top_logprobs and s + step >= n else self.spec
+            last = s + step >= n  # the chunk whose token is read: in the request's own form
+            base = self.penalty_spec if req.params.penalized and last else self.spec
+            form = self.top_specs[base] if req.params.top_logprobs and last else base
             out.append(Program("prefill", form, _pow2(len(left)), bucket, self._page_bucket(s + bucket)))
         if req.params.max_tokens > 1 and not req.prefill_only:   # (a prefill server hands decoding on)
             pr = req.params
