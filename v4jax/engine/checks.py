@@ -82,8 +82,7 @@ class RequestCheck:
             raise RequestError(f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size})",
                                "logit_bias")
         if self.speculative and params.penalized:
-            name = next(n for n, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1))
-                        if getattr(params, n) != off)
+            name = params.penalties[0]
             raise RequestError(f"{name}: penalties are not supported with speculative decoding (an engine without "
                                "speculative_config applies them)", name)
         self.check_size(len(ids), params)

@@ -112,7 +112,8 @@ class EngineCore:
         # full-vocabulary sort either (sampling.kept); its results are the sampling form's for such rows
         self.plain_spec = dataclasses.replace(self.spec, any_cut=False)
         # steps where a row has a presence / frequency / repetition penalty: the sampling form counting each row's
-        # sequence so far (sampling.penalized); compiled at its first use, not by warmup()
+        # sequence so far (sampling.penalized); with the top-N alternatives it is the covers' form, otherwise
+        # compiled at its first use
         self.penalty_spec = dataclasses.replace(self.spec, any_penalty=True)
         # the same three with the top-N alternatives per token, for steps where a request asked for them
         # (SamplingParams.top_logprobs); compiled at their first use, not by warmup()
@@ -656,10 +657,9 @@ class EngineCore:
         """The fewest programs that cover every step: per prefill row count its longest chunk, and the decode call
         over every slot, all at the widest page table and in the sampling form with penalties and the top-N
         alternatives (so a first request with a penalty or asking for log-prob alternatives waits for no compile
-        either); and the decode call's twins
-        without the top-k / top-p cut and greedy-only, so that sampling at the defaults (what OpenAI clients send)
-        and greedy decoding (evaluations, benchmarks) run their lighter forms from the start (the sort alone is
-        1.6 ms of a batch-32 flash-slice step on an H100)."""
+        either); and the decode call's twins without the top-k / top-p cut and greedy-only, so that sampling at the
+        defaults (what OpenAI clients send) and greedy decoding (evaluations, benchmarks) run their lighter forms
+        from the start (the sort alone is 1.6 ms of a batch-32 flash-slice step on an H100)."""
         widest = max(self._page_buckets())
         longest = {}
         for rb, cb in self._prefill_shapes():

@@ -49,6 +49,10 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(zip(ids, vals)))
 
 
+# each penalty's value that changes nothing
+NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -95,9 +99,14 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
+    def penalties(self) -> tuple[str, ...]:
+        """The penalties that apply (not at their neutral value, NEUTRAL_PENALTIES)."""
+        return tuple(n for n, off in NEUTRAL_PENALTIES.items() if getattr(self, n) != off)
+
+    @property
     def penalized(self) -> bool:
         """Whether a penalty applies (the steps of such requests run the program form with penalties)."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return bool(self.penalties)
 
     def resolved_seed(self) -> int:
         """The request's seed; a fresh random one when unset."""
