@@ -63,6 +63,9 @@
 #   precision  the release's formats (FP8/FP4 weights, FP8 cache entries) against bf16: LLM.generate at batch 1 / 32, 4K,
 #              against the roofline of the bytes stored (MODEL, CONFIGS="QUANT:KV ...", BATCHES, CONTEXTS="4K,128K",
 #              PREFILL=128K for a 128K prefill row, NEW, ROW_S a configuration's limit)
+#   sampling   the sampler's top-p cut sorted against searched per batch (scripts/sampling_probe.py --search-from;
+#              PROBE_BATCHES), then LLM.generate with a frequency penalty (PENALTY, 0.5) against without (flash-slice,
+#              BATCHES "1,32", 4K, 64 new; ROW_S a row's limit) -> $OUT/cut.jsonl, $OUT/pen_<P>
 #   spec       speculative decoding (MTP) against plain decoding, drafts kept at forced ACCEPT rates, batches
 #              BATCHES, k KS (v4jax bench spec); PROFILE=1: each row's device kernels per token position (TAIL=200)
 #   compile    one engine's prefill and decode programs compiled with XLA's options and with GPU autotuning off,
@@ -215,6 +218,22 @@ defaults)
   timeout ${LONG_S:-240} python3 -W ignore -m v4jax.bench generate --model flash-slice --max-num-seqs 32 \
     --max-model-len 131584 $chunk --batches 32 --contexts 4K --prefill 128K --new 64 --out "$out/d128k" 2>&1 \
     | quiet | tail -12
+  ;;
+sampling)
+  imports
+  # The sampler's top-p cut by sort against by search at each batch (where SEARCH_FROM_ROWS belongs), then the
+  # penalties' program form through LLM.generate against the form without, one engine each (flash-slice, 4K)
+  for from in 1 100000; do
+    stamp "top-p 0.9, the cut searched from $from rows"
+    timeout ${PROBE_S:-120} python3 -W ignore scripts/sampling_probe.py --forms top_p --batches ${PROBE_BATCHES:-1,4,8,12,16,24,32} \
+      --search-from $from --out "$out/cut.jsonl" 2>&1 | quiet | tail -8
+  done
+  for pen in 0 ${PENALTY:-0.5}; do
+    stamp "frequency penalty $pen"
+    timeout ${ROW_S:-200} python3 -W ignore -m v4jax.bench generate --model flash-slice --max-num-seqs 32 \
+      --max-model-len 8192 --batches ${BATCHES:-1,32} --contexts 4K --new 64 --frequency-penalty $pen \
+      --out "$out/pen_$pen" 2>&1 | quiet | tail -6
+  done
   ;;
 precision)
   imports

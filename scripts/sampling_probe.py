@@ -5,6 +5,7 @@ profiler trace on a GPU; "top20": greedy with the 20 most likely alternatives (t
 a case and writes JSON lines to --out.
 
   python scripts/sampling_probe.py --batches 1,8,32,64 --vocab 129280 --out sampling.jsonl
+  python scripts/sampling_probe.py --forms top_p --batches 1,8,16 --search-from 1   # the search at every batch
 """
 from __future__ import annotations
 
@@ -39,14 +40,20 @@ def main(argv=None) -> int:
     ap.add_argument("--forms", default="greedy,plain,sorted,top_p,top20")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--search-from", type=int, default=None,
+                    help="rows from which a top-k / top-p cut searches its thresholds instead of sorting (default: "
+                         "sampling.SEARCH_FROM_ROWS; 1: always the search, a large number: always the sort)")
     a = ap.parse_args(argv)
+    if a.search_from is not None:
+        sampling.SEARCH_FROM_ROWS = a.search_from  # read when `kept` is traced
     for b in (int(x) for x in a.batches.split(",")):
         for form in a.forms.split(","):
             m = time_call(case(b, a.vocab, form), a.reps)
             print(said(f"batch {b:3d} {form:8s}", m), "|", m.get("top"), flush=True)
             if a.out:
                 with open(a.out, "a") as f:
-                    f.write(json.dumps({"batch": b, "vocab": a.vocab, "form": form, **m}) + "\n")
+                    f.write(json.dumps({"batch": b, "vocab": a.vocab, "form": form,
+                                        "search_from": sampling.SEARCH_FROM_ROWS, **m}) + "\n")
     return 0
 
 

@@ -43,6 +43,10 @@ MESH_OPTIONS = dict(OPTIONS, max_num_seqs=8, page_size=16)
 # chunks of 32, so the pages of one request lie in several blocks of the pools' rows (low page ids go first).
 CONTEXT_PROMPTS = [np.random.default_rng(0).integers(2, 500, n).tolist() for n in (90, 37)]
 CONTEXT_SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+# the second prompt penalised (strong enough to change its greedy tokens): the program form with penalties reads
+# each row's sequence from the token pool, split over the mesh's data x context shards
+CONTEXT_PENALISED = [CONTEXT_SAMPLING, dataclasses.replace(CONTEXT_SAMPLING, presence_penalty=-2.0,
+                                                           frequency_penalty=-2.0, repetition_penalty=0.5)]
 CONTEXT_OPTIONS = dict(dtype="float32", max_num_seqs=2, max_model_len=128, prefill_chunk=32, decode_steps=4,
                        page_size=16)
 
@@ -102,13 +106,18 @@ def context_meshes(meshes):
     """`MESH` or `MESH:pallas` (attention_impl): greedy tokens and log-probs of long prompts against one
     single-device XLA run, and the specs of the compressed pools after the steps ran."""
     t0 = time.time()
-    base = LLM("tiny", **CONTEXT_OPTIONS).generate(CONTEXT_PROMPTS, CONTEXT_SAMPLING)
-    emit(check="context_reference", seconds=round(time.time() - t0, 1))
+    ref = LLM("tiny", **CONTEXT_OPTIONS)
+    plain = ref.generate(CONTEXT_PROMPTS, CONTEXT_SAMPLING)
+    base = ref.generate(CONTEXT_PROMPTS, CONTEXT_PENALISED)
+    del ref
+    emit(check="context_reference", seconds=round(time.time() - t0, 1),
+         penalties_change_tokens=plain[1].token_ids != base[1].token_ids,
+         unpenalised_equal=plain[0].token_ids == base[0].token_ids)
     for entry in meshes:
         mesh, _, impl = entry.partition(":")
         t0 = time.time()
         llm = LLM("tiny", mesh=mesh, attention_impl=impl or "xla", **CONTEXT_OPTIONS)
-        outs = llm.generate(CONTEXT_PROMPTS, CONTEXT_SAMPLING)
+        outs = llm.generate(CONTEXT_PROMPTS, CONTEXT_PENALISED)
         err = max(float(np.max(np.abs(np.subtract(x.logprobs, y.logprobs)))) for x, y in zip(base, outs))
         stacks = llm.engine.pools.stacks
         csa = next(lp for lp in stacks if lp.idx is not None)

@@ -205,10 +205,12 @@ def test_meshes_equal_single_device():
     """One single-device reference; on every mesh the preset's weights are created in their shards (one jit with
     out_shardings) and give the same greedy tokens and log-probs. Context meshes: prompts of 90 and 37 tokens
     over pages of 16 (their pages in several blocks of the pools' rows), prefilled in chunks of 32, 12 decoded
-    tokens, against their own single-device reference; the compressed pools' rows split over `data` x `context`,
-    the SWA rows over `data`."""
+    tokens (the second prompt's with presence, frequency and repetition penalties), against their own single-device
+    reference; the compressed pools' rows split over `data` x `context`, the SWA rows over `data`."""
     results = _run_worker(["--meshes", *MESHES, "--context-meshes", *CONTEXT_MESHES], timeout=3000)
     _check_meshes(results, MESHES)
+    ref = results[("context_reference", None)]
+    assert ref["penalties_change_tokens"] and ref["unpenalised_equal"], ref
     for mesh in CONTEXT_MESHES:
         row = results[("context", mesh)]
         assert row["tokens_equal"] and row["n_tokens"] == [12, 12], row
