@@ -110,10 +110,8 @@ def apply_rope(x, cos, sin, inverse: bool = False):
 
 
 # ---- mHC (reference §5) -----------------------------------------------------------------------------
-def hc_mix(x, fn, eps):
-    """x [..., N, D] -> mix = (fn @ flat(x)) * rsqrt(mean(flat(x)^2) + eps), f32. fn [C, N*D], or a LayerOf of its
-    stack."""
-    fn = fn[...]
+def _hc_mix(x, fn, eps):
+    """x [..., N, D] -> mix = (fn @ flat(x)) * rsqrt(mean(flat(x)^2) + eps), f32."""
     flat = x.reshape(*x.shape[:-2], -1).astype(F32)
     inv = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HI) * inv
@@ -130,16 +128,21 @@ def hc_weights(mix, scale, base, n: int, iters: int, eps: float, normalise=None)
     return pre, post, (normalise or sinkhorn)(comb, iters, eps)
 
 
+def hc_mix_weights(x, fn, base, scale, cfg: ModelConfig, weights=None):
+    """Streams x [..., N, D] -> mHC's (pre [..., N], post [..., N], comb [..., N, N]). `weights` takes
+    `hc_weights`' arguments (default `hc_weights`, the jnp reference)."""
+    mix = _hc_mix(x, fn, cfg.norm_eps)
+    return (weights or hc_weights)(mix, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+
+
 def hc_collapse(x, pre):
     """u = sum_n pre_n x_n: streams x [..., N, D], pre [..., N] f32 -> [..., D] in x's dtype."""
     return jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
 
 
 def hc_pre(x, fn, base, scale, cfg: ModelConfig, weights=None):
-    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]). `weights` takes
-    `hc_weights`' arguments (default `hc_weights`, the jnp reference)."""
-    mix = hc_mix(x, fn, cfg.norm_eps)
-    pre, post, comb = (weights or hc_weights)(mix, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]) (see hc_mix_weights)."""
+    pre, post, comb = hc_mix_weights(x, fn, base, scale, cfg, weights)
     return hc_collapse(x, pre), post, comb
 
 
@@ -178,7 +181,7 @@ def hc_post(f, x, post, comb):
 
 def hc_head(x, fn, base, scale, cfg: ModelConfig):
     """Final collapse of the N streams (no Sinkhorn): y = sum_i pre_i X_i."""
-    mix = hc_mix(x, fn, cfg.norm_eps)
+    mix = _hc_mix(x, fn, cfg.norm_eps)
     pre = jax.nn.sigmoid(mix * scale[0] + base.astype(F32)) + cfg.hc_eps
     return hc_collapse(x, pre)
 

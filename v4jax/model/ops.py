@@ -40,8 +40,6 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       take: the caller projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule);
       scales: FP8 weights, the L.LayerOf of each one's block scales, act_quant as `linear`'s.
   hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post).
-  hc_mix(x, fn, eps) -> [..., (2 + N) * N] f32: mHC's mix of the streams x [..., N, D] (v4jax.model.layers.hc_mix);
-      fn [(2 + N) * N, N * D], or an L.LayerOf of its stack inside the layer loop.
   hc_pre_norm(x, pre, weight, eps) -> [..., D] in x's dtype: a sublayer's input, the RMS norm of mHC's collapse
       of the streams x [..., N, D] by pre [..., N] (v4jax.model.layers.hc_pre_norm); weight [D], or an L.LayerOf of
       the norm's stack [n, D] inside the layer loop.
@@ -55,11 +53,11 @@ The kernels are read from their modules at call time (tests patch them to count 
 Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
   "xla" everywhere: the jnp maths below and in v4jax.model.layers.
   "pallas" (OPS["pallas"]): the kernels as they run portably (the TPU-style kernels, interpreted on CPU) plus the
-      kernels written for Triton (experts, linear, project, hc_post, hc_weights, hc_pre_norm, hc_mix), interpreted
-      on CPU. On a GPU `compress` also takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu)
-      where it takes the shapes. On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do
-      not fit VMEM): the table takes the XLA table's project, hc_post, hc_pre_norm and hc_mix, named in
-      `Ops.from_xla`, and its own `experts`, `linear` and `hc_weights` (TPU_OWN): FP4 experts as stored through
+      kernels written for Triton (experts, linear, project, hc_post, hc_weights, hc_pre_norm), interpreted on CPU.
+      On a GPU `compress` also takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where
+      it takes the shapes. On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit
+      VMEM): the table takes the XLA table's project, hc_post and hc_pre_norm, named in `Ops.from_xla`, and its own
+      `experts`, `linear` and `hc_weights` (TPU_OWN): FP4 experts as stored through
       pallas_kernels.fp4_experts_tpu, bf16 experts through pallas_kernels.experts_tpu, FP8 weights as stored
       through pallas_kernels.fp8_linear_tpu, XLA's forms for the rest; mHC's Sinkhorn loop in Mosaic
       (pallas_kernels.sinkhorn) after XLA's sigmoids and softmax.
@@ -80,7 +78,6 @@ from pallas_kernels import experts_grouped as pallas_experts_grouped
 from pallas_kernels import experts_tpu as pallas_experts_tpu
 from pallas_kernels import fp4_experts_tpu as pallas_fp4_experts_tpu
 from pallas_kernels import fp8_linear_tpu as pallas_fp8_linear_tpu
-from pallas_kernels import hc_mix as pallas_hc_mix
 from pallas_kernels import hc_post as pallas_hc_post
 from pallas_kernels import hc_pre_norm as pallas_hc_pre_norm
 from pallas_kernels import indexer as pallas_indexer
@@ -107,7 +104,6 @@ class Ops:
     project: Callable
     hc_post: Callable
     hc_pre_norm: Callable
-    hc_mix: Callable
     per_shard: bool = False  # Pallas calls: on a mesh every entry runs per shard
     from_xla: tuple[str, ...] = ()  # entries of a Pallas table that are the XLA table's on this backend
 
@@ -417,26 +413,13 @@ def _hc_pre_norm_pallas(x, pre, weight, eps):
     return pallas_hc_pre_norm.hc_pre_norm(x2, pre.reshape(-1, n), stack, layer, eps=eps).reshape(x.shape[:-2] + (d,))
 
 
-def _hc_mix_pallas(x, fn, eps):
-    """pallas_kernels.hc_mix from two rows to a decode step's most (fn read from its stack in place: XLA's GEMM took
-    the layer's slice as a copy, then summed its splits and the mean square apart); XLA's form for one row, where
-    XLA fuses the slice into its reduce, and for a prefill chunk."""
-    n, d = x.shape[-2:]
-    flat = x.reshape(-1, n * d)
-    stack, layer = (fn.stack, fn.index) if isinstance(fn, L.LayerOf) else (fn, None)
-    if flat.shape[0] < 2 or not pallas_hc_mix.supported(flat, stack):
-        return L.hc_mix(x, fn, eps)
-    dot, ms = pallas_hc_mix.hc_mix(flat, stack, layer)
-    return (dot * jax.lax.rsqrt(ms + eps)[:, None]).reshape(*x.shape[:-2], dot.shape[-1])
-
-
 XLA = Ops("xla", _compress_xla, _select_xla, _attend_xla, L.hc_weights, _experts_xla, _linear_xla, _project_xla,
-          L.hc_post, L.hc_pre_norm, L.hc_mix)
+          L.hc_post, L.hc_pre_norm)
 PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _hc_weights_pallas, _experts_pallas,
-             _linear_pallas, _project_pallas, _hc_post_pallas, _hc_pre_norm_pallas, _hc_mix_pallas, per_shard=True)
+             _linear_pallas, _project_pallas, _hc_post_pallas, _hc_pre_norm_pallas, per_shard=True)
 OPS = {"xla": XLA, "pallas": PALLAS}
 # entries of PALLAS whose kernels are written for Triton
-TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_weights", "hc_pre_norm", "hc_mix")
+TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_weights", "hc_pre_norm")
 # of those, the entries a TPU has its own kernels for (weights as stored; Sinkhorn's loop in Mosaic)
 TPU_OWN = {"experts": _experts_tpu, "linear": _linear_tpu, "hc_weights": _hc_weights_tpu}
 

@@ -74,8 +74,7 @@ def _is_router_rows(path) -> bool:
     return tuple(getattr(k, "key", None) for k in path[-4:-1]) in _ROUTER_ROWS
 
 
-# read in place by the ops table's hc_mix and hc_pre_norm (kernels in a decode step)
-_READ_IN_PLACE = {("attn_norm", "weight"), ("ffn_norm", "weight"), ("hc_attn_fn",), ("hc_ffn_fn",)}
+_NORMS_AFTER_HC = {("attn_norm", "weight"), ("ffn_norm", "weight")}
 
 
 def _layer_of(path, stack, li, on_mesh: bool):
@@ -89,9 +88,8 @@ def _layer_of(path, stack, li, on_mesh: bool):
         return stack
     if not on_mesh and getattr(path[-2], "key", None) in ("weight", "scale") and stack.ndim == 3:
         return L.LayerOf(stack, li)
-    keys = tuple(getattr(k, "key", None) for k in path)
-    if not on_mesh and (keys[-3:-1] in _READ_IN_PLACE or keys[-2:-1] in _READ_IN_PLACE):
-        return L.LayerOf(stack, li)
+    if not on_mesh and tuple(getattr(k, "key", None) for k in path[-3:-1]) in _NORMS_AFTER_HC:
+        return L.LayerOf(stack, li)  # read in place by the ops table's hc_pre_norm (a kernel in a decode step)
     return L.layer_slice(stack, li)
 
 
@@ -136,10 +134,9 @@ def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
         return on_shards(lambda x, p, w: ops.hc_pre_norm(x, p, w, eps), mesh_rules, (rows, rows, P()), rows)(
             x, pre, weight)
 
-    # `project` stays: on a mesh the weights are arrays, not LayerOf, and it takes none of them; mHC's mix is XLA's,
-    # partitioned by the rules (fn is split over the mesh)
+    # `project` stays: on a mesh the weights are arrays, not LayerOf, and it takes none of them
     return dataclasses.replace(ops, compress=compress, hc_weights=hc_weights, hc_post=hc_post,
-                               hc_pre_norm=hc_pre_norm, hc_mix=L.hc_mix, experts=experts)
+                               hc_pre_norm=hc_pre_norm, experts=experts)
 
 
 class Block(nnx.Module):
@@ -167,20 +164,17 @@ class Block(nnx.Module):
         return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg, weights)
 
     def attn_input(self, x, ops: Ops):
-        """The cached path's attention input attn_norm(mHC's collapse of the streams x), with mHC's post and comb.
-        mHC's fn and the norm's weight as the layer loop gives them: LayerOf their stacks, which the ops table reads
-        in place."""
-        return self._sublayer_input(x, ops, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm)
+        """The cached path's attention input attn_norm(mHC's collapse of the streams x), with mHC's post and comb
+        (the norm's weight as the layer loop gives it: a LayerOf of its stack, which the ops table reads in place)."""
+        pre, post, comb = L.hc_mix_weights(x, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...],
+                                           self.cfg, ops.hc_weights)
+        return ops.hc_pre_norm(x, pre, self.attn_norm.weight.get_value(), self.attn_norm.eps), post, comb
 
     def ffn_input(self, x, ops: Ops):
         """The cached path's FFN input, as attn_input."""
-        return self._sublayer_input(x, ops, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm)
-
-    def _sublayer_input(self, x, ops: Ops, fn, base, scale, norm):
-        cfg = self.cfg
-        mix = ops.hc_mix(x, fn.get_value(), cfg.norm_eps)
-        pre, post, comb = ops.hc_weights(mix, scale[...], base[...], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        return ops.hc_pre_norm(x, pre, norm.weight.get_value(), norm.eps), post, comb
+        pre, post, comb = L.hc_mix_weights(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
+                                           self.cfg, ops.hc_weights)
+        return ops.hc_pre_norm(x, pre, self.ffn_norm.weight.get_value(), self.ffn_norm.eps), post, comb
 
     def ffn_part(self, x, token_ids, opts, ops: Ops | None = None, layer=None, hashed=None):
         """ops: the cached path's ops table (None: the reference maths of the uncached forward); layer, hashed:
