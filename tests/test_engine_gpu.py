@@ -23,7 +23,6 @@ EX = importlib.import_module("pallas_kernels.experts")
 CG = importlib.import_module("pallas_kernels.compressor_gpu")
 LL = importlib.import_module("pallas_kernels.layer_linear")
 HP = importlib.import_module("pallas_kernels.hc_post")
-HN = importlib.import_module("pallas_kernels.hc_pre_norm")
 
 
 def _counting(monkeypatch, module, name, counts):
@@ -48,8 +47,8 @@ def test_pallas_engine_equals_xla_on_gpu(tmp_path, monkeypatch):
     counts = {}
     # (the top-k orders a prefill chunk's candidates with one sort, a decode step's with the rank kernel)
     used = ("_sparse_attention_gpu", "_indexer_scores_gpu", "_rank_scatter", "_sort_candidates", "routed_experts",
-            "_state_update", "layer_linear", "layer_linears", "hc_post", "dense_prefix_attention", "hc_pre_norm")
-    for module, name in zip((SA, IX, TK, TK, EX, CG, LL, LL, HP, SA, HN), used):
+            "_state_update", "layer_linear", "layer_linears", "hc_post", "dense_prefix_attention")
+    for module, name in zip((SA, IX, TK, TK, EX, CG, LL, LL, HP, SA), used):
         _counting(monkeypatch, module, name, counts)
     outs = {}
     for impl in ("xla", "pallas"):

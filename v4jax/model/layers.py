@@ -128,27 +128,13 @@ def hc_weights(mix, scale, base, n: int, iters: int, eps: float, normalise=None)
     return pre, post, (normalise or sinkhorn)(comb, iters, eps)
 
 
-def hc_mix_weights(x, fn, base, scale, cfg: ModelConfig, weights=None):
-    """Streams x [..., N, D] -> mHC's (pre [..., N], post [..., N], comb [..., N, N]). `weights` takes
+def hc_pre(x, fn, base, scale, cfg: ModelConfig, weights=None):
+    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]). `weights` takes
     `hc_weights`' arguments (default `hc_weights`, the jnp reference)."""
     mix = _hc_mix(x, fn, cfg.norm_eps)
-    return (weights or hc_weights)(mix, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-
-
-def hc_collapse(x, pre):
-    """u = sum_n pre_n x_n: streams x [..., N, D], pre [..., N] f32 -> [..., D] in x's dtype."""
-    return jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
-
-
-def hc_pre(x, fn, base, scale, cfg: ModelConfig, weights=None):
-    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]) (see hc_mix_weights)."""
-    pre, post, comb = hc_mix_weights(x, fn, base, scale, cfg, weights)
-    return hc_collapse(x, pre), post, comb
-
-
-def hc_pre_norm(x, pre, weight, eps):
-    """rms_norm(hc_collapse(x, pre), weight): the sublayer's input. weight [D], or a LayerOf of its stack."""
-    return rms_norm(hc_collapse(x, pre), weight[...], eps)
+    pre, post, comb = (weights or hc_weights)(mix, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    u = jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
+    return u, post, comb
 
 
 SINKHORN_UNROLL = False  # unroll the Sinkhorn loop (no while loop on the device; measured by bench --sinkhorn-unroll)
@@ -183,7 +169,7 @@ def hc_head(x, fn, base, scale, cfg: ModelConfig):
     """Final collapse of the N streams (no Sinkhorn): y = sum_i pre_i X_i."""
     mix = _hc_mix(x, fn, cfg.norm_eps)
     pre = jax.nn.sigmoid(mix * scale[0] + base.astype(F32)) + cfg.hc_eps
-    return hc_collapse(x, pre)
+    return jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
 
 
 # ---- attention core ---------------------------------------------------------------------------------

@@ -40,9 +40,6 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       take: the caller projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule);
       scales: FP8 weights, the L.LayerOf of each one's block scales, act_quant as `linear`'s.
   hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post).
-  hc_pre_norm(x, pre, weight, eps) -> [..., D] in x's dtype: a sublayer's input, the RMS norm of mHC's collapse
-      of the streams x [..., N, D] by pre [..., N] (v4jax.model.layers.hc_pre_norm); weight [D], or an L.LayerOf of
-      the norm's stack [n, D] inside the layer loop.
   linear(x, w, layer, groups, scale=None, act_quant=False) -> [..., O] in x's dtype: x @ w[layer].T with f32
       accumulation for a layer stack w [n, O, D] (v4jax.model.layers.linear, groups included); with `scale` (the
       ue8m0 block scales, the stack's [n, O/128, D/128] or layer `layer`'s), w is the release's e4m3 stack;
@@ -53,10 +50,10 @@ The kernels are read from their modules at call time (tests patch them to count 
 Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
   "xla" everywhere: the jnp maths below and in v4jax.model.layers.
   "pallas" (OPS["pallas"]): the kernels as they run portably (the TPU-style kernels, interpreted on CPU) plus the
-      kernels written for Triton (experts, linear, project, hc_post, hc_weights, hc_pre_norm), interpreted on CPU.
-      On a GPU `compress` also takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where
-      it takes the shapes. On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit
-      VMEM): the table takes the XLA table's project, hc_post and hc_pre_norm, named in `Ops.from_xla`, and its own
+      kernels written for Triton (experts, linear, project, hc_post, hc_weights), interpreted on CPU. On a GPU
+      `compress` also takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes
+      the shapes. On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit
+      VMEM): the table takes the XLA table's project and hc_post, named in `Ops.from_xla`, and its own
       `experts`, `linear` and `hc_weights` (TPU_OWN): FP4 experts as stored through
       pallas_kernels.fp4_experts_tpu, bf16 experts through pallas_kernels.experts_tpu, FP8 weights as stored
       through pallas_kernels.fp8_linear_tpu, XLA's forms for the rest; mHC's Sinkhorn loop in Mosaic
@@ -79,7 +76,6 @@ from pallas_kernels import experts_tpu as pallas_experts_tpu
 from pallas_kernels import fp4_experts_tpu as pallas_fp4_experts_tpu
 from pallas_kernels import fp8_linear_tpu as pallas_fp8_linear_tpu
 from pallas_kernels import hc_post as pallas_hc_post
-from pallas_kernels import hc_pre_norm as pallas_hc_pre_norm
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import kv_format
 from pallas_kernels import layer_linear as pallas_linear
@@ -103,7 +99,6 @@ class Ops:
     linear: Callable
     project: Callable
     hc_post: Callable
-    hc_pre_norm: Callable
     per_shard: bool = False  # Pallas calls: on a mesh every entry runs per shard
     from_xla: tuple[str, ...] = ()  # entries of a Pallas table that are the XLA table's on this backend
 
@@ -402,24 +397,13 @@ def _hc_post_pallas(f, x, post, comb):
     return pallas_hc_post.hc_post(f2, x2, post.reshape(-1, n), comb.reshape(-1, n, n)).reshape(x.shape)
 
 
-def _hc_pre_norm_pallas(x, pre, weight, eps):
-    """pallas_kernels.hc_pre_norm for a decode step's few tokens (one launch where XLA ran three, the norm's
-    weight read from its stack in place); XLA's fusions for a prefill chunk."""
-    n, d = x.shape[-2:]
-    x2 = x.reshape(-1, n, d)
-    stack, layer = (weight.stack, weight.index) if isinstance(weight, L.LayerOf) else (weight, None)
-    if not pallas_hc_pre_norm.supported(x2, stack):
-        return L.hc_pre_norm(x, pre, weight, eps)
-    return pallas_hc_pre_norm.hc_pre_norm(x2, pre.reshape(-1, n), stack, layer, eps=eps).reshape(x.shape[:-2] + (d,))
-
-
 XLA = Ops("xla", _compress_xla, _select_xla, _attend_xla, L.hc_weights, _experts_xla, _linear_xla, _project_xla,
-          L.hc_post, L.hc_pre_norm)
+          L.hc_post)
 PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _hc_weights_pallas, _experts_pallas,
-             _linear_pallas, _project_pallas, _hc_post_pallas, _hc_pre_norm_pallas, per_shard=True)
+             _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True)
 OPS = {"xla": XLA, "pallas": PALLAS}
 # entries of PALLAS whose kernels are written for Triton
-TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_weights", "hc_pre_norm")
+TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_weights")
 # of those, the entries a TPU has its own kernels for (weights as stored; Sinkhorn's loop in Mosaic)
 TPU_OWN = {"experts": _experts_tpu, "linear": _linear_tpu, "hc_weights": _hc_weights_tpu}
 

@@ -74,9 +74,6 @@ def _is_router_rows(path) -> bool:
     return tuple(getattr(k, "key", None) for k in path[-4:-1]) in _ROUTER_ROWS
 
 
-_NORMS_AFTER_HC = {("attn_norm", "weight"), ("ffn_norm", "weight")}
-
-
 def _layer_of(path, stack, li, on_mesh: bool):
     """What layer li of a Block state's leaf is inside the layer loop. The routed experts' weights and the router's
     hash tables and selection biases stay whole (the MoE reads layer li's own) and, off a mesh, a Linear's weight
@@ -88,16 +85,13 @@ def _layer_of(path, stack, li, on_mesh: bool):
         return stack
     if not on_mesh and getattr(path[-2], "key", None) in ("weight", "scale") and stack.ndim == 3:
         return L.LayerOf(stack, li)
-    if not on_mesh and tuple(getattr(k, "key", None) for k in path[-3:-1]) in _NORMS_AFTER_HC:
-        return L.LayerOf(stack, li)  # read in place by the ops table's hc_pre_norm (a kernel in a decode step)
     return L.layer_slice(stack, li)
 
 
 def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
     """The ops table of a step on a mesh. The experts run per shard on the shard's experts (routed_experts); a
     table of Pallas calls (ops.per_shard) also runs compress and hc_weights per shard, on the step's rows: split as
-    the slots are (over `data`) when row b is slot b, whole on every shard otherwise (hc_post and hc_pre_norm
-    likewise). select and attend run
+    the slots are (over `data`) when row b is slot b, whole on every shard otherwise. select and attend run
     inside attention_core's shard_map (Attention._attend_pools)."""
     from jax.sharding import PartitionSpec as P
     experts = functools.partial(routed_experts, ops=ops, mesh_rules=mesh_rules)
@@ -129,14 +123,8 @@ def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
         rows = by_row(x.shape[0])
         return on_shards(ops.hc_post, mesh_rules, rows, rows)(f, x, post, comb)
 
-    def hc_pre_norm(x, pre, weight, eps):
-        rows = by_row(x.shape[0])
-        return on_shards(lambda x, p, w: ops.hc_pre_norm(x, p, w, eps), mesh_rules, (rows, rows, P()), rows)(
-            x, pre, weight)
-
     # `project` stays: on a mesh the weights are arrays, not LayerOf, and it takes none of them
-    return dataclasses.replace(ops, compress=compress, hc_weights=hc_weights, hc_post=hc_post,
-                               hc_pre_norm=hc_pre_norm, experts=experts)
+    return dataclasses.replace(ops, compress=compress, hc_weights=hc_weights, hc_post=hc_post, experts=experts)
 
 
 class Block(nnx.Module):
@@ -163,33 +151,19 @@ class Block(nnx.Module):
     def hc_ffn(self, x, weights=None):
         return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg, weights)
 
-    def attn_input(self, x, ops: Ops):
-        """The cached path's attention input attn_norm(mHC's collapse of the streams x), with mHC's post and comb
-        (the norm's weight as the layer loop gives it: a LayerOf of its stack, which the ops table reads in place)."""
-        pre, post, comb = L.hc_mix_weights(x, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...],
-                                           self.cfg, ops.hc_weights)
-        return ops.hc_pre_norm(x, pre, self.attn_norm.weight.get_value(), self.attn_norm.eps), post, comb
-
-    def ffn_input(self, x, ops: Ops):
-        """The cached path's FFN input, as attn_input."""
-        pre, post, comb = L.hc_mix_weights(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
-                                           self.cfg, ops.hc_weights)
-        return ops.hc_pre_norm(x, pre, self.ffn_norm.weight.get_value(), self.ffn_norm.eps), post, comb
-
     def ffn_part(self, x, token_ids, opts, ops: Ops | None = None, layer=None, hashed=None):
         """ops: the cached path's ops table (None: the reference maths of the uncached forward); layer, hashed:
         see MoE."""
+        u, post, comb = self.hc_ffn(x, None if ops is None else ops.hc_weights)
         if ops is None:
-            u, post, comb = self.hc_ffn(x)
             y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, layer=layer, hashed=hashed)
             return L.hc_post(y, x, post, comb), experts
-        h, post, comb = self.ffn_input(x, ops)
-        y, experts = self.ffn(h, token_ids, opts, ops.experts, layer, ops.project, hashed)
+        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, ops.experts, layer, ops.project, hashed)
         return ops.hc_post(y, x, post, comb), experts
 
     def cached(self, x, meta, token_ids, pool, li, ops: Ops, opts: RunOptions, hashed=None):
-        h, post, comb = self.attn_input(x, ops)
-        a, pool = self.attn.cached(h, meta, pool, li, ops, opts)
+        u, post, comb = self.hc_attn(x, ops.hc_weights)
+        a, pool = self.attn.cached(self.attn_norm(u), meta, pool, li, ops, opts)
         x = ops.hc_post(a, x, post, comb)
         return self.ffn_part(x, token_ids, opts, ops, li, hashed)[0], pool
 
@@ -608,8 +582,8 @@ class Transformer(nnx.Module):
         ops, mtp = opts.ops, self.mtp[0]
         x = mtp.streams_in(self.embed.weight[...][next_ids], hidden, opts)
         blk = mtp.block
-        h, post, comb = blk.attn_input(x, ops)
-        a, pool = blk.attn.cached(h, meta, pool, 0, ops, opts)
+        u, post, comb = blk.hc_attn(x, ops.hc_weights)
+        a, pool = blk.attn.cached(blk.attn_norm(u), meta, pool, 0, ops, opts)
         x = ops.hc_post(a, x, post, comb)
         return blk.ffn_part(x, next_ids, opts, ops)[0], pool
 
