@@ -154,11 +154,32 @@ def penalized(logits, sm, tokens, seen, produced):
     positions that hold it; produced [B, T] bool: those of them in the output. sm: the rows' SamplingState
     (presence, frequency, repetition [B]). Neutral values (0, 0, 1) leave a row's logits as they are, bit for
     bit."""
-    b, v = logits.shape
+    return apply_penalties(logits, sm, *token_counts(logits.shape[-1], tokens, seen, produced))
+
+
+def token_counts(v: int, tokens, seen, produced):
+    """What the penalties read of each row's sequence: (held [B, V] bool: the ids its prompt or output holds,
+    counts [B, V] f32: each id's count in the output), from tokens / seen / produced [B, T] as `penalized` takes
+    them."""
+    b = tokens.shape[0]
     rows = jnp.arange(b)[:, None]
     ids = jnp.where(seen, tokens, v)  # out of range: dropped
     held = jnp.zeros((b, v), jnp.bool_).at[rows, ids].set(True, mode="drop")
     counts = jnp.zeros((b, v), F32).at[rows, jnp.where(produced, ids, v)].add(1.0, mode="drop")
+    return held, counts
+
+
+def count_token(held, counts, token, seen, produced):
+    """token_counts' (held, counts) with one more token a row: token [B] where seen [B], counted where produced
+    [B]."""
+    b, v = held.shape
+    rows = jnp.arange(b)
+    held = held.at[rows, jnp.where(seen, token, v)].set(True, mode="drop")
+    return held, counts.at[rows, jnp.where(seen & produced, token, v)].add(1.0, mode="drop")
+
+
+def apply_penalties(logits, sm, held, counts):
+    """`penalized` from token_counts' (held, counts)."""
     rep = sm.repetition[:, None]
     logits = jnp.where(held, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - (sm.frequency[:, None] * counts + sm.presence[:, None] * (counts > 0))
