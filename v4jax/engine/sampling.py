@@ -234,10 +234,11 @@ def kept(logits, scaled, top_p, top_k, min_p, any_cut: bool = True):
     return cut(logits, scaled, s_max, keep, top_p, top_k)
 
 
-# A sort of the vocabulary is a kernel of its own over [B, V] (129,280 ids a row for Flash): on an H100 80 us of
-# GPU time at batch 1, 341 us at 8 and 1.62 ms at 32; the threshold search 186 us at 1, 341-393 at 8, 342 at 16
-# and 559 at 32 (`scripts/sampling_probe.py`). From this many rows, the search.
-SEARCH_FROM_ROWS = 16
+# A sort of the vocabulary is a kernel of its own over [B, V] (129,280 ids a row for Flash). GPU time of the cut at
+# top-p 0.9 on an H100, the sort / the search (`scripts/sampling_probe.py --forms top_p --search-from 1 | 100000`):
+# 80 / 190 us at batch 1, 213 / 273 at 4, 339 / 376 at 8, 493 / 282 at 12, 627 / 340 at 16, 1,616 / 558 at 32.
+# From this many rows, the search (the decode call's rows are powers of two: from 16 there).
+SEARCH_FROM_ROWS = 12
 
 
 def _cut_by_sort(logits, scaled, s_max, keep, top_p, top_k):
