@@ -384,6 +384,38 @@ def _penalized_greedy(llm, prompt, n, presence, frequency, repetition):
     return seq
 
 
+def test_penalty_counts_once_a_call_then_a_token_a_step():
+    """A decode call counts each row's sequence from the token pool once (positions before the fed token, through
+    its page table), then adds the fed token each step: at every step the same (held, counts) as counting the whole
+    sequence so far, the prompt held but not counted."""
+    import types
+
+    from v4jax.engine import steps as S
+    from v4jax.engine.sampling import count_token, token_counts
+    rng = np.random.default_rng(3)
+    p, v, b, pages = 4, 50, 3, 6
+    prompt_len, pos = np.array([5, 9, 2]), np.array([7, 13, 2])  # the fed token's position
+    page_table = np.array([[4, 0, 7, -1, -1, -1], [1, 2, 3, 5, -1, -1], [6, -1, -1, -1, -1, -1]], np.int32)
+    pool = rng.integers(0, v, (8, p)).astype(np.int32)
+    spec = types.SimpleNamespace(layout=types.SimpleNamespace(page_size=p))
+    sm = types.SimpleNamespace(prompt_len=jnp.asarray(prompt_len))
+    seqs = [[int(pool[page_table[r, i // p], i % p]) for i in range(pos[r])] for r in range(b)]
+    counted = S._pool_counts(spec, v, sm, types.SimpleNamespace(tokens=jnp.asarray(pool)), jnp.asarray(page_table),
+                             jnp.asarray(pos))
+    for step in range(3):
+        fed = rng.integers(0, v, b)
+        counted = count_token(*counted, jnp.asarray(fed), jnp.ones(b, bool), jnp.asarray(pos + step >= prompt_len))
+        for r in range(b):
+            seqs[r].append(int(fed[r]))
+        width = max(map(len, seqs))
+        tokens = np.array([s + [0] * (width - len(s)) for s in seqs])
+        seen = np.arange(width)[None, :] < np.array([len(s) for s in seqs])[:, None]
+        want = token_counts(v, jnp.asarray(tokens), jnp.asarray(seen),
+                            jnp.asarray(seen & (np.arange(width)[None, :] >= prompt_len[:, None])))
+        for got, ref in zip(counted, want):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
 def test_penalties_follow_the_teacher_forced_rollout(tiny_llm):
     """Presence, frequency and repetition penalties (greedy, several tokens past a decode call and a prompt longer
     than a prefill chunk) give the rollout of teacher-forced forwards penalized as vLLM does, beside a request
