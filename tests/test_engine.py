@@ -393,7 +393,7 @@ def test_penalty_counts_once_a_call_then_a_token_a_step():
     from v4jax.engine import steps as S
     from v4jax.engine.sampling import count_token, token_counts
     rng = np.random.default_rng(3)
-    p, v, b, pages = 4, 50, 3, 6
+    p, v, b = 4, 50, 3
     prompt_len, pos = np.array([5, 9, 2]), np.array([7, 13, 2])  # the fed token's position
     page_table = np.array([[4, 0, 7, -1, -1, -1], [1, 2, 3, 5, -1, -1], [6, -1, -1, -1, -1, -1]], np.int32)
     pool = rng.integers(0, v, (8, p)).astype(np.int32)
