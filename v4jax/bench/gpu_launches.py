@@ -143,7 +143,8 @@ def decode_program(model: str, slots: int, context: int, k: int, form: str, quan
     pools = jax.tree.map(lambda x: A(x.shape, x.dtype), jax.eval_shape(lambda: C.init_pools(cfg, layout, dtype)))
     store = BoundaryStore(layers=tuple(None for _ in pools.stacks))  # prefix cache off
     spec = S.StepSpec(graphdef, treedef, cfg, layout, RunOptions(attention_impl="pallas"), k, context, False,
-                      any_sampled=form != "greedy", any_cut=form == "cut")
+                      any_sampled=form not in ("greedy", "penalty"), any_cut=form == "cut",
+                      any_penalty=form == "penalty")
     i32 = jnp.int32
     samp = jax.tree.map(lambda x: A(x.shape, x.dtype), S.SamplingState.neutral(slots))
     st = S.DecodeState(A((slots,), i32), A((slots,), i32), A((slots,), jnp.bool_), A((slots,), i32), samp)
@@ -177,8 +178,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=16, help="rows of the decode call")
     ap.add_argument("--context", type=int, default=4096, help="max_model_len")
     ap.add_argument("--decode-steps", type=int, default=8, help="k")
-    ap.add_argument("--form", choices=("greedy", "plain", "cut"), default="greedy",
-                    help="the sampling program form: greedy, sampled without top-k / top-p, with a cut")
+    ap.add_argument("--form", choices=("greedy", "plain", "cut", "penalty"), default="greedy",
+                    help="the sampling program form: greedy, sampled without top-k / top-p, with a cut, greedy with "
+                         "presence / frequency / repetition penalties")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--hlo", default=None, help="write the optimized HLO here")
