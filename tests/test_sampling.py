@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from v4jax.engine.sampling import SEARCH_FROM_ROWS, filtered_probs, kept, penalized, sample, top_alternatives
+from v4jax.engine.sampling import (SEARCH_FROM_ROWS, apply_penalties, filtered_probs, kept, sample, token_counts,
+                                   top_alternatives)
 
 
 def reference_kept(logits, temperature, top_p, top_k, min_p):
@@ -184,11 +185,11 @@ def test_penalized_against_the_reference():
     freq = np.array([0.0, 0.2, 0.7, -2.0, 0.0, 1.5], np.float32)
     rep = np.array([1.0, 1.3, 0.6, 2.0, 1.0, 1.0], np.float32)
 
-    class Sm:  # the rows' SamplingState fields penalized reads
+    class Sm:  # the rows' SamplingState fields apply_penalties reads
         presence, frequency, repetition = jnp.asarray(pres), jnp.asarray(freq), jnp.asarray(rep)
 
-    got = np.asarray(penalized(jnp.asarray(logits), Sm, jnp.asarray(tokens), jnp.asarray(seen),
-                               jnp.asarray(produced)))
+    got = np.asarray(apply_penalties(jnp.asarray(logits), Sm, *token_counts(v, jnp.asarray(tokens), jnp.asarray(seen),
+                                                                            jnp.asarray(produced))))
     for i in range(b):
         prompt = tokens[i][seen[i] & ~produced[i]].tolist()
         output = tokens[i][produced[i]].tolist()

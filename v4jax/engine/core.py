@@ -112,8 +112,8 @@ class EngineCore:
         # full-vocabulary sort either (sampling.kept); its results are the sampling form's for such rows
         self.plain_spec = dataclasses.replace(self.spec, any_cut=False)
         # steps where a row has a presence / frequency / repetition penalty: the sampling form counting each row's
-        # sequence so far (sampling.penalized); with the top-N alternatives it is the covers' form, otherwise
-        # compiled at its first use
+        # sequence so far (a decode call once, then a token a step: steps._decode); with the top-N alternatives it
+        # is the covers' form, otherwise compiled at its first use
         self.penalty_spec = dataclasses.replace(self.spec, any_penalty=True)
         # the same three with the top-N alternatives per token, for steps where a request asked for them
         # (SamplingParams.top_logprobs); compiled at their first use, not by warmup()

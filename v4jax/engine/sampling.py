@@ -75,7 +75,7 @@ class SamplingParams:
     # vLLM's min_tokens: the stop ids (EOS unless ignore_eos, and stop_token_ids) are never drawn before this many
     # tokens, and the server's stop strings count only from then on
     min_tokens: int = 0
-    # OpenAI's / vLLM's penalties on the tokens chosen so far (`penalized`): presence subtracts its value from the
+    # OpenAI's / vLLM's penalties on the tokens chosen so far (`apply_penalties`): presence subtracts its value from the
     # logit of every token the output holds, frequency its value times the token's count there; repetition (vLLM's)
     # divides the positive logits of every token the prompt or the output holds by it and multiplies the negative
     # ones. The reported log-probs stay those of the raw logits.
@@ -146,21 +146,10 @@ def steered(logits, sm, ahead=0):
     return biased(logits.astype(F32), ids, vals)
 
 
-def penalized(logits, sm, tokens, seen, produced):
-    """logits [B, V] f32 with each row's penalties applied (vLLM's, after the logit bias): the positive logits of
-    the tokens the row's prompt or output holds divided by its repetition penalty and the negative ones multiplied;
-    then its frequency penalty times each token's count in the output and its presence penalty for each token the
-    output holds subtracted. tokens [B, T] int32: the row's sequence so far (any order); seen [B, T] bool: the
-    positions that hold it; produced [B, T] bool: those of them in the output. sm: the rows' SamplingState
-    (presence, frequency, repetition [B]). Neutral values (0, 0, 1) leave a row's logits as they are, bit for
-    bit."""
-    return apply_penalties(logits, sm, *token_counts(logits.shape[-1], tokens, seen, produced))
-
-
 def token_counts(v: int, tokens, seen, produced):
     """What the penalties read of each row's sequence: (held [B, V] bool: the ids its prompt or output holds,
-    counts [B, V] f32: each id's count in the output), from tokens / seen / produced [B, T] as `penalized` takes
-    them."""
+    counts [B, V] f32: each id's count in the output). tokens [B, T] int32: the row's sequence so far (any order);
+    seen [B, T] bool: the positions that hold it; produced [B, T] bool: those of them in the output."""
     b = tokens.shape[0]
     rows = jnp.arange(b)[:, None]
     ids = jnp.where(seen, tokens, v)  # out of range: dropped
@@ -179,7 +168,11 @@ def count_token(held, counts, token, seen, produced):
 
 
 def apply_penalties(logits, sm, held, counts):
-    """`penalized` from token_counts' (held, counts)."""
+    """logits [B, V] f32 with each row's penalties applied (vLLM's, after the logit bias), from token_counts' (held,
+    counts): the positive logits of the ids held divided by the row's repetition penalty and the negative ones
+    multiplied; then its frequency penalty times each id's count in the output and its presence penalty for each id
+    the output holds subtracted. sm: the rows' SamplingState (presence, frequency, repetition [B]). Neutral values
+    (0, 0, 1) leave a row's logits as they are, bit for bit."""
     rep = sm.repetition[:, None]
     logits = jnp.where(held, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - (sm.frequency[:, None] * counts + sm.presence[:, None] * (counts > 0))
