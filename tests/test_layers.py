@@ -176,3 +176,15 @@ def test_routed_experts_every_form_equals_per_token_reference(m, n_exp, k):
         ref = ref + weights[:, j:j + 1] * jnp.einsum("mi,mdi->md", h, w2[e])
     out = L.routed_experts(x, weights, experts, w1, w2, w3, 7.0)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4 * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.parametrize("rows", [[3], [-1], [7], [8], [-1, 2], [0, 7, -1]])
+def test_set_rows_writes_what_a_dropping_scatter_writes(rows):
+    """L.set_rows (one row: a dynamic_update_slice of the row or its old value) writes the rows in [0, 8) and
+    leaves the array alone for the rest (-1, 8), as the scatter of mode "drop" it replaces for one row."""
+    dst = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+    r = jnp.asarray(rows, jnp.int32)
+    vals = -1.0 - jnp.arange(len(rows) * 3, dtype=jnp.float32).reshape(len(rows), 3)
+    want = dst.at[jnp.where(r >= 0, r, 8)].set(vals, mode="drop")
+    np.testing.assert_array_equal(np.asarray(jax.jit(L.set_rows)(dst, r, vals)), np.asarray(want))
+    assert not np.array_equal(np.asarray(want), np.asarray(dst)) or rows in ([-1], [8])

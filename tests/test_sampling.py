@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from v4jax.engine.sampling import (SEARCH_FROM_ROWS, apply_penalties, filtered_probs, kept, sample, token_counts,
-                                   top_alternatives)
+from v4jax.engine.sampling import (SEARCH_FROM_ROWS, apply_penalties, filtered_probs, greedy_and_normalizer, kept,
+                                   sample, token_counts, top_alternatives)
 
 
 def reference_kept(logits, temperature, top_p, top_k, min_p):
@@ -199,3 +199,20 @@ def test_penalized_against_the_reference():
     np.testing.assert_array_equal(got[4], logits[4])
     assert got[1, 7] == -np.inf
     assert not np.array_equal(got[5], logits[5])  # a presence / frequency penalty alone changes the row
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 300), st.data())
+def test_greedy_and_normalizer_equal_argmax_and_log_softmax(batch, v, data):
+    """The one pass's argmax (of the steered logits, ties: the lower id, every id banned: 0) and max, with the
+    sum after it, give jnp.argmax's ids and jax.nn.log_softmax's values bit for bit."""
+    draw = lambda: np.array(data.draw(st.lists(values, min_size=batch * v, max_size=batch * v)),  # noqa: E731
+                            np.float32).reshape(batch, v)
+    raw = draw()
+    raw[np.isinf(raw)] = -5.0  # raw logits are finite
+    chosen = draw()
+    chosen[0] = -np.inf if data.draw(st.booleans()) else chosen[0]
+    best, m, total = jax.jit(greedy_and_normalizer)(jnp.asarray(chosen), jnp.asarray(raw))
+    np.testing.assert_array_equal(np.asarray(best), np.argmax(chosen, axis=-1))
+    got = (jnp.asarray(raw) - m[:, None]) - jnp.log(total)[:, None]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(jax.nn.log_softmax)(jnp.asarray(raw))))

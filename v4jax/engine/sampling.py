@@ -193,7 +193,7 @@ def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_inde
     most steps run, MAX_TOP_LOGPROBS in those of steps where a request asked for alternatives."""
     raw = logits.astype(F32)
     logits = chosen.astype(F32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy, raw_max, raw_sum = greedy_and_normalizer(logits, raw)
 
     def sampled():
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
@@ -202,10 +202,31 @@ def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_inde
         return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
     tokens = jnp.where(temperature > 0, sampled(), greedy) if any_sampled else greedy
-    all_logprobs = jax.nn.log_softmax(raw, axis=-1)
-    logprobs = jnp.take_along_axis(all_logprobs, tokens[:, None], axis=-1)[:, 0]
+    # log-softmax's own form, (x - max) - log(sum(exp(x - max))), from the one pass's max and sum
+    log_sum = jnp.log(raw_sum)
+    logprobs = (jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - raw_max) - log_sum
+    all_logprobs = (raw - raw_max[:, None]) - log_sum[:, None] if n_top else raw
     top_logprobs, top_ids = top_alternatives(all_logprobs, n_top)
     return tokens, logprobs, top_ids, top_logprobs
+
+
+def greedy_and_normalizer(chosen, raw):
+    """(argmax of chosen [..., V] -> [...] int32, ties: the lower id; the max m [...] of raw [..., V]; the sum of
+    exp(raw - m)). The argmax and the max are one reduction (a pass over (chosen, id, raw) together): as
+    jnp.argmax and log-softmax's max they were two, each a two-pass reduction over a Flash row's 129,280 ids on a
+    GPU. The sum stays XLA's own reduction: kept online in the same pass (a part's sum rescaled by exp(its max -
+    the new max) as parts merge) it left log-softmax by up to 2e-4 on the CPU, whose reduction runs in order."""
+    ids = jax.lax.broadcasted_iota(jnp.int32, chosen.shape, chosen.ndim - 1)
+
+    def merge(a, b):
+        a_val, a_id, a_max = a
+        b_val, b_id, b_max = b
+        take_b = (b_val > a_val) | ((b_val == a_val) & (b_id < a_id))
+        return jnp.where(take_b, b_val, a_val), jnp.where(take_b, b_id, a_id), jnp.maximum(a_max, b_max)
+
+    init = (jnp.array(-jnp.inf, F32), jnp.array(INT32_MAX, jnp.int32), jnp.array(-jnp.inf, F32))
+    _, best, m = jax.lax.reduce((chosen, ids, raw), init, merge, (chosen.ndim - 1,))
+    return best, m, jnp.sum(jnp.exp(raw - m[..., None]), axis=-1)
 
 
 def kept(logits, scaled, top_p, top_k, min_p, any_cut: bool = True):

@@ -13,6 +13,7 @@ a row reaches (v4jax.cache.boundary) when the prefix cache is on."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import threading
 from typing import Any, Sequence
@@ -33,6 +34,7 @@ from v4jax.engine.programs import in_background
 from v4jax.engine.sampling import (apply_penalties, count_token, filtered_probs, sample, steered, token_counts,
                                    top_alternatives)
 from v4jax.fields import MAX_LOGIT_BIAS
+from v4jax.model.layers import set_rows
 from v4jax.model.transformer import last_valid
 
 MAX_STOP = 8  # stop token ids per request held on device (EOS included)
@@ -202,8 +204,8 @@ def _write_tokens(spec: StepSpec, pools, token_ids, positions, ok, page_table):
     p = spec.layout.page_size
     col = positions % p
     page = jnp.take_along_axis(page_table, jnp.clip(positions // p, 0, page_table.shape[1] - 1), axis=1)
-    flat = jnp.where(ok & (page >= 0), page * p + col, pools.tokens.size)
-    tokens = pools.tokens.reshape(-1).at[flat.reshape(-1)].set(token_ids.reshape(-1), mode="drop")
+    flat = jnp.where(ok & (page >= 0), page * p + col, -1)
+    tokens = set_rows(pools.tokens.reshape(-1), flat.reshape(-1), token_ids.reshape(-1))
     return dataclasses.replace(pools, tokens=tokens.reshape(pools.tokens.shape))
 
 
@@ -296,6 +298,23 @@ def _empty_output(spec: StepSpec, s: int) -> DecodeOutput:
                         accepted=jnp.zeros((s, spec.layout.draft_tokens), jnp.int32))
 
 
+# A plain decode step's per-row counters travel the loop as one [B, 7] int32 array, columns in _row's order: as seven
+# arrays XLA:GPU updated each in a launch of its own (with the stop check's reduction, 12 launches a step of a
+# few bytes each)
+_ACTIVE, _N_OUT, _STOPPED = 2, 5, 6
+
+
+def _row(tokens, pos, active, remaining, token_index, n_out, stopped):
+    return jnp.stack([tokens, pos, active.astype(jnp.int32), remaining, token_index, n_out, stopped.astype(jnp.int32)],
+                     axis=1)
+
+
+def _row_state(row, state: DecodeState) -> DecodeState:
+    """state with its per-row counters read from `row` (_row's columns)."""
+    return DecodeState(tokens=row[:, 0], pos=row[:, 1], active=row[:, _ACTIVE] > 0, remaining=row[:, 3],
+                       sampling=dataclasses.replace(state.sampling, token_index=row[:, 4]))
+
+
 def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table, swa_table):
     """k steps of slots 0..B-1, B = the page tables' rows (a power of two covering every running slot; the engine's
     slot bucket). Only those slots' compressor states are read and written: a lone request in a 32-slot engine
@@ -314,7 +333,8 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         state = jax.tree.map(lambda a: a[:s], state)
 
     def body(i, carry):
-        pools, store, st, out, counted = carry
+        pools, store, row, wide, counted = carry
+        st = _row_state(row, state)
         # slot None: row b is slot b, so the compressor states are read and updated in place (an index array
         # would make XLA gather and scatter every slot's state each step)
         meta = C.make_meta(spec.cfg, spec.layout, st.pos, st.active.astype(jnp.int32), jnp.zeros((s,), bool), None,
@@ -331,19 +351,19 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
         nxt, lp, top_ids, top_lp = sample(logits, chosen, sm.temperature, sm.top_p, sm.top_k, sm.min_p, sm.seed,
                                           sm.sample_index, sm.token_index, spec.any_sampled, spec.top_logprobs,
                                           spec.any_cut)
-        is_stop = jnp.any(nxt[:, None] == sm.stop_ids, axis=-1)
-        out = DecodeOutput(tokens=out.tokens.at[:, i].set(jnp.where(st.active, nxt, -1)),
-                           logprobs=out.logprobs.at[:, i].set(lp), n_out=out.n_out + st.active,
-                           stopped=out.stopped | (st.active & is_stop),
-                           top_ids=out.top_ids.at[:, i].set(top_ids),
-                           top_logprobs=out.top_logprobs.at[:, i].set(top_lp), drafts=out.drafts,
-                           accepted=out.accepted)
+        # elementwise over the stop ids (not jnp.any's reduction), so it joins the row's update below
+        is_stop = functools.reduce(jnp.logical_or, [nxt == sm.stop_ids[:, j] for j in range(sm.stop_ids.shape[1])])
+        # column i written by dynamic_update_slice (i < k): `.at[:, i].set` adds a bounds check, a launch a step
+        put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=1)  # noqa: E731
+        wide = DecodeOutput(tokens=put(wide.tokens, jnp.where(st.active, nxt, -1)), logprobs=put(wide.logprobs, lp),
+                            n_out=wide.n_out, stopped=wide.stopped, top_ids=put(wide.top_ids, top_ids),
+                            top_logprobs=put(wide.top_logprobs, top_lp), drafts=wide.drafts, accepted=wide.accepted)
         full = (st.remaining <= 1) | (st.pos + 2 >= spec.max_model_len)
         adv = st.active.astype(jnp.int32)
-        st = DecodeState(tokens=jnp.where(st.active, nxt, st.tokens), pos=st.pos + adv,
-                         active=st.active & ~is_stop & ~full, remaining=st.remaining - adv,
-                         sampling=dataclasses.replace(sm, token_index=sm.token_index + adv))
-        return pools, store, st, out, counted
+        row = _row(tokens=jnp.where(st.active, nxt, st.tokens), pos=st.pos + adv, active=st.active & ~is_stop & ~full,
+                   remaining=st.remaining - adv, token_index=sm.token_index + adv, n_out=row[:, _N_OUT] + adv,
+                   stopped=(row[:, _STOPPED] > 0) | (st.active & is_stop))
+        return pools, store, row, wide, counted
 
     out = _empty_output(spec, s)
     # With penalties, each row's sequence is counted from the token pool once a call (its positions before the fed
@@ -351,16 +371,19 @@ def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table
     # 0.76 ms a step more than without penalties (H100: 3.74 against 2.98 ms)
     counted = (_pool_counts(spec, spec.cfg.vocab_size, state.sampling, pools, page_table, state.pos)
                if spec.any_penalty else None)
-    carry = (pools, store, state, out, counted)
+    carry = (pools, store, _row(state.tokens, state.pos, state.active, state.remaining, state.sampling.token_index,
+                                out.n_out, out.stopped), out, counted)
     if early_exit():
-        _, carry = jax.lax.while_loop(lambda c: (c[0] < k) & jnp.any(c[1][2].active),
+        _, carry = jax.lax.while_loop(lambda c: (c[0] < k) & jnp.any(c[1][2][:, _ACTIVE] > 0),
                                       lambda c: (c[0] + 1, body(c[0], c[1])), (0, carry))
     else:
         # A fixed trip count: the steps after every slot stopped change nothing (every write is masked by
         # `active`), and XLA:GPU runs the loop without reading a predicate on the host each step, so the call is
         # enqueued whole and the host's next call overlaps it. Every branch inside is device-side too.
         carry = jax.lax.fori_loop(0, k, body, carry)
-    pools, store, state, out, _ = carry
+    pools, store, row, out, _ = carry
+    state = _row_state(row, state)
+    out = dataclasses.replace(out, n_out=row[:, _N_OUT], stopped=row[:, _STOPPED] > 0)
     if s < spec.layout.max_slots:
         pools = C.put_first_slots(all_pools, pools)
         state = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis=0), all_state, state)

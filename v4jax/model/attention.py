@@ -106,7 +106,7 @@ def attention_core(blocks: dict, q, sink, pools: dict, writes: dict, reads: dict
             hot, flat[name] = offload.write(hot, pool, li, rows.reshape(-1), values,  # [n, R, K] on the host
                                             largest=rows.shape[-1])
             continue
-        flat[name] = dst.at[jnp.where(r >= 0, r, dst.shape[0])].set(values, mode="drop")
+        flat[name] = L.set_rows(dst, r, values)
     kv = flat.get("kv") if hot is None else _flat(hot["hot"])
     hca_rows = sel_rows = None
     if "idx" in flat:

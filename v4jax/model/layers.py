@@ -235,6 +235,19 @@ def layer_slice(a, i):
     return a[i] if isinstance(i, int) else jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
 
 
+def set_rows(dst, rows, values):
+    """dst [R, ...] with rows `rows` [n] set to values [n, ...]; a row outside [0, R) (-1: none) is not written.
+    One row (a batch-1 decode step's pool write) is a dynamic_update_slice of the row or of its own old value: as a
+    scatter of mode "drop", XLA:GPU made it three launches (the bounds check's reduction, a select, the update)
+    where this form is one."""
+    if rows.shape[0] != 1:
+        return dst.at[jnp.where(rows >= 0, rows, dst.shape[0])].set(values, mode="drop")
+    ok = (rows[0] >= 0) & (rows[0] < dst.shape[0])
+    i = jnp.where(ok, rows[0], 0)
+    old = jax.lax.dynamic_slice_in_dim(dst, i, 1, 0)
+    return jax.lax.dynamic_update_slice_in_dim(dst, jnp.where(ok, values.astype(dst.dtype), old), i, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerOf:
     """Layer `index` of a weight stack [n, ...], left unsliced inside the layer loop so that a kernel can read it
