@@ -179,6 +179,17 @@ def test_small_runs_end_to_end(tmp_path):
     assert "| 1 | 256 |" in md and "HF" in md
 
 
+@pytest.mark.slow  # ~30 s
+def test_small_runs_with_penalties(tmp_path):
+    """--frequency-penalty times the program form with penalties, as the jitted call and through the engine loop."""
+    out = str(tmp_path / "bench")
+    assert bench.decode_main(["--small", "--batches", "2", "--contexts", "256", "--long-b1", "", "--iters", "1",
+                              "--gen-iters", "1", "--hf", "off", "--frequency-penalty", "0.5", "--out", out]) == 0
+    rows = json.load(open(os.path.join(out, "decode.json")))["rows"]
+    assert len(rows) == 1 and "error" not in rows[0] and rows[0]["ms_per_step"] > 0, rows
+    assert rows[0]["penalties_form"] and rows[0]["generate_step_ms_per_step"] > 0
+
+
 def test_memory_main(capsys):
     assert bench.memory_main(["--model", "flash", "--context", "1M", "--budget-gib", "64"]) == 0
     text = capsys.readouterr().out

@@ -306,9 +306,10 @@ class JaxDecodeBench:
                              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
 
     def __init__(self, cfg, model, run_options, batch: int, max_context: int, k: int, seed: int = 0,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", frequency_penalty: float = 0.0):
         from v4jax.engine import EngineCore
         self.cfg, self.batch, self.k = cfg, batch, k
+        self.frequency_penalty = frequency_penalty  # nonzero: every row penalised, the program form with penalties
         opts = self.options(batch, max_context, k, kv_cache_dtype)
         t0 = time.perf_counter()
         with _random_pools(cfg.vocab_size, seed):
@@ -328,7 +329,8 @@ class JaxDecodeBench:
         for r in list(sch.requests.values()):
             sch.remove(r)
         eng._flight = None
-        sp = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True,
+                            frequency_penalty=self.frequency_penalty)
         for s in range(self.batch):
             req = sch.add(f"bench-{s}", rng.integers(2, self.cfg.vocab_size, held).tolist(), sp, s, s, ())
             sch.waiting.remove(req)
@@ -352,7 +354,8 @@ class JaxDecodeBench:
         z = lambda dt=np.int32: np.zeros(s, dt)
         state = S.DecodeState(z(), np.full(s, held, np.int32), np.ones(s, bool), np.full(s, 1 << 20, np.int32),
                               dataclasses.replace(S.SamplingState.neutral(s), seed=np.arange(s, dtype=np.int32),
-                                                  sample_index=np.arange(s, dtype=np.int32)))
+                                                  sample_index=np.arange(s, dtype=np.int32),
+                                                  frequency=np.full(s, self.frequency_penalty, np.float32)))
         state = eng.steps.carry(state, state, z(bool))
         return (state, *eng.kv.decode_tables(eng._page_bucket(held + self.k)))
 
@@ -360,10 +363,11 @@ class JaxDecodeBench:
         import jax
 
         k, eng = self.k, self.engine
+        spec = eng.penalty_spec if self.frequency_penalty else eng.greedy_spec
         held = context - 2 * k
         state, pt, swa = self.decode_args(held, rng)
         t0 = time.perf_counter()
-        out = eng.steps.decode(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt, swa)  # compiles this variant
+        out = eng.steps.decode(spec, eng._leaves, eng.pools, eng.store, state, pt, swa)  # compiles this variant
         jax.block_until_ready(out)
         compile_s = time.perf_counter() - t0
         eng.pools, eng.store, res, _ = out
@@ -375,7 +379,7 @@ class JaxDecodeBench:
         times = []
         for i in range(n_iter + 1):
             t0 = time.perf_counter()
-            out = eng.steps.decode(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
+            out = eng.steps.decode(spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
             jax.block_until_ready(out)
             dt = time.perf_counter() - t0
             eng.pools, eng.store = out[0], out[1]
@@ -387,12 +391,12 @@ class JaxDecodeBench:
             from v4jax.bench.profile import summarize
 
             def call():
-                out = eng.steps.decode(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
+                out = eng.steps.decode(spec, eng._leaves, eng.pools, eng.store, state, pt, swa)
                 jax.block_until_ready(out)
                 eng.pools, eng.store = out[0], out[1]
 
             # the compiled program's text maps each kernel to the line of the model it comes from (a second compile)
-            hlo = eng.steps.decode.lower(eng.greedy_spec, eng._leaves, eng.pools, eng.store, state, pt,
+            hlo = eng.steps.decode.lower(spec, eng._leaves, eng.pools, eng.store, state, pt,
                                          swa).compile().as_text()
             prof = summarize(call, top=40, hlo_text=hlo)
             if "kernels" in prof:
@@ -420,6 +424,7 @@ class JaxDecodeBench:
             "ms_per_step": call_s * 1e3 / k, "tokens_per_s": self.batch * k / call_s,
             "generate_step_ms_per_step": statistics.median(gen) * 1e3 / k if gen else None,
             "compile_s": compile_s, "peak_device_bytes": _peak_bytes(), "profile": prof,
+            "penalties_form": spec.any_penalty,
         }
 
 
@@ -515,6 +520,8 @@ def decode_main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./bench_out)")
     ap.add_argument("--sinkhorn-unroll", action="store_true", help="unroll the mHC Sinkhorn loop (to compare "
                     "launches)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="every row's frequency penalty: nonzero runs "
+                    "the program form with penalties (a tiny one, e.g. 1e-9, its cost on the greedy rows' tokens)")
     ap.add_argument("--profile", action="store_true", help="trace each row's decode call: kernels per call and "
                     "per layer, device copies, the heaviest kernels (GPU)")
     ap.add_argument("--memory-plan", action="store_true", help="instead of timing: the decode call's device "
@@ -664,7 +671,8 @@ def decode_main(argv=None) -> int:
                 if free is not None and need + temp + (1 << 30) > free:
                     raise MemoryError(f"pools {need / 1e9:.1f} GB + temporaries {temp / 1e9:.1f} GB > "
                                       f"{free / 1e9:.1f} GB free")
-                benches[b] = JaxDecodeBench(cfg, model, run_opts, b, max_ctx[b], k, a.seed, a.kv_cache_dtype)
+                benches[b] = JaxDecodeBench(cfg, model, run_opts, b, max_ctx[b], k, a.seed, a.kv_cache_dtype,
+                                            a.frequency_penalty)
             bench = benches[b]
             free = _device_free_bytes()
             temp = _decode_temp_bytes(cfg, b, c)
