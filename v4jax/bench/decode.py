@@ -363,7 +363,7 @@ class JaxDecodeBench:
         import jax
 
         k, eng = self.k, self.engine
-        spec = eng.penalty_spec if self.frequency_penalty else eng.greedy_spec
+        spec = eng.penalty_specs[eng.greedy_spec] if self.frequency_penalty else eng.greedy_spec
         held = context - 2 * k
         state, pt, swa = self.decode_args(held, rng)
         t0 = time.perf_counter()

@@ -35,7 +35,7 @@ from v4jax.cache.manager import KVCacheManager
 from v4jax.config import ModelConfig
 from v4jax.engine import steps as S
 from v4jax.engine.checks import RequestCheck
-from v4jax.engine.programs import Program, ProgramBook
+from v4jax.engine.programs import Program, ProgramBook, form_parts, runs_form
 from v4jax.engine.scheduler import (MAX_PREFILL_ROWS, PREFILLED, DecodePlan, Request, RequestDelta,  # noqa: F401
                                     Scheduler, chunk_bucket)
 from v4jax.model import RunOptions, Transformer
@@ -111,30 +111,29 @@ class EngineCore:
         # decode steps whose sampled rows cut by neither top_k nor top_p (vLLM's and OpenAI's defaults): no
         # full-vocabulary sort either (sampling.kept); its results are the sampling form's for such rows
         self.plain_spec = dataclasses.replace(self.spec, any_cut=False)
-        # steps where a row has a presence / frequency / repetition penalty: the sampling form counting each row's
-        # sequence so far (a decode call once, then a token a step: steps._decode); with the top-N alternatives it
-        # is the covers' form, otherwise compiled at its first use
-        self.penalty_spec = dataclasses.replace(self.spec, any_penalty=True)
-        # the same three with the top-N alternatives per token, for steps where a request asked for them
+        # steps where a row has a presence / frequency / repetition penalty: each of the three forms counting each
+        # row's sequence so far (a decode call once, then a token a step: steps._decode). One form for all (the
+        # sampling one with the cut) made a greedy penalised flash-slice step at batch 32 / 4K 0.55 ms slower than
+        # greedy on an H100 (3.37 against 2.83 ms), nearly all of it the cut's search; with its own forms the step
+        # pays for the counts alone. The sampling one with the top-N alternatives is the covers' form, the others
+        # are compiled at their first use. `penalty_spec`: the sampling one (prefill steps run the sampling form).
+        self.penalty_specs = {spec: dataclasses.replace(spec, any_penalty=True)
+                              for spec in (self.spec, self.plain_spec, self.greedy_spec)}
+        self.penalty_spec = self.penalty_specs[self.spec]
+        # each of the six with the top-N alternatives per token, for steps where a request asked for them
         # (SamplingParams.top_logprobs); compiled at their first use, not by warmup()
-        self.top_specs = {spec: dataclasses.replace(spec, top_logprobs=MAX_TOP_LOGPROBS)
-                          for spec in (self.spec, self.plain_spec, self.greedy_spec, self.penalty_spec)}
+        forms = (self.spec, self.plain_spec, self.greedy_spec, *self.penalty_specs.values())
+        self.top_specs = {spec: dataclasses.replace(spec, top_logprobs=MAX_TOP_LOGPROBS) for spec in forms}
         self.steps = S.JittedSteps.make(run_options.mesh_rules)
         # the compiled step programs, and the one each step runs (a covering one while its own compiles, after
-        # warm-up): a greedy-only step may run on its sampling twin, and any step on the sampling form with
-        # penalties and the top-N alternatives (the cover's form: neutral penalties leave the logits as they are,
-        # and the alternatives are read only for the requests that asked)
-        top, top_plain, top_greedy, top_pen = (self.top_specs[s] for s in (self.spec, self.plain_spec,
-                                                                            self.greedy_spec, self.penalty_spec))
+        # warm-up): a form runs on any that is at least as wide in each of its parts, the lightest first: greedy
+        # rows on the sampling forms (temperature 0 is greedy there), rows that do not cut on the form with the cut,
+        # rows without penalties on the forms with them (neutral penalties leave the logits as they are), and any
+        # form on its twin with the top-N alternatives (read only for the requests that asked); the widest, the
+        # sampling form with the cut, penalties and the alternatives, covers every step
+        every = (*forms, *self.top_specs.values())
         self.programs = ProgramBook(self._compile_program, {
-            self.greedy_spec: (self.greedy_spec, self.plain_spec, self.spec, top_greedy, top_plain, top, top_pen),
-            self.plain_spec: (self.plain_spec, self.spec, top_plain, top, top_pen),
-            self.spec: (self.spec, top, top_pen),
-            top_plain: (top_plain, top, top_pen),
-            top_greedy: (top_greedy, top_plain, top, top_pen),
-            top: (top, top_pen),
-            self.penalty_spec: (self.penalty_spec, top_pen),
-            top_pen: (top_pen,)})
+            form: tuple(sorted((w for w in every if runs_form(w, form)), key=form_parts)) for form in every})
         # device bytes of temporaries of each program compiled ahead of time (XLA's memory analysis): what a step
         # needs beside the weights and pools, which the caller checks against what is free (v4jax.memory)
         self.step_temporaries: dict[Program, int] = {}
@@ -495,15 +494,14 @@ class EngineCore:
 
     def _spec_for(self, temperature, top_p, top_k, top_logprobs: bool = False, penalty: bool = False) -> S.StepSpec:
         """The step's program: the sampling one when a row of it samples (without the top-k / top-p sort when no
-        sampled row cuts by them), else the greedy-only one; the one with penalties when a request of the step has
+        sampled row cuts by them), else the greedy-only one; its twin with penalties when a request of the step has
         one; with the top-N alternatives when a request of the step asked for them."""
         sampled = temperature > 0
-        if penalty:
-            base = self.penalty_spec
-        elif not sampled.any():
+        if not sampled.any():
             base = self.greedy_spec
         else:
             base = self.spec if (sampled & ((top_k > 0) | (top_p < 1))).any() else self.plain_spec
+        base = self.penalty_specs[base] if penalty else base
         return self.top_specs[base] if top_logprobs else base
 
     def _dispatch_prefill(self, plans: list[tuple[Request, int, int]]):
@@ -592,10 +590,9 @@ class EngineCore:
                              in named])
 
     def _named_specs(self) -> dict:
-        return {"sampled": self.spec, "plain": self.plain_spec, "greedy": self.greedy_spec,
-                "penalty": self.penalty_spec, "top_sampled": self.top_specs[self.spec],
-                "top_plain": self.top_specs[self.plain_spec], "top_greedy": self.top_specs[self.greedy_spec],
-                "top_penalty": self.top_specs[self.penalty_spec]}
+        named = {"sampled": self.spec, "plain": self.plain_spec, "greedy": self.greedy_spec}
+        named |= {f"penalty_{name}": self.penalty_specs[spec] for name, spec in named.items()}
+        return named | {f"top_{name}": self.top_specs[spec] for name, spec in named.items()}
 
     def _compile_program(self, program: Program) -> None:
         """Compile one step program ahead of time on arguments of its shape (the pools are only read for their

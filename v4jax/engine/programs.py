@@ -42,6 +42,19 @@ log = logging.getLogger("v4jax.engine")
 BACKGROUND_THREADS = 2
 
 
+def form_parts(spec) -> tuple[bool, bool, bool, bool]:
+    """A step form's parts, each True where it does more: the top-N alternatives, the penalties, sampling, the
+    top-k / top-p cut (only where it samples). In this order a program's cost ranks them (Program.cost)."""
+    return spec.top_logprobs > 0, spec.any_penalty, spec.any_sampled, spec.any_sampled and spec.any_cut
+
+
+def runs_form(wide, form) -> bool:
+    """Whether the program form `wide` gives a step of form `form` its own results: at least as wide in every part
+    (a greedy row samples nothing in a sampling form, a row that does not cut is not cut, neutral penalties leave
+    the logits as they are, the alternatives are read only where asked for)."""
+    return all(w >= f for w, f in zip(form_parts(wide), form_parts(form)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled step: its kind, form (the StepSpec, hashed by identity) and shape."""
@@ -65,8 +78,7 @@ class Program:
         # the tokens a step computes, then the table it reads; the greedy-only form before the sampling ones (the
         # one without the cut first), each before its twin with penalties, and those before their twins with the
         # top-N alternatives
-        return (self.rows * max(self.chunk, 1), self.pages, self.spec.top_logprobs > 0, self.spec.any_penalty,
-                self.spec.any_sampled, self.spec.any_cut)
+        return (self.rows * max(self.chunk, 1), self.pages, *form_parts(self.spec))
 
 
 _worker = threading.local()
