@@ -151,6 +151,21 @@ def test_penalties_keep_the_steps_sampling_form(tiny_llm):
     assert not runs_form(pen[eng.greedy_spec], eng.plain_spec) and not runs_form(eng.spec, pen[eng.greedy_spec])
 
 
+def test_penalised_sampling_draws_alike_in_every_form(tiny_llm):
+    """A seeded, penalised request that does not cut draws the same tokens alone (the sampling twin without the cut)
+    as beside a request that cuts (the twin with the cut) and beside greedy ones; the penalties change its draws."""
+    # penalties that favour the tokens seen (a random model's draws seldom repeat one: penalising them changes little)
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=5, presence_penalty=-2.0, frequency_penalty=-2.0,
+                        repetition_penalty=0.5)
+    p = [3, 4, 5, 6, 7]
+    alone = tiny_llm.generate([p], [sp])[0].token_ids
+    cuts = SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=9)
+    assert tiny_llm.generate([p, [9, 9, 9]], [sp, cuts])[0].token_ids == alone
+    assert tiny_llm.generate([p, [9, 9, 9]], [sp, SamplingParams(max_tokens=12, temperature=0.0)])[0].token_ids == alone
+    plain = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    assert tiny_llm.generate([p], [plain])[0].token_ids != alone
+
+
 def test_prefill_step_has_no_device_branch(tiny_llm, monkeypatch):
     # a prefill step runs the sampling program whether or not its rows sample (one program per shape for warm-up
     # to compile); it has no device-side branch (on GPU a lax.cond waits on the host for its predicate)
