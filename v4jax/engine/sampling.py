@@ -205,8 +205,7 @@ def sample(logits, chosen, temperature, top_p, top_k, min_p, seeds, request_inde
     # log-softmax's own form, (x - max) - log(sum(exp(x - max))), from the one pass's max and sum
     log_sum = jnp.log(raw_sum)
     logprobs = (jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - raw_max) - log_sum
-    all_logprobs = (raw - raw_max[:, None]) - log_sum[:, None] if n_top else raw
-    top_logprobs, top_ids = top_alternatives(all_logprobs, n_top)
+    top_logprobs, top_ids = top_alternatives((raw - raw_max[:, None]) - log_sum[:, None], n_top)
     return tokens, logprobs, top_ids, top_logprobs
 
 

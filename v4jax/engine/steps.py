@@ -301,7 +301,7 @@ def _empty_output(spec: StepSpec, s: int) -> DecodeOutput:
 # A plain decode step's per-row counters travel the loop as one [B, 7] int32 array, columns in _row's order: as seven
 # arrays XLA:GPU updated each in a launch of its own (with the stop check's reduction, 12 launches a step of a
 # few bytes each)
-_ACTIVE, _N_OUT, _STOPPED = 2, 5, 6
+_TOKENS, _POS, _ACTIVE, _REMAINING, _TOKEN_INDEX, _N_OUT, _STOPPED = range(7)
 
 
 def _row(tokens, pos, active, remaining, token_index, n_out, stopped):
@@ -311,8 +311,9 @@ def _row(tokens, pos, active, remaining, token_index, n_out, stopped):
 
 def _row_state(row, state: DecodeState) -> DecodeState:
     """state with its per-row counters read from `row` (_row's columns)."""
-    return DecodeState(tokens=row[:, 0], pos=row[:, 1], active=row[:, _ACTIVE] > 0, remaining=row[:, 3],
-                       sampling=dataclasses.replace(state.sampling, token_index=row[:, 4]))
+    return DecodeState(tokens=row[:, _TOKENS], pos=row[:, _POS], active=row[:, _ACTIVE] > 0,
+                       remaining=row[:, _REMAINING], sampling=dataclasses.replace(state.sampling,
+                                                                                  token_index=row[:, _TOKEN_INDEX]))
 
 
 def _decode(spec: StepSpec, leaves, pools, store, state: DecodeState, page_table, swa_table):
