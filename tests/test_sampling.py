@@ -28,31 +28,34 @@ def reference_kept(logits, temperature, top_p, top_k, min_p):
 
 # logits drawn from few values, so that ties (the order's lower-id rule) are common; -inf as a banned id
 values = st.sampled_from([-np.inf, -3.0, -1.0, 0.0, 0.5, 2.0, 2.0001])
+WIDTH = 24  # every row padded to this many ids with -inf (banned: sorted last, no mass), so `kept` compiles once
+kept_jit = jax.jit(kept, static_argnames="any_cut")
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(values, min_size=2, max_size=24), st.sampled_from([0.5, 1.0, 1.7]),
+@given(st.lists(values, min_size=2, max_size=WIDTH), st.sampled_from([0.5, 1.0, 1.7]),
        st.sampled_from([0.05, 0.3, 0.8, 0.99, 1.0]), st.integers(0, 6), st.sampled_from([0.0, 0.1, 0.6]))
 def test_kept_is_the_sorted_prefix(row, temperature, top_p, top_k, min_p):
-    logits = np.array(row, np.float32)
+    logits = np.full(WIDTH, -np.inf, np.float32)
+    logits[:len(row)] = row
     if not np.isfinite(logits).any():
         logits[0] = 0.0
     lg = jnp.asarray(logits)[None]
     one = lambda x, dt=jnp.float32: jnp.array([x], dt)  # noqa: E731
     scaled = lg / temperature
-    got = np.asarray(kept(lg, scaled, one(top_p), one(top_k, jnp.int32), one(min_p)))[0]
+    got = np.asarray(kept_jit(lg, scaled, one(top_p), one(top_k, jnp.int32), one(min_p)))[0]
     want = reference_kept(logits, temperature, top_p, top_k, min_p)
     # -inf ids are never drawn whether kept or not
     finite = np.isfinite(logits)
     np.testing.assert_array_equal(got & finite, want & finite)
     # as many rows as take the search instead of the sort: the same tokens
     rows = lambda x: jnp.tile(x, (SEARCH_FROM_ROWS,) + (1,) * (x.ndim - 1))  # noqa: E731
-    searched = np.asarray(kept(rows(lg), rows(scaled), rows(one(top_p)), rows(one(top_k, jnp.int32)),
-                               rows(one(min_p))))
+    searched = np.asarray(kept_jit(rows(lg), rows(scaled), rows(one(top_p)), rows(one(top_k, jnp.int32)),
+                                   rows(one(min_p))))
     for row in searched:
         np.testing.assert_array_equal(row & finite, want & finite)
     if top_k == 0 and top_p >= 1:  # nothing to cut: the form without the sort keeps the same tokens
-        plain = np.asarray(kept(lg, scaled, one(top_p), one(top_k, jnp.int32), one(min_p), any_cut=False))[0]
+        plain = np.asarray(kept_jit(lg, scaled, one(top_p), one(top_k, jnp.int32), one(min_p), any_cut=False))[0]
         np.testing.assert_array_equal(plain & finite, want & finite)
 
 
