@@ -57,3 +57,19 @@ def test_launches_follow_loops_and_branches():
     assert got == {"loop_dynamic_slice_fusion": 16, "v4_hc_weights": 16, "input_reduce_fusion": 16,
                    "loop_compare_fusion": 24 + 9, "__cublas$lt$matmul": 8, "loop_add_fusion": 16, "copy": 1}
     assert sum(G.launches(HLO, unknown_trips=1).values()) == 2 * 3 + 3 + 2 + 1 + 2 + 1
+
+
+def test_chain_follows_operands_through_loops():
+    """The layer body: the slice copy and the Pallas kernel both read the carry, the reduce waits for the kernel:
+    2 in a row, the condition 1; two trips: 2 x 2 + 3 x 1 = 7. A step: the layer loop, then the cuBLAS call (8; the
+    conditional beside it, 1 after the loop). The entry: the copy, then 8 steps and 9 step conditions."""
+    assert G.chain(HLO.replace("%step (", "%unused (").replace("body=%step", "body=%layer"), unknown_trips=1) \
+        == 1 + 2 + 2 * 1
+    assert G.chain(HLO, unknown_trips=8) == 1 + 8 * 8 + 9 * 1
+    # the reduce reading the slice copy instead: still 2 in a row
+    assert G.chain(HLO.replace("fusion(%pallas_call.7)", "fusion(%loop_dynamic_slice_fusion.3)"), 8) == 74
+    # reading both the reduce's output: 3
+    longer = HLO.replace("ROOT %tuple.2 = (s32[], f32[16]{0}) tuple(%gte.1, %pallas_call.7)",
+                         "%loop_add_fusion.2 = f32[16]{0} fusion(%input_reduce_fusion.12), kind=kLoop, calls=%f4\n"
+                         "  ROOT %tuple.2 = (s32[], f32[16]{0}) tuple(%gte.1, %loop_add_fusion.2)")
+    assert G.chain(longer, unknown_trips=8) == 1 + 8 * (2 * 3 + 3 + 1) + 9

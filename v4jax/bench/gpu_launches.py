@@ -13,7 +13,8 @@ its untuned form (a split-K GEMM may be one launch more or less on the GPU).
   JAX_PLATFORMS=cpu v4jax bench gpu-launches --model flash-slice --slots 16 --context 4096 [--form greedy]
       [--quantization fp8 --kv-cache-dtype fp8] [--hlo FILE] [--json FILE]
 
-Prints one line per family (launches per step) and the total; --json writes them.
+Prints one line per family (launches per step), the total and how many of them lie on the step's longest chain of
+launches that wait for each other (`chain`); --json writes them.
 """
 from __future__ import annotations
 
@@ -112,6 +113,40 @@ def launches(hlo: str, unknown_trips: int = 1) -> collections.Counter:
     return total
 
 
+def chain(hlo: str, unknown_trips: int = 1) -> int:
+    """The longest chain of launches one execution of the entry computation must run one after another: each
+    launch waits for the launches its operands come from (and its control predecessors); a while loop is its
+    trips' body and condition chains end to end, a conditional its longest branch. Launches off that chain may
+    run beside it where XLA's command buffers let them (the scheduling mode), those on it cannot."""
+    comps, entry = computations(hlo)
+    memo: dict[str, int] = {}
+    names = re.compile(r"%([\w.\-]+)")
+
+    def longest(name: str) -> int:
+        if name in memo:
+            return memo[name]
+        depth: dict[str, int] = {}
+        for inst, op, rest in comps.get(name, []):
+            # operands and attributes alike: a computation's name (calls=, body=) is no instruction here (0)
+            start = max((depth.get(a, 0) for a in names.findall(rest)), default=0)
+            if op == "while":
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+                n = int(trip.group(1)) if trip else unknown_trips
+                body = longest(re.search(r"body=%?([\w.\-]+)", rest).group(1))
+                depth[inst] = start + n * body + (n + 1) * longest(re.search(r"condition=%?([\w.\-]+)", rest).group(1))
+            elif op == "conditional":
+                branches = re.findall(r"%?([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", rest).group(1))
+                depth[inst] = start + max(longest(b) for b in branches)
+            elif op == "call":
+                depth[inst] = start + longest(re.search(r"to_apply=%?([\w.\-]+)", rest).group(1))
+            else:
+                depth[inst] = start + (op not in _FREE)
+        memo[name] = max(depth.values(), default=0)
+        return memo[name]
+
+    return longest(entry)
+
+
 def decode_program(model: str, slots: int, context: int, k: int, form: str, quantization: str,
                    kv_cache_dtype: str, device):
     """The engine's decode call of `model` (flash presets: abstract weights, nothing allocated) and its abstract
@@ -203,10 +238,12 @@ def main(argv=None) -> int:
     for name, n in per_step.items():
         print(f"{n:8.2f}  {name}")
     total = sum(per_step.values())
+    on_chain = chain(hlo, unknown_trips=a.decode_steps) / a.decode_steps
     print(f"{total:8.2f}  launches per step ({a.model}, {a.slots} rows, {a.form}, k = {a.decode_steps})")
+    print(f"{on_chain:8.2f}  of them on the longest chain of launches that wait for each other")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(vars(a), per_step=per_step, total_per_step=total), f, indent=1)
+            json.dump(dict(vars(a), per_step=per_step, total_per_step=total, chain_per_step=on_chain), f, indent=1)
     return 0
 
 
