@@ -117,6 +117,11 @@ def _hc_mix(x, fn, eps):
     return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HI) * inv
 
 
+def _collapse(pre, x):
+    """sum_i pre_i X_i: pre [..., N] f32, x [..., N, D] -> [..., D] in x's dtype."""
+    return jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
+
+
 def hc_weights(mix, scale, base, n: int, iters: int, eps: float, normalise=None):
     """mHC's weights from its mix [..., (2 + N) * N] f32: (pre [..., N], post [..., N], comb [..., N, N]), comb
     Sinkhorn-normalised by `normalise(comb, iters, eps)` (default `sinkhorn`, the jnp reference)."""
@@ -133,8 +138,7 @@ def hc_pre(x, fn, base, scale, cfg: ModelConfig, weights=None):
     `hc_weights`' arguments (default `hc_weights`, the jnp reference)."""
     mix = _hc_mix(x, fn, cfg.norm_eps)
     pre, post, comb = (weights or hc_weights)(mix, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-    u = jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
-    return u, post, comb
+    return _collapse(pre, x), post, comb
 
 
 SINKHORN_UNROLL = False  # unroll the Sinkhorn loop (no while loop on the device; measured by bench --sinkhorn-unroll)
@@ -169,7 +173,7 @@ def hc_head(x, fn, base, scale, cfg: ModelConfig):
     """Final collapse of the N streams (no Sinkhorn): y = sum_i pre_i X_i."""
     mix = _hc_mix(x, fn, cfg.norm_eps)
     pre = jax.nn.sigmoid(mix * scale[0] + base.astype(F32)) + cfg.hc_eps
-    return jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
+    return _collapse(pre, x)
 
 
 # ---- attention core ---------------------------------------------------------------------------------
