@@ -30,6 +30,11 @@
 #              `1gpu`: flash-1gpu's decode rows) in a second tree BASE (e.g.
 #              `git archive COMMIT -- . ':!v4jax/default_model' | tar -x -C base`) and in this one, one after the other
 #              in one call, then both in one table: what a change costs, on the same machine
+#   flags      XLA_FLAGS variants against XLA's defaults, each in its own process (FLAGS: variants separated by ';',
+#              the first the baseline; default: none, CONCURRENT command-buffer scheduling, PDL, both): the greedy
+#              tokens of scripts/greedy_tokens.py against the baseline's (STEPS has "tokens"), then flash-slice's
+#              decode rows at 4K (STEPS has "decode"; ROUNDS passes, the variants alternating; MODEL=flash-1gpu for
+#              its rows) -> $OUT/flags/
 # Kernels:
 #   check      GPU tests (kernels, engine), the kernel table from profiler traces ($OUT/k/bench_kernels.{md,json}),
 #              engine decode with XLA and Pallas attention at batch 32 / 128K ($OUT/d{xla,pallas})
@@ -515,6 +520,33 @@ ab)
     fi
   done
   python3 -m v4jax.bench.table "$out/ab-base=base" "$out/ab-new=new"
+  ;;
+flags)
+  imports
+  IFS=';' read -ra variants <<< "${FLAGS:-;--xla_gpu_command_buffer_scheduling_mode=CONCURRENT;--xla_gpu_enable_pdl=true;--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_enable_pdl=true}"
+  model=${MODEL:-flash-slice}
+  steps=${STEPS:-tokens decode}
+  mkdir -p "$out/flags"
+  if [[ $steps == *tokens* ]]; then
+    for i in "${!variants[@]}"; do
+      stamp "tokens, XLA_FLAGS='${variants[$i]}'"
+      against=$([ "$i" = 0 ] || echo "--against $out/flags/tokens_0.json")
+      XLA_FLAGS="${variants[$i]}" timeout ${TOKENS_S:-150} python3 -W ignore scripts/greedy_tokens.py --model "$model" \
+        --out "$out/flags/tokens_$i.json" $against 2>&1 | quiet | tail -2
+    done
+  fi
+  if [[ $steps == *decode* ]]; then
+    batches=$([ "$model" = flash-1gpu ] && echo 1 || echo 1,32)
+    for round in $(seq "${ROUNDS:-1}"); do
+      for i in "${!variants[@]}"; do
+        stamp "decode, round $round, XLA_FLAGS='${variants[$i]}'"
+        XLA_PYTHON_CLIENT_MEM_FRACTION=$mem_fraction XLA_FLAGS="${variants[$i]}" timeout ${DECODE_S:-150} python3 -W ignore \
+          -m v4jax.bench decode --model "$model" --batches $batches --contexts 4K --long-b1 "" --hf off --iters 5 \
+          --gen-iters 3 --attention-impl pallas --deadline-s $(( ${DECODE_S:-150} - 10 )) \
+          --out "$out/flags/v${i}_r$round" 2>&1 | quiet | grep "^|" | tail -2
+      done
+    done
+  fi
   ;;
 memory)
   imports

@@ -4,8 +4,6 @@ router's answers equal the model's own greedy output, streamed and not; each sta
 jax.experimental.transfer with its checksum and is counted in both servers' /metrics; pages return on both sides;
 a dead prefill server is retried once on another, and with none left the client gets 503; the shared secret keeps
 clients off the PD servers."""
-import socket
-import threading
 import time
 import types
 
@@ -18,6 +16,8 @@ from v4jax.serve.app import Server, ServerState
 from v4jax.serve.options import ServerOptions
 from v4jax.serve.router import Router, RouterOptions, build_router_app
 
+import serving
+
 # two servers of the default model and a router: over a minute of set-up on 2 CPU cores; the in-process pair of
 # tests/test_disagg.py is the default run's end-to-end check
 pytestmark = pytest.mark.slow
@@ -28,20 +28,9 @@ MAX_TOKENS = 6
 LLM_OPTS = dict(max_model_len=256, prefill_chunk=8, decode_steps=2, max_num_seqs=2)
 
 
-def _socket():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-def _run(server, sock):
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+def _run(server):
+    thread, port = serving.serve(server)
+    return thread, f"http://127.0.0.1:{port}"
 
 
 def _server(llm, mode, transport="jax"):
@@ -49,19 +38,19 @@ def _server(llm, mode, transport="jax"):
                          request_timeout_s=120.0, pd_transport=transport)
     state = ServerState(llm, opts).start()
     server = Server(state)
-    thread, url = _run(server, _socket())
+    thread, url = _run(server)
     return types.SimpleNamespace(state=state, server=server, thread=thread, url=url)
 
 
 def _router(prefill, decode):
     router = Router(RouterOptions(prefill=prefill, decode=decode, pd_secret=SECRET, request_timeout_s=120.0))
     server = uvicorn.Server(uvicorn.Config(build_router_app(router), log_level="warning", lifespan="off"))
-    thread, url = _run(server, _socket())
+    thread, url = _run(server)
     return types.SimpleNamespace(router=router, server=server, thread=thread, url=url)
 
 
 def _dead_url():
-    sock = _socket()
+    sock = serving.free_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sock.close()  # nothing listens there
     return url

@@ -4,8 +4,6 @@ shape on a connection it keeps; a failed engine step fails only its own requests
 /health reports a dead engine thread."""
 import http.client
 import json
-import socket
-import threading
 import time
 import warnings
 
@@ -13,8 +11,10 @@ import pytest
 
 from v4jax import LLM, SamplingParams
 from v4jax.fields import FieldError
-from v4jax.serve.app import Server, ServerState, build_app
+from v4jax.serve.app import ServerState, build_app
 from v4jax.serve.options import ServerOptions
+
+import serving
 
 
 # ---- SamplingParams and LLM options ----
@@ -75,17 +75,6 @@ def test_json_bodies_are_bounded_before_parsing():
 
 
 # ---- the server: 4xx on a kept-alive connection ----
-def _start(state):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = Server(state)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return server, thread, sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +85,7 @@ def served():
         # two compiles, the other loads from the persistent compilation cache
         llm = LLM(max_model_len=64, max_num_seqs=2, prefill_chunk=16, decode_steps=2)
     state = ServerState(llm, ServerOptions(log_level="critical", access_log=False)).start()
-    server, thread, port = _start(state)
+    server, thread, port = serving.start(state)
     yield state, port
     server.shutdown_now()
     thread.join(30)

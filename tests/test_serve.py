@@ -7,8 +7,6 @@ inside one 256-token page (one page bucket); 4 decode slots (slot buckets 1, 2 a
 compiled once and used by several tests). The shutdown test runs last: it stops the shared server."""
 import asyncio
 import json
-import socket
-import threading
 import time
 import types
 
@@ -17,10 +15,12 @@ import numpy as np
 import pytest
 
 from v4jax import LLM, SamplingParams
-from v4jax.serve.app import Server, ServerState
+from v4jax.serve.app import ServerState
 from v4jax.serve.chat import DEFAULT_MODEL_TEMPLATE, ChatTemplate, TemplateError
 from v4jax.detokenize import IncrementalDetokenizer, SequenceText
 from v4jax.serve.options import ServerOptions
+
+import serving
 
 KEY = "test-key-0123"
 MODEL = "v4jax-shakespeare"
@@ -37,18 +37,10 @@ def _all_pages_free(core) -> bool:
 
 
 def _start(state: ServerState):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
     # uvicorn closes a connection idle for 5 s (timeout_keep_alive); a client sending on it at that moment gets "Server
     # disconnected without sending a response" (seen once in a loaded CI run, the clients here do not retry)
-    server = Server(state, timeout_keep_alive=600)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server, thread, port = serving.start(state, timeout_keep_alive=600)
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 PENALTIES = dict(presence_penalty=1.0, frequency_penalty=2.0, repetition_penalty=1.5)

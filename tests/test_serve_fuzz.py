@@ -15,8 +15,6 @@ from __future__ import annotations
 import collections
 import http.client
 import json
-import socket
-import threading
 import time
 import types
 
@@ -25,8 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from v4jax import LLM
-from v4jax.serve.app import Server, ServerState
+from v4jax.serve.app import ServerState
 from v4jax.serve.options import ServerOptions
+
+import serving
 
 KEY = "fuzz-key-0123"
 MODEL = "v4jax-shakespeare"
@@ -37,17 +37,6 @@ CHEAP_TOKENS = 4  # the most a drawn max_tokens may ask for when it would be acc
 
 
 # ---- the server ----
-def _start(state: ServerState):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = Server(state)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return server, thread, sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +46,7 @@ def served():
     opts = ServerOptions(api_key=KEY, log_level="critical", access_log=False, max_waiting=6, max_n=4,
                          max_body_bytes=MAX_BODY, request_timeout_s=60.0)
     state = ServerState(llm, opts).start()
-    server, thread, port = _start(state)
+    server, thread, port = serving.start(state)
     conn = KeepAlive(port)
     yield types.SimpleNamespace(state=state, port=port, conn=conn)
     conn.close()
