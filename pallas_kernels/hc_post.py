@@ -11,6 +11,10 @@ not go through XLA's emitters.
   Blocks past M (M not a multiple of BM) are masked by Pallas.
 
   f [M, D], x [M, N, D] (same dtype), post [M, N] f32, comb [M, N, N] f32 -> [M, N, D] in x's dtype.
+
+`collapse_norm` is the other end of mHC for a decode step's few tokens: the collapse u = sum_i pre_i X_i and the
+RMS norm of u with the next sublayer's weight, in one launch where XLA ran three (the collapse, the norm's sum of
+squares, its scaling), each on the layer's dependency chain. The weight is read from its layer stack in place.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from ._common import next_pow2, pow2_block
@@ -70,3 +75,48 @@ def hc_post(f, x, post, comb, *, interpret=None, block_tokens: int = BLOCK_TOKEN
                   pl.BlockSpec((bm, n), lambda i, c: (i, 0)), pl.BlockSpec((bm, n, n), lambda i, c: (i, 0, 0))],
         out_specs=pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)), name="v4_hc_post", **kw,
     )(f, x, post.astype(F32), comb.astype(F32))
+
+
+COLLAPSE_MAX_TOKENS = 64  # a decode step's rows (one program a token); a prefill chunk keeps XLA's fusions
+
+
+def collapse_supported(pre, x) -> bool:
+    """At most COLLAPSE_MAX_TOKENS tokens; N and D powers of two (a program holds a token's whole [N, D])."""
+    m, n, d = x.shape if x.ndim == 3 else (0, 0, 0)
+    pow2 = lambda v: v >= 1 and v & (v - 1) == 0  # noqa: E731
+    return x.ndim == 3 and pre.shape == (m, n) and 0 < m <= COLLAPSE_MAX_TOKENS and pow2(n) and pow2(d) and d >= 16
+
+
+def _collapse_kernel(layer_ref, pre_ref, x_ref, w_ref, o_ref, *, n: int, eps: float):
+    dt = o_ref.dtype
+    u = pre_ref[:, 0][:, None] * x_ref[:, 0, :].astype(F32)      # [1, D]: the reference's sum over i, in order
+    for i in range(1, n):
+        u = u + pre_ref[:, i][:, None] * x_ref[:, i, :].astype(F32)
+    u = u.astype(dt).astype(F32)                                  # the collapse is rounded to x's dtype, then
+    r = lax.rsqrt(jnp.mean(u * u, axis=1, keepdims=True) + eps)   # normed in f32 (layers.rms_norm)
+    w = w_ref[pl.ds(layer_ref[0], 1), :]                          # [1, D] the layer's weight, in place
+    o_ref[...] = ((u * r) * w).astype(dt)
+
+
+def collapse_norm(pre, x, weight, eps: float, layer=None, *, interpret=None, num_warps: int = 4):
+    """rms_norm(sum_i pre_i X_i, weight[layer], eps) as v4jax.model.layers computes it (layers.collapse, then
+    layers.rms_norm): pre [M, N] f32, x [M, N, D] -> [M, D] in x's dtype; weight [D] f32, or a stack [n, D] read at
+    `layer`. Shapes must pass `collapse_supported`."""
+    if interpret is None:
+        interpret = _compat.backend() == "cpu"
+    if not collapse_supported(pre, x):
+        raise ValueError(f"pre {pre.shape}, x {x.shape}: expected [M, N] and [M, N, D], M <= {COLLAPSE_MAX_TOKENS}, "
+                         f"N and D powers of two")
+    m, n, d = x.shape
+    w = weight.reshape(-1, d).astype(F32)
+    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    full = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
+    kw = dict(interpret=True) if interpret else dict(compiler_params=TritonCompilerParams(num_warps=num_warps,
+                                                                                         num_stages=1))
+    return pl.pallas_call(
+        functools.partial(_collapse_kernel, n=n, eps=float(eps)),
+        out_shape=jax.ShapeDtypeStruct((m, d), x.dtype), grid=(m,),
+        in_specs=[full(layer), pl.BlockSpec((1, n), lambda i: (i, 0)), pl.BlockSpec((1, n, d), lambda i: (i, 0, 0)),
+                  full(w)],
+        out_specs=pl.BlockSpec((1, d), lambda i: (i, 0)), name="v4_hc_collapse", **kw,
+    )(layer, pre.astype(F32), x, w)

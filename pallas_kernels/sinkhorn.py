@@ -78,14 +78,24 @@ def sinkhorn(comb, iters: int, eps: float, *, interpret=None, block: int = BLOCK
     return out[:, :m].T.reshape(comb.shape)
 
 
-def _weights_kernel(z_ref, pre_ref, post_ref, comb_ref, *, n: int, iters: int, eps: float, m: int, block: int):
-    """Tokens block*i .. of the flat logits z [M * C] (C = (2 + N) * N: mix * scale + base) -> their flat pre, post
-    [M * N], comb [M * N * N]; the reference's arithmetic (v4jax.model.layers.hc_weights), one token per thread."""
+def _weights_kernel(layer_ref, dot_ref, ssq_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, n: int,
+                    iters: int, eps: float, count: int, norm_eps: float, m: int, block: int):
+    """Tokens block*i .. of the flat products dot [M * C] (C = (2 + N) * N) and sums of squares ssq [M] -> their
+    flat pre, post [M * N], comb [M * N * N]; the reference's arithmetic (v4jax.model.layers.hc_weights: the mix
+    dot * rsqrt(ssq / count + norm_eps), the logits mix * scale + base with the layer's scale and base, then the
+    weights), one token per thread."""
     tok = pl.program_id(0) * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
     ok = tok < m
     t = jnp.where(ok, tok, 0)
     c = (2 + n) * n
-    z = lambda k: pltriton.load(z_ref.at[t * c + k], mask=ok, other=0.0)  # noqa: E731
+    layer = layer_ref[0]
+    inv = lax.rsqrt(pltriton.load(ssq_ref.at[t], mask=ok, other=1.0) / count + norm_eps)
+    scale = [scale_ref[layer, g] for g in range(3)]  # pre's, post's and comb's
+
+    def z(k):
+        mix = pltriton.load(dot_ref.at[t * c + k], mask=ok, other=0.0) * inv
+        return mix * scale[0 if k < n else 1 if k < 2 * n else 2] + base_ref[layer, k]
+
     # a lane past the tokens stores to an index past the output (dropped: the interpreter's scatter would let a
     # masked lane's duplicate index write over a real one)
     put = lambda ref, w, k, v: pltriton.store(ref.at[jnp.where(ok, t * w + k, m * w)], v, mask=ok)  # noqa: E731
@@ -103,25 +113,28 @@ def _weights_kernel(z_ref, pre_ref, post_ref, comb_ref, *, n: int, iters: int, e
         put(comb_ref, n * n, k, v)
 
 
-def hc_weights(mix, scale, base, n: int, iters: int, eps: float, *, interpret=None, block: int = GPU_BLOCK,
-               num_warps: int = 1):
-    """v4jax.model.layers.hc_weights (same signature) as one Triton kernel (interpret=None: interpreted on CPU):
-    mix [..., (2 + N) * N] f32, scale [3], base [(2 + N) * N] -> (pre [..., N], post [..., N], comb [..., N, N]).
-    The affine map of the mix (scale, base) stays in XLA, in the fusion that makes the mix: handed to the kernel,
-    the layer's slices of the scale and base stacks were a copy each per mHC."""
+def hc_weights(dot, ssq, count: int, norm_eps: float, scale, base, n: int, iters: int, eps: float, layer=None, *,
+               interpret=None, block: int = GPU_BLOCK, num_warps: int = 1):
+    """v4jax.model.layers.hc_weights (same signature, then `layer`) as one Triton kernel (interpret=None:
+    interpreted on CPU): dot [..., (2 + N) * N] and ssq [..., 1] f32 (the mix is layers.mix_of them), scale [3] and
+    base [(2 + N) * N], or their layer stacks [L, 3] and [L, (2 + N) * N] read at `layer` -> (pre [..., N], post
+    [..., N], comb [..., N, N]). The mix's norm and scaling are the kernel's: in XLA they were a launch of their
+    own between the mix's reductions and this kernel, on the layer's chain of launches."""
     if interpret is None:
         interpret = _compat.backend() == "cpu"
-    *lead, c = mix.shape
-    m = mix.size // c
+    *lead, c = dot.shape
+    m = dot.size // c
     f32 = jnp.float32
-    scale = jnp.repeat(scale.astype(f32), jnp.array([n, n, n * n]), total_repeat_length=c)
-    z = (mix.astype(f32) * scale + base.astype(f32)).reshape(-1)
+    scale, base = scale.reshape(-1, 3).astype(f32), base.reshape(-1, c).astype(f32)
+    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    args = (layer, dot.astype(f32).reshape(-1), ssq.astype(f32).reshape(-1), scale, base)
     shapes = [jax.ShapeDtypeStruct((m * k,), f32) for k in (n, n, n * n)]
     full = lambda sh: pl.BlockSpec(sh.shape, lambda i: (0,) * len(sh.shape))  # noqa: E731
     kw = dict(interpret=True) if interpret else dict(
         compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=1))
     pre, post, comb = pl.pallas_call(
-        functools.partial(_weights_kernel, n=n, iters=iters, eps=eps, m=m, block=block),
-        out_shape=shapes, grid=(-(-m // block),), in_specs=[full(z)], out_specs=[full(sh) for sh in shapes],
-        name="v4_hc_weights", **kw)(z)
+        functools.partial(_weights_kernel, n=n, iters=iters, eps=eps, count=count, norm_eps=float(norm_eps), m=m,
+                          block=block),
+        out_shape=shapes, grid=(-(-m // block),), in_specs=[full(a) for a in args],
+        out_specs=[full(sh) for sh in shapes], name="v4_hc_weights", **kw)(*args)
     return pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n)

@@ -168,11 +168,13 @@ def test_compressor_decode_gpu(m, ov, d, Dm, B):
 @pytest.mark.parametrize("shape", [(1, 1), (32, 1), (3, 300)])
 def test_hc_weights_gpu(shape):
     SK = importlib.import_module("pallas_kernels.sinkhorn")
-    k = jax.random.split(jax.random.key(0), 3)
-    mix, scale, base = (2.0 * jax.random.normal(k[0], (*shape, 24)), jax.random.normal(k[1], (3,)),
-                        jax.random.normal(k[2], (24,)))
-    got = jax.jit(lambda *a: SK.hc_weights(*a, 4, 20, 1e-6))(mix, scale, base)
-    for g, r in zip(got, L.hc_weights(mix, scale, base, 4, 20, 1e-6)):
+    k = jax.random.split(jax.random.key(0), 4)
+    dot = 2.0 * jax.random.normal(k[0], (*shape, 24))
+    ssq = 16384 * jnp.exp(0.3 * jax.random.normal(k[1], (*shape, 1)))
+    scale, base = jax.random.normal(k[2], (2, 3)), jax.random.normal(k[3], (2, 24))  # stacks of 2 layers
+    got = jax.jit(lambda d, q, s, b: SK.hc_weights(d, q, 16384, 1e-6, s, b, 4, 20, 1e-6, jnp.int32(1)))(dot, ssq,
+                                                                                                        scale, base)
+    for g, r in zip(got, L.hc_weights(dot, ssq, 16384, 1e-6, scale[1], base[1], 4, 20, 1e-6)):
         _close(g, r, 1e-5)
 
 
@@ -275,6 +277,21 @@ def test_hc_post_gpu(M):
     out = np.asarray(jax.jit(HP.hc_post)(f, x, post, comb), np.float32)
     ref = np.asarray(jax.jit(L.hc_post)(f, x, post, comb), np.float32)
     assert np.mean(out == ref) > 0.99  # the sum over j in another order: one bf16 ulp at a rounding boundary
+    np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("M", [1, 32, 64])
+def test_hc_collapse_gpu(M):
+    # mHC's collapse and the next sublayer's norm at decode batches, bf16 as in the model, the weight of layer 5 of a
+    # stack of 43
+    HP = importlib.import_module("pallas_kernels.hc_post")
+    k = jax.random.split(jax.random.key(3), 3)
+    pre = jax.nn.sigmoid(jax.random.normal(k[0], (M, 4))) + 1e-6
+    x = jax.random.normal(k[1], (M, 4, 4096), jnp.bfloat16)
+    w = 1 + 0.1 * jax.random.normal(k[2], (43, 4096))
+    out = np.asarray(jax.jit(lambda *a: HP.collapse_norm(*a, 1e-6, jnp.int32(5)))(pre, x, w), np.float32)
+    ref = np.asarray(jax.jit(lambda p, x, w: L.rms_norm(L.collapse(p, x), w[5], 1e-6))(pre, x, w), np.float32)
+    assert np.mean(out == ref) > 0.99  # the f32 sums in another order: one bf16 ulp at a rounding boundary
     np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
 
 

@@ -52,3 +52,53 @@ def test_lowers_for_gpu():
     f, x, post, comb = _case(3, 4, 4096, jnp.bfloat16)
     txt = _compat.lower_for_cuda(lambda *a: HP.hc_post(*a, interpret=False), f, x, post, comb)
     assert txt.count("triton") >= 1
+
+
+# ---- the collapse and the next sublayer's RMS norm (collapse_norm) ----
+def _collapse_case(m, n, d, dtype, layers=3, seed=2):
+    k = jax.random.split(jax.random.key(seed), 3)
+    pre = jax.nn.sigmoid(jax.random.normal(k[0], (m, n))) + 1e-6
+    x = jax.random.normal(k[1], (m, n, d), dtype)
+    w = 1 + 0.1 * jax.random.normal(k[2], (layers, d))
+    return pre, x, w
+
+
+def _collapse_ref(pre, x, w, eps):
+    return L.rms_norm(L.collapse(pre, x), w, eps)
+
+
+@pytest.mark.parametrize("m,d", [(1, 64), (3, 256), (32, 128)])
+def test_collapse_norm_matches_the_model_f32(m, d):
+    pre, x, w = _collapse_case(m, 4, d, jnp.float32)
+    for layer in (0, 2):  # the weight read from its stack at the layer
+        out = HP.collapse_norm(pre, x, w, 1e-6, jnp.int32(layer), interpret=True)
+        assert out.shape == (m, d) and out.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(out), np.asarray(_collapse_ref(pre, x, w[layer], 1e-6)), rtol=2e-6,
+                                   atol=2e-6)
+    one = HP.collapse_norm(pre, x, w[1], 1e-6, interpret=True)  # a lone weight [D]
+    np.testing.assert_allclose(np.asarray(one), np.asarray(_collapse_ref(pre, x, w[1], 1e-6)), rtol=2e-6, atol=2e-6)
+
+
+def test_collapse_norm_rounds_as_the_model_bf16():
+    # the collapse rounded to bf16 before the norm, the norm in f32, the result rounded: equal to the model's up to
+    # the order of the f32 sums (one bf16 ulp where a value lands next to a rounding boundary)
+    pre, x, w = _collapse_case(16, 4, 512, jnp.bfloat16, seed=3)
+    out = np.asarray(HP.collapse_norm(pre, x, w, 1e-6, jnp.int32(1), interpret=True), np.float32)
+    ref = np.asarray(_collapse_ref(pre, x, w[1], 1e-6), np.float32)
+    assert np.mean(out == ref) > 0.99
+    np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_collapse_norm_refuses_other_shapes():
+    pre, x, w = _collapse_case(2, 4, 24, jnp.float32)  # D = 24: not a power of two
+    assert not HP.collapse_supported(pre, x)
+    pre, x, w = _collapse_case(HP.COLLAPSE_MAX_TOKENS + 1, 4, 64, jnp.float32)  # a prefill chunk's rows
+    assert not HP.collapse_supported(pre, x)
+    with pytest.raises(ValueError, match="powers of two"):
+        HP.collapse_norm(pre, x, w, 1e-6, interpret=True)
+
+
+def test_collapse_norm_lowers_for_gpu():
+    pre, x, w = _collapse_case(3, 4, 4096, jnp.bfloat16, layers=43)
+    txt = _compat.lower_for_cuda(lambda *a: HP.collapse_norm(*a, 1e-6, jnp.int32(7), interpret=False), pre, x, w)
+    assert txt.count("triton") >= 1

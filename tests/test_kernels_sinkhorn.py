@@ -33,26 +33,42 @@ def test_lowers_for_tpu():
     assert "tpu_custom_call" in _compat.export_for_tpu(fn, comb).mlir_module()
 
 
-def _mix(shape, seed=0):
-    k = jax.random.split(jax.random.key(seed), 3)
-    return (2.0 * jax.random.normal(k[0], (*shape, 24)), jax.random.normal(k[1], (3,)),
-            jax.random.normal(k[2], (24,)))
+def _mix(shape, seed=0, layers=None):
+    """(dot, ssq, scale, base): mHC's mix is L.mix_of(dot, ssq, COUNT, 1e-6); scale and base a layer's, or stacks of
+    `layers`."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    lead = () if layers is None else (layers,)
+    ssq = COUNT * jnp.exp(0.3 * jax.random.normal(k[1], (*shape, 1)))
+    return (2.0 * jax.random.normal(k[0], (*shape, 24)), ssq, jax.random.normal(k[2], (*lead, 3)),
+            jax.random.normal(k[3], (*lead, 24)))
+
+
+COUNT = 16384  # the streams' values a mix reads: N * D (Flash: 4 x 4096)
 
 
 @pytest.mark.parametrize("shape,iters", [((1,), 20), ((2, 3), 20), ((70,), 7), ((1, 1), 1)])
 def test_weights_match_reference(shape, iters):
     """mHC's weights from its mix in one kernel (token blocks of 32, the last one part full) against the model's
-    jnp maths: pre, post and the Sinkhorn-normalised comb."""
-    mix, scale, base = _mix(shape)
-    got = SK.hc_weights(mix, scale, base, 4, iters, 1e-6, interpret=True)
-    ref = L.hc_weights(mix, scale, base, 4, iters, 1e-6)
+    jnp maths: the mix's norm and scaling, pre, post and the Sinkhorn-normalised comb."""
+    dot, ssq, scale, base = _mix(shape)
+    got = SK.hc_weights(dot, ssq, COUNT, 1e-6, scale, base, 4, iters, 1e-6, interpret=True)
+    ref = L.hc_weights(dot, ssq, COUNT, 1e-6, scale, base, 4, iters, 1e-6)
     for g, r in zip(got, ref):
         assert g.shape == r.shape
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(got[2]).sum(-2), 1.0, atol=1e-5)
 
 
+def test_weights_read_the_layer_of_a_stack():
+    dot, ssq, scale, base = _mix((5,), seed=1, layers=3)
+    for layer in (0, 2):
+        got = SK.hc_weights(dot, ssq, COUNT, 1e-6, scale, base, 4, 20, 1e-6, jnp.int32(layer), interpret=True)
+        ref = L.hc_weights(dot, ssq, COUNT, 1e-6, L.LayerOf(scale, layer), L.LayerOf(base, layer), 4, 20, 1e-6)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-6, atol=1e-7)
+
+
 def test_weights_lower_for_gpu():
-    mix, scale, base = _mix((3,))
-    txt = _compat.lower_for_cuda(lambda *a: SK.hc_weights(*a, 4, 20, 1e-6, interpret=False), mix, scale, base)
-    assert "triton" in txt
+    dot, ssq, scale, base = _mix((3,), layers=43)
+    fn = lambda d, q, s, b: SK.hc_weights(d, q, COUNT, 1e-6, s, b, 4, 20, 1e-6, jnp.int32(5), interpret=False)  # noqa
+    assert "triton" in _compat.lower_for_cuda(fn, dot, ssq, scale, base)

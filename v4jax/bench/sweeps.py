@@ -209,14 +209,14 @@ def hc_weights_sweep(a, interp):
     rows = []
     grid = [(32, 1)] if a.small else list(itertools.product((32, 64, 128), (1, 2, 4)))
     for m in ((2,) if a.small else (1, 32, 256)):
-        k = jax.random.split(jax.random.key(m), 3)
-        args = (jax.random.normal(k[0], (m, 24), F32), jax.random.normal(k[1], (3,), F32),
-                jax.random.normal(k[2], (24,), F32))
+        k = jax.random.split(jax.random.key(m), 4)
+        args = (jax.random.normal(k[0], (m, 24), F32), 16384 * jnp.exp(0.3 * jax.random.normal(k[1], (m, 1), F32)),
+                jax.random.normal(k[2], (3,), F32), jax.random.normal(k[3], (24,), F32))
         for block, nw in grid:
             if nw * 32 > block and not a.small:
                 continue
-            fn = functools.partial(SK.hc_weights, n=4, iters=20, eps=1e-6, block=block, num_warps=nw,
-                                   interpret=interp or None)
+            fn = functools.partial(lambda d, q, s, b, **kw: SK.hc_weights(d, q, 16384, 1e-6, s, b, **kw), n=4,
+                                   iters=20, eps=1e-6, block=block, num_warps=nw, interpret=interp or None)
             us = _time(fn, args, a)
             rows.append(dict(kernel="hc_weights", shape=f"M={m}", config=dict(block=block, num_warps=nw), us=us))
             print(f"hc_weights M={m:4d} block={block:3d} w={nw}: {_us(us)}", flush=True)

@@ -110,22 +110,29 @@ def apply_rope(x, cos, sin, inverse: bool = False):
 
 
 # ---- mHC (reference §5) -----------------------------------------------------------------------------
-def _hc_mix(x, fn, eps):
-    """x [..., N, D] -> mix = (fn @ flat(x)) * rsqrt(mean(flat(x)^2) + eps), f32."""
+def _hc_mix(x, fn):
+    """x [..., N, D] -> (fn @ flat(x), sum(flat(x)^2) [..., 1]), f32: mHC's mix is `mix_of` them."""
     flat = x.reshape(*x.shape[:-2], -1).astype(F32)
-    inv = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
-    return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HI) * inv
+    return jnp.einsum("...i,oi->...o", flat, fn.astype(F32), precision=HI), jnp.sum(flat * flat, -1, keepdims=True)
 
 
-def _collapse(pre, x):
+def mix_of(dot, ssq, count: int, norm_eps: float):
+    """mHC's mix: fn @ flat(x) RMS-normed, dot * rsqrt(mean(flat(x)^2) + norm_eps) (`count` = N * D values)."""
+    return dot * jax.lax.rsqrt(ssq / count + norm_eps)
+
+
+def collapse(pre, x):
     """sum_i pre_i X_i: pre [..., N] f32, x [..., N, D] -> [..., D] in x's dtype."""
     return jnp.einsum("...n,...nd->...d", pre, x.astype(F32), precision=HI).astype(x.dtype)
 
 
-def hc_weights(mix, scale, base, n: int, iters: int, eps: float, normalise=None):
-    """mHC's weights from its mix [..., (2 + N) * N] f32: (pre [..., N], post [..., N], comb [..., N, N]), comb
-    Sinkhorn-normalised by `normalise(comb, iters, eps)` (default `sinkhorn`, the jnp reference)."""
-    base = base.astype(F32)
+def hc_weights(dot, ssq, count: int, norm_eps: float, scale, base, n: int, iters: int, eps: float,
+               normalise=None):
+    """mHC's weights from its mix (`mix_of(dot, ssq, count, norm_eps)`; dot [..., (2 + N) * N], ssq [..., 1], f32):
+    (pre [..., N], post [..., N], comb [..., N, N]), comb Sinkhorn-normalised by `normalise(comb, iters, eps)`
+    (default `sinkhorn`, the jnp reference). scale, base: arrays, or the LayerOf of their stacks."""
+    mix = mix_of(dot, ssq, count, norm_eps)
+    scale, base = scale[...], base[...].astype(F32)
     pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
     post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = mix[..., 2 * n:].reshape(*mix.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
@@ -133,12 +140,18 @@ def hc_weights(mix, scale, base, n: int, iters: int, eps: float, normalise=None)
     return pre, post, (normalise or sinkhorn)(comb, iters, eps)
 
 
+def hc_pre_weights(x, fn, base, scale, cfg: ModelConfig, weights=None):
+    """Streams x [..., N, D] -> (pre [..., N], post [..., N], comb [..., N, N]). `weights` takes `hc_weights`'
+    arguments (default `hc_weights`, the jnp reference)."""
+    dot, ssq = _hc_mix(x, fn)
+    return (weights or hc_weights)(dot, ssq, x.shape[-2] * x.shape[-1], cfg.norm_eps, scale, base, cfg.hc_mult,
+                                   cfg.hc_sinkhorn_iters, cfg.hc_eps)
+
+
 def hc_pre(x, fn, base, scale, cfg: ModelConfig, weights=None):
-    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]). `weights` takes
-    `hc_weights`' arguments (default `hc_weights`, the jnp reference)."""
-    mix = _hc_mix(x, fn, cfg.norm_eps)
-    pre, post, comb = (weights or hc_weights)(mix, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-    return _collapse(pre, x), post, comb
+    """Streams x [..., N, D] -> (collapsed u [..., D], post [..., N], comb [..., N, N]) (see hc_pre_weights)."""
+    pre, post, comb = hc_pre_weights(x, fn, base, scale, cfg, weights)
+    return collapse(pre, x), post, comb
 
 
 SINKHORN_UNROLL = False  # unroll the Sinkhorn loop (no while loop on the device; measured by bench --sinkhorn-unroll)
@@ -171,9 +184,9 @@ def hc_post(f, x, post, comb):
 
 def hc_head(x, fn, base, scale, cfg: ModelConfig):
     """Final collapse of the N streams (no Sinkhorn): y = sum_i pre_i X_i."""
-    mix = _hc_mix(x, fn, cfg.norm_eps)
+    mix = mix_of(*_hc_mix(x, fn), x.shape[-2] * x.shape[-1], cfg.norm_eps)
     pre = jax.nn.sigmoid(mix * scale[0] + base.astype(F32)) + cfg.hc_eps
-    return _collapse(pre, x)
+    return collapse(pre, x)
 
 
 # ---- attention core ---------------------------------------------------------------------------------

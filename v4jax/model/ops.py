@@ -27,8 +27,10 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       lse [B, T, H] the log of the softmax denominator, -inf where nothing is valid and there is no sink), what
       shards merge (the kernels' partial states cost a write and a read of o in f32, so only then). entry_format:
       the entries' byte format where swa and kv store bytes (pallas_kernels.kv_format.Fp8Entry).
-  hc_weights(mix, scale, base, n, iters, eps) -> (pre [..., N], post [..., N], comb [..., N, N]): mHC's weights
-      from its mix [..., (2 + N) * N] f32, comb Sinkhorn-normalised (v4jax.model.layers.hc_weights).
+  hc_weights(dot, ssq, count, norm_eps, scale, base, n, iters, eps) -> (pre [..., N], post [..., N], comb
+      [..., N, N]): mHC's weights from its mix (L.mix_of(dot, ssq, count, norm_eps): dot [..., (2 + N) * N], ssq
+      [..., 1], f32), comb Sinkhorn-normalised (v4jax.model.layers.hc_weights); scale [3] and base [(2 + N) * N]
+      arrays, or L.LayerOf of their stacks.
   experts(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False) -> [M, D] f32: the
       routed experts' weighted sum (v4jax.model.layers.routed_experts); experts [M, k] ids, -1 = none (a pair of
       another shard's expert, weight 0); with `layer` (a scalar) w1/w2/w3 are layer stacks [n, E, ...] and the
@@ -40,6 +42,9 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       take: the caller projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule);
       scales: FP8 weights, the L.LayerOf of each one's block scales, act_quant as `linear`'s.
   hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post).
+  hc_collapse(pre, x, weight, eps) -> [..., D] in x's dtype: mHC's collapse sum_i pre_i X_i (pre [..., N] f32, x
+      [..., N, D]) RMS-normed with the next sublayer's weight (an array [D] or L.LayerOf of a stack [n, D]):
+      v4jax.model.layers.rms_norm of layers.collapse.
   linear(x, w, layer, groups, scale=None, act_quant=False) -> [..., O] in x's dtype: x @ w[layer].T with f32
       accumulation for a layer stack w [n, O, D] (v4jax.model.layers.linear, groups included); with `scale` (the
       ue8m0 block scales, the stack's [n, O/128, D/128] or layer `layer`'s), w is the release's e4m3 stack;
@@ -50,11 +55,11 @@ The kernels are read from their modules at call time (tests patch them to count 
 Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
   "xla" everywhere: the jnp maths below and in v4jax.model.layers.
   "pallas" (OPS["pallas"]): the kernels as they run portably (the TPU-style kernels, interpreted on CPU) plus the
-      kernels written for Triton (experts, linear, project, hc_post, hc_weights), interpreted on CPU. On a GPU
-      `compress` also takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu) where it takes
-      the shapes. On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that do not fit
-      VMEM): the table takes the XLA table's project and hc_post, named in `Ops.from_xla`, and its own
-      `experts`, `linear` and `hc_weights` (TPU_OWN): FP4 experts as stored through
+      kernels written for Triton (experts, linear, project, hc_post, hc_collapse, hc_weights), interpreted on
+      CPU. On a GPU `compress` also takes the GPU decode kernel on the state stacks (pallas_kernels.compressor_gpu)
+      where it takes the shapes. On a TPU the Triton kernels cannot run (Triton loads, whole-array weight refs that
+      do not fit VMEM): the table takes the XLA table's project, hc_post and hc_collapse, named in `Ops.from_xla`,
+      and its own `experts`, `linear` and `hc_weights` (TPU_OWN): FP4 experts as stored through
       pallas_kernels.fp4_experts_tpu, bf16 experts through pallas_kernels.experts_tpu, FP8 weights as stored
       through pallas_kernels.fp8_linear_tpu, XLA's forms for the rest; mHC's Sinkhorn loop in Mosaic
       (pallas_kernels.sinkhorn) after XLA's sigmoids and softmax.
@@ -99,6 +104,7 @@ class Ops:
     linear: Callable
     project: Callable
     hc_post: Callable
+    hc_collapse: Callable
     per_shard: bool = False  # Pallas calls: on a mesh every entry runs per shard
     from_xla: tuple[str, ...] = ()  # entries of a Pallas table that are the XLA table's on this backend
 
@@ -248,7 +254,7 @@ def _attend_pallas(q, sink, scale, swa, win_rows, win_pos, pos, window, kv, hca_
                                                    entry_format=entry_format)
 
 
-def _hc_weights_pallas(mix, scale, base, n, iters, eps):
+def _hc_weights_pallas(dot, ssq, count, norm_eps, scale, base, n, iters, eps):
     """pallas_kernels.sinkhorn.hc_weights: mHC's sigmoids, softmax and Sinkhorn loop in one launch, in the model's
     layout (XLA ran the loop as ~80 small kernels per layer; around the Sinkhorn kernel alone, its transposes and
     the sigmoids and softmax were five launches more per mHC).
@@ -261,12 +267,14 @@ def _hc_weights_pallas(mix, scale, base, n, iters, eps):
     122 us of kernels a call at 1 / 8 / 32 / 64 tokens against 12 / 18 / 19 / 24 us for XLA's eight launches with
     the Sinkhorn kernel (the f32 matmul and the loop's serial divides; docs/results/h100-prefill-first/
     bench_hc_pre.json). This kernel reads no streams: only the (2 + N) * N values of each token's mix."""
-    return pallas_sinkhorn.hc_weights(mix, scale, base, n, iters, eps)
+    layer = scale.index if isinstance(scale, L.LayerOf) else None  # scale and base: the layer's of their stacks
+    scale, base = (a.stack if isinstance(a, L.LayerOf) else a for a in (scale, base))
+    return pallas_sinkhorn.hc_weights(dot, ssq, count, norm_eps, scale, base, n, iters, eps, layer)
 
 
-def _hc_weights_tpu(mix, scale, base, n, iters, eps):
+def _hc_weights_tpu(dot, ssq, count, norm_eps, scale, base, n, iters, eps):
     """On a TPU: XLA's sigmoids and softmax, then pallas_kernels.sinkhorn's loop (Mosaic, tokens along the lanes)."""
-    return L.hc_weights(mix, scale, base, n, iters, eps, normalise=pallas_sinkhorn.sinkhorn)
+    return L.hc_weights(dot, ssq, count, norm_eps, scale, base, n, iters, eps, normalise=pallas_sinkhorn.sinkhorn)
 
 
 def _experts_xla(x, weights, experts, w1, w2, w3, limit, layer=None, form=None, act_quant=False):
@@ -397,13 +405,29 @@ def _hc_post_pallas(f, x, post, comb):
     return pallas_hc_post.hc_post(f2, x2, post.reshape(-1, n), comb.reshape(-1, n, n)).reshape(x.shape)
 
 
+def _hc_collapse_xla(pre, x, weight, eps):
+    return L.rms_norm(L.collapse(pre, x), weight[...], eps)
+
+
+def _hc_collapse_pallas(pre, x, weight, eps):
+    """pallas_kernels.hc_post.collapse_norm for a decode step's few tokens on GPU (interpreted on CPU), the norm's
+    weight read from its stack in place: one launch where XLA ran three, all on the layer's chain of launches
+    (`v4jax bench gpu-launches`); XLA's fusions for a prefill chunk."""
+    n, d = x.shape[-2:]
+    pre2, x2 = pre.reshape(-1, n), x.reshape(-1, n, d)
+    if not pallas_hc_post.collapse_supported(pre2, x2):
+        return _hc_collapse_xla(pre, x, weight, eps)
+    stack, layer = (weight.stack, weight.index) if isinstance(weight, L.LayerOf) else (weight, None)
+    return pallas_hc_post.collapse_norm(pre2, x2, stack, eps, layer).reshape(x.shape[:-2] + (d,))
+
+
 XLA = Ops("xla", _compress_xla, _select_xla, _attend_xla, L.hc_weights, _experts_xla, _linear_xla, _project_xla,
-          L.hc_post)
+          L.hc_post, _hc_collapse_xla)
 PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _hc_weights_pallas, _experts_pallas,
-             _linear_pallas, _project_pallas, _hc_post_pallas, per_shard=True)
+             _linear_pallas, _project_pallas, _hc_post_pallas, _hc_collapse_pallas, per_shard=True)
 OPS = {"xla": XLA, "pallas": PALLAS}
 # entries of PALLAS whose kernels are written for Triton
-TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_weights")
+TRITON_ONLY = ("experts", "linear", "project", "hc_post", "hc_collapse", "hc_weights")
 # of those, the entries a TPU has its own kernels for (weights as stored; Sinkhorn's loop in Mosaic)
 TPU_OWN = {"experts": _experts_tpu, "linear": _linear_tpu, "hc_weights": _hc_weights_tpu}
 

@@ -74,31 +74,37 @@ def _is_router_rows(path) -> bool:
     return tuple(getattr(k, "key", None) for k in path[-4:-1]) in _ROUTER_ROWS
 
 
+_HC_PARAMS = ("hc_attn_base", "hc_attn_scale", "hc_ffn_base", "hc_ffn_scale")
+
+
 def _layer_of(path, stack, li, on_mesh: bool):
     """What layer li of a Block state's leaf is inside the layer loop. The routed experts' weights and the router's
     hash tables and selection biases stay whole (the MoE reads layer li's own) and, off a mesh, a Linear's weight
     [n, O, D] (and its FP8 block scales) becomes L.LayerOf (the ops table's `linear` reads it in place): on the H200
     a slice fed to a kernel or a matmul that cannot fuse it is a copy every step (all experts of a layer: 2.1 ms of
-    a 4.8 ms flash-slice step at batch 32). The rest is sliced (on a mesh the projections are XLA's, partitioned
-    by the rules, and the weights enter shard_maps as arrays)."""
+    a 4.8 ms flash-slice step at batch 32); so do mHC's scales and biases and the weights of the norms after its
+    collapse (the ops table's `hc_weights` and `hc_collapse` read them). The rest is sliced (on a mesh the
+    projections are XLA's, partitioned by the rules, and the weights enter shard_maps as arrays)."""
     if _is_expert_weight(path) or _is_router_rows(path):
         return stack
-    if not on_mesh and getattr(path[-2], "key", None) in ("weight", "scale") and stack.ndim == 3:
+    owner, leaf = ([None, None] + [getattr(k, "key", None) for k in path])[-3:-1]
+    if not on_mesh and ((leaf in ("weight", "scale") and stack.ndim == 3) or leaf in _HC_PARAMS
+                        or (owner in ("attn_norm", "ffn_norm") and leaf == "weight")):
         return L.LayerOf(stack, li)
     return L.layer_slice(stack, li)
 
 
 def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
     """The ops table of a step on a mesh. The experts run per shard on the shard's experts (routed_experts); a
-    table of Pallas calls (ops.per_shard) also runs compress and hc_weights per shard, on the step's rows: split as
-    the slots are (over `data`) when row b is slot b, whole on every shard otherwise. select and attend run
-    inside attention_core's shard_map (Attention._attend_pools)."""
+    table of Pallas calls (ops.per_shard) also runs compress, hc_weights, hc_post and hc_collapse per shard, on the
+    step's rows: split as the slots are (over `data`) when row b is slot b, whole on every shard otherwise. select
+    and attend run inside attention_core's shard_map (Attention._attend_pools)."""
     from jax.sharding import PartitionSpec as P
     experts = functools.partial(routed_experts, ops=ops, mesh_rules=mesh_rules)
     if not ops.per_shard:
         return dataclasses.replace(ops, experts=experts)
 
-    def by_row(b):  # every argument and result of compress and hc_weights is [B, ...]
+    def by_row(b):  # every row argument and result of these entries is [B, ...]
         return P(mesh_rules.spec(("slots",), (b,))[0] if rows_are_slots else None)
 
     def compress(comp, x, meta, st_kv, st_sc, rope, proj=None):
@@ -114,17 +120,23 @@ def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
         return on_shards(local, mesh_rules, (P(), rows, rows, rows, rows, rows), rows)(weights, x, meta, st_kv,
                                                                                         st_sc, proj)
 
-    def hc_weights(mix, scale, base, n, iters, eps):
-        rows = by_row(mix.shape[0])
-        return on_shards(lambda m, s, b: ops.hc_weights(m, s, b, n, iters, eps), mesh_rules, (rows, P(), P()),
-                         rows)(mix, scale, base)
+    def hc_weights(dot, ssq, count, norm_eps, scale, base, n, iters, eps):
+        rows = by_row(dot.shape[0])
+        return on_shards(lambda d, q, s, b: ops.hc_weights(d, q, count, norm_eps, s, b, n, iters, eps), mesh_rules,
+                         (rows, rows, P(), P()), rows)(dot, ssq, scale, base)
 
     def hc_post(f, x, post, comb):
         rows = by_row(x.shape[0])
         return on_shards(ops.hc_post, mesh_rules, rows, rows)(f, x, post, comb)
 
+    def hc_collapse(pre, x, weight, eps):
+        rows = by_row(x.shape[0])
+        return on_shards(lambda p, s, w: ops.hc_collapse(p, s, w, eps), mesh_rules, (rows, rows, P()),
+                         rows)(pre, x, weight)
+
     # `project` stays: on a mesh the weights are arrays, not LayerOf, and it takes none of them
-    return dataclasses.replace(ops, compress=compress, hc_weights=hc_weights, hc_post=hc_post, experts=experts)
+    return dataclasses.replace(ops, compress=compress, hc_weights=hc_weights, hc_post=hc_post,
+                               hc_collapse=hc_collapse, experts=experts)
 
 
 class Block(nnx.Module):
@@ -145,25 +157,35 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer_id, rngs=rngs, dtype=dtype)
         self.ffn = MoE(cfg, layer_id, rngs=rngs, dtype=dtype, experts_storage=experts_storage)
 
-    def hc_attn(self, x, weights=None):
-        return L.hc_pre(x, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...], self.cfg, weights)
+    def attn_input(self, x, ops: Ops | None = None):
+        """The streams x [..., N, D] -> (the attention's input [..., D]: mHC's collapse, then attn_norm; post, comb).
+        ops: the cached path's ops table (None: the reference maths of the uncached forward)."""
+        return self._sublayer_input(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm, ops)
 
-    def hc_ffn(self, x, weights=None):
-        return L.hc_pre(x, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.cfg, weights)
+    def ffn_input(self, x, ops: Ops | None = None):
+        """As attn_input, for the MoE (ffn_norm)."""
+        return self._sublayer_input(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm, ops)
+
+    def _sublayer_input(self, x, fn, base, scale, norm, ops):
+        if ops is None:
+            u, post, comb = L.hc_pre(x, fn[...], base[...], scale[...], self.cfg)
+            return norm(u), post, comb
+        pre, post, comb = L.hc_pre_weights(x, fn[...], base.get_value(), scale.get_value(), self.cfg, ops.hc_weights)
+        return ops.hc_collapse(pre, x, norm.weight.get_value(), norm.eps), post, comb
 
     def ffn_part(self, x, token_ids, opts, ops: Ops | None = None, layer=None, hashed=None):
         """ops: the cached path's ops table (None: the reference maths of the uncached forward); layer, hashed:
         see MoE."""
-        u, post, comb = self.hc_ffn(x, None if ops is None else ops.hc_weights)
+        h, post, comb = self.ffn_input(x, ops)
         if ops is None:
-            y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, layer=layer, hashed=hashed)
+            y, experts = self.ffn(h, token_ids, opts, layer=layer, hashed=hashed)
             return L.hc_post(y, x, post, comb), experts
-        y, experts = self.ffn(self.ffn_norm(u), token_ids, opts, ops.experts, layer, ops.project, hashed)
+        y, experts = self.ffn(h, token_ids, opts, ops.experts, layer, ops.project, hashed)
         return ops.hc_post(y, x, post, comb), experts
 
     def cached(self, x, meta, token_ids, pool, li, ops: Ops, opts: RunOptions, hashed=None):
-        u, post, comb = self.hc_attn(x, ops.hc_weights)
-        a, pool = self.attn.cached(self.attn_norm(u), meta, pool, li, ops, opts)
+        h, post, comb = self.attn_input(x, ops)
+        a, pool = self.attn.cached(h, meta, pool, li, ops, opts)
         x = ops.hc_post(a, x, post, comb)
         return self.ffn_part(x, token_ids, opts, ops, li, hashed)[0], pool
 
@@ -171,8 +193,8 @@ class Block(nnx.Module):
         """Returns (streams, aux): aux["indexer"] (CSA, opts.indexer_aux), aux["routing"] (opts.routing_aux, when
         some layer of the block routes by top-k: the stack's hash layers' too, dropped by the caller). layer,
         hashed: see MoE."""
-        u, post, comb = self.hc_attn(x)
-        a, idx_aux = self.attn(self.attn_norm(u), positions, opts)
+        h, post, comb = self.attn_input(x)
+        a, idx_aux = self.attn(h, positions, opts)
         x = L.hc_post(a, x, post, comb)
         x, experts = self.ffn_part(x, token_ids, opts, layer=layer, hashed=hashed)
         aux = {}
@@ -582,8 +604,8 @@ class Transformer(nnx.Module):
         ops, mtp = opts.ops, self.mtp[0]
         x = mtp.streams_in(self.embed.weight[...][next_ids], hidden, opts)
         blk = mtp.block
-        u, post, comb = blk.hc_attn(x, ops.hc_weights)
-        a, pool = blk.attn.cached(blk.attn_norm(u), meta, pool, 0, ops, opts)
+        h, post, comb = blk.attn_input(x, ops)
+        a, pool = blk.attn.cached(h, meta, pool, 0, ops, opts)
         x = ops.hc_post(a, x, post, comb)
         return blk.ffn_part(x, next_ids, opts, ops)[0], pool
 
@@ -616,8 +638,7 @@ class Transformer(nnx.Module):
             blk = stage.block
             attn = blk.attn
             cos, sin = attn.rope(positions)
-            u, post, comb = blk.hc_attn(x, ops.hc_weights)
-            h = blk.attn_norm(u)
+            h, post, comb = blk.attn_input(x, ops)
             q, _ = attn.queries(h, cos, sin, opts)
             keys = jnp.concatenate([ctx.astype(q.dtype), attn.window_kv(h, cos, sin, opts)], axis=1)
             o, _ = L.attend(q, keys, valid, None, None, attn.attn_sink[...], self.cfg.head_dim ** -0.5)
