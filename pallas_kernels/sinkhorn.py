@@ -10,10 +10,11 @@ In both kernels the N*N entries of each token are N*N separate vectors of a bloc
 on them in registers: one launch per mHC. The arithmetic is the reference's (v4jax.model.layers.sinkhorn), in the
 same order (sums over the row or column left to right), so the result matches it to rounding.
 
-`hc_weights` goes from each token's mix (the (2 + N) * N values of fn @ x) to its pre, post and Sinkhorn-normalised
-comb in one launch, reading the mix and writing the weights in the model's token-major layout. Around the Sinkhorn
-kernel alone XLA ran the sigmoids, the softmax and the kernel's transposes as five more launches per mHC (H100
-profile, flash-slice at batch 1: 40 of the step's ~310 launches, ~50 us of 1.8 ms).
+`hc_weights` goes from each token's mix (the (2 + N) * N values of fn @ x, with the sum of squares that norms them)
+to its pre, post and Sinkhorn-normalised comb in one launch, reading the layer's scale and base from their stacks
+and writing the weights in the model's token-major layout. Around the Sinkhorn kernel alone XLA ran the sigmoids,
+the softmax and the kernel's transposes as five more launches per mHC (H100 profile, flash-slice at batch 1: 40 of
+the step's ~310 launches, ~50 us of 1.8 ms), and the mix's norm and scaling one more.
 """
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def test_the_pallas_table_per_backend():
     gpu = ops.ops_for("pallas", "gpu")
     assert gpu.compress is not ops.PALLAS.compress and gpu.experts is ops.PALLAS.experts
     tpu = ops.ops_for("pallas", "tpu")
-    assert tpu.from_xla == ("project", "hc_post")
+    assert tpu.from_xla == ("project", "hc_post", "hc_collapse")
     assert all(getattr(tpu, name) is getattr(ops.XLA, name) for name in tpu.from_xla)
     # weights as stored: the TPU's own kernels (XLA's forms for the rest)
     assert tpu.linear is ops._linear_tpu and tpu.experts is ops._experts_tpu
@@ -138,9 +138,9 @@ def test_the_pallas_table_per_backend():
 def test_a_table_that_cannot_run_here_says_so_when_the_engine_is_built(monkeypatch):
     """On a TPU the Pallas table's Triton-only entries are the XLA table's: building the engine says which."""
     monkeypatch.setattr(ops, "_backend", lambda: "tpu")
-    assert ops.ops_for("pallas").from_xla == ("project", "hc_post") and not ops.ops_for("xla").from_xla
+    assert ops.ops_for("pallas").from_xla == ("project", "hc_post", "hc_collapse") and not ops.ops_for("xla").from_xla
     llm = LLM("tiny", dtype="float32", max_model_len=64, max_num_seqs=2, attention_impl="pallas")
-    with pytest.warns(UserWarning, match="project, hc_post run as the XLA table's"):
+    with pytest.warns(UserWarning, match="project, hc_post, hc_collapse run as the XLA table's"):
         llm.engine
 
 
