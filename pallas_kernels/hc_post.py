@@ -42,6 +42,13 @@ def supported(f, x) -> bool:
     return f.ndim == 2 and x.ndim == 3 and pow2_block(x.shape[-1], BLOCK_D) is not None
 
 
+def _options(interpret, num_warps: int) -> dict:
+    """pallas_call's options: the HLO interpreter (interpret=None: on CPU), else Triton with `num_warps`."""
+    if interpret or (interpret is None and _compat.backend() == "cpu"):
+        return dict(interpret=True)
+    return dict(compiler_params=TritonCompilerParams(num_warps=num_warps, num_stages=1))
+
+
 def _kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int):
     dt = o_ref.dtype
     rnd = lambda v: v.astype(dt).astype(F32)
@@ -58,16 +65,13 @@ def hc_post(f, x, post, comb, *, interpret=None, block_tokens: int = BLOCK_TOKEN
             num_warps: int = 4):
     """The Pallas form of v4jax.model.layers.hc_post (the reference) for f [M, D], x [M, N, D] (callers flatten
     their leading axes)."""
-    if interpret is None:
-        interpret = _compat.backend() == "cpu"
     if not supported(f, x):
         raise ValueError(f"f {f.shape}, x {x.shape}: expected [M, D] and [M, N, D] with D a multiple of a power-of-two "
                          f"block of at least 16")
     m, n, d = x.shape
     bm = min(block_tokens, next_pow2(m))
     bd = pow2_block(d, block_d)
-    kw = dict(interpret=True) if interpret else dict(compiler_params=TritonCompilerParams(num_warps=num_warps,
-                                                                                         num_stages=1))
+    kw = _options(interpret, num_warps)
     return pl.pallas_call(
         functools.partial(_kernel, n=n),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(pl.cdiv(m, bm), d // bd),
@@ -102,8 +106,6 @@ def collapse_norm(pre, x, weight, eps: float, layer=None, *, interpret=None, num
     """rms_norm(sum_i pre_i X_i, weight[layer], eps) as v4jax.model.layers computes it (layers.collapse, then
     layers.rms_norm): pre [M, N] f32, x [M, N, D] -> [M, D] in x's dtype; weight [D] f32, or a stack [n, D] read at
     `layer`. Shapes must pass `collapse_supported`."""
-    if interpret is None:
-        interpret = _compat.backend() == "cpu"
     if not collapse_supported(pre, x):
         raise ValueError(f"pre {pre.shape}, x {x.shape}: expected [M, N] and [M, N, D], M <= {COLLAPSE_MAX_TOKENS}, "
                          f"N and D powers of two")
@@ -111,8 +113,7 @@ def collapse_norm(pre, x, weight, eps: float, layer=None, *, interpret=None, num
     w = weight.reshape(-1, d).astype(F32)
     layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
     full = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
-    kw = dict(interpret=True) if interpret else dict(compiler_params=TritonCompilerParams(num_warps=num_warps,
-                                                                                         num_stages=1))
+    kw = _options(interpret, num_warps)
     return pl.pallas_call(
         functools.partial(_collapse_kernel, n=n, eps=float(eps)),
         out_shape=jax.ShapeDtypeStruct((m, d), x.dtype), grid=(m,),
