@@ -31,10 +31,10 @@
 #              `git archive COMMIT -- . ':!v4jax/default_model' | tar -x -C base`) and in this one, one after the other
 #              in one call, then both in one table: what a change costs, on the same machine
 #   flags      XLA_FLAGS variants against XLA's defaults, each in its own process (FLAGS: variants separated by ';',
-#              the first the baseline; default: none, CONCURRENT command-buffer scheduling, PDL, both): the greedy
-#              tokens of scripts/greedy_tokens.py against the baseline's (STEPS has "tokens"), then flash-slice's
-#              decode rows at 4K (STEPS has "decode"; ROUNDS passes, the variants alternating; MODEL=flash-1gpu for
-#              its rows) -> $OUT/flags/
+#              the first the baseline; default: none, CONCURRENT command-buffer scheduling, PDL, both): mHC's GPU
+#              kernel tests (STEPS has "kernels"), the greedy tokens of scripts/greedy_tokens.py against the
+#              baseline's (STEPS has "tokens"), then flash-slice's decode rows at 4K (STEPS has "decode"; ROUNDS
+#              passes, the variants alternating; MODEL=flash-1gpu for its rows) -> $OUT/flags/
 # Kernels:
 #   check      GPU tests (kernels, engine), the kernel table from profiler traces ($OUT/k/bench_kernels.{md,json}),
 #              engine decode with XLA and Pallas attention at batch 32 / 128K ($OUT/d{xla,pallas})
@@ -525,8 +525,11 @@ flags)
   imports
   IFS=';' read -ra variants <<< "${FLAGS:-;--xla_gpu_command_buffer_scheduling_mode=CONCURRENT;--xla_gpu_enable_pdl=true;--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_enable_pdl=true}"
   model=${MODEL:-flash-slice}
-  steps=${STEPS:-tokens decode}
+  steps=${STEPS:-kernels tokens decode}
   mkdir -p "$out/flags"
+  if [[ $steps == *kernels* ]]; then  # mHC's kernels on this GPU against the model's maths first
+    timeout 120 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "hc_" -p no:cacheprovider 2>&1 | tail -1
+  fi
   if [[ $steps == *tokens* ]]; then
     for i in "${!variants[@]}"; do
       stamp "tokens, XLA_FLAGS='${variants[$i]}'"
