@@ -266,7 +266,8 @@ def _hc_weights_pallas(dot, ssq, count, norm_eps, scale, base, n, iters, eps):
     then one program running this loop while the others summed the streams): H100, Flash's width, 50 / 48 / 78 /
     122 us of kernels a call at 1 / 8 / 32 / 64 tokens against 12 / 18 / 19 / 24 us for XLA's eight launches with
     the Sinkhorn kernel (the f32 matmul and the loop's serial divides; docs/results/h100-prefill-first/
-    bench_hc_pre.json). This kernel reads no streams: only the (2 + N) * N values of each token's mix."""
+    bench_hc_pre.json). This kernel reads no streams: only each token's (2 + N) * N products and its sum of
+    squares; the collapse (with the next norm) is a launch of its own, `hc_collapse`, whose programs only load."""
     layer = scale.index if isinstance(scale, L.LayerOf) else None  # scale and base: the layer's of their stacks
     scale, base = (a.stack if isinstance(a, L.LayerOf) else a for a in (scale, base))
     return pallas_sinkhorn.hc_weights(dot, ssq, count, norm_eps, scale, base, n, iters, eps, layer)
