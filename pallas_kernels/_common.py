@@ -17,6 +17,11 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def layer_operand(layer) -> jax.Array:
+    """A kernel's layer index as an int32 [1] operand (None: 0, an array that is not a stack's)."""
+    return jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 

@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import _compat
-from ._common import F32, round_up
+from ._common import F32, layer_operand, round_up
 from .compressor_common import finish_entry, project_f32, state_dims
 
 _CB = 32   # channels per program (per half)
@@ -116,7 +116,7 @@ def _state_update(pos, a, z, kv_state, score_state, layer=None, *, m, coff, d, i
     B = pos.shape[0]
     shape = kv_state.shape
     kv_state, score_state = (st.reshape(-1, *shape[-2:]) for st in (kv_state, score_state))
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    layer = layer_operand(layer)
     cb, bb = _CB, _BB
     Bp = round_up(B, bb)
     pad = Bp - B

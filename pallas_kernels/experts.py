@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import e2m1_to_f32, mm_nt, next_pow2, pow2_block as _pow2_block, ue8m0_to_f32
+from ._common import e2m1_to_f32, layer_operand, mm_nt, next_pow2, pow2_block as _pow2_block, ue8m0_to_f32
 from . import _compat
 from ._compat import TritonCompilerParams, pltriton
 
@@ -131,7 +131,7 @@ def routed_experts(x, weights, experts, w1, w2, w3, limit, *, layer=None, interp
     dr, dc = _pow2_block(d, down[0]), _pow2_block(n_inner, down[1])
     tb = max(16, next_pow2(m))
     num_stages = num_stages or (STAGES if tb <= 32 else STAGES_PAST_32)
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    layer = layer_operand(layer)
     w1f, w3f, w2f = w1.reshape(-1, d), w3.reshape(-1, d), w2.reshape(-1, n_inner)
 
     pairs = _group_pairs(experts, n_exp)
@@ -213,7 +213,7 @@ def _group_pairs(experts, n_exp) -> ExpertPairs:
 def _fp4_flat(layer, *weights):
     """The layer index as a [1] array, and each (codes [..., O, C / 2], scales [..., O, C / 32]) stack as rows of
     every layer and expert: (codes [R, C / 2], scale bytes [R, C / 32])."""
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    layer = layer_operand(layer)
     flat = lambda a: a.reshape(-1, a.shape[-1])
     return layer, *((flat(c), flat(lax.bitcast_convert_type(sc, jnp.uint8))) for c, sc in weights)
 

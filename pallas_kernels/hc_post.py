@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import next_pow2, pow2_block
+from ._common import layer_operand, next_pow2, pow2_block
 from . import _compat
 from ._compat import TritonCompilerParams
 
@@ -111,7 +111,7 @@ def collapse_norm(pre, x, weight, eps: float, layer=None, *, interpret=None, num
                          f"N and D powers of two")
     m, n, d = x.shape
     w = weight.reshape(-1, d).astype(F32)
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    layer = layer_operand(layer)
     full = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
     kw = _options(interpret, num_warps)
     return pl.pallas_call(

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import fp8_round_block, mm_nt, next_pow2, pow2_block as _pow2_block, ue8m0_to_f32
+from ._common import fp8_round_block, layer_operand, mm_nt, next_pow2, pow2_block as _pow2_block, ue8m0_to_f32
 from ._compat import TritonCompilerParams, backend
 
 F32 = jnp.float32
@@ -142,7 +142,7 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
         cols = SCALE_BLOCK
     tb = 1 if m == 1 else max(16, next_pow2(m))
     x2 = jnp.pad(jnp.moveaxis(x.reshape(m, groups, d), 1, 0), ((0, 0), (0, tb - m), (0, 0)))  # [G, TB, D]
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    layer = layer_operand(layer)
     wfs = [w.reshape(-1, d) for w in ws]
     total = sum(n_outs)
     starts = tuple(sum(n_outs[:k]) // rows for k in range(len(ws)))

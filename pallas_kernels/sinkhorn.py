@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import _compat
+from ._common import layer_operand
 from ._compat import TritonCompilerParams, interpret_arg, pltriton
 
 BLOCK = 128  # tokens per program on TPU: one lane row
@@ -127,7 +128,7 @@ def hc_weights(dot, ssq, count: int, norm_eps: float, scale, base, n: int, iters
     m = dot.size // c
     f32 = jnp.float32
     scale, base = scale.reshape(-1, 3).astype(f32), base.reshape(-1, c).astype(f32)
-    layer = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    layer = layer_operand(layer)
     args = (layer, dot.astype(f32).reshape(-1), ssq.astype(f32).reshape(-1), scale, base)
     shapes = [jax.ShapeDtypeStruct((m * k,), f32) for k in (n, n, n * n)]
     full = lambda sh: pl.BlockSpec(sh.shape, lambda i: (0,) * len(sh.shape))  # noqa: E731
