@@ -102,3 +102,15 @@ def test_collapse_norm_lowers_for_gpu():
     pre, x, w = _collapse_case(3, 4, 4096, jnp.bfloat16, layers=43)
     txt = _compat.lower_for_cuda(lambda *a: HP.collapse_norm(*a, 1e-6, jnp.int32(7), interpret=False), pre, x, w)
     assert txt.count("triton") >= 1
+
+
+def test_the_ops_table_reads_the_norm_weight_of_its_layer():
+    # the Pallas table's hc_collapse takes the weight as the layer loop holds it (L.LayerOf of its stack) and must read
+    # that layer's row, as the XLA table's slice does (the presets' norm weights start equal in every layer, so the
+    # engine tests would not see another layer's row)
+    from v4jax.model import ops
+    pre, x, w = _collapse_case(2, 4, 128, jnp.float32, layers=4, seed=5)
+    for layer in (1, 3):
+        got = ops.PALLAS.hc_collapse(pre, x, L.LayerOf(w, jnp.int32(layer)), 1e-6)
+        ref = ops.XLA.hc_collapse(pre, x, L.LayerOf(w, jnp.int32(layer)), 1e-6)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-6, atol=2e-6)

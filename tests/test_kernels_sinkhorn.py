@@ -72,3 +72,15 @@ def test_weights_lower_for_gpu():
     dot, ssq, scale, base = _mix((3,), layers=43)
     fn = lambda d, q, s, b: SK.hc_weights(d, q, COUNT, 1e-6, s, b, 4, 20, 1e-6, jnp.int32(5), interpret=False)  # noqa
     assert "triton" in _compat.lower_for_cuda(fn, dot, ssq, scale, base)
+
+
+def test_the_ops_table_reads_the_weights_of_its_layer():
+    # the Pallas table's hc_weights takes scale and base as the layer loop holds them (L.LayerOf of their stacks) and
+    # must read that layer's, as the XLA table's slices do
+    from v4jax.model import ops
+    dot, ssq, scale, base = _mix((3,), seed=2, layers=4)
+    for layer in (1, 3):
+        args = (dot, ssq, COUNT, 1e-6, L.LayerOf(scale, jnp.int32(layer)), L.LayerOf(base, jnp.int32(layer)), 4, 20,
+                1e-6)
+        for g, r in zip(ops.PALLAS.hc_weights(*args), ops.XLA.hc_weights(*args)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-6, atol=1e-7)
