@@ -246,6 +246,8 @@ _RANK_BLOCK = 32
 # 11 us per CSA layer at batch 1 on the H200, where a sort's launch alone is comparable)
 _SORT_ROWS = 64
 _RANK_INNER = 128    # candidates compared per loop step
+# the longest row `_rank_rows` takes whole (a 16K context's CSA rows); longer rows take the threshold's candidates
+_RANK_ROWS_MAX = 4096
 
 
 def _rank_kernel(cs_ref, ci_ref, cnt_ref, o_ref, *, k, cap, blk, inner):
@@ -288,6 +290,50 @@ def _rank_scatter(vals, idx, count, k, *, interpret=False):
     )(vals, idx, count)
 
 
+def _rank_row_kernel(x_ref, o_ref, *, k, blk, inner):
+    p = pl.program_id(1)
+    pos_i = p * blk + lax.broadcasted_iota(I32, (blk,), 0)
+    vi = _canon(x_ref[pl.ds(p * blk, blk)])
+
+    def body(j, carry):
+        rank, n_finite = carry
+        vj = _canon(x_ref[pl.ds(j * inner, inner)])
+        pos_j = j * inner + lax.broadcasted_iota(I32, (inner,), 0)
+        # a -inf score is before no finite one: only the finite scores' ranks are kept
+        before = (vj[None, :] > vi[:, None]) | ((vj[None, :] == vi[:, None]) & (pos_j[None, :] < pos_i[:, None]))
+        return rank + jnp.sum(before.astype(I32), axis=1), n_finite + jnp.sum((vj > -jnp.inf).astype(I32))
+
+    rank, n_finite = lax.fori_loop(0, x_ref.shape[0] // inner, body, (jnp.zeros((blk,), I32), jnp.int32(0)))
+    ok = (vi > -jnp.inf) & (rank < k)  # a -inf score's rank would collide with the -1 fill below
+    _compat.pltriton.store(o_ref.at[jnp.where(ok, rank, k)], pos_i, mask=ok)
+    fill = (pos_i >= n_finite) & (pos_i < k)                              # fewer than k finite: pad with -1
+    _compat.pltriton.store(o_ref.at[jnp.where(fill, pos_i, k)], jnp.full((blk,), -1, I32), mask=fill)
+
+
+def _rank_rows_applies(N: int, S: int, k: int) -> bool:
+    """A decode step's short rows (S a power of two from _RANK_INNER up to _RANK_ROWS_MAX, k <= S, fewer than
+    _SORT_ROWS rows) are ranked whole by `_rank_rows`."""
+    return N < _SORT_ROWS and k <= S <= _RANK_ROWS_MAX and S >= _RANK_INNER and S & (S - 1) == 0
+
+
+def _rank_rows(x, k, *, interpret=False):
+    """Exact top-k of short rows x [N, S] in one launch: every score's rank by (score desc, index asc) among the
+    row's finite scores, a pairwise count as `_rank_kernel`'s, the first k scattered into place, -1 padded (the
+    sort's form was three launches on a decode step's chain: a negation, the sort, a select)."""
+    N, S = x.shape
+    kernel = functools.partial(_rank_row_kernel, k=k, blk=_RANK_BLOCK, inner=_RANK_INNER)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((N, k), I32),
+        grid=(N, S // _RANK_BLOCK),
+        in_specs=[pl.BlockSpec((None, S), lambda n, p: (n, 0))],
+        out_specs=pl.BlockSpec((None, k), lambda n, p: (n, 0)),
+        compiler_params=_compat.TritonCompilerParams(num_warps=4, num_stages=1),
+        interpret=bool(interpret),
+        name="v4_topk_rank_rows",
+    )(x)
+
+
 def _sort_candidates(vals, idx, count, k):
     """Candidates (vals, idx)[:, :count] (slots past count hold garbage) -> their first k by (value desc, index
     asc), -1 padded: [N, k]. Same result as `_rank_scatter`."""
@@ -302,6 +348,8 @@ def _topk_threshold(scores, k, *, interpret=False):
     kk = min(k, S)
     n_groups, cap = _threshold_params(S, kk)
     if S <= 2 * n_groups:
+        if _rank_rows_applies(x.shape[0], S, k):
+            return _rank_rows(x, k, interpret=interpret).reshape(*lead, k)
         return _topk_rows_ref(_canon(x), k).reshape(*lead, k)
     c = -(-S // n_groups)
     xp = pad_last(x, c * n_groups, -jnp.inf)

@@ -123,7 +123,8 @@ def test_indexer_scores_fp4_gpu(B, T, Hi, S, dtype):
     _close(jax.jit(functools.partial(IX.indexer_scores, key_format=fmt))(*args), ref, tol)
 
 
-@pytest.mark.parametrize("N,S,k", [(1, 262144, 512), (64, 262144, 512), (8, 9000, 100), (4, 300, 512)])
+@pytest.mark.parametrize("N,S,k", [(1, 262144, 512), (64, 262144, 512), (8, 9000, 100), (4, 300, 512), (4, 1024, 512),
+                                   (32, 4096, 512)])
 def test_topk_gpu(N, S, k):
     x = np.array(jax.random.normal(jax.random.key(2), (N, 1, S), jnp.float32))
     x[0, 0, : S // 2] = -np.inf

@@ -137,7 +137,8 @@ def _tricky_rows(rng, N, S):
     return x
 
 
-TOPK_CASES = [(6, 1000, 64), (6, 300, 512), (6, 9000, 100)]
+# (6, 1024, 512) and (6, 512, 64): a decode step's short rows, ranked whole by one kernel (tk._rank_rows)
+TOPK_CASES = [(6, 1000, 64), (6, 300, 512), (6, 9000, 100), (6, 1024, 512), (6, 512, 64)]
 
 
 @pytest.mark.parametrize("N,S,k", TOPK_CASES)
@@ -153,6 +154,18 @@ def test_topk_gpu_threshold_interpret(rng, N, S, k):
     x = _tricky_rows(rng, N, S)
     got = jax.jit(functools.partial(tk._topk_threshold, k=k, interpret=True))(jnp.asarray(x)[None])
     np.testing.assert_array_equal(np.asarray(got)[0], _oracle(x, k))
+
+
+def test_topk_short_rows_ranked_whole(rng):
+    # every row shape a decode step's short rows take reaches the one-launch rank kernel, at most k valid or not
+    S, k = 1024, 512
+    assert tk._rank_rows_applies(6, S, k) and not tk._rank_rows_applies(6, 1000, k)
+    assert not tk._rank_rows_applies(tk._SORT_ROWS, S, k) and not tk._rank_rows_applies(6, 256, k)
+    x = _tricky_rows(rng, 6, S)
+    x[5, :] = -np.inf
+    x[5, [7, 700, 3]] = [2.0, 2.0, -1.0]                                  # three finite, two tied
+    got = jax.jit(functools.partial(tk._rank_rows, k=k, interpret=True))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), _oracle(x, k))
 
 
 def test_topk_gpu_threshold_many_rows_sorts_candidates(rng):
