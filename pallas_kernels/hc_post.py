@@ -10,7 +10,9 @@ not go through XLA's emitters.
   post and comb cast to x's dtype, post_k * f rounded, the sum over j accumulated in f32 and rounded, then added.
   Blocks past M (M not a multiple of BM) are masked by Pallas.
 
-  f [M, D], x [M, N, D] (same dtype), post [M, N] f32, comb [M, N, N] f32 -> [M, N, D] in x's dtype.
+  f [M, D], x [M, N, D] (same dtype), post [M, N] f32, comb [M, N, N] f32 -> [M, N, D] in x's dtype. f may come
+  as the f32 partial sums [S, M, D] of the projection that made it (pallas_kernels.layer_linear, summed=False):
+  the program adds them up and rounds them to x's dtype (in XLA that was a launch of its own on decode's chain).
 
 `collapse_norm` is the other end of mHC for a decode step's few tokens: the collapse u = sum_i pre_i X_i and the
 RMS norm of u with the next sublayer's weight, in one launch where XLA ran three (the collapse, the norm's sum of
@@ -38,8 +40,8 @@ BLOCK_TOKENS, BLOCK_D = 16, 128
 
 
 def supported(f, x) -> bool:
-    """D divisible by a power-of-two block of >= 16."""
-    return f.ndim == 2 and x.ndim == 3 and pow2_block(x.shape[-1], BLOCK_D) is not None
+    """f [M, D] or partial sums [S, M, D], x [M, N, D]; D divisible by a power-of-two block of >= 16."""
+    return f.ndim in (2, 3) and x.ndim == 3 and pow2_block(x.shape[-1], BLOCK_D) is not None
 
 
 def _options(interpret, num_warps: int) -> dict:
@@ -52,7 +54,10 @@ def _options(interpret, num_warps: int) -> dict:
 def _kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int):
     dt = o_ref.dtype
     rnd = lambda v: v.astype(dt).astype(F32)
-    f = f_ref[...].astype(F32)
+    f = f_ref[0].astype(F32)
+    for part in range(1, f_ref.shape[0]):  # partial sums, added in order
+        f = f + f_ref[part].astype(F32)
+    f = rnd(f)
     xs = [x_ref[:, j, :].astype(F32) for j in range(n)]
     for k in range(n):
         mixed = rnd(comb_ref[:, 0, k])[:, None] * xs[0]
@@ -63,20 +68,22 @@ def _kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int):
 
 def hc_post(f, x, post, comb, *, interpret=None, block_tokens: int = BLOCK_TOKENS, block_d: int = BLOCK_D,
             num_warps: int = 4):
-    """The Pallas form of v4jax.model.layers.hc_post (the reference) for f [M, D], x [M, N, D] (callers flatten
-    their leading axes)."""
+    """The Pallas form of v4jax.model.layers.hc_post (the reference) for f [M, D] (or its partial sums [S, M, D],
+    added in order), x [M, N, D] (callers flatten their leading axes)."""
     if not supported(f, x):
-        raise ValueError(f"f {f.shape}, x {x.shape}: expected [M, D] and [M, N, D] with D a multiple of a power-of-two "
-                         f"block of at least 16")
+        raise ValueError(f"f {f.shape}, x {x.shape}: expected [M, D] or [S, M, D] and [M, N, D] with D a multiple of "
+                         f"a power-of-two block of at least 16")
     m, n, d = x.shape
+    f = f.reshape((-1,) + f.shape[-2:])
     bm = min(block_tokens, next_pow2(m))
     bd = pow2_block(d, block_d)
     kw = _options(interpret, num_warps)
     return pl.pallas_call(
         functools.partial(_kernel, n=n),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(pl.cdiv(m, bm), d // bd),
-        in_specs=[pl.BlockSpec((bm, bd), lambda i, c: (i, c)), pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)),
-                  pl.BlockSpec((bm, n), lambda i, c: (i, 0)), pl.BlockSpec((bm, n, n), lambda i, c: (i, 0, 0))],
+        in_specs=[pl.BlockSpec((f.shape[0], bm, bd), lambda i, c: (0, i, c)),
+                  pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)), pl.BlockSpec((bm, n), lambda i, c: (i, 0)),
+                  pl.BlockSpec((bm, n, n), lambda i, c: (i, 0, 0))],
         out_specs=pl.BlockSpec((bm, n, bd), lambda i, c: (i, 0, c)), name="v4_hc_post", **kw,
     )(f, x, post.astype(F32), comb.astype(F32))
 

@@ -118,10 +118,10 @@ def _kernel(layer_ref, x_ref, *refs, starts, n_outs, group_rows, rows, cols, chu
 
 
 def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs, scales=None,
-          act_quant=False):
+          act_quant=False, summed=True):
     """The f32 outputs [M, sum O] of x against every weight of `ws`, in one launch (`scales`: ws are FP8 weights,
     scales their ue8m0 block scales, each a layer's or its stack's; `act_quant`: x rounded to FP8 in 1 x 128 blocks
-    first)."""
+    first); summed=False: their partial sums [S, M, sum O] over the S splits of D."""
     if interpret is None:
         interpret = backend() == "cpu"
     scaled = scales is not None
@@ -165,24 +165,28 @@ def _call(x, ws, layer, groups, interpret, num_warps, num_stages, rows, cols, mi
         out_specs=pl.BlockSpec((None, None if tb == 1 else tb, rows), lambda j, s: (s, 0, j)),
         name="v4_layer_linear_fp8" if scaled else "v4_layer_linear", **kw,
     )(layer, x2, *extra, *wfs)
-    y = parts[0] if splits == 1 else jnp.sum(parts, axis=0)
-    return y if tb == m else y[:m]
+    parts = parts if tb == m else parts[:, :m]
+    if not summed:
+        return parts
+    return parts[0] if splits == 1 else jnp.sum(parts, axis=0)
 
 
 def layer_linear(x, w, layer=None, groups: int = 1, *, scale=None, act_quant: bool = False, interpret=None,
                  num_warps: int = 4, num_stages: int = 2, rows: int = ROWS, cols: int = COLS,
-                 min_programs: int = MIN_PROGRAMS):
+                 min_programs: int = MIN_PROGRAMS, summed: bool = True):
     """x @ w[layer].T (w.T without `layer`) in f32, as a Pallas kernel (Triton on GPU; interpret=None: the HLO
     interpreter on CPU); with `groups`, group by group; with `scale` (ue8m0 [O/128, D/128], layer `layer`'s, or the
     stack's [n, O/128, D/128], read at `layer`), w is e4m3 in 128 x 128 blocks; with `act_quant`, x rounded to FP8
-    as the release does first (see the module doc).
+    as the release does first (see the module doc); summed=False: the partial sums [S, ...] whose sum that is
+    (S >= 1, the kernel's splits of D), for a consumer that adds them itself.
     Shapes must pass `supported`."""
     y = _call(x, [w], layer, groups, interpret, num_warps, num_stages, rows, cols, min_programs,
-              None if scale is None else [scale], act_quant)
+              None if scale is None else [scale], act_quant, summed)
+    lead = () if summed else y.shape[:1]
     n_out = w.shape[-2]
     if groups > 1:
-        return y.reshape(*x.shape[:-2], groups, n_out // groups)
-    return y.reshape(*x.shape[:-1], n_out)
+        return y.reshape(*lead, *x.shape[:-2], groups, n_out // groups)
+    return y.reshape(*lead, *x.shape[:-1], n_out)
 
 
 def layer_linears(x, ws, layer=None, *, scales=None, act_quant: bool = False, interpret=None, num_warps: int = 4,

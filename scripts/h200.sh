@@ -527,8 +527,9 @@ flags)
   model=${MODEL:-flash-slice}
   steps=${STEPS:-kernels tokens decode}
   mkdir -p "$out/flags"
-  if [[ $steps == *kernels* ]]; then  # mHC's kernels on this GPU against the model's maths first
-    timeout 120 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "hc_" -p no:cacheprovider 2>&1 | tail -1
+  if [[ $steps == *kernels* ]]; then  # the decode step's newest kernels (mHC, top-k) on this GPU first
+    timeout 150 python3 -m pytest -q -m "$gpu" tests/test_kernels_gpu.py -k "${KTESTS:-hc_ or topk}" \
+      -p no:cacheprovider 2>&1 | tail -3
   fi
   if [[ $steps == *tokens* ]]; then
     for i in "${!variants[@]}"; do

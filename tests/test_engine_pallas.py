@@ -33,10 +33,10 @@ def test_pallas_engine_equals_xla(monkeypatch):
     real_group = pallas_linear.layer_linears
     monkeypatch.setattr(pallas_linear, "layer_linears", lambda x, ws, *a, **kw: group_calls.append(
         (x.size // x.shape[-1], len(ws))) or real_group(x, ws, *a, **kw))
-    hc_post_tokens = []
+    hc_post_tokens = []  # (tokens, f as partial sums [S, M, D]) of each call
     real_hc_post = pallas_hc_post.hc_post
-    monkeypatch.setattr(pallas_hc_post, "hc_post", lambda f, *a, **kw: hc_post_tokens.append(f.shape[0]) or
-                        real_hc_post(f, *a, **kw))
+    monkeypatch.setattr(pallas_hc_post, "hc_post", lambda f, *a, **kw: hc_post_tokens.append(
+        (f.shape[-2], f.ndim == 3)) or real_hc_post(f, *a, **kw))
     # the GPU's decode path for the compressors (pallas_kernels.compressor_gpu on the state stacks, fed the
     # projections of the attention input's one launch), interpreted; the CPU's own kernel: the next tests
     monkeypatch.setattr(ops, "_backend", lambda: "gpu")
@@ -56,7 +56,8 @@ def test_pallas_engine_equals_xla(monkeypatch):
     # its compressor's two; CSA: and the indexer's compressor's two and weights_proj), the shared expert's w1 / w3
     # in one
     assert {(2, n) for n in (2, 4, 7)} <= set(group_calls) <= {(m, n) for m in (1, 2, 16) for n in (2, 4, 7)}
-    assert {2, 16} <= set(hc_post_tokens)  # mHC's expansion: decode's two rows, a chunk's 16
+    assert {2, 16} <= {m for m, _ in hc_post_tokens}  # mHC's expansion: decode's two rows, a chunk's 16
+    assert (2, True) in hc_post_tokens  # decode's attention output as wo_b's partial sums, added in the kernel
     for a, b in zip(outs["xla"], outs["pallas"]):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -281,6 +281,20 @@ def test_hc_post_gpu(M):
     np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
 
 
+@pytest.mark.parametrize("M", [1, 32])
+def test_hc_post_partial_sums_gpu(M):
+    # the attention output as wo_b's f32 partial sums (4 splits), added and rounded to bf16 in the kernel
+    HP = importlib.import_module("pallas_kernels.hc_post")
+    k = jax.random.split(jax.random.key(4), 4)
+    parts = jax.random.normal(k[0], (4, M, 4096), jnp.float32)
+    x = jax.random.normal(k[1], (M, 4, 4096), jnp.bfloat16)
+    post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (M, 4)))
+    comb = jax.nn.softmax(jax.random.normal(k[3], (M, 4, 4)), axis=-1)
+    out = np.asarray(jax.jit(HP.hc_post)(parts, x, post, comb), np.float32)
+    f = (((parts[0] + parts[1]) + parts[2]) + parts[3]).astype(jnp.bfloat16)  # the kernel's order
+    np.testing.assert_array_equal(out, np.asarray(jax.jit(HP.hc_post)(f, x, post, comb), np.float32))
+
+
 @pytest.mark.parametrize("M", [1, 32, 64])
 def test_hc_collapse_gpu(M):
     # mHC's collapse and the next sublayer's norm at decode batches, bf16 as in the model, the weight of layer 5 of a

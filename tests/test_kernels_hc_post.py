@@ -41,6 +41,19 @@ def test_rounds_as_the_model_bf16():
     np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=2 ** -7)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_adds_up_partial_sums(dtype):
+    # f as a projection's f32 partial sums [S, M, D]: their sum, rounded to x's dtype, is the sublayer's output
+    f, x, post, comb = _case(5, 4, 256, dtype, seed=3)
+    parts = jax.random.normal(jax.random.key(4), (4,) + f.shape, jnp.float32)
+    f = jnp.sum(parts, axis=0).astype(dtype)
+    out = np.asarray(HP.hc_post(parts, x, post, comb, interpret=True), np.float32)
+    np.testing.assert_array_equal(out, np.asarray(HP.hc_post(f, x, post, comb, interpret=True), np.float32))
+    lone = np.asarray(HP.hc_post(parts[:1], x, post, comb, interpret=True), np.float32)   # one part, rounded too
+    np.testing.assert_array_equal(lone, np.asarray(HP.hc_post(parts[0].astype(dtype), x, post, comb,
+                                                                interpret=True), np.float32))
+
+
 def test_refuses_other_shapes():
     f, x, post, comb = _case(2, 4, 24, jnp.float32)  # D = 24: no power-of-two block of >= 16 divides it
     assert not HP.supported(f, x)

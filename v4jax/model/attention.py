@@ -396,14 +396,15 @@ class Attention(nnx.Module):
         nope = self.cfg.nope_head_dim
         return jnp.concatenate([quant.fp8_roundtrip(kv[..., :nope], 64), kv[..., nope:]], axis=-1)
 
-    def output(self, o, cos, sin, opts: RunOptions):
-        """o [B, T, H, K] -> [B, T, D]: inverse RoPE at the query position, grouped low-rank projection."""
+    def output(self, o, cos, sin, opts: RunOptions, sums: bool = False):
+        """o [B, T, H, K] -> [B, T, D]: inverse RoPE at the query position, grouped low-rank projection (sums: may
+        come as L.Sums, for the ops table's hc_post)."""
         cfg = self.cfg
         o = L.apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
         g = cfg.o_groups
         o = o.reshape(*o.shape[:-2], g, -1)  # [B, T, G, (H/G)*K]
         u = self.wo_a(o, opts, groups=g)  # [B, T, G, R]
-        return self.wo_b(u.reshape(*u.shape[:-2], -1), opts)
+        return self.wo_b(u.reshape(*u.shape[:-2], -1), opts, sums=sums)
 
     # -- the full-sequence forward (no cache): dense masks, the reference for every cached path --
     def __call__(self, x, positions, opts: RunOptions):
@@ -470,7 +471,8 @@ class Attention(nnx.Module):
         hot = pools.pop("hot", None)  # the offload state (attention_core with hot)
         if hot is not None:
             pools.update({field: hot[name] for name, field in HOT_FIELDS.items()})
-        return self.output(o.astype(q.dtype), cos, sin, opts), dataclasses.replace(pool, **pools, **states)
+        out = self.output(o.astype(q.dtype), cos, sin, opts, sums=True)  # for ops.hc_post
+        return out, dataclasses.replace(pool, **pools, **states)
 
     def entry_formats(self) -> dict:
         """Pool name -> the entry format it stores under kv_cache_dtype="fp8" (pallas_kernels.kv_format)."""

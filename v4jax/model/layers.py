@@ -276,6 +276,24 @@ class LayerOf:
         return layer_slice(self.stack, self.index)[key]
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class Sums:
+    """A projection's output not yet added up: its f32 partial sums `parts` [S, ..., O] (a kernel's split of the
+    input width), the output being their sum rounded to `dtype` (`total`). The ops table's `linear` gives them to
+    a consumer that adds them itself (`hc_post`): the sum was a launch of its own before a kernel."""
+    parts: jax.Array
+    dtype: Any
+
+    def total(self):
+        return jnp.sum(self.parts, axis=0).astype(self.dtype)
+
+
+def total(f):
+    """f, or the total of Sums f."""
+    return f.total() if isinstance(f, Sums) else f
+
+
 DENSE_EXPERTS_RATIO = 4  # with at most this many experts per active one, compute every expert densely
 
 
@@ -461,15 +479,15 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(values, logical_axes=axes)
         self.scale = nnx.data(nnx.Param(scale, logical_axes=axes))
 
-    def __call__(self, x, opts=None, groups: int = 1):
+    def __call__(self, x, opts=None, groups: int = 1, sums: bool = False):
         """opts: the forward's RunOptions (v4jax.model.transformer); groups > 1: the grouped form of `linear`
-        (x [..., G, in])."""
+        (x [..., G, in]); sums: the output may come as Sums (for the ops table's hc_post)."""
         act_quant = self.fp8 and (self.scale is not None or (opts is not None and opts.quant_sim))
         w = self.weight.get_value()
         if isinstance(w, LayerOf):  # inside the layer loop, off a mesh: the forward's ops table reads it in place
             scale = None if self.scale is None else self.scale.get_value()  # the stack's scales, read in place too
             scale = scale.stack if isinstance(scale, LayerOf) else scale
-            return opts.ops.linear(x, w.stack, w.index, groups, scale, act_quant)  # (a kernel rounds x itself)
+            return opts.ops.linear(x, w.stack, w.index, groups, scale, act_quant, sums)  # (a kernel rounds x itself)
         scale = None if self.scale is None else self.scale[...]
         if act_quant:
             x = quant.fp8_roundtrip(x, 128)

@@ -41,7 +41,8 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       input in one launch, each w an L.LayerOf of a layer stack [n, O_k, D] (None for a weight the kernel does not
       take: the caller projects it itself; all None in the XLA table, whose matmuls are XLA's to schedule);
       scales: FP8 weights, the L.LayerOf of each one's block scales, act_quant as `linear`'s.
-  hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post).
+  hc_post(f, x, post, comb) -> [..., N, D] in x's dtype: mHC's expansion (v4jax.model.layers.hc_post); f an
+      array [..., D] or L.Sums (`linear`'s partial sums, added up as L.Sums.total).
   hc_collapse(pre, x, weight, eps) -> [..., D] in x's dtype: mHC's collapse sum_i pre_i X_i (pre [..., N] f32, x
       [..., N, D]) RMS-normed with the next sublayer's weight (an array [D] or L.LayerOf of a stack [n, D]):
       v4jax.model.layers.rms_norm of layers.collapse.
@@ -50,6 +51,7 @@ be partitioned automatically); XLA partitions the jnp forms itself.
       ue8m0 block scales, the stack's [n, O/128, D/128] or layer `layer`'s), w is the release's e4m3 stack;
       act_quant: x is rounded to FP8 in 1 x 128 blocks first (the release's act_quant, which layers.Linear asks for
       but for the grouped wo_a); off a mesh only (on one the projections are XLA's, partitioned by the rules).
+      sums=True: the output may come as L.Sums, for hc_post (only the Pallas table's kernel has partial sums).
 The kernels are read from their modules at call time (tests patch them to count calls).
 
 Which table runs where (`ops_for`, resolved once per forward pass from RunOptions.attention_impl and the backend):
@@ -342,7 +344,7 @@ def _layer_scale(scale, w, layer):
     return L.layer_slice(scale, layer) if scale is not None and scale.ndim == w.ndim else scale
 
 
-def _linear_xla(x, w, layer, groups=1, scale=None, act_quant=False):
+def _linear_xla(x, w, layer, groups=1, scale=None, act_quant=False, sums=False):
     if act_quant:
         x = quant.fp8_roundtrip(x, 128)
     scale = _layer_scale(scale, w, layer)
@@ -350,20 +352,22 @@ def _linear_xla(x, w, layer, groups=1, scale=None, act_quant=False):
     return L.linear(x, w if scale is None else quant.Quantized(w, scale, "fp8"), groups)
 
 
-def _linear_pallas(x, w, layer, groups=1, scale=None, act_quant=False):
+def _linear_pallas(x, w, layer, groups=1, scale=None, act_quant=False, sums=False):
     """pallas_kernels.layer_linear for a decode step's few tokens (the layer's weight read from the stack in
     place; FP8 weights as stored) on GPU and, interpreted, on CPU; XLA's matmul for the rest. On the H200 the XLA
     form of an FP8 weight (the layer's slice dequantized, then a bf16 matmul) made a flash-slice decode step 2x
     slower than bf16 weights (3.16 against 1.57 ms at batch 1, 4K). A prefill chunk keeps it: XLA fuses the
     widening into its bf16 GEMM (Flash's projections at 8192 tokens: 0.05-1.1 ms, ~700 TFLOP/s), where a
     block-scaled FP8 GEMM in Pallas (e4m3 tensor-core dots, measured and removed) took 2-3x as long (250-330
-    TFLOP/s). The kernel rounds x to FP8 itself (act_quant)."""
+    TFLOP/s). The kernel rounds x to FP8 itself (act_quant). sums: its partial sums as L.Sums (their sum and
+    rounding were a launch between the kernel and hc_post's)."""
     if pallas_linear.supported(x, w, groups, scaled=scale is not None, act_quant=act_quant):
-        return pallas_linear.layer_linear(x, w, layer, groups, scale=scale, act_quant=act_quant).astype(x.dtype)
+        y = pallas_linear.layer_linear(x, w, layer, groups, scale=scale, act_quant=act_quant, summed=not sums)
+        return L.Sums(y, x.dtype) if sums else y.astype(x.dtype)
     return _linear_xla(x, w, layer, groups, scale, act_quant)
 
 
-def _linear_tpu(x, w, layer, groups=1, scale=None, act_quant=False):
+def _linear_tpu(x, w, layer, groups=1, scale=None, act_quant=False, sums=False):
     """On a TPU: FP8 weights as stored through pallas_kernels.fp8_linear_tpu (decode and prefill alike; XLA-TPU
     widens the weight into HBM before its matmul wherever the weight is large, libtpu AOT: 134-403 MB of
     temporaries per Flash projection on v5e / v6e, every one on v5p); XLA's matmul for bf16 weights."""
@@ -395,15 +399,20 @@ def _project_pallas(x, ws, scales=None, act_quant=False):
     return [next(got) if t else None for t in takes]
 
 
+def _hc_post_xla(f, x, post, comb):
+    return L.hc_post(L.total(f), x, post, comb)
+
+
 def _hc_post_pallas(f, x, post, comb):
     """pallas_kernels.hc_post on GPU (interpreted on CPU): XLA's form moves its bytes at about a quarter of the
     bandwidth (8192 tokens of Flash: 798 us in XLA, 151 us in the kernel; 2 launches a call in decode, 1 in the
-    kernel; v4jax bench kernels --sweep hc_post)."""
+    kernel; v4jax bench kernels --sweep hc_post). f as L.Sums: the kernel adds the parts up itself."""
     n, d = x.shape[-2:]
-    f2, x2 = f.reshape(-1, d), x.reshape(-1, n, d)
-    if f.dtype != x.dtype or not pallas_hc_post.supported(f2, x2):
-        return L.hc_post(f, x, post, comb)
-    return pallas_hc_post.hc_post(f2, x2, post.reshape(-1, n), comb.reshape(-1, n, n)).reshape(x.shape)
+    parts = f.parts if isinstance(f, L.Sums) else f[None]
+    parts, x2 = parts.reshape(parts.shape[0], -1, d), x.reshape(-1, n, d)
+    if f.dtype != x.dtype or not pallas_hc_post.supported(parts, x2):
+        return _hc_post_xla(f, x, post, comb)
+    return pallas_hc_post.hc_post(parts, x2, post.reshape(-1, n), comb.reshape(-1, n, n)).reshape(x.shape)
 
 
 def _hc_collapse_xla(pre, x, weight, eps):
@@ -423,7 +432,7 @@ def _hc_collapse_pallas(pre, x, weight, eps):
 
 
 XLA = Ops("xla", _compress_xla, _select_xla, _attend_xla, L.hc_weights, _experts_xla, _linear_xla, _project_xla,
-          L.hc_post, _hc_collapse_xla)
+          _hc_post_xla, _hc_collapse_xla)
 PALLAS = Ops("pallas", _compress_pallas, _select_pallas, _attend_pallas, _hc_weights_pallas, _experts_pallas,
              _linear_pallas, _project_pallas, _hc_post_pallas, _hc_collapse_pallas, per_shard=True)
 OPS = {"xla": XLA, "pallas": PALLAS}

@@ -125,9 +125,9 @@ def mesh_ops(ops: Ops, mesh_rules, rows_are_slots: bool) -> Ops:
         return on_shards(lambda d, q, s, b: ops.hc_weights(d, q, count, norm_eps, s, b, n, iters, eps), mesh_rules,
                          (rows, rows, P(), P()), rows)(dot, ssq, scale, base)
 
-    def hc_post(f, x, post, comb):
+    def hc_post(f, x, post, comb):  # (a mesh's projections are XLA's: f comes summed, L.total is for the contract)
         rows = by_row(x.shape[0])
-        return on_shards(ops.hc_post, mesh_rules, rows, rows)(f, x, post, comb)
+        return on_shards(ops.hc_post, mesh_rules, rows, rows)(L.total(f), x, post, comb)
 
     def hc_collapse(pre, x, weight, eps):
         rows = by_row(x.shape[0])
