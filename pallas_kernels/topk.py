@@ -13,6 +13,9 @@ Implementations (all exact, all deterministic):
     kernel that does nothing for the other rows: the same bisection over the whole row finds the k-th score,
     then one ordered scan takes everything above it and the lowest-index ties. Device-side branches only: a
     `lax.cond` here costs a device-to-host copy of the predicate and a stream sync per call on GPU.
+    Short rows (a power of two up to 4,096 scores with k <= S and fewer than 64 rows: a decode step's CSA rows up
+    to a 16K context) skip the threshold: one kernel ranks every score of the row by the same pairwise count and
+    scatters the first k (`_rank_rows`), where XLA's sort of the row was three launches on the step's chain.
   * TPU (`_topk_approx`): lax.approx_max_k candidates (Pallas TPU cannot lower top_k), exact top-k among them,
     verified by counting the row's scores >= the k-th value; on a miss, topk_ref (lax.cond). Exact either way.
 """
